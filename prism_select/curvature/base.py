@@ -1,0 +1,147 @@
+"""The fitted curvature object: preconditioning, save and load."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import CacheError, ConfigError
+from ..io import atomic_write_json
+
+KINDS = ("ekfac", "kfac", "diagonal", "identity")
+FISHERS = ("empirical", "sampled")
+DEFAULT_DAMPING_FACTOR = 0.1
+
+
+@dataclass
+class CurvatureSettings:
+    """How to fit ``H``.
+
+    kind: ekfac (default), kfac, diagonal or identity.
+    damping: explicit ``lambda`` added to every eigenvalue; ``None`` uses the
+        heuristic ``damping_factor * mean eigenvalue`` of each layer (for diagonal,
+        the mean diagonal entry), which keeps the ranking independent of the loss
+        scale.
+    fisher: "empirical" (gradients at the data's own labels, as kronfluence's
+        default) or "sampled" (labels drawn from the model's predictive distribution,
+        a true-Fisher estimate).
+    fit_examples: fit on a seeded sample of this many pool examples (None = all).
+    batch_size: examples per fitting batch.
+    seed: seeds the fit sample and the sampled labels.
+    """
+
+    kind: str = "ekfac"
+    damping: float | None = None
+    damping_factor: float = DEFAULT_DAMPING_FACTOR
+    fisher: str = "empirical"
+    fit_examples: int | None = None
+    batch_size: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ConfigError("curvature", f"unknown kind {self.kind!r}", f"use one of {', '.join(KINDS)}")
+        if self.fisher not in FISHERS:
+            raise ConfigError("fisher", f"unknown value {self.fisher!r}", f"use one of {', '.join(FISHERS)}")
+        if self.damping is not None and not (self.damping >= 0 and self.damping < float("inf")):
+            raise ConfigError("damping", f"must be a finite number >= 0, got {self.damping}",
+                              "pass e.g. --damping 1e-3, or leave it out for the heuristic")
+        if not (self.damping_factor > 0):
+            raise ConfigError("damping_factor", "must be > 0")
+        if self.fit_examples is not None and self.fit_examples < 1:
+            raise ConfigError("fit_examples", "must be >= 1", "leave it out to fit on the whole pool")
+        if self.batch_size < 1:
+            raise ConfigError("batch_size", "must be >= 1")
+
+
+class Curvature:
+    """Per-layer damped inverse of ``H``, applied to ``out x in'`` gradient matrices.
+
+    ``tensors`` holds, per layer ``name``: ekfac ``name::QA``, ``name::QS``,
+    ``name::Lambda``; kfac ``name::QA``, ``name::lamA``, ``name::QS``, ``name::lamS``;
+    diagonal ``name::D``. ``damping`` maps each layer to the ``lambda`` used.
+    """
+
+    def __init__(self, kind: str, layers: list, tensors: dict, damping: dict, meta: dict | None = None):
+        if kind not in KINDS:
+            raise ConfigError("curvature", f"unknown kind {kind!r}")
+        self.kind = kind
+        self.layers = list(layers)
+        self.tensors = tensors
+        self.damping = dict(damping)
+        self.meta = meta or {}
+
+    def eigenvalues(self, name: str) -> torch.Tensor:
+        """The (undamped) eigenvalues of ``H_l`` as an ``out x in'`` grid."""
+        t = self.tensors
+        if self.kind == "ekfac":
+            return t[f"{name}::Lambda"]
+        if self.kind == "kfac":
+            return t[f"{name}::lamS"][:, None] * t[f"{name}::lamA"][None, :]
+        if self.kind == "diagonal":
+            return t[f"{name}::D"]
+        raise ConfigError("curvature", "identity has no eigenvalues")
+
+    def precondition(self, grads: dict) -> dict:
+        """``H^-1 g`` layer by layer; ``grads[name]`` is an ``out x in'`` matrix."""
+        out = {}
+        for name in self.layers:
+            g = grads[name]
+            if self.kind == "identity":
+                out[name] = g.clone()
+                continue
+            lam = self.damping[name]
+            t = self.tensors
+            dt = torch.float64 if g.dtype == torch.float64 else torch.float32
+            gd = g.to(dt)
+            if self.kind == "diagonal":
+                d = t[f"{name}::D"].to(device=g.device, dtype=dt)
+                out[name] = (gd / (d + lam)).to(g.dtype)
+                continue
+            QA = t[f"{name}::QA"].to(device=g.device, dtype=dt)
+            QS = t[f"{name}::QS"].to(device=g.device, dtype=dt)
+            eig = self.eigenvalues(name).to(device=g.device, dtype=dt)
+            rot = QS.T @ gd @ QA
+            out[name] = (QS @ (rot / (eig + lam)) @ QA.T).to(g.dtype)
+        return out
+
+    # -- persistence ---------------------------------------------------------------
+    def save(self, directory, meta: dict):
+        """Write ``factors.safetensors`` and ``curvature.json`` (settings and
+        fingerprints) into ``directory``, atomically."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}
+        tmp = d / ".factors.safetensors.tmp"
+        save_file(tensors, str(tmp))
+        tmp.replace(d / "factors.safetensors")
+        full = dict(meta)
+        full.update({"kind": self.kind, "layers": self.layers, "damping": self.damping})
+        atomic_write_json(d / "curvature.json", full)
+        self.meta = full
+
+    @classmethod
+    def load(cls, directory, expect: dict | None = None) -> "Curvature":
+        """Load a saved curvature; with ``expect``, refuse (CacheError) unless every
+        key of ``expect`` equals the saved metadata (settings and fingerprints)."""
+        d = Path(directory)
+        meta_path, fac_path = d / "curvature.json", d / "factors.safetensors"
+        if not meta_path.exists() or not fac_path.exists():
+            raise CacheError(f"no saved curvature in {d} (expected curvature.json and factors.safetensors)")
+        meta = json.loads(meta_path.read_text())
+        if expect:
+            diff = [k for k, v in expect.items() if meta.get(k) != v]
+            if diff:
+                raise CacheError(
+                    f"saved curvature in {d} was fitted with other {', '.join(diff)}; "
+                    "refusing to reuse it (fit again, or pass the matching model/pool/settings)")
+        tensors = load_file(str(fac_path))
+        return cls(meta["kind"], meta["layers"], tensors, meta["damping"], meta)
+
+
+def settings_dict(s: CurvatureSettings) -> dict:
+    return asdict(s)

@@ -1,0 +1,146 @@
+"""Tracked linear layers: per-token inputs ``a_t`` and output gradients ``b_t``.
+
+For a linear layer ``o_t = W a_t (+ bias)``, an example's weight gradient is
+``G = sum_t b_t a_t^T`` (``b_t = dl/do_t``). prism-select never stores ``G`` per
+candidate when scoring: ``<G, V> = sum_t b_t^T V a_t`` needs only ``a`` and ``b``,
+which hooks capture during one forward and one backward *to the activations*
+(parameters frozen, so no weight gradient is formed).
+
+A bias is handled as an extra input column of ones, so every layer's gradient is
+one ``out x (in [+ 1])`` matrix.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .errors import NumericalError
+
+
+def has_bias(module: torch.nn.Linear) -> bool:
+    return getattr(module, "bias", None) is not None
+
+
+def layer_shape(module: torch.nn.Linear) -> tuple[int, int]:
+    return module.out_features, module.in_features + int(has_bias(module))
+
+
+def weight_grad(module: torch.nn.Linear) -> torch.Tensor:
+    """The layer's accumulated ``.grad`` as one ``out x (in [+1])`` matrix."""
+    g = module.weight.grad
+    if g is None:
+        return torch.zeros(layer_shape(module), dtype=module.weight.dtype,
+                           device=module.weight.device)
+    if has_bias(module):
+        gb = module.bias.grad if module.bias.grad is not None else torch.zeros_like(module.bias)
+        g = torch.cat([g, gb[:, None]], dim=1)
+    return g
+
+
+class Taps:
+    """Capture ``a`` (inputs, padding zeroed, bias column appended) and ``b``
+    (gradients w.r.t. outputs) of tracked layers for one batch at a time."""
+
+    def __init__(self, modules: dict, compute_dtype: torch.dtype = torch.float32):
+        self.modules = modules
+        self.compute_dtype = compute_dtype
+        self.a: dict = {}
+        self.b: dict = {}
+        self.mask: torch.Tensor | None = None  # (B, T) attention mask of the batch
+        self._handles: list = []
+
+    def _fwd(self, name):
+        module = self.modules[name]
+
+        def hook(mod, inputs, output):
+            a = inputs[0].detach()
+            dt = self.compute_dtype if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
+            a = a.to(dt)
+            if self.mask is not None:
+                a = a * self.mask[..., None].to(dt)
+            if has_bias(module):
+                ones = torch.ones(*a.shape[:-1], 1, dtype=dt, device=a.device)
+                if self.mask is not None:
+                    ones = ones * self.mask[..., None].to(dt)
+                a = torch.cat([a, ones], dim=-1)
+            self.a[name] = a
+            if output.requires_grad:
+                def grad_hook(g, name=name):
+                    gd = self.compute_dtype if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
+                    g = g.detach().to(gd)
+                    if self.mask is not None:
+                        g = g * self.mask[..., None].to(gd)
+                    self.b[name] = g
+                output.register_hook(grad_hook)
+        return hook
+
+    def __enter__(self):
+        for name, m in self.modules.items():
+            self._handles.append(m.register_forward_hook(self._fwd(name)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.clear()
+
+    def clear(self):
+        self.a.clear()
+        self.b.clear()
+
+    def per_example_grads(self, name: str) -> torch.Tensor:
+        """``G_n = sum_t b_{n,t} a_{n,t}^T`` for every example of the batch: (B, out, in')."""
+        return torch.einsum("bto,bti->boi", self.b[name], self.a[name])
+
+
+@contextmanager
+def activation_grad_mode(model: torch.nn.Module):
+    """Freeze every parameter and make the embedding output require grad, so a
+    backward pass computes gradients w.r.t. activations only. Restores the
+    parameters' ``requires_grad`` flags on exit."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    emb = model.get_input_embeddings()
+    handle = emb.register_forward_hook(lambda mod, inp, out: out.requires_grad_(True))
+    try:
+        yield
+    finally:
+        handle.remove()
+        for p, f in flags:
+            p.requires_grad_(f)
+
+
+@contextmanager
+def tracked_param_grad_mode(model: torch.nn.Module, modules: dict):
+    """Only the tracked layers' weights (and biases) require grad; grads zeroed."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+        p.grad = None
+    for m in modules.values():
+        m.weight.requires_grad_(True)
+        if has_bias(m):
+            m.bias.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p, f in flags:
+            p.grad = None
+            p.requires_grad_(f)
+
+
+def check_finite(t: torch.Tensor, what: str, layer: str | None = None, record=None):
+    """Raise :class:`NumericalError` naming the layer and record if ``t`` has NaN/inf."""
+    if not torch.isfinite(t).all():
+        where = []
+        if layer is not None:
+            where.append(f"layer '{layer}'")
+        if record is not None:
+            where.append(f"record(s) {record}")
+        raise NumericalError(
+            f"non-finite values (NaN or inf) in {what}" + (" at " + ", ".join(where) if where else "")
+            + "; try --dtype float32, a smaller learning signal, or check the record's text")
