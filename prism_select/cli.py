@@ -1,0 +1,185 @@
+"""`prism-select`: a thin command-line shell over the library's public functions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .errors import PrismError
+
+
+def _add_model_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="default",
+                   help="local Hugging Face directory, a .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--adapter", default=None, help="PEFT adapter directory (its LoRA matrices are tracked)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float64"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model directory's own Python code (off by default)")
+    g.add_argument("--cache-dir", default=None, help="cache for converted models and curvature "
+                   "(default $PRISM_SELECT_CACHE or ~/.cache/prism-select)")
+
+
+def _add_score_args(p: argparse.ArgumentParser):
+    from .curvature.base import DEFAULT_DAMPING_FACTOR, KINDS
+    from .data.tokenize import DEFAULT_MAX_LENGTH
+    from .scoring import DEFAULT_CHUNK_SIZE
+
+    g = p.add_argument_group("scoring")
+    g.add_argument("--method", default="prism",
+                   help="prism (default), equal, unpaired, or a baseline (see `prism-select methods`)")
+    g.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH)
+    g.add_argument("--batch-size", type=int, default=8)
+    g.add_argument("--modules", nargs="+", default=None, metavar="REGEX",
+                   help="track only linear layers whose name matches one of these regexes")
+    g.add_argument("--skip-invalid", action="store_true", help="skip malformed records (listed in run.json)")
+    g.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="examples per resumable chunk")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a baseline method's setting (JSON value), repeatable")
+    c = p.add_argument_group("curvature")
+    c.add_argument("--curvature", default="ekfac", choices=list(KINDS))
+    c.add_argument("--damping", type=float, default=None,
+                   help=f"explicit damping; default {DEFAULT_DAMPING_FACTOR} x mean eigenvalue per layer")
+    c.add_argument("--fisher", default="empirical", choices=["empirical", "sampled"])
+    c.add_argument("--fit-examples", type=int, default=None, help="fit on a seeded sample of N pool examples")
+
+
+def _model_settings(a):
+    from .model import ModelSettings
+    return ModelSettings(model=a.model, adapter=a.adapter, dtype=a.dtype, device=a.device,
+                         trust_remote_code=a.trust_remote_code, cache_dir=a.cache_dir)
+
+
+def _options(pairs: list) -> dict:
+    from .errors import ConfigError
+    out = {}
+    for item in pairs:
+        if "=" not in item:
+            raise ConfigError("option", f"{item!r} is not KEY=VALUE", "write e.g. --option layer=12")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def _score_settings(a):
+    from .curvature import CurvatureSettings
+    from .pipeline import ScoreSettings
+    s = ScoreSettings(method=a.method, max_length=a.max_length, batch_size=a.batch_size, modules=a.modules,
+                      skip_invalid=a.skip_invalid, chunk_size=a.chunk_size, overwrite=a.overwrite,
+                      progress=not a.no_progress, seed=a.seed, method_options=_options(a.option))
+    c = CurvatureSettings(kind=a.curvature, damping=a.damping, fisher=a.fisher, fit_examples=a.fit_examples,
+                          batch_size=a.batch_size, seed=a.seed)
+    return s, c
+
+
+def cmd_score(a):
+    from .pipeline import score_pool
+    s, c = _score_settings(a)
+    summary = score_pool(_model_settings(a), a.pool, a.targets, a.out, s, c)
+    _print_summary(summary, Path(a.out))
+
+
+def _print_summary(summary: dict, out: Path, top: int = 5):
+    from .selection import read_scores
+    counts = summary["counts"]
+    print(f"scored {counts['pool']} examples with {summary['method']} "
+          f"({counts['pairs']} target pairs, {counts['invalid']} skipped) in {summary['timings']['total_s']:.1f} s")
+    if summary.get("pi"):
+        pi = summary["pi"]
+        print(f"pi over target pairs: min {pi['min']:.3f}  mean {pi['mean']:.3f}  max {pi['max']:.3f}")
+    rows = sorted(read_scores(out / "scores.jsonl"), key=lambda r: r["rank"])
+    print(f"top {min(top, len(rows))} (rank, id, score):")
+    for r in rows[:top]:
+        print(f"  {r['rank']:>5}  {r['id']}  {r['score']:.6g}")
+    print(f"wrote {out / 'scores.jsonl'}, {out / 'run.json'}")
+
+
+def cmd_select(a):
+    from .selection import select
+    summary = select(a.run, a.pool, a.out, keep=a.keep, remove=a.remove)
+    print(json.dumps(summary))
+
+
+def cmd_demo(a):
+    """Generate the small example and score it with the embedded default model."""
+    from .curvature import CurvatureSettings
+    from .evaluation_metrics import auroc_from_files
+    from .examples import make_example
+    from .pipeline import ScoreSettings, score_pool
+    out = Path(a.out)
+    pool, targets = make_example(out / "data", n_pool=a.pool_size, seed=a.seed)
+    s = ScoreSettings(method="prism", max_length=256, batch_size=a.batch_size, overwrite=a.overwrite,
+                      progress=not a.no_progress, seed=a.seed)
+    c = CurvatureSettings(kind=a.curvature, batch_size=a.batch_size, seed=a.seed)
+    summary = score_pool(_model_settings(a), pool, targets, out / "run", s, c)
+    _print_summary(summary, out / "run")
+    auc = auroc_from_files(out / "run" / "scores.jsonl", pool, "harmful")
+    print(f"ranking AUROC of the 'harmful' flag: {auc:.3f} (0.5 = chance; 1 = every wrong answer ranked first)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prism-select", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sc = sub.add_parser("score", help="score a pool against target pairs")
+    sc.add_argument("--pool", required=True, help=".jsonl/.json/.parquet/.csv file or a datasets directory")
+    sc.add_argument("--targets", default=None, help="target pairs: prompt + chosen + rejected")
+    sc.add_argument("--out", required=True, help="run directory")
+    _add_model_args(sc)
+    _add_score_args(sc)
+    sc.set_defaults(func=cmd_score)
+
+    se = sub.add_parser("select", help="write the kept pool records in the pool's own format")
+    se.add_argument("--run", required=True, help="a finished run directory (scores.jsonl)")
+    se.add_argument("--pool", required=True)
+    se.add_argument("--out", required=True, help="output file (or directory for a datasets pool)")
+    m = se.add_mutually_exclusive_group(required=True)
+    m.add_argument("--keep", help="N or P%%: keep the top-ranked (general selection)")
+    m.add_argument("--remove", help="N or P%%: remove the top-ranked (repair)")
+    se.set_defaults(func=cmd_select)
+
+    de = sub.add_parser("demo", help="score a small generated example with the embedded model")
+    de.add_argument("--out", default="prism-demo")
+    de.add_argument("--pool-size", type=int, default=40)
+    de.add_argument("--batch-size", type=int, default=8)
+    de.add_argument("--curvature", default="ekfac")
+    de.add_argument("--seed", type=int, default=0)
+    de.add_argument("--overwrite", action="store_true")
+    de.add_argument("--no-progress", action="store_true")
+    _add_model_args(de)
+    de.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        a.func(a)
+    except PrismError as exc:
+        print(f"prism-select: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        out = getattr(a, "out", None)
+        print("\nprism-select: interrupted. Finished work is kept"
+              + (f" in {out}/.partial" if out else "")
+              + "; run the same command again to resume.", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""The `score` job as plain functions: inputs -> preference -> curvature -> scores -> files.
+
+``score_pool`` is what ``prism-select score`` runs. A run directory holds:
+
+``scores.jsonl``  ``id``, ``score``, ``rank`` (1 = highest score), one line a candidate;
+``pairs.jsonl``   ``id``, ``pi``, ``margin``, ``weight``, ``loss_chosen``, ``loss_rejected``;
+``run.json``      settings, versions, fingerprints, timings, counts, skipped records.
+
+While running, ``.partial/`` holds the finished score chunks and the preconditioned
+target ``v``, so the same command resumes an interrupted run; the outputs appear
+(each atomically) only when every candidate is scored.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import __version__
+from .curvature import Curvature, CurvatureSettings, load_or_fit_curvature
+from .data import load_pool, load_targets
+from .data.records import InvalidRecord
+from .data.tokenize import DEFAULT_MAX_LENGTH, encode, encoded_fingerprint, has_chat_template
+from .errors import CacheError, ConfigError, InputError, OutputError
+from .io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_json
+from .model import LoadedModel, ModelSettings, load_model, tracked_linear_modules
+from .preference import METHODS as DIRECTION_METHODS, compute_preference
+from .scoring import DEFAULT_CHUNK_SIZE, score_encoded
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoreSettings:
+    """How to score a pool.
+
+    method: prism (default), equal (g_0), unpaired, or a baseline name (see
+        ``prism_select.baselines``).
+    max_length: tokens per example; longer prompts are cut from the left.
+    batch_size: examples per forward/backward when scoring.
+    modules: regexes selecting the tracked linear layers (default: every linear
+        layer in the decoder blocks; with a PEFT adapter, its LoRA matrices).
+    skip_invalid: skip malformed records (listed in run.json) instead of stopping.
+    chunk_size: examples per resumable chunk.
+    overwrite: replace a finished run or an unfinished run with other settings.
+    seed: seeds every random choice of the run.
+    method_options: extra settings for a baseline method (recorded in run.json).
+    """
+
+    method: str = "prism"
+    max_length: int = DEFAULT_MAX_LENGTH
+    batch_size: int = 8
+    modules: list | None = None
+    skip_invalid: bool = False
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    overwrite: bool = False
+    progress: bool = True
+    seed: int = 0
+    method_options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.max_length < 2:
+            raise ConfigError("max_length", f"must be >= 2, got {self.max_length}")
+        if self.batch_size < 1:
+            raise ConfigError("batch_size", f"must be >= 1, got {self.batch_size}")
+        if self.chunk_size < 1:
+            raise ConfigError("chunk_size", f"must be >= 1, got {self.chunk_size}")
+        known = set(DIRECTION_METHODS) | set(_baseline_names())
+        if self.method not in known:
+            raise ConfigError("method", f"unknown method {self.method!r}", f"use one of {', '.join(sorted(known))}")
+
+
+def _baseline_names() -> list:
+    try:
+        from .baselines import REGISTRY
+    except ImportError:
+        return []
+    return list(REGISTRY)
+
+
+@dataclass
+class Inputs:
+    """A pool and target pairs, read, validated and tokenised."""
+
+    pool: list  # PoolExample
+    encoded: list  # Encoded, aligned with pool
+    pairs: list  # TargetPair
+    chosen: list  # Encoded (q, y+)
+    rejected: list  # Encoded (q, y-)
+    invalid: list  # InvalidRecord
+    truncated: dict  # {"pool": n, "targets": n}
+    pool_path: str = ""
+    targets_path: str = ""
+    pool_format: str = ""
+
+
+def _encode_all(tokenizer, items, fields, max_length, path, skip_invalid, invalid):
+    kept, encs = [], []
+    for item in items:
+        try:
+            encs.append([encode(tokenizer, item.prompt, getattr(item, f), max_length, path=path,
+                                row=item.row, field=f) for f in fields])
+            kept.append(item)
+        except InputError as exc:
+            if not skip_invalid:
+                raise
+            invalid.append(InvalidRecord(str(path), item.row, exc.field, exc.reason))
+    return kept, encs
+
+
+def prepare_inputs(tokenizer, pool_path, targets_path=None, *, max_length: int = DEFAULT_MAX_LENGTH,
+                   skip_invalid: bool = False) -> Inputs:
+    """Read and tokenise the pool and (optionally) the target pairs."""
+    pool = load_pool(pool_path, skip_invalid=skip_invalid)
+    invalid = list(pool.invalid)
+    examples, enc = _encode_all(tokenizer, pool.items, ["response"], max_length, pool_path,
+                                skip_invalid, invalid)
+    pairs, chosen, rejected = [], [], []
+    if targets_path is not None:
+        tg = load_targets(targets_path, skip_invalid=skip_invalid)
+        invalid += tg.invalid
+        pairs, penc = _encode_all(tokenizer, tg.items, ["chosen", "rejected"], max_length, targets_path,
+                                  skip_invalid, invalid)
+        chosen = [c for c, _ in penc]
+        rejected = [r for _, r in penc]
+        if not pairs:
+            raise InputError("no valid target pair left", path=targets_path)
+    if not examples:
+        raise InputError("no valid pool record left", path=pool_path)
+    return Inputs(
+        pool=examples, encoded=[e[0] for e in enc], pairs=pairs, chosen=chosen, rejected=rejected,
+        invalid=invalid,
+        truncated={"pool": sum(e[0].truncated for e in enc),
+                   "targets": sum(c.truncated or r.truncated for c, r in zip(chosen, rejected))},
+        pool_path=str(pool_path), targets_path=str(targets_path or ""), pool_format=pool.format,
+    )
+
+
+@dataclass
+class RunContext:
+    """Everything a scoring method needs; gradient methods share ``curvature()``."""
+
+    lm: LoadedModel
+    modules: dict
+    inputs: Inputs
+    settings: ScoreSettings
+    curvature_settings: CurvatureSettings
+    out_dir: Path
+    timings: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+    _curvature: Curvature | None = None
+
+    @property
+    def pad_id(self) -> int:
+        return self.lm.tokenizer.pad_token_id
+
+    def curvature(self) -> Curvature:
+        """The run's one curvature object, fitted (or loaded from cache) on first use."""
+        if self._curvature is None:
+            t = time.perf_counter()
+            cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
+            cur, directory, reused = load_or_fit_curvature(
+                self.lm.model, self.modules, self.inputs.encoded, self.curvature_settings,
+                pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
+                pool_fingerprint=encoded_fingerprint(self.inputs.encoded),
+                max_length=self.settings.max_length)
+            self.timings["curvature_s"] = time.perf_counter() - t
+            self.info["curvature"] = {"kind": cur.kind, "path": str(directory), "reused": reused,
+                                      "damping": _summary(list(cur.damping.values()))}
+            self._curvature = cur
+        return self._curvature
+
+    def score_direction(self, direction: dict, tag: str = "scores") -> torch.Tensor:
+        """``g_z . H^-1 direction`` for every pool example (resumable)."""
+        partial = self.out_dir / ".partial"
+        v_path = partial / f"{tag}_v.safetensors"
+        if v_path.exists():
+            v = load_file(str(v_path))
+        else:
+            v = self.curvature().precondition(direction)
+            partial.mkdir(parents=True, exist_ok=True)
+            tmp = partial / f".{tag}_v.tmp"
+            save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
+            tmp.replace(v_path)
+        t = time.perf_counter()
+        s = score_encoded(self.lm.model, self.modules, self.inputs.encoded, v, pad_id=self.pad_id,
+                          batch_size=self.settings.batch_size, chunk_size=self.settings.chunk_size,
+                          partial_dir=partial / tag, run_key=self.info.get("run_key"),
+                          progress=self.settings.progress, ids=[e.id for e in self.inputs.pool])
+        self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + time.perf_counter() - t
+        return s
+
+
+def _summary(xs: list) -> dict:
+    if not xs:
+        return {}
+    return {"min": min(xs), "max": max(xs), "mean": sum(xs) / len(xs)}
+
+
+def _versions() -> dict:
+    import transformers
+    return {"prism_select": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
+    """PRISM and its ablations: scores and per-pair rows for pairs.jsonl."""
+    if not ctx.inputs.pairs:
+        raise ConfigError("targets", f"method {ctx.settings.method!r} needs target pairs", "pass --targets FILE")
+    t = time.perf_counter()
+    pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
+                              method=ctx.settings.method, pad_id=ctx.pad_id,
+                              batch_size=ctx.settings.batch_size, progress=ctx.settings.progress,
+                              ids=[p.id for p in ctx.inputs.pairs])
+    ctx.timings["preference_s"] = time.perf_counter() - t
+    ctx.info["pi"] = _summary(pref.pi.tolist())
+    pairs = [{"id": p.id, "pi": float(pref.pi[i]), "margin": float(pref.margin[i]),
+              "weight": float(pref.weights[i]), "loss_chosen": float(pref.loss_chosen[i]),
+              "loss_rejected": float(pref.loss_rejected[i]), **({"task": p.task} if p.task else {})}
+             for i, p in enumerate(ctx.inputs.pairs)]
+    return ctx.score_direction(pref.direction), pairs
+
+
+def _method_fn(name: str):
+    if name in DIRECTION_METHODS:
+        return prism_method
+    from .baselines import REGISTRY
+    return REGISTRY[name]
+
+
+def ranks(scores: torch.Tensor) -> list:
+    """1 = highest score; ties keep input order (stable)."""
+    order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
+    r = [0] * len(scores)
+    for k, i in enumerate(order):
+        r[i] = k + 1
+    return r
+
+
+def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool):
+    check_writable_dir(out_dir)
+    run_json = out_dir / "run.json"
+    partial = out_dir / ".partial"
+    if overwrite:
+        shutil.rmtree(partial, ignore_errors=True)
+        for f in ("scores.jsonl", "pairs.jsonl", "run.json"):
+            (out_dir / f).unlink(missing_ok=True)
+        return
+    if run_json.exists():
+        raise OutputError(f"{out_dir} already holds a finished run (run.json); "
+                          "pass --overwrite to replace it, or choose another --out")
+    state = partial / "key.json"
+    if state.exists():
+        import json
+        if json.loads(state.read_text()) != run_key:
+            raise CacheError(f"{out_dir} holds an unfinished run with other settings or inputs; "
+                             "rerun its own command to resume it, or pass --overwrite")
+        log.info("resuming the unfinished run in %s", out_dir)
+    else:
+        partial.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(state, run_key)
+
+
+def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_dir, settings: ScoreSettings | None = None,
+               curvature: CurvatureSettings | None = None) -> dict:
+    """Score every pool example and write ``scores.jsonl``, ``pairs.jsonl`` and ``run.json``.
+
+    Returns the run summary (the content of run.json).
+    """
+    settings = settings or ScoreSettings()
+    curvature = curvature or CurvatureSettings()
+    out_dir = Path(out_dir)
+    check_writable_dir(out_dir)  # fail before any long work
+    t0 = time.perf_counter()
+    timings = {}
+    lm = model if isinstance(model, LoadedModel) else load_model(model)
+    timings["load_model_s"] = time.perf_counter() - t0
+    t = time.perf_counter()
+    inputs = prepare_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
+                            skip_invalid=settings.skip_invalid)
+    timings["read_inputs_s"] = time.perf_counter() - t
+    modules = tracked_linear_modules(lm.model, settings.modules)
+    fingerprints = {"model": lm.fingerprint, "pool": encoded_fingerprint(inputs.encoded),
+                    "targets": encoded_fingerprint(inputs.chosen + inputs.rejected)}
+    run_key = {"settings": {k: v for k, v in asdict(settings).items() if k not in ("overwrite", "progress", "batch_size")},
+               "curvature": asdict(curvature), "fingerprints": fingerprints,
+               "dtype": str(lm.dtype), "modules": sha256_json(list(modules))}
+    _prepare_out_dir(out_dir, run_key, settings.overwrite)
+    ctx = RunContext(lm, modules, inputs, settings, curvature, out_dir, timings,
+                     info={"run_key": run_key})
+    scores, pairs = _method_fn(settings.method)(ctx)
+    rk = ranks(scores)
+    atomic_write_jsonl(out_dir / "scores.jsonl",
+                       ({"id": ex.id, "score": float(scores[i]), "rank": rk[i]} for i, ex in enumerate(inputs.pool)))
+    if pairs:
+        atomic_write_jsonl(out_dir / "pairs.jsonl", pairs)
+    timings["total_s"] = time.perf_counter() - t0
+    info = dict(ctx.info)
+    info.pop("run_key", None)
+    summary = {
+        "status": "complete",
+        "command": "score",
+        "method": settings.method,
+        "settings": asdict(settings),
+        "curvature_settings": asdict(curvature),
+        "model": {**lm.source, "settings": asdict(lm.settings), "dtype": str(lm.dtype),
+                  "device": str(lm.device), "chat_template": has_chat_template(lm.tokenizer)},
+        "tracked_modules": list(modules),
+        "inputs": {"pool": inputs.pool_path, "pool_format": inputs.pool_format, "targets": inputs.targets_path},
+        "fingerprints": fingerprints,
+        "versions": _versions(),
+        "counts": {"pool": len(inputs.pool), "pairs": len(inputs.pairs), "invalid": len(inputs.invalid),
+                   "truncated_pool": inputs.truncated["pool"], "truncated_targets": inputs.truncated["targets"]},
+        "invalid_records": [r.to_json() for r in inputs.invalid],
+        "timings": timings,
+        **info,
+    }
+    atomic_write_json(out_dir / "run.json", summary)
+    shutil.rmtree(out_dir / ".partial", ignore_errors=True)
+    return summary
