@@ -1,0 +1,194 @@
+"""Output helpers shared by every command: atomic writes and fingerprints.
+
+Every output is written to a temporary file in the destination's own directory and
+moved into place with :func:`os.replace`, so an interrupted or failed run never leaves
+a half-written file where a finished one is expected (and a reader never sees one).
+The temporary file is removed on any exception. OS-level failures become
+:class:`~prism_select.errors.OutputError` naming the path and the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from .errors import InputError, OutputError
+
+# mkstemp/mkdtemp create private (0600/0700) entries; give outputs the usual mode.
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def _fail(path, e: OSError) -> OutputError:
+    cause = e.strerror or str(e)
+    return OutputError(f"cannot write {path}: {cause}")
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, binary: bool = False) -> Iterator[IO]:
+    """Open a temporary file next to ``path``; on a clean exit it replaces ``path``.
+
+    Creates missing parent directories. On any exception the temporary file is removed
+    and the exception re-raised (``OSError`` as :class:`OutputError`).
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise _fail(path, e) from e
+    try:
+        # Lone surrogates (legal in JSON input, not in UTF-8) are written as "\udxxx",
+        # which inside a JSON string is the escape that reads back as the same text.
+        mode = {"mode": "wb"} if binary else {"mode": "w", "encoding": "utf-8", "newline": "",
+                                               "errors": "backslashreplace"}
+        with os.fdopen(fd, **mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise _fail(path, e) from e
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    with atomic_open(path) as f:
+        f.write(text)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    with atomic_open(path, binary=True) as f:
+        f.write(data)
+
+
+def _dumps(obj: Any, path, **kw) -> str:
+    try:
+        return json.dumps(obj, ensure_ascii=False, **kw)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise OutputError(f"cannot write {path}: value is not JSON-serialisable ({e})") from e
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented JSON (key order kept, trailing newline) atomically.
+
+    The object is serialised before the file is opened, so a value that cannot be
+    serialised leaves nothing behind.
+    """
+    atomic_write_text(path, _dumps(obj, path, indent=2, sort_keys=False) + "\n")
+
+
+def atomic_write_jsonl(path: str | os.PathLike, rows: Iterable[dict],
+                       default: Callable[[Any], Any] | None = None) -> int:
+    """Write one JSON object per line atomically, streaming ``rows``; returns the count.
+
+    ``default`` is passed to :func:`json.dumps` for values JSON has no type for. An
+    exception raised by ``rows`` itself (e.g. a reader finding a bad record) aborts the
+    write, removes the temporary file and propagates unchanged.
+    """
+    n = 0
+    with atomic_open(path) as f:
+        for row in rows:
+            f.write(_dumps(row, path, default=default) + "\n")
+            n += 1
+    return n
+
+
+def atomic_write_dir(path: str | os.PathLike, fill: Callable[[Path], None]) -> None:
+    """Build a directory output atomically: ``fill(tmp)`` writes into a fresh temporary
+    directory next to ``path``, which then takes ``path``'s place.
+
+    An existing ``path`` is replaced only if it is an empty directory or a saved dataset
+    (``state.json``/``dataset_info.json``), so a mistyped output path can never delete an
+    unrelated directory.
+    """
+    path = Path(path)
+    if path.exists() and not (path.is_dir() and (
+            not any(path.iterdir()) or (path / "state.json").exists()
+            or (path / "dataset_info.json").exists())):
+        raise OutputError(f"cannot write {path}: it exists and is not a saved dataset "
+                          "directory; refusing to replace it (choose another output path)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    except OSError as e:
+        raise _fail(path, e) from e
+    old = None
+    try:
+        fill(tmp)
+        os.chmod(tmp, 0o777 & ~_UMASK)
+        if path.exists():
+            old = path.with_name(f".{path.name}.{os.getpid()}.old")
+            os.rename(path, old)
+        os.rename(tmp, path)
+    except BaseException as e:
+        if old is not None and not path.exists():
+            with contextlib.suppress(OSError):
+                os.rename(old, path)
+            old = None
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _fail(path, e) from e
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def check_writable_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` if needed and prove a file can be created and removed there.
+
+    Call it before long work starts so that an unwritable output directory fails in
+    seconds, not after hours of scoring.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OutputError(f"output directory {path} is not writable: "
+                          f"{e.strerror or e}") from e
+    return path
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file's bytes (read in ``chunk``-byte blocks).
+
+    For a directory (a saved dataset) it hashes every file's relative path and bytes,
+    in sorted order, so a pool given as a directory has a fingerprint too.
+    """
+    h = hashlib.sha256()
+    root = Path(path)
+    try:
+        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+        for file in files:
+            if file != root:
+                h.update(file.relative_to(root).as_posix().encode() + b"\0")
+            with open(file, "rb") as f:
+                while block := f.read(chunk):
+                    h.update(block)
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror or e}", path=path) from e
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    """Hex SHA-256 of ``obj``'s canonical JSON (sorted keys, no whitespace, ASCII), so
+    equal settings give equal fingerprints whatever their key order."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()

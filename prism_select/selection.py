@@ -1,0 +1,292 @@
+"""Turn a run's scores into a data subset: choose ids, then write the kept records.
+
+The subset is written from the pool file itself, not from the parsed examples, so
+every original field (metadata, extra columns, the exact chat layout) is kept as it
+was; records keep their original order.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .data.readers import (
+    FORMATS,
+    SUFFIXES,
+    detect_format,
+    iter_records,
+    load_arrow_dir,
+    parse_pool_record,
+    record_id,
+)
+from .errors import ConfigError, InputError, OutputError
+from .io import atomic_open, atomic_write_dir, atomic_write_jsonl
+
+Amount = tuple[str, float]  # ("count", N) or ("fraction", f), as parse_amount returns
+
+
+def parse_amount(text: str | int, field: str = "keep") -> tuple[str, float]:
+    """Parse ``"N"`` (a positive integer count) or ``"P%"`` (0 < P <= 100).
+
+    Returns ``("count", N)`` with ``N`` an ``int``, or ``("fraction", P / 100)``.
+    """
+    s = str(text).strip()
+    fix = "give a positive whole number such as 1000, or a percentage such as 10%"
+    if s.endswith("%"):
+        try:
+            p = float(s[:-1].strip())
+        except ValueError:
+            raise ConfigError(field, f"'{text}' is not a percentage", fix) from None
+        if not 0 < p <= 100:
+            raise ConfigError(field, f"percentage {text} is outside (0, 100]", fix)
+        return "fraction", p / 100
+    if not re.fullmatch(r"[0-9]+", s) or int(s) < 1:
+        raise ConfigError(field, f"'{text}' is neither a positive count nor a percentage", fix)
+    return "count", int(s)
+
+
+def read_scores(path: str | os.PathLike) -> list[dict]:
+    """Read a ``scores.jsonl`` (``id``, ``score``, ``rank``; rank 1 = highest score).
+
+    Returns the records sorted by rank. Ids and ranks must be unique, scores finite.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError("scores file not found", path=path,
+                         fix="point at a finished run directory (score the pool first)")
+    out, ids, ranks = [], set(), set()
+    for row, rec in iter_records(path):
+        rid, score, rank = rec.get("id"), rec.get("score"), rec.get("rank")
+        for name, ok in (("id", isinstance(rid, (str, int)) and not isinstance(rid, bool)),
+                         ("score", _number(score) and math.isfinite(score)),
+                         ("rank", _number(rank) and isinstance(rank, int) and rank >= 1)):
+            if not ok:
+                raise InputError(f"missing or invalid {name}: got {rec.get(name)!r}", path=path,
+                                 row=row, field=name,
+                                 fix="use the scores.jsonl written by prism-select score")
+        for name, value, seen in (("id", rid, ids), ("rank", rank, ranks)):
+            if value in seen:
+                raise InputError(f"duplicate {name} {value!r}", path=path, row=row, field=name,
+                                 fix="use the scores.jsonl written by prism-select score")
+            seen.add(value)
+        out.append(rec)
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def choose(scores: list[dict], keep: str | int | Amount | None = None,
+           remove: str | int | Amount | None = None) -> set:
+    """Ids to keep: ``keep`` the best-ranked N (or P%), or ``remove`` them and keep the rest.
+
+    ``remove`` is repair mode: the top-scored examples are the harmful ones. A fraction
+    becomes ``count = round(fraction * n)`` rounding halves up (not Python's banker's
+    rounding, so 2.5 -> 3), and at least 1 for ``keep``. Asking for more than ``n``, or
+    a choice that keeps nothing, is a :class:`ConfigError`. Order is by ``rank`` alone,
+    which is unique, so ties in score never make the choice ambiguous.
+    """
+    if (keep is None) == (remove is None):
+        raise ConfigError("keep", "give exactly one of keep and remove",
+                          "use keep to select the best examples, remove to repair")
+    field, amount = ("keep", keep) if keep is not None else ("remove", remove)
+    kind, value = amount if isinstance(amount, tuple) else parse_amount(amount, field)
+    ranked = [s["id"] for s in sorted(scores, key=lambda s: s["rank"])]
+    n = len(ranked)
+    count = int(value) if kind == "count" else math.floor(value * n + 0.5)
+    if field == "keep" and kind == "fraction" and n:
+        count = max(count, 1)
+    if count > n:
+        raise ConfigError(field, f"asks for {count} examples but only {n} were scored",
+                          f"give at most {n}")
+    chosen = ranked[:count] if field == "keep" else ranked[count:]
+    if not chosen:
+        raise ConfigError(field, f"{field} {amount} leaves no examples",
+                          "keep at least one example")
+    return set(chosen)
+
+
+class _Matcher:
+    """Tracks which kept ids a pass over the pool found; mismatches are InputErrors."""
+
+    def __init__(self, pool: str | os.PathLike, kept_ids: Iterable[Any], fmt: str):
+        self.pool, self.wanted, self.found, self.csv = pool, set(kept_ids), set(), fmt == "csv"
+
+    def take(self, rec: dict, row: int) -> bool:
+        """Whether to write this record. Records that :func:`load_pool` rejects are never
+        taken, so an invalid record cannot share an id with a kept valid one."""
+        try:
+            rid = record_id(rec, row)
+            if rid not in self.wanted:
+                return False
+            parse_pool_record(rec, row, self.csv)
+        except InputError:
+            return False
+        if rid in self.found:
+            raise InputError(f"id {rid!r} occurs twice", path=self.pool, row=row, field="id",
+                             fix="make ids unique and score the pool again")
+        self.found.add(rid)
+        return True
+
+    def finish(self) -> None:
+        missing = self.wanted - self.found
+        if missing:
+            some = sorted(map(repr, missing))[:5]
+            raise InputError(f"{len(missing)} selected ids are not in this pool (e.g. "
+                             f"{', '.join(some)}): the scores were made from another pool",
+                             path=self.pool, fix="pass the pool file that was scored")
+
+    def records(self) -> Iterator[dict]:
+        for row, rec in iter_records(self.pool, on_invalid=lambda e: None):
+            if self.take(rec, row):
+                yield rec
+        self.finish()
+
+
+def write_subset(pool_path: str | os.PathLike, kept_ids: Iterable[Any],
+                 out_path: str | os.PathLike, out_format: str | None = None) -> int:
+    """Write the pool records whose id is in ``kept_ids`` to ``out_path``; return the count.
+
+    Ids are as in :func:`~prism_select.data.load_pool` (the ``id`` field, else the row
+    number). The format is ``out_format``, else the one ``out_path``'s extension names,
+    else the pool's own. Same-format Parquet and saved-dataset outputs copy the pool's
+    schema/features exactly; cross-format CSV output JSON-encodes non-text values.
+    The write is atomic, and nothing is written if any kept id is missing from the pool.
+    """
+    src = detect_format(pool_path)
+    dst = out_format or SUFFIXES.get(Path(out_path).suffix.lower(), src)
+    if dst not in FORMATS:
+        raise ConfigError("format", f"unknown output format '{dst}'",
+                          f"use one of {', '.join(FORMATS)}")
+    if Path(out_path).resolve() == Path(pool_path).resolve():
+        raise OutputError(f"cannot write {out_path}: it is the pool itself "
+                          "(choose another output path)")
+    match = _Matcher(pool_path, kept_ids, src)
+    if src == dst == "parquet":
+        return _parquet_subset(pool_path, match, out_path)
+    if src == dst == "arrow":
+        ds = load_arrow_dir(pool_path)
+        rows = [i for i, rec in enumerate(ds.with_format(None)) if match.take(rec, i)]
+        match.finish()
+        atomic_write_dir(out_path, lambda tmp: ds.select(rows).save_to_disk(str(tmp)))
+        return len(rows)
+    if dst == "jsonl":
+        return atomic_write_jsonl(out_path, match.records(), default=_json_default)
+    if dst == "json":
+        return _write_json_list(out_path, match.records())
+    records = list(match.records())
+    if dst == "csv":
+        _write_csv(out_path, records, _csv_header(pool_path) if src == "csv" else None)
+    elif dst == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = _convert(lambda: pa.Table.from_pylist(records), out_path)
+        with atomic_open(out_path, binary=True) as f:
+            pq.write_table(table, f)
+    else:
+        import datasets
+
+        ds = _convert(lambda: datasets.Dataset.from_list(records), out_path)
+        atomic_write_dir(out_path, lambda tmp: ds.save_to_disk(str(tmp)))
+    return len(records)
+
+
+def select(run_dir: str | os.PathLike, pool_path: str | os.PathLike,
+           out_path: str | os.PathLike, keep: str | int | None = None,
+           remove: str | int | None = None) -> dict:
+    """Choose from ``run_dir/scores.jsonl`` and write the subset; returns a summary."""
+    scores = read_scores(Path(run_dir) / "scores.jsonl")
+    kept = choose(scores, keep=keep, remove=remove)
+    written = write_subset(pool_path, kept, out_path)
+    return {"mode": "keep" if keep is not None else "remove",
+            "amount": str(keep if keep is not None else remove),
+            "scored": len(scores), "kept": written, "removed": len(scores) - written,
+            "pool": str(pool_path), "out": str(out_path)}
+
+
+def _parquet_subset(pool_path, match: _Matcher, out_path) -> int:
+    """Filter record batches so the output keeps the pool's exact Arrow schema."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(pool_path)
+    row = n = 0
+    with atomic_open(out_path, binary=True) as f:
+        with pq.ParquetWriter(f, pf.schema_arrow) as writer:
+            for batch in pf.iter_batches():
+                mask = []
+                for rec in batch.to_pylist():
+                    mask.append(match.take(rec, row))
+                    row += 1
+                if any(mask):
+                    writer.write_batch(batch.filter(pa.array(mask)))
+                    n += sum(mask)
+        match.finish()
+    return n
+
+
+def _json_default(value: Any) -> Any:
+    """Dates and decimals from Parquet / datasets become text in JSON outputs."""
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    if type(value).__name__ == "Decimal":
+        return str(value)
+    raise TypeError(f"{type(value).__name__} has no JSON form")
+
+
+def _dumps(value: Any, path, **kw) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, default=_json_default, **kw)
+    except (TypeError, ValueError) as e:
+        raise OutputError(f"cannot write {path}: a value has no JSON form ({e}); write "
+                          "the subset in the pool's own format instead") from e
+
+
+def _write_json_list(path, records: Iterable[dict]) -> int:
+    """Stream a JSON list, each record indented as ``json.dump(indent=2)`` would."""
+    n = 0
+    with atomic_open(path) as f:
+        f.write("[")
+        for rec in records:
+            text = _dumps(rec, path, indent=2).replace("\n", "\n  ")  # strings hold no raw \n
+            f.write(("," if n else "") + "\n  " + text)
+            n += 1
+        f.write("\n]\n" if n else "]\n")
+    return n
+
+
+def _csv_header(path) -> list[str]:
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        return next(csv.reader(f))
+
+
+def _write_csv(path, records: list[dict], header: list[str] | None) -> None:
+    """CSV cells are text: strings are written as they are, nulls as empty cells, other
+    values as JSON (so message lists are read back by :func:`load_pool`)."""
+    if header is None:
+        header = list(dict.fromkeys(k for rec in records for k in rec))
+
+    def cell(v: Any) -> str:
+        return v if isinstance(v, str) else "" if v is None else _dumps(v, path)
+
+    with atomic_open(path) as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        for rec in records:
+            writer.writerow([cell(rec.get(k)) for k in header])
+
+
+def _convert(build, path):
+    try:
+        return build()
+    except (TypeError, ValueError, ArithmeticError) as e:  # pyarrow errors derive from these
+        raise OutputError(f"cannot write {path}: the records do not fit one table schema "
+                          f"({type(e).__name__}: {e}); write JSON Lines instead") from e
