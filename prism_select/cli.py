@@ -127,6 +127,115 @@ def cmd_demo(a):
     print(f"ranking AUROC of the 'harmful' flag: {auc:.3f} (0.5 = chance; 1 = every wrong answer ranked first)")
 
 
+def cmd_compare(a):
+    from .baselines.compare import compare
+    s, c = _score_settings(a)
+    result = compare(_model_settings(a), a.pool, a.targets, a.out, a.methods, s, c, a.label)
+    print((Path(a.out) / "compare.md").read_text(), end="")
+    print(f"wrote {Path(a.out) / 'compare.json'}, {Path(a.out) / 'compare.md'} "
+          f"and one run directory per method ({len(result['methods'])})")
+
+
+def cmd_methods(a):
+    from .baselines import describe_methods
+    items = describe_methods()
+    width = max(len(k) for k in items)
+    for name, text in items.items():
+        print(f"{name:<{width}}  {text}")
+
+
+def cmd_experiment(a):
+    from .evaluation.protocols import run_experiment
+    results = run_experiment(a.protocol, a.config, a.out, seeds=a.seeds, smoke=a.smoke,
+                             data_root=a.data_root, overwrite=a.overwrite)
+    out = Path(a.out)
+    for t in results["tables"]:
+        print(t["title"])
+        print("  " + " | ".join(["method"] + [str(c) for c in t["columns"]]))
+        for r in t["rows"]:
+            cells = ["-" if c["mean"] is None else f"{c['mean']:.3f}" + (f" +- {c['std']:.3f}" if c["std"] is not None else "")
+                     for c in r["cells"]]
+            print("  " + " | ".join([r["label"]] + cells))
+    print(f"wrote {out / 'results.json'}" + (f" and {out / 'report.html'}" if (out / "report.html").exists() else ""))
+
+
+def cmd_build_data(a):
+    from .evaluation import builders as b
+    if a.family == "mistake-math":
+        pool = b.mistake_math_pool(a.gsm8k, a.n, a.harmful_ratio, a.seed, keep_annotations=a.keep_annotations)
+        b.write_records(a.out, pool)
+        print(f"wrote {a.out}: {len(pool)} records, {sum(p['harmful'] for p in pool)} harmful")
+        if a.targets_out:
+            pairs = b.mistake_math_targets(a.gsm8k, a.n_targets, a.seed, exclude=pool, n_distractors=a.n_distractors,
+                                           keep_annotations=a.keep_annotations)
+            b.write_records(a.targets_out, pairs)
+            print(f"wrote {a.targets_out}: {len(pairs)} target pairs ({a.n_distractors} distractors)")
+        if a.probes_out:
+            if not a.probes_from:
+                from .errors import ConfigError
+                raise ConfigError("probes_from", "--probes-out needs --probes-from (GSM8K test.jsonl)")
+            probes = b.gsm8k_probes(a.probes_from, a.n_probes, a.seed)
+            b.write_records(a.probes_out, probes)
+            print(f"wrote {a.probes_out}: {len(probes)} probes")
+    else:
+        targets, heldout = b.bbh_splits(a.bbh_dir, a.n_targets_per_task, a.seed, tasks=a.tasks,
+                                        n_heldout_per_task=a.n_heldout_per_task)
+        b.write_records(a.targets_out, targets)
+        b.write_records(a.heldout_out, heldout)
+        print(f"wrote {a.targets_out} ({len(targets)} target pairs) and {a.heldout_out} ({len(heldout)} held-out probes)")
+
+
+def cmd_report(a):
+    from .evaluation.report import write_report
+    page = write_report(a.run, label=a.label, out=a.out)
+    print(f"wrote {page}")
+
+
+def _add_evaluation_parsers(sub):
+    ex = sub.add_parser("experiment", help="run an evaluation protocol (ranking, repair, select) from a config")
+    ex.add_argument("protocol", choices=["ranking", "repair", "select"])
+    ex.add_argument("--config", required=True, help="YAML or JSON config (see prism_select.evaluation.protocols)")
+    ex.add_argument("--out", required=True, help="experiment directory (rerun the same command to resume)")
+    ex.add_argument("--seeds", type=int, nargs="+", default=None, help="override the config's seeds")
+    ex.add_argument("--smoke", action="store_true", help="apply the config's 'smoke' section (a tiny variant)")
+    ex.add_argument("--data-root", default=None, help="resolve relative data paths here "
+                    "(default $PRISM_DATA_ROOT, else the config's data_root)")
+    ex.add_argument("--overwrite", action="store_true", help="replace an experiment with another config in --out")
+    ex.set_defaults(func=cmd_experiment)
+
+    bd = sub.add_parser("build-data", help="build evaluation data from GSM8K or BIG-Bench-Hard files")
+    fam = bd.add_subparsers(dest="family", required=True)
+    mm = fam.add_parser("mistake-math", help="a GSM8K pool with corrupted solutions (+ targets, probes)")
+    mm.add_argument("--gsm8k", required=True, help="GSM8K train.jsonl")
+    mm.add_argument("--n", type=int, default=300, help="pool size")
+    mm.add_argument("--harmful-ratio", type=float, default=0.1)
+    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--keep-annotations", action="store_true", help="keep the <<a*b=c>> calculator annotations")
+    mm.add_argument("--out", required=True, help="pool file (.jsonl)")
+    mm.add_argument("--targets-out", default=None, help="also write counterfactual target pairs here")
+    mm.add_argument("--n-targets", type=int, default=24)
+    mm.add_argument("--n-distractors", type=int, default=0)
+    mm.add_argument("--probes-from", default=None, help="GSM8K test.jsonl, for --probes-out")
+    mm.add_argument("--probes-out", default=None)
+    mm.add_argument("--n-probes", type=int, default=48)
+    mm.set_defaults(func=cmd_build_data)
+    bb = fam.add_parser("bbh", help="per-task target pairs and held-out probes from BIG-Bench-Hard")
+    bb.add_argument("--bbh-dir", required=True, help="folder of <task>.json files")
+    bb.add_argument("--n-targets-per-task", type=int, default=3)
+    bb.add_argument("--n-heldout-per-task", type=int, default=None)
+    bb.add_argument("--tasks", nargs="+", default=None)
+    bb.add_argument("--seed", type=int, default=0)
+    bb.add_argument("--targets-out", required=True)
+    bb.add_argument("--heldout-out", required=True)
+    bb.set_defaults(func=cmd_build_data)
+
+    rp = sub.add_parser("report", help="write a self-contained HTML report of an experiment or a score run")
+    rp.add_argument("--run", required=True, help="an experiment directory or a score run directory")
+    rp.add_argument("--label", default=None, help="boolean label field of the pool (score runs; default harmful)")
+    rp.add_argument("--out", default=None, help="page path (default <run>/report.html)")
+    rp.set_defaults(func=cmd_report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prism-select", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -149,6 +258,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--remove", help="N or P%%: remove the top-ranked (repair)")
     se.set_defaults(func=cmd_select)
 
+    co = sub.add_parser("compare", help="score a pool with several methods (model loaded once, curvature shared)")
+    co.add_argument("--pool", required=True, help=".jsonl/.json/.parquet/.csv file or a datasets directory")
+    co.add_argument("--targets", default=None, help="target pairs: prompt + chosen + rejected")
+    co.add_argument("--out", required=True, help="directory: one run per method, compare.json, compare.md")
+    co.add_argument("--methods", nargs="+", required=True, metavar="METHOD",
+                    help="methods to run, in order (see `prism-select methods`)")
+    co.add_argument("--label", default=None,
+                    help="boolean field of the pool records: report AUROC and AUPRC of each method's scores")
+    _add_model_args(co)
+    _add_score_args(co)  # --option KEY=VALUE for every method, METHOD.KEY=VALUE for one
+    co.set_defaults(func=cmd_compare)
+
+    me = sub.add_parser("methods", help="list the scoring methods")
+    me.set_defaults(func=cmd_methods)
+
     de = sub.add_parser("demo", help="score a small generated example with the embedded model")
     de.add_argument("--out", default="prism-demo")
     de.add_argument("--pool-size", type=int, default=40)
@@ -159,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--no-progress", action="store_true")
     _add_model_args(de)
     de.set_defaults(func=cmd_demo)
+    _add_evaluation_parsers(sub)
     return p
 
 

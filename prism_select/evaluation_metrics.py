@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .data.readers import iter_records
+from .data.readers import iter_records, record_id
 from .errors import InputError
 from .selection import read_scores
 
@@ -14,13 +14,33 @@ def auroc(scores: list, labels: list) -> float:
     return float(roc_auc_score([bool(x) for x in labels], scores))
 
 
+def auprc(scores: list, labels: list) -> float:
+    """Area under the precision-recall curve of ``scores`` for ``labels`` (True =
+    positive), as sklearn's average precision (step-wise, no interpolation); chance
+    level is the positive fraction."""
+    from sklearn.metrics import average_precision_score
+    return float(average_precision_score([bool(x) for x in labels], scores))
+
+
+def as_bool(value, path=None, row=None, field=None) -> bool:
+    """A label value as a bool: true/false, 1/0, yes/no (any case) or numbers."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.strip().lower() in ("true", "1", "yes")
+    raise InputError(f"label value {value!r} is not a boolean", path=path, row=row, field=field,
+                     fix="use true/false (or 1/0) in the label field")
+
+
 def labels_by_id(pool_path, label: str) -> dict:
     out = {}
     for row, rec in iter_records(pool_path):
         if label not in rec:
             raise InputError(f"no label field '{label}'", path=pool_path, row=row, field=label,
                              fix="name the boolean label field with --label")
-        out[rec.get("id", row)] = bool(rec[label])
+        out[record_id(rec, row)] = as_bool(rec[label], pool_path, row, label)
     return out
 
 
@@ -28,3 +48,9 @@ def auroc_from_files(scores_path, pool_path, label: str) -> float:
     labels = labels_by_id(pool_path, label)
     rows = read_scores(scores_path)
     return auroc([r["score"] for r in rows], [labels[r["id"]] for r in rows])
+
+
+def auprc_from_files(scores_path, pool_path, label: str) -> float:
+    labels = labels_by_id(pool_path, label)
+    rows = read_scores(scores_path)
+    return auprc([r["score"] for r in rows], [labels[r["id"]] for r in rows])

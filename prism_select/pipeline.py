@@ -78,10 +78,7 @@ class ScoreSettings:
 
 
 def _baseline_names() -> list:
-    try:
-        from .baselines import REGISTRY
-    except ImportError:
-        return []
+    from .baselines import REGISTRY
     return list(REGISTRY)
 
 
@@ -170,7 +167,7 @@ class RunContext:
                 self.lm.model, self.modules, self.inputs.encoded, self.curvature_settings,
                 pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
                 pool_fingerprint=encoded_fingerprint(self.inputs.encoded),
-                max_length=self.settings.max_length)
+                max_length=self.settings.max_length, progress=self.settings.progress)
             self.timings["curvature_s"] = time.perf_counter() - t
             self.info["curvature"] = {"kind": cur.kind, "path": str(directory), "reused": reused,
                                       "damping": _summary(list(cur.damping.values()))}
@@ -304,6 +301,8 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     timings["total_s"] = time.perf_counter() - t0
     info = dict(ctx.info)
     info.pop("run_key", None)
+    if "method" in info:  # a method's own record of the options it used
+        info["method_info"] = info.pop("method")
     summary = {
         "status": "complete",
         "command": "score",

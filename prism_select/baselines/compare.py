@@ -1,0 +1,156 @@
+"""``prism-select compare``: several scoring methods on one pool, side by side.
+
+The model is loaded once; each method runs through :func:`prism_select.pipeline.score_pool`
+into ``<out>/<method>/`` (its own scores.jsonl, pairs.jsonl, run.json). Gradient methods
+share one curvature: the first fits it and saves it in the curvature cache (keyed by
+model, pool, tracked layers and curvature settings), the next ones load it
+(``run.json``'s ``curvature.reused`` is true); an ``identity`` curvature is never cached
+(nothing to fit). Wall time per method therefore includes the curvature fit only for
+the first gradient method that needs it.
+
+Method options (``settings.method_options``): a key ``"<method>": {...}`` or
+``"<method>.<key>": value`` applies to that method only; any other key applies to
+every method that declares it (functions with an ``options`` attribute, see
+:func:`prism_select.baselines.common.method`) and to every method that declares none.
+
+Writes ``<out>/compare.json`` and ``<out>/compare.md``: per method the wall time and,
+with ``label`` (a boolean field of the pool records), AUROC and AUPRC of the written
+scores against it (positive = label true; higher score = predicted positive).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from ..curvature import CurvatureSettings
+from ..errors import ConfigError, InputError
+from ..evaluation_metrics import auprc, auroc, labels_by_id
+from ..io import atomic_write_json, atomic_write_text, check_writable_dir
+from ..model import LoadedModel, load_model
+from ..preference import METHODS as DIRECTION_METHODS
+from ..selection import read_scores
+
+
+def _known_methods() -> list:
+    from . import REGISTRY
+    return list(DIRECTION_METHODS) + list(REGISTRY)
+
+
+def options_for(method: str, options: dict, known: list | None = None) -> dict:
+    """The options one method gets out of a shared ``method_options`` dict."""
+    from . import REGISTRY
+    known = known if known is not None else _known_methods()
+    fn = REGISTRY.get(method)
+    declared = getattr(fn, "options", None)
+    shared, own = {}, {}
+    for k, v in (options or {}).items():
+        if k in known:
+            if not isinstance(v, dict):
+                raise ConfigError("method_options", f"{k!r} must map to a dict of that method's options, got {v!r}")
+            if k == method:
+                own.update(v)
+            continue
+        head, dot, tail = k.partition(".")
+        if dot and head in known:
+            if head == method:
+                own[tail] = v
+            continue
+        if declared is None or k in declared:
+            shared[k] = v
+    return {**shared, **own}
+
+
+def _markdown(result: dict) -> str:
+    label = result.get("label")
+    lines = ["# prism-select compare", "",
+             f"- pool: `{result['pool']}` ({result['n_pool']} examples)",
+             f"- targets: `{result['targets'] or '(none)'}`",
+             f"- curvature: {result['curvature_settings']['kind']}"]
+    if label:
+        lines.append(f"- label: `{label}` ({result['n_positive']} positive)")
+    lines += [""]
+    head = ["method", "wall s"] + (["AUROC", "AUPRC"] if label else []) + ["curvature reused"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
+    for r in result["methods"]:
+        reused = r.get("curvature_reused")
+        cells = [r["method"], f"{r['wall_s']:.2f}"]
+        if label:
+            cells += [f"{r['auroc']:.4f}", f"{r['auprc']:.4f}"]
+        cells.append("-" if reused is None else ("yes" if reused else "no"))
+        lines.append("| " + " | ".join(cells) + " |")
+    if label:
+        lines += ["", f"AUROC: 0.5 = chance. AUPRC: chance = the positive fraction "
+                      f"({result['n_positive'] / max(result['n_pool'], 1):.3f})."]
+    return "\n".join(lines) + "\n"
+
+
+def compare(model, pool, targets, out_dir, methods: list, settings=None, curvature: CurvatureSettings | None = None,
+            label: str | None = None) -> dict:
+    """Score ``pool`` with each of ``methods`` and write the comparison; returns it.
+
+    ``model``: :class:`~prism_select.model.ModelSettings` or an already
+    :class:`~prism_select.model.LoadedModel` (loaded once either way). ``settings``: a
+    :class:`~prism_select.pipeline.ScoreSettings` whose ``method`` is replaced per
+    method. A finished run in ``<out>/<method>/`` is an error unless
+    ``settings.overwrite``.
+    """
+    from ..pipeline import ScoreSettings, score_pool
+
+    settings = settings or ScoreSettings(progress=False)
+    curvature = curvature or CurvatureSettings()
+    methods = list(methods or [])
+    if not methods:
+        raise ConfigError("methods", "no method to compare", "pass e.g. --methods prism ifguide random")
+    dup = sorted({m for m in methods if methods.count(m) > 1})
+    if dup:
+        raise ConfigError("methods", f"listed more than once: {', '.join(dup)}")
+    known = _known_methods()
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise ConfigError("methods", f"unknown method(s) {', '.join(unknown)}", f"use some of {', '.join(known)}")
+    per_method = {m: dataclasses.replace(settings, method=m, method_options=options_for(m, settings.method_options,
+                                                                                         known))
+                  for m in methods}
+    out_dir = Path(out_dir)
+    check_writable_dir(out_dir)
+    labels = None
+    if label:
+        labels = labels_by_id(pool, label)  # fails early on a missing field
+        if len(set(labels.values())) < 2:
+            raise InputError(f"the label field '{label}' has only one value ({next(iter(labels.values()), None)}) "
+                             "in the pool; AUROC/AUPRC need both", path=pool, field=label,
+                             fix="name a boolean field with both true and false records")
+    t = time.perf_counter()
+    lm = model if isinstance(model, LoadedModel) else load_model(model)
+    load_s = time.perf_counter() - t
+    rows = []
+    summaries = {}
+    for m in methods:
+        t = time.perf_counter()
+        summary = score_pool(lm, pool, targets, out_dir / m, per_method[m], curvature)
+        wall = time.perf_counter() - t
+        summaries[m] = summary
+        row = {"method": m, "wall_s": wall, "run_dir": str(out_dir / m),
+               "curvature_reused": (summary.get("curvature") or {}).get("reused")}
+        if labels is not None:
+            scored = read_scores(out_dir / m / "scores.jsonl")
+            s, y = [r["score"] for r in scored], [labels[r["id"]] for r in scored]
+            row["auroc"], row["auprc"] = auroc(s, y), auprc(s, y)
+        rows.append(row)
+    any_summary = next(iter(summaries.values()))
+    result = {
+        "pool": str(pool), "targets": str(targets or ""), "label": label,
+        "n_pool": any_summary["counts"]["pool"],
+        "n_positive": None if labels is None else sum(
+            labels[r["id"]] for r in read_scores(out_dir / methods[0] / "scores.jsonl")),
+        "load_model_s": load_s,
+        "model": {k: lm.source.get(k) for k in ("kind", "path", "adapter")} | {"fingerprint": lm.fingerprint},
+        "curvature_settings": dataclasses.asdict(curvature),
+        "methods": rows,
+    }
+    atomic_write_json(out_dir / "compare.json", result)
+    atomic_write_text(out_dir / "compare.md", _markdown(result))
+    return result

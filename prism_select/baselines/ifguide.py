@@ -1,0 +1,276 @@
+"""IF-Guide (Coalson et al., NeurIPS 2025; ztcoalson/IF-Guide): token-level influence
+of a contrastive target, aggregated into a document ranking.
+
+Target: ``g = mean_q grad l(q, y+) - mean_q grad l(q, y-)`` with ``l`` the *summed*
+response loss (prompt masked): IF-Guide's ``gbar_bad - gbar_good`` where the traced
+("bad") behaviour is the target-positive ``chosen`` and ``rejected`` is the "good"
+side. Preconditioned once by the run's shared curvature: ``V = H^-1 g``.
+
+Token scores (option ``token_attribution``):
+
+``position`` (default; what IF-Guide computes, through kronfluence's
+    ``compute_per_token_scores``, after Grosse et al. 2023): the summed-loss gradient
+    ``G_z = sum_l sum_t b_t a_t^T`` is split by position ``t``; token ``t``'s score is
+    ``sum_l b_t^T V_l a_t`` with ``b_t = dl(z)/do_t`` the gradient of the example's
+    whole summed loss. Every non-padding position counts (prompt positions included:
+    their activations shape the response losses). Cost: one forward + one backward per
+    batch, like the document score.
+``loss``: token ``t``'s score is the influence of its own loss term,
+    ``grad l_t(z) . V = sum_l sum_s b^{(t)}_s^T V_l a_s`` (``b^{(t)} = dl_t/do``), one
+    per response token. The ``b^{(t)}`` of ``token_chunk`` tokens come from one batched
+    backward (``torch.autograd.grad(..., is_grads_batched=True)``, a vmap over the
+    backward); cost: one forward per batch plus about one backward *per response token*
+    (so ~n_response times the document score's backward), and ``token_chunk x`` the
+    activation-gradient memory of one backward.
+
+Both decompositions sum to the document score ``g_z . V`` (the summed-loss influence).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..data.tokenize import collate, token_losses
+from ..errors import ConfigError
+from ..gradients import activation_grad_mode, check_finite, has_bias, tracked_param_grad_mode, weight_grad
+from .common import compute_dtype, method, record, require_pairs, resolve_options
+
+RANKINGS = ("harmonic", "sum")
+ATTRIBUTIONS = ("position", "loss")
+
+
+# --------------------------------------------------------------------------- ranking
+
+def ifguide_threshold(token_scores: list, quantile: float) -> float:
+    """``tau``: the ``quantile`` of all token scores of the pool (linear interpolation,
+    ``numpy.quantile``'s default, as IF-Guide's code)."""
+    flat = np.concatenate([t.detach().double().cpu().numpy().reshape(-1) for t in token_scores])
+    return float(np.quantile(flat, quantile))
+
+
+def _min_max(x: torch.Tensor) -> torch.Tensor:
+    lo, hi = x.min(), x.max()
+    if hi == lo:
+        return torch.zeros_like(x)
+    return (x - lo) / (hi - lo)
+
+
+def ifguide_rank(token_scores: list, quantile: float = 0.99, mode: str = "harmonic") -> torch.Tensor:
+    """Document scores from per-token scores (one 1-D tensor per document).
+
+    ``harmonic`` (IF-Guide): ``tau`` = :func:`ifguide_threshold`; ``s_i`` = number of
+    the document's tokens with score ``> tau``, ``f_i`` = their sum; both min-max
+    normalised over the pool (all-equal -> 0); ``R_i = 2 s f / (s + f)``, 0 where
+    ``s + f = 0``. (IF-Guide's code adds ``eps = 1e-6`` to both denominators; this is
+    the exact form.)
+    ``sum``: the plain sum of the document's token scores.
+    Returns float64 scores, higher = more influential towards the target.
+    """
+    if mode not in RANKINGS:
+        raise ConfigError("ranking", f"unknown ranking {mode!r}", f"use one of {', '.join(RANKINGS)}")
+    ts = [t.detach().double().cpu().reshape(-1) for t in token_scores]
+    if mode == "sum":
+        return torch.stack([t.sum() for t in ts])
+    if not 0 < quantile < 1:
+        raise ConfigError("quantile", f"must be in (0, 1), got {quantile}")
+    tau = ifguide_threshold(ts, quantile)
+    s = torch.stack([(t > tau).sum().double() for t in ts])
+    f = torch.stack([t[t > tau].sum() for t in ts])
+    s, f = _min_max(s), _min_max(f)
+    den = s + f
+    return torch.where(den > 0, 2 * s * f / torch.where(den > 0, den, torch.ones_like(den)),
+                       torch.zeros_like(den))
+
+
+# --------------------------------------------------------------------------- target
+
+def contrastive_target(model, modules: dict, chosen: list, rejected: list, *, pad_id: int,
+                       batch_size: int = 8, progress: bool = False):
+    """``g = mean_q grad l(q, y+) - mean_q grad l(q, y-)`` (summed response losses).
+
+    Returns ``(g as layer matrices, summed losses of chosen, of rejected)``.
+    """
+    device = next(model.parameters()).device
+    Q = len(chosen)
+    losses = {"chosen": [], "rejected": []}
+    with tracked_param_grad_mode(model, modules):
+        for side, encs, sign in (("chosen", chosen, 1.0), ("rejected", rejected, -1.0)):
+            for s in tqdm(range(0, Q, batch_size), desc=f"IF-Guide target ({side})", unit="batch",
+                          leave=False, disable=not progress):
+                b = collate(encs[s:s + batch_size], pad_id, device)
+                out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+                total, _ = token_losses(out.logits, b["labels"])
+                check_finite(total.detach(), f"the target loss ({side})")
+                (sign * total.sum() / Q).backward()
+                losses[side].append(total.detach().double().cpu())
+        g = {n: weight_grad(m).detach().clone() for n, m in modules.items()}
+    for n, t in g.items():
+        check_finite(t, "the IF-Guide target", layer=n)
+    return g, torch.cat(losses["chosen"]), torch.cat(losses["rejected"])
+
+
+# --------------------------------------------------------------------------- token scores
+
+def _u(a: torch.Tensor, V: torch.Tensor, bias: bool) -> torch.Tensor:
+    u = a @ V[:, : a.shape[-1]].T
+    return u + V[:, -1] if bias else u
+
+
+def _position_scores(model, modules, V, batch, pad_id, device, dt) -> list:
+    """Per-position scores ``sum_l b_t^T V_l a_t`` (b of the summed loss), all positions."""
+    b = collate(batch, pad_id, device)
+    mask = b["attention_mask"]
+    acc = torch.zeros(mask.shape, dtype=dt, device=device)
+    handles = []
+
+    def hook(name, module):
+        Vl, bias = V[name], has_bias(module)
+
+        def fwd(mod, inputs, output):
+            u = _u(inputs[0].detach().to(dt), Vl, bias) * mask[..., None].to(dt)
+
+            def on_grad(g):
+                nonlocal acc
+                acc = acc + (g.detach().to(dt) * u).sum(-1)
+            if output.requires_grad:
+                output.register_hook(on_grad)
+        return fwd
+
+    for n, m in modules.items():
+        handles.append(m.register_forward_hook(hook(n, m)))
+    try:
+        out = model(input_ids=b["input_ids"], attention_mask=mask, use_cache=False)
+        total, _ = token_losses(out.logits, b["labels"])
+        total.sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return [acc[i, : len(e.input_ids)].double().cpu() for i, e in enumerate(batch)]
+
+
+def _loss_term_scores(model, modules, V, batch, pad_id, device, dt, token_chunk) -> list:
+    """Per-response-token scores ``grad l_t . V`` via batched backward passes."""
+    b = collate(batch, pad_id, device)
+    mask = b["attention_mask"]
+    outs, us, handles = [], [], []
+
+    def hook(name, module):
+        Vl, bias = V[name], has_bias(module)
+
+        def fwd(mod, inputs, output):
+            outs.append(output)
+            us.append(_u(inputs[0].detach().to(dt), Vl, bias) * mask[..., None].to(dt))
+        return fwd
+
+    for n, m in modules.items():
+        handles.append(m.register_forward_hook(hook(n, m)))
+    try:
+        out = model(input_ids=b["input_ids"], attention_mask=mask, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    logits = out.logits[:, :-1]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    target = b["labels"][:, 1:]
+    keep = target != -100
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.clamp(min=0).reshape(-1),
+                                           reduction="none").view(target.shape)
+    terms = ce[keep]  # example 0's response tokens in order, then example 1's, ...
+    n = terms.numel()
+    scores = torch.zeros(n, dtype=dt, device=device)
+    for k0 in range(0, n, token_chunk):
+        rows = torch.arange(k0, min(k0 + token_chunk, n), device=device)
+        E = torch.zeros(len(rows), n, dtype=terms.dtype, device=device)
+        E[torch.arange(len(rows), device=device), rows] = 1
+        grads = torch.autograd.grad(terms, outs, grad_outputs=E, is_grads_batched=True,
+                                    retain_graph=k0 + token_chunk < n, allow_unused=True)
+        for g, u in zip(grads, us):
+            if g is not None:
+                scores[rows] += torch.einsum("kbto,bto->k", g.to(dt), u)
+    counts = keep.sum(1).tolist()
+    return [t.double().cpu() for t in torch.split(scores, counts)]
+
+
+def token_scores(model, modules: dict, encoded: list, V: dict, *, pad_id: int, attribution: str = "position",
+                 batch_size: int = 8, token_chunk: int = 32, progress: bool = False, ids=None) -> list:
+    """Per-token scores of every encoded example (one float64 tensor each; see the
+    module docstring for the two ``attribution`` modes)."""
+    if attribution not in ATTRIBUTIONS:
+        raise ConfigError("token_attribution", f"unknown value {attribution!r}", f"use one of {', '.join(ATTRIBUTIONS)}")
+    device = next(model.parameters()).device
+    dt = compute_dtype(model)
+    Vd = {n: V[n].to(device=device, dtype=dt) for n in modules}
+    out = []
+    with activation_grad_mode(model):
+        for s in tqdm(range(0, len(encoded), batch_size), desc=f"IF-Guide token scores ({attribution})",
+                      unit="batch", leave=False, disable=not progress):
+            batch = encoded[s:s + batch_size]
+            if attribution == "position":
+                res = _position_scores(model, modules, Vd, batch, pad_id, device, dt)
+            else:
+                res = _loss_term_scores(model, modules, Vd, batch, pad_id, device, dt, token_chunk)
+            for k, t in enumerate(res):
+                check_finite(t, "IF-Guide token scores", record=None if ids is None else ids[s + k])
+            out.extend(res)
+    return out
+
+
+# --------------------------------------------------------------------------- method
+
+@method("ifguide", "IF-Guide: token-level influence of mean grad l(y+) - mean grad l(y-) (summed losses), "
+        "documents ranked by count and sum of top tokens",
+        {"ranking": "harmonic", "quantile": 0.99, "token_attribution": "position", "token_chunk": 32})
+def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
+    """IF-Guide scores (see the module docstring). Needs target pairs.
+
+    Options (``ctx.settings.method_options``):
+      ranking: "harmonic" (default; IF-Guide's ``R = 2 s f / (s + f)`` over tokens above
+        the quantile) or "sum" (the document sum of token scores = the summed-loss
+        influence ``g_z . H^-1 g``, computed without token scores and resumable).
+      quantile: the token-score quantile ``tau`` (default 0.99).
+      token_attribution: "position" (default, IF-Guide/kronfluence) or "loss" (each
+        response token's own loss term; about one backward per response token).
+      token_chunk: token-loss gradients per batched backward in "loss" mode (default 32).
+
+    Pair rows: ``id``, ``loss_chosen`` and ``loss_rejected`` (summed response losses).
+    """
+    opts = resolve_options(ctx, ifguide_method)
+    require_pairs(ctx, "ifguide")
+    if opts["ranking"] not in RANKINGS:
+        raise ConfigError("ranking", f"unknown ranking {opts['ranking']!r}", f"use one of {', '.join(RANKINGS)}")
+    if opts["token_attribution"] not in ATTRIBUTIONS:
+        raise ConfigError("token_attribution", f"unknown value {opts['token_attribution']!r}",
+                          f"use one of {', '.join(ATTRIBUTIONS)}")
+    q = opts["quantile"]
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q < 1:
+        raise ConfigError("quantile", f"must be a number in (0, 1), got {q!r}", "e.g. quantile=0.99")
+    tc = opts["token_chunk"]
+    if isinstance(tc, bool) or not isinstance(tc, int) or tc < 1:
+        raise ConfigError("token_chunk", f"must be a positive integer, got {tc!r}")
+    lm, st = ctx.lm, ctx.settings
+    t = time.perf_counter()
+    g, lc, lr = contrastive_target(lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
+                                   pad_id=ctx.pad_id, batch_size=st.batch_size, progress=st.progress)
+    ctx.timings["target_s"] = time.perf_counter() - t
+    pairs = [{"id": p.id, "loss_chosen": float(lc[i]), "loss_rejected": float(lr[i]),
+              **({"task": p.task} if p.task else {})} for i, p in enumerate(ctx.inputs.pairs)]
+    if opts["ranking"] == "sum":
+        scores = ctx.score_direction(g, tag="ifguide")
+        record(ctx, "ifguide", opts)
+        return scores, pairs
+    V = ctx.curvature().precondition(g)
+    t = time.perf_counter()
+    ts = token_scores(lm.model, ctx.modules, ctx.inputs.encoded, V, pad_id=ctx.pad_id,
+                      attribution=opts["token_attribution"], batch_size=st.batch_size, token_chunk=tc,
+                      progress=st.progress, ids=[e.id for e in ctx.inputs.pool])
+    ctx.timings["token_scores_s"] = time.perf_counter() - t
+    tau = ifguide_threshold(ts, q)
+    scores = ifguide_rank(ts, q, "harmonic")
+    record(ctx, "ifguide", opts, tau=tau, tokens=sum(len(x) for x in ts),
+           tokens_above_tau=int(sum(int((x > tau).sum()) for x in ts)))
+    return scores, pairs

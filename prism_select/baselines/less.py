@@ -1,0 +1,456 @@
+"""LESS (Xia et al. 2024; princeton-nlp/LESS): Adam-preconditioned LoRA gradient
+similarity to the target examples, summed over warm-up checkpoints.
+
+1. **Warm-up.** LoRA training (:func:`prism_select.evaluation.finetune`) on a seeded
+   random ``warmup_fraction`` (5%) of the pool: r 128, alpha 512, dropout 0.1 on
+   q/k/v/o, lr 2e-5, 4 epochs, linear decay, warm-up ratio 0.03, batch 1 x grad-accum
+   128; a checkpoint (adapter + Adam state as safetensors) at the end of each epoch.
+   The run is cached under ``<cache_dir>/less/<key>/`` (``cache_dir`` = the model
+   settings' cache, ``$PRISM_SELECT_CACHE`` or ``~/.cache/prism-select``), ``key`` =
+   sha256 over the model fingerprint, the tokenised pool's fingerprint, the warm-up
+   fraction, the seed and every training setting; it is reused only when the key
+   matches (``ctx.info["method"]["warmup"]["reused"]``). Option ``checkpoints``: use
+   these existing checkpoint directories instead (each an adapter directory with
+   ``optimizer.safetensors``, see :mod:`prism_select.evaluation.finetune`).
+2. **Gradients** over the LoRA matrices only, with the checkpoint's adapter loaded on
+   the run's base model (eval mode: dropout off), of the **mean** response-token loss
+   of one example (batch-size-1 semantics; computed in batches through per-example
+   activation/output-gradient hooks, which is exact for right-padded batches).
+   Candidate side: ``Gamma = m' / sqrt(v' + 1e-8)``, ``m' = 0.9 m + 0.1 g``,
+   ``v' = 0.999 v + 0.001 g^2`` with ``m, v`` Adam's moments stored with the
+   checkpoint (LESS's ``prepare_optimizer_state`` / ``obtain_gradients_with_adam``).
+   Target side: plain gradients ``g``; option ``target_side``: ``chosen`` (default,
+   the target-positive responses ``(q, y+)`` as LESS's target examples), ``rejected``,
+   or ``contrast`` (``g(q, y+) - g(q, y-)``).
+3. **Projection.** Rademacher (+-1) random projection to ``proj_dim`` (8192)
+   dimensions, then L2 normalisation of every projected vector. The projection matrix
+   is never stored: parameter ``key`` (its name in ``adapter_model.safetensors``) is
+   flattened row-major and cut into tiles of :data:`TILE_ROWS` entries; tile ``i`` of
+   ``key`` is a ``TILE_ROWS x proj_dim`` (fewer rows for the last tile) +-1 matrix
+   drawn by ``bernoulli_(0.5)`` from a
+   ``torch.Generator`` on the compute device seeded with
+   ``sha256("{proj_seed}|{key}|{i}")`` (first 8 bytes, 63 bits), generated when needed
+   and dropped after use (memory: one tile plus ``proj_chunk`` examples' flattened
+   gradients). Cost: the whole matrix (``n_lora_params x proj_dim`` draws) is generated
+   once per chunk of ``proj_chunk`` examples, so larger chunks amortise it, at
+   ``proj_chunk x n_lora_params`` floats of gradient memory.
+   The matrix depends only on ``(proj_seed, key, proj_dim, device type)``
+   -- not on batching -- so every checkpoint, candidates and targets, uses the same
+   projection; CPU and CUDA generators give different (equally valid) matrices. No
+   ``1/sqrt(d)`` scale: cosines ignore it. (LESS uses TRAK's CUDA projector, which
+   generates its Rademacher entries on the fly in the same spirit.)
+4. **Score.** ``s(z) = sum_ckpt w_ckpt cos(Gamma_z, g_q)``, ``w`` = the mean learning
+   rate of each checkpoint's epoch (``checkpoint.json``'s ``mean_lr``; option
+   ``checkpoint_weights`` overrides; equal weights when neither is known or all are 0),
+   normalised to sum 1; then per task (``TargetPair.task``; one task when ``None``) the
+   **mean** over the task's targets, and the **max** over tasks (LESS's ``matching.py``).
+
+Per-checkpoint projected features are kept in the run's ``.partial/less/`` so an
+interrupted run resumes after the last finished checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from ..data.tokenize import collate, encoded_fingerprint, token_losses
+from ..errors import CacheError, ConfigError, InputError
+from ..gradients import Taps, activation_grad_mode, check_finite
+from ..io import atomic_write_json, sha256_json
+from .common import compute_dtype, method, record, require_pairs, resolve_options
+
+log = logging.getLogger(__name__)
+
+TILE_ROWS = 4096
+CACHE_FORMAT = 1
+WARMUP_FILE = "less_warmup.json"
+ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
+TARGET_SIDES = ("chosen", "rejected", "contrast")
+ADAPTER_NAME = "less"
+
+OPTIONS = {
+    "warmup_fraction": 0.05,
+    "lr": 2e-5,
+    "epochs": 4,
+    "lora_r": 128,
+    "lora_alpha": 512,
+    "lora_dropout": 0.1,
+    "train_batch_size": 1,
+    "grad_accum": 128,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "lr_scheduler": "linear",
+    "warmup_ratio": 0.03,
+    "weight_decay": 0.0,
+    "seed": None,
+    "checkpoints": None,
+    "checkpoint_weights": None,
+    "target_side": "chosen",
+    "proj_dim": 8192,
+    "proj_seed": None,
+    "proj_chunk": 64,
+}
+
+
+# --------------------------------------------------------------------------- projection
+
+def tile_seed(proj_seed: int, key: str, tile: int) -> int:
+    digest = hashlib.sha256(f"{proj_seed}|{key}|{tile}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def rademacher_tile(proj_seed: int, key: str, tile: int, rows: int, dim: int, device, dtype) -> torch.Tensor:
+    """Tile ``tile`` (rows ``tile*TILE_ROWS ..``) of ``key``'s projection, ``rows x dim``, +-1
+    (``rows`` < TILE_ROWS only for a parameter's last tile, always the same for a given size)."""
+    g = torch.Generator(device=device).manual_seed(tile_seed(proj_seed, key, tile))
+    return torch.empty(rows, dim, device=device, dtype=dtype).bernoulli_(0.5, generator=g).mul_(2).sub_(1)
+
+
+def projection_matrix(shapes: dict, dim: int, proj_seed: int, device="cpu", dtype=torch.float64) -> torch.Tensor:
+    """The full projection for parameters ``shapes`` (key -> numel or shape), stacked in
+    the given key order: ``(sum numel) x dim``. For tests and small models only."""
+    blocks = []
+    for key, shape in shapes.items():
+        n = shape if isinstance(shape, int) else int(torch.Size(shape).numel())
+        for t in range((n + TILE_ROWS - 1) // TILE_ROWS):
+            rows = min(TILE_ROWS, n - t * TILE_ROWS)
+            blocks.append(rademacher_tile(proj_seed, key, t, rows, dim, torch.device(device), dtype))
+    return torch.cat(blocks)
+
+
+def project(flat: torch.Tensor, key: str, dim: int, proj_seed: int) -> torch.Tensor:
+    """``flat (C, n) @ P_key (n, dim)``, tile by tile."""
+    C, n = flat.shape
+    out = torch.zeros(C, dim, device=flat.device, dtype=flat.dtype)
+    for t in range((n + TILE_ROWS - 1) // TILE_ROWS):
+        lo = t * TILE_ROWS
+        hi = min(n, lo + TILE_ROWS)
+        P = rademacher_tile(proj_seed, key, t, hi - lo, dim, flat.device, flat.dtype)
+        out.addmm_(flat[:, lo:hi], P)
+        del P
+    return out
+
+
+# --------------------------------------------------------------------------- gradients
+
+def param_key(module_name: str) -> str:
+    """``...q_proj.lora_A.less`` -> ``...q_proj.lora_A.weight`` (adapter_model.safetensors key)."""
+    return module_name.rsplit(".", 1)[0] + ".weight"
+
+
+def adam_precondition(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """LESS's ``Gamma = m' / sqrt(v' + eps)``, ``m' = b1 m + (1-b1) g``, ``v' = b2 v + (1-b2) g^2``."""
+    m2 = ADAM_BETA1 * m + (1 - ADAM_BETA1) * g
+    v2 = ADAM_BETA2 * v + (1 - ADAM_BETA2) * g * g
+    return m2 / torch.sqrt(v2 + ADAM_EPS)
+
+
+def projected_gradients(model, modules: dict, encoded: list, *, pad_id: int, batch_size: int, dim: int,
+                        proj_seed: int, adam: dict | None = None, chunk: int = 64, progress: bool = False,
+                        desc: str = "LESS gradients") -> torch.Tensor:
+    """Projected (not yet normalised) per-example gradients of the mean response loss
+    over ``modules`` (LoRA Linear layers), Adam-preconditioned when ``adam`` maps
+    ``param_key -> (m, v)``. Returns ``(N, dim)`` float64 on the CPU."""
+    device = next(model.parameters()).device
+    dt = compute_dtype(model)
+    keys = {name: param_key(name) for name in modules}
+    state = None
+    if adam is not None:
+        state = {name: (adam[k][0].to(device, dt), adam[k][1].to(device, dt)) for name, k in keys.items()}
+    out = []
+    bar = tqdm(total=len(encoded), desc=desc, disable=not progress, leave=False)
+    with activation_grad_mode(model), Taps(modules, compute_dtype=dt) as taps:
+        for c0 in range(0, len(encoded), chunk):
+            part = encoded[c0:c0 + chunk]
+            flats = {name: [] for name in modules}
+            for b0 in range(0, len(part), batch_size):
+                batch = part[b0:b0 + batch_size]
+                b = collate(batch, pad_id, device)
+                taps.mask = b["attention_mask"]
+                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
+                total, count = token_losses(logits, b["labels"])
+                loss = (total / count.clamp(min=1)).sum()  # each example's mean loss; examples independent
+                check_finite(loss.detach(), "the LESS loss", record=f"{c0 + b0}..{c0 + b0 + len(batch) - 1}")
+                loss.backward()
+                for name in modules:
+                    G = taps.per_example_grads(name)
+                    if state is not None:
+                        G = adam_precondition(G, *state[name])
+                    flats[name].append(G.reshape(G.shape[0], -1))
+                taps.clear()
+                bar.update(len(batch))
+            feats = None
+            for name in modules:
+                flat = torch.cat(flats[name])
+                flats[name] = None
+                p = project(flat, keys[name], dim, proj_seed)
+                feats = p if feats is None else feats + p
+            check_finite(feats, "the projected LESS gradients")
+            out.append(feats.double().cpu())
+    bar.close()
+    return torch.cat(out)
+
+
+def _normalise(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(x, dim=1)
+
+
+def task_max_of_means(sim: torch.Tensor, tasks: list) -> tuple[torch.Tensor, list]:
+    """``sim (N, M)`` -> per task (in order of first appearance) the mean over its
+    columns, then the max over tasks. Returns the scores and the task names."""
+    names = list(dict.fromkeys(tasks))
+    per_task = torch.stack([sim[:, [j for j, t in enumerate(tasks) if t == name]].mean(1) for name in names], 1)
+    return per_task.max(1).values, names
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def _warmup_settings(opts: dict, max_length: int, seed: int, progress: bool):
+    from ..evaluation.finetune import FinetuneSettings
+    try:
+        return FinetuneSettings(
+            learning_rate=opts["lr"], epochs=opts["epochs"], batch_size=opts["train_batch_size"],
+            grad_accum=opts["grad_accum"], lora_r=opts["lora_r"], lora_alpha=opts["lora_alpha"],
+            lora_dropout=opts["lora_dropout"], target_modules=opts["target_modules"],
+            lr_scheduler=opts["lr_scheduler"], warmup_ratio=opts["warmup_ratio"],
+            weight_decay=opts["weight_decay"], max_length=max_length, seed=seed, progress=progress)
+    except ConfigError as e:
+        raise ConfigError("method_options", f"LESS warm-up: {e}") from e
+
+
+def warmup_subset(n: int, fraction: float, seed: int) -> list:
+    """Sorted indices of the seeded random ``fraction`` of ``n`` examples (at least one)."""
+    k = max(1, int(round(fraction * n)))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return sorted(perm[:k].tolist())
+
+
+def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
+    """Train (or reuse from the cache) the warm-up LoRA; returns checkpoint dirs and info."""
+    from ..evaluation.finetune import finetune
+
+    frac = opts["warmup_fraction"]
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+        raise ConfigError("warmup_fraction", f"must be in (0, 1], got {frac!r}")
+    fs = _warmup_settings(opts, ctx.settings.max_length, seed, ctx.settings.progress)
+    idx = warmup_subset(len(ctx.inputs.encoded), frac, seed)
+    train = {k: v for k, v in asdict(fs).items() if k not in ("progress", "logging_steps")}
+    key = sha256_json({"format": CACHE_FORMAT, "model": ctx.lm.fingerprint,
+                       "pool": encoded_fingerprint(ctx.inputs.encoded), "warmup_fraction": frac,
+                       "seed": seed, "train": train})
+    root = Path(ctx.lm.settings.resolved_cache_dir()) / "less"
+    target = root / key
+    info = {"key": key, "path": str(target), "n_examples": len(idx), "settings": train}
+    marker = target / WARMUP_FILE
+    if marker.is_file():
+        try:
+            meta = json.loads(marker.read_text())
+            ckpts = [target / c for c in meta["checkpoints"]]
+            if meta.get("key") == key and ckpts and all((c / "adapter_config.json").is_file() for c in ckpts):
+                log.info("LESS: reusing the warm-up checkpoints in %s", target)
+                return ckpts, {**info, "reused": True}
+        except (ValueError, KeyError, TypeError):
+            pass
+        log.warning("LESS: the cached warm-up %s is incomplete; training it again", target)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=root))
+    except OSError as e:
+        raise CacheError(f"cannot write the LESS warm-up cache under {root}: {e}; set cache_dir "
+                         "(or $PRISM_SELECT_CACHE) to a writable directory") from e
+    t = time.perf_counter()
+    try:
+        res = finetune(ctx.lm, [ctx.inputs.encoded[i] for i in idx], tmp, fs, save_every_epoch=True, overwrite=True)
+        if not res.checkpoints:
+            raise ConfigError("epochs", "the LESS warm-up produced no checkpoint", "use epochs >= 1")
+        names = [str(c.relative_to(tmp)) for c in res.checkpoints]
+        atomic_write_json(tmp / WARMUP_FILE, {"key": key, "checkpoints": names, "indices": idx,
+                                              "epoch_lrs": res.epoch_lrs, "settings": train})
+        if (target / WARMUP_FILE).is_file():  # another process finished the same warm-up meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            shutil.rmtree(target, ignore_errors=True)  # an incomplete leftover
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not (target / WARMUP_FILE).is_file():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    ctx.timings["less_warmup_s"] = time.perf_counter() - t
+    return [target / n for n in names], {**info, "reused": False}
+
+
+def _checkpoint_weights(ckpts: list, given) -> tuple[list, str]:
+    if given is not None:
+        if not isinstance(given, (list, tuple)) or len(given) != len(ckpts) or \
+                not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in given):
+            raise ConfigError("checkpoint_weights", f"must be {len(ckpts)} non-negative numbers, got {given!r}")
+        raw, source = [float(w) for w in given], "option"
+    else:
+        raw, source = [], "mean_lr"
+        for c in ckpts:
+            f = Path(c) / "checkpoint.json"
+            try:
+                raw.append(float(json.loads(f.read_text())["mean_lr"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                raw, source = [], "equal"
+                break
+    total = sum(raw)
+    if not raw or total <= 0:
+        if source != "equal":
+            log.warning("LESS: checkpoint weights sum to 0; using equal weights")
+        return [1.0 / len(ckpts)] * len(ckpts), "equal"
+    return [w / total for w in raw], source
+
+
+def _adam_state(ckpt: Path, modules: dict) -> dict:
+    from ..evaluation.finetune import load_optimizer_state
+
+    m, v, _ = load_optimizer_state(ckpt)
+    out, missing = {}, []
+    for name, mod in modules.items():
+        k = param_key(name)
+        if k not in m or k not in v:
+            missing.append(k)
+            continue
+        if tuple(m[k].shape) != tuple(mod.weight.shape) or tuple(v[k].shape) != tuple(mod.weight.shape):
+            raise InputError(f"the Adam state of {k} has shape {tuple(m[k].shape)}, the parameter "
+                             f"{tuple(mod.weight.shape)}", path=ckpt / "optimizer.safetensors")
+        out[k] = (m[k], v[k])
+    if missing:
+        raise InputError(f"no Adam state for {len(missing)} LoRA parameter(s) (e.g. {missing[0]})",
+                         path=ckpt / "optimizer.safetensors",
+                         fix="the optimizer state must hold exp_avg.<key> and exp_avg_sq.<key> for every "
+                             "LoRA parameter of the adapter")
+    return out
+
+
+def _with_adapter(ctx, ckpt: Path):
+    """Context manager: the run's base model with the checkpoint's adapter, restored after."""
+    from contextlib import contextmanager
+
+    from peft import PeftModel
+
+    @contextmanager
+    def cm():
+        base = ctx.lm.model
+        flags = [(p, p.requires_grad) for p in base.parameters()]
+        try:
+            pm = PeftModel.from_pretrained(base, str(ckpt), adapter_name=ADAPTER_NAME, is_trainable=False,
+                                           local_files_only=True)
+        except Exception as e:
+            raise InputError(f"cannot load this LoRA checkpoint on the run's model: {type(e).__name__}: "
+                             f"{str(e)[:500]}", path=ckpt) from e
+        pm.eval()
+        try:
+            yield pm
+        finally:
+            pm.unload()
+            for p, f in flags:
+                p.requires_grad_(f)
+                p.grad = None
+            base.eval()
+    return cm()
+
+
+# --------------------------------------------------------------------------- method
+
+@method("less", "LESS: Adam-preconditioned LoRA gradient cosine to the targets over warm-up checkpoints", OPTIONS)
+def less_method(ctx) -> tuple[torch.Tensor, list]:
+    """LESS scores (see the module docstring); float64, higher = more aligned."""
+    from ..model import _is_peft, tracked_linear_modules
+
+    require_pairs(ctx, "less")
+    opts = resolve_options(ctx, less_method)
+    if _is_peft(ctx.lm.model):
+        raise ConfigError("model", "LESS trains and loads its own LoRA adapters on the base model, but the run's "
+                          "model already carries an adapter", "pass the base model (without --adapter)")
+    seed = ctx.settings.seed if opts["seed"] is None else opts["seed"]
+    proj_seed = seed if opts["proj_seed"] is None else opts["proj_seed"]
+    for name in ("proj_dim", "proj_chunk"):
+        v = opts[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(name, f"must be a positive integer, got {v!r}")
+    if not isinstance(seed, int) or not isinstance(proj_seed, int):
+        raise ConfigError("seed", f"seeds must be integers, got {seed!r} / {proj_seed!r}")
+    side = opts["target_side"]
+    if side not in TARGET_SIDES:
+        raise ConfigError("target_side", f"unknown target side {side!r}", f"use one of {', '.join(TARGET_SIDES)}")
+
+    if opts["checkpoints"] is not None:
+        given = opts["checkpoints"]
+        if isinstance(given, (str, os.PathLike)):
+            given = [given]
+        if not isinstance(given, (list, tuple)) or not given:
+            raise ConfigError("checkpoints", f"must be a non-empty list of directories, got {given!r}")
+        ckpts = [Path(c).expanduser().resolve() for c in given]
+        for c in ckpts:
+            if not (c / "adapter_config.json").is_file():
+                raise InputError("is not a LoRA checkpoint (no adapter_config.json)", path=c,
+                                 fix="pass directories written by finetune(save_every_epoch=True)")
+            if not (c / "optimizer.safetensors").is_file():
+                _adam_state(c, {})  # raises the explanatory error
+        warm = {"given": True}
+    else:
+        ckpts, warm = warmup_checkpoints(ctx, opts, seed)
+    weights, wsource = _checkpoint_weights(ckpts, opts["checkpoint_weights"])
+
+    dim = opts["proj_dim"]
+    tasks = [p.task for p in ctx.inputs.pairs]
+    partial = ctx.out_dir / ".partial" / "less"
+    N, M = len(ctx.inputs.encoded), len(ctx.inputs.pairs)
+    sim = torch.zeros(N, M, dtype=torch.float64)
+    kw = dict(pad_id=ctx.pad_id, batch_size=ctx.settings.batch_size, dim=dim, proj_seed=proj_seed,
+              chunk=opts["proj_chunk"], progress=ctx.settings.progress)
+    t = time.perf_counter()
+    n_params = None
+    for i, (ckpt, w) in enumerate(zip(ckpts, weights)):
+        feats_path = partial / f"ckpt-{i}.safetensors"
+        if feats_path.is_file():
+            f = load_file(str(feats_path))
+            cand, targ = f["candidates"], f["targets"]
+        else:
+            with _with_adapter(ctx, ckpt) as pm:
+                modules = tracked_linear_modules(pm, ctx.settings.modules)
+                n_params = sum(m.weight.numel() for m in modules.values())
+                adam = _adam_state(ckpt, modules)
+                cand = projected_gradients(pm, modules, ctx.inputs.encoded, adam=adam,
+                                           desc=f"LESS candidates (checkpoint {i + 1}/{len(ckpts)})", **kw)
+                if side == "rejected":
+                    targ = projected_gradients(pm, modules, ctx.inputs.rejected, desc="LESS targets", **kw)
+                else:
+                    targ = projected_gradients(pm, modules, ctx.inputs.chosen, desc="LESS targets", **kw)
+                    if side == "contrast":
+                        targ = targ - projected_gradients(pm, modules, ctx.inputs.rejected, desc="LESS targets", **kw)
+            partial.mkdir(parents=True, exist_ok=True)
+            tmp = partial / f".ckpt-{i}.tmp"
+            save_file({"candidates": cand.contiguous(), "targets": targ.contiguous()}, str(tmp))
+            os.replace(tmp, feats_path)
+        sim += w * (_normalise(cand) @ _normalise(targ).T)
+    ctx.timings["less_gradients_s"] = time.perf_counter() - t
+    scores, task_names = task_max_of_means(sim, tasks)
+    record(ctx, "less", opts, seed=seed, proj_seed=proj_seed, checkpoints=[str(c) for c in ckpts],
+           checkpoint_weights=weights, checkpoint_weight_source=wsource, warmup=warm,
+           tasks=task_names, lora_params=n_params,
+           tile_rows=TILE_ROWS)
+    mean_cos = sim.mean(0)
+    rows = [{"id": p.id, **({"task": p.task} if p.task else {}), "mean_similarity": float(mean_cos[j])}
+            for j, p in enumerate(ctx.inputs.pairs)]
+    return scores, rows
+
+
+METHODS = {"less": less_method}

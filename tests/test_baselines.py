@@ -1,0 +1,488 @@
+"""Baselines against brute-force float64 references on the tiny Llama (see test_numerics.py).
+
+References compute hidden states with forward hooks on the decoder blocks (not
+``output_hidden_states``) and gradients with explicit autograd per example / per token.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from prism_select.baselines import REGISTRY, describe_methods
+from prism_select.baselines import generation as gen_mod
+from prism_select.baselines.compare import compare, options_for
+from prism_select.baselines.ifguide import contrastive_target, ifguide_rank, ifguide_threshold, token_scores
+from prism_select.curvature import CurvatureSettings
+from prism_select.data.records import PoolExample, TargetPair
+from prism_select.data.tokenize import Encoded, encode
+from prism_select.errors import ConfigError, InputError
+from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
+from prism_select.pipeline import Inputs, RunContext, ScoreSettings, score_pool
+
+from reference import example_loss, flat_grad, flatten, per_example_grads
+
+REL_TOL = 1e-8  # float64 end to end: only summation order differs
+LAYER = 1  # hidden_states[1] = output of decoder block 0 of the 2-layer tiny model
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+# --------------------------------------------------------------------------- fixtures
+
+@pytest.fixture
+def lm(model, tok, tmp_path):
+    settings = ModelSettings(model="tiny-test", device="cpu", cache_dir=str(tmp_path / "cache"))
+    return LoadedModel(model, tok, settings, model_fingerprint(model), {"kind": "test"})
+
+
+@pytest.fixture
+def make_ctx(lm, modules, tok, tmp_path, pool_examples, pair_examples):
+    """A RunContext built directly (no files), identity curvature by default."""
+    counter = [0]
+
+    def make(method, options=None, curvature="identity", seed=0, with_pairs=True):
+        counter[0] += 1
+        pool = [PoolExample(f"p{i}", p, r, i) for i, (p, r) in enumerate(pool_examples)]
+        pairs = [TargetPair(f"q{i}", q, c, r, i) for i, (q, c, r) in enumerate(pair_examples)] if with_pairs else []
+        inputs = Inputs(pool=pool, encoded=[encode(tok, e.prompt, e.response) for e in pool], pairs=pairs,
+                        chosen=[encode(tok, p.prompt, p.chosen) for p in pairs],
+                        rejected=[encode(tok, p.prompt, p.rejected) for p in pairs],
+                        invalid=[], truncated={"pool": 0, "targets": 0})
+        settings = ScoreSettings(method=method, batch_size=3, progress=False, seed=seed,
+                                 method_options=dict(options or {}))
+        return RunContext(lm, modules, inputs, settings, CurvatureSettings(kind=curvature),
+                          tmp_path / f"run{counter[0]}")
+    return make
+
+
+def block_hidden(model, enc: Encoded, layer: int) -> torch.Tensor:
+    """Reference h_l(x, y): output of decoder block ``layer - 1`` by a hook, averaged
+    over the response positions, one example at a time, with the graph."""
+    caught = []
+    h = model.model.layers[layer - 1].register_forward_hook(
+        lambda mod, i, o: caught.append(o[0] if isinstance(o, tuple) else o))
+    model(input_ids=torch.tensor([enc.input_ids]))
+    h.remove()
+    return caught[0][0, enc.response_start:].mean(0)
+
+
+def ref_concept(model, ctx, layer=LAYER):
+    hc = torch.stack([block_hidden(model, e, layer) for e in ctx.inputs.chosen]).detach()
+    hr = torch.stack([block_hidden(model, e, layer) for e in ctx.inputs.rejected]).detach()
+    v = hc.mean(0) - hr.mean(0)
+    return v, v / v.norm()
+
+
+def flat_grad_kept(modules, loss):
+    """flat_grad keeping the graph (several token terms share one forward); a layer the
+    loss does not use gets zeros."""
+    params = [m.weight for m in modules.values()]
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+
+
+def token_loss_terms(model, enc: Encoded) -> list:
+    logits = model(input_ids=torch.tensor([enc.input_ids])).logits[0]
+    lp = torch.log_softmax(logits, -1)
+    return [-lp[t - 1, enc.input_ids[t]] for t in range(enc.response_start, len(enc.input_ids))]
+
+
+# --------------------------------------------------------------------------- registry
+
+def test_registry_and_descriptions():
+    for name in ("random", "ifguide", "vecfilter", "projdiff", "conceptinf", "saefeat"):
+        assert callable(REGISTRY[name])
+    d = describe_methods()
+    assert list(d)[:3] == ["prism", "equal", "unpaired"]
+    assert all(isinstance(t, str) and t and "\n" not in t for t in d.values())
+
+
+def test_unknown_option_is_config_error(make_ctx):
+    with pytest.raises(ConfigError, match="no option"):
+        REGISTRY["vecfilter"](make_ctx("vecfilter", {"layr": 1}))
+
+
+# --------------------------------------------------------------------------- random
+
+def test_random_is_seeded_and_reproducible(make_ctx):
+    s1, rows = REGISTRY["random"](make_ctx("random", seed=3))
+    s2, _ = REGISTRY["random"](make_ctx("random", seed=3))
+    s3, _ = REGISTRY["random"](make_ctx("random", seed=4))
+    assert rows == [] and s1.dtype == torch.float64 and len(s1) == 8
+    assert torch.equal(s1, s2) and not torch.equal(s1, s3)
+    assert torch.equal(s1, torch.rand(8, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    assert bool(((s1 >= 0) & (s1 < 1)).all())
+
+
+# --------------------------------------------------------------------------- IF-Guide
+
+def test_ifguide_rank_on_hand_made_token_scores():
+    ts = [torch.tensor([1.0, 5, 2]), torch.tensor([6.0, 0]), torch.tensor([3.0]), torch.tensor([7.0, 8])]
+    # all tokens sorted: 0 1 2 3 5 6 7 8; the 0.5 quantile (linear) is 3 + 0.5 * (5 - 3) = 4
+    assert ifguide_threshold(ts, 0.5) == pytest.approx(4.0)
+    # above tau: doc0 {5}, doc1 {6}, doc2 {}, doc3 {7, 8}: s = 1 1 0 2 -> .5 .5 0 1 ; f = 5 6 0 15 -> /15
+    s = [0.5, 0.5, 0.0, 1.0]
+    f = [5 / 15, 6 / 15, 0.0, 1.0]
+    expect = [2 * a * b / (a + b) if a + b > 0 else 0.0 for a, b in zip(s, f)]
+    got = ifguide_rank(ts, 0.5, "harmonic")
+    assert got.dtype == torch.float64
+    assert got.tolist() == pytest.approx(expect, rel=1e-12)
+    assert got.tolist() == pytest.approx([0.4, 0.4 / 0.9, 0.0, 1.0], rel=1e-12)
+    assert ifguide_rank(ts, 0.5, "sum").tolist() == [8.0, 6.0, 3.0, 15.0]
+    # every document alike: both statistics normalise to 0, so every R is 0
+    assert ifguide_rank([torch.tensor([1.0, 2.0])] * 3, 0.5).tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ConfigError):
+        ifguide_rank(ts, 1.5)
+    with pytest.raises(ConfigError):
+        ifguide_rank(ts, 0.5, "median")
+
+
+def _ifguide_reference_target(model, modules, ctx):
+    Q = len(ctx.inputs.chosen)
+    return (sum(flat_grad(model, modules, example_loss(model, c)) for c in ctx.inputs.chosen) / Q
+            - sum(flat_grad(model, modules, example_loss(model, r)) for r in ctx.inputs.rejected) / Q)
+
+
+def test_ifguide_loss_term_token_scores_equal_explicit_per_token_gradients(model, modules, tok, make_ctx):
+    ctx = make_ctx("ifguide")
+    g, lc, lr = contrastive_target(model, modules, ctx.inputs.chosen, ctx.inputs.rejected,
+                                   pad_id=tok.pad_token_id, batch_size=2)
+    ref_g = _ifguide_reference_target(model, modules, ctx)
+    assert rel_err(flatten(g, modules), ref_g) <= REL_TOL
+    assert lc.tolist() == pytest.approx([float(example_loss(model, c).detach()) for c in ctx.inputs.chosen], rel=REL_TOL)
+    # identity curvature: V = g; token_chunk 5 exercises several batched backwards per batch
+    got = token_scores(model, modules, ctx.inputs.encoded, g, pad_id=tok.pad_token_id, attribution="loss",
+                       batch_size=3, token_chunk=5)
+    ref = []
+    for e in ctx.inputs.encoded:
+        ref.append(torch.stack([flat_grad_kept(modules, lt) @ ref_g for lt in token_loss_terms(model, e)]))
+    assert [len(t) for t in got] == [e.n_response for e in ctx.inputs.encoded]
+    assert rel_err(torch.cat(got), torch.cat(ref)) <= REL_TOL
+    # the token terms add up to the summed-loss influence g_z . g
+    G = per_example_grads(model, modules, ctx.inputs.encoded)
+    assert rel_err(torch.stack([t.sum() for t in got]), G @ ref_g) <= REL_TOL
+
+
+def test_ifguide_position_token_scores_equal_explicit_decomposition(model, modules, tok, make_ctx):
+    ctx = make_ctx("ifguide")
+    g, _, _ = contrastive_target(model, modules, ctx.inputs.chosen, ctx.inputs.rejected, pad_id=tok.pad_token_id)
+    got = token_scores(model, modules, ctx.inputs.encoded, g, pad_id=tok.pad_token_id, attribution="position",
+                       batch_size=3)
+    for e, t in zip(ctx.inputs.encoded[:3], got[:3]):
+        # explicit: b_t = dl(z)/do_t by autograd on each layer's output, a_t its input
+        ins, outs = {}, {}
+        def grab(n):
+            def hook(mod, i, o):
+                ins[n], outs[n] = i[0], o
+            return hook
+        hs = [m.register_forward_hook(grab(n)) for n, m in modules.items()]
+        loss = example_loss(model, e)
+        for h in hs:
+            h.remove()
+        names = list(modules)
+        bs = torch.autograd.grad(loss, [outs[n] for n in names])
+        ref = sum(((b[0] @ g[n]) * ins[n][0]).sum(-1) for n, b in zip(names, bs))
+        assert len(t) == len(e.input_ids)
+        assert rel_err(t, ref.detach()) <= REL_TOL
+    G = per_example_grads(model, modules, ctx.inputs.encoded)
+    assert rel_err(torch.stack([t.sum() for t in got]), G @ flatten(g, modules)) <= REL_TOL
+
+
+def test_ifguide_method_rankings(model, modules, tok, make_ctx):
+    ctx = make_ctx("ifguide", {"quantile": 0.9, "token_attribution": "loss"})
+    scores, rows = REGISTRY["ifguide"](ctx)
+    g, _, _ = contrastive_target(model, modules, ctx.inputs.chosen, ctx.inputs.rejected, pad_id=tok.pad_token_id)
+    ts = token_scores(model, modules, ctx.inputs.encoded, g, pad_id=tok.pad_token_id, attribution="loss")
+    assert torch.allclose(scores, ifguide_rank(ts, 0.9, "harmonic"), rtol=1e-9, atol=1e-12)
+    assert ctx.info["method"]["options"]["token_attribution"] == "loss"
+    assert ctx.info["method"]["tau"] == pytest.approx(ifguide_threshold(ts, 0.9), rel=1e-9)
+    assert [r["id"] for r in rows] == ["q0", "q1", "q2"]
+    # "sum" = summed-loss influence g_z . H^-1 g through the shared score loop
+    ctx2 = make_ctx("ifguide", {"ranking": "sum"})
+    s2, _ = REGISTRY["ifguide"](ctx2)
+    ref = per_example_grads(model, modules, ctx.inputs.encoded) @ _ifguide_reference_target(model, modules, ctx)
+    assert rel_err(s2, ref) <= REL_TOL
+    with pytest.raises(ConfigError):
+        REGISTRY["ifguide"](make_ctx("ifguide", {"ranking": "mean"}))
+
+
+# --------------------------------------------------------------------------- concept methods
+
+def test_vecfilter_matches_explicit_hidden_states(model, make_ctx):
+    ctx = make_ctx("vecfilter", {"layer": LAYER})
+    scores, rows = REGISTRY["vecfilter"](ctx)
+    v, vhat = ref_concept(model, ctx)
+    H = torch.stack([block_hidden(model, e, LAYER) for e in ctx.inputs.encoded]).detach()
+    assert rel_err(scores, H @ vhat) <= REL_TOL
+    assert rows[0]["proj_chosen"] == pytest.approx(float(block_hidden(model, ctx.inputs.chosen[0], LAYER).detach() @ vhat),
+                                                   rel=REL_TOL)
+    cos, _ = REGISTRY["vecfilter"](make_ctx("vecfilter", {"layer": LAYER, "similarity": "cosine"}))
+    assert rel_err(cos, (H @ v) / (H.norm(dim=1) * v.norm())) <= REL_TOL
+    # default layer: round(2/3 * 2) = 1
+    ctx_d = make_ctx("vecfilter")
+    REGISTRY["vecfilter"](ctx_d)
+    assert ctx_d.info["method"]["options"]["layer"] == 1
+    with pytest.raises(ConfigError):
+        REGISTRY["vecfilter"](make_ctx("vecfilter", {"layer": 3}))
+
+
+def test_projdiff_with_given_responses(model, tok, make_ctx, pool_examples):
+    own = [f"I think {i}." for i in range(len(pool_examples))]
+    ctx = make_ctx("projdiff", {"layer": LAYER, "responses": own})
+    scores, _ = REGISTRY["projdiff"](ctx)
+    _, vhat = ref_concept(model, ctx)
+    ref = torch.stack([(block_hidden(model, e, LAYER) - block_hidden(model, encode(tok, p, y), LAYER)) @ vhat
+                       for e, (p, _), y in zip(ctx.inputs.encoded, pool_examples, own)]).detach()
+    assert rel_err(scores, ref) <= REL_TOL
+    # a mapping id -> text gives the same
+    s2, _ = REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER,
+                                                       "responses": {f"p{i}": y for i, y in enumerate(own)}}))
+    assert torch.equal(scores, s2)
+    with pytest.raises(ConfigError):
+        REGISTRY["projdiff"](make_ctx("projdiff", {"responses": own[:3]}))
+
+
+def test_projdiff_samples_caches_and_reuses_own_responses(model, tok, lm, make_ctx, monkeypatch):
+    ctx = make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 4})
+    s1, _ = REGISTRY["projdiff"](ctx)
+    info = ctx.info["method"]["own_responses"]
+    assert info["generated"] == 8 and info["reused"] == 0
+    path = gen_mod.cache_path(lm.settings.resolved_cache_dir(), lm.fingerprint)
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(recs) == 8 and all(r["n_tokens"] <= 4 for r in recs)
+    # reused only when the key matches: same settings -> no sampling at all
+    calls = []
+    real = gen_mod.sample_response
+    monkeypatch.setattr(gen_mod, "sample_response", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ctx2 = make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 4})
+    s2, _ = REGISTRY["projdiff"](ctx2)
+    assert torch.equal(s1, s2) and calls == [] and ctx2.info["method"]["own_responses"]["reused"] == 8
+    # the scores are those of the cached texts
+    s3, _ = REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER, "responses": [r["response"] for r in recs]}))
+    assert torch.allclose(s1, s3, rtol=1e-12, atol=0)
+    # other generation settings -> sampled again; the same settings from scratch -> the same texts
+    REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 3}))
+    assert len(calls) == 8
+    path.unlink()
+    s4, _ = REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 4}))
+    assert torch.equal(s1, s4)
+
+
+def test_conceptinf_equals_explicit_gradient_of_the_concept_projection(model, modules, make_ctx):
+    ctx = make_ctx("conceptinf", {"layer": LAYER})
+    scores, rows = REGISTRY["conceptinf"](ctx)
+    _, vhat = ref_concept(model, ctx)
+    f = sum(block_hidden(model, c, LAYER) @ vhat for c in ctx.inputs.chosen) / len(ctx.inputs.chosen)
+    grad_f = flat_grad_kept(modules, f)
+    G = per_example_grads(model, modules, ctx.inputs.encoded)
+    assert rel_err(scores, G @ (-grad_f)) <= REL_TOL
+    assert ctx.info["method"]["f"] == pytest.approx(float(f.detach()), rel=REL_TOL)
+    assert len(rows) == 3
+
+
+def test_conceptinf_sign_first_order(model, modules, make_ctx):
+    """A small step that upweights the top-scored example raises f more than the bottom one."""
+    ctx = make_ctx("conceptinf", {"layer": LAYER})
+    scores, _ = REGISTRY["conceptinf"](ctx)
+    _, vhat = ref_concept(model, ctx)
+
+    def f_after(i, eps=1e-4):
+        g = flat_grad(model, modules, example_loss(model, ctx.inputs.encoded[i]))
+        params = [m.weight for m in modules.values()]
+        saved = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            k = 0
+            for p in params:
+                p -= eps * g[k:k + p.numel()].view_as(p)
+                k += p.numel()
+            val = float(sum(block_hidden(model, c, LAYER) @ vhat for c in ctx.inputs.chosen))
+            for p, s in zip(params, saved):
+                p.copy_(s)
+        return val
+
+    with torch.no_grad():
+        base = float(sum(block_hidden(model, c, LAYER) @ vhat for c in ctx.inputs.chosen))
+    top, bottom = int(scores.argmax()), int(scores.argmin())
+    assert f_after(top) - base > 0 > f_after(bottom) - base
+
+
+# --------------------------------------------------------------------------- SAE-Feat
+
+def _sae(path, d_model=16, d_sae=12, layer=LAYER, threshold=True, seed=0, **extra):
+    g = torch.Generator().manual_seed(seed)
+    t = {"W_enc": torch.randn(d_model, d_sae, generator=g, dtype=torch.float64),
+         "b_enc": 0.1 * torch.randn(d_sae, generator=g, dtype=torch.float64),
+         "b_dec": 0.1 * torch.randn(d_model, generator=g, dtype=torch.float64)}
+    if threshold:
+        t["threshold"] = 0.2 * torch.rand(d_sae, generator=g, dtype=torch.float64)
+    t.update(extra)
+    save_file(t, str(path), metadata=None if layer is None else {"layer": str(layer)})
+    return t
+
+
+def _ref_acts(model, t, enc, reduce="mean"):
+    caught = []
+    h = model.model.layers[LAYER - 1].register_forward_hook(lambda mod, i, o: caught.append(o))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([enc.input_ids]))
+    h.remove()
+    hs = caught[0][0, enc.response_start:]
+    rows = []
+    for x in hs:  # token by token
+        pre = (x - t["b_dec"]) @ t["W_enc"] + t["b_enc"]
+        act = torch.clamp(pre, min=0)
+        if "threshold" in t:
+            act = torch.where(pre > t["threshold"], act, torch.zeros_like(act))
+        rows.append(act)
+    a = torch.stack(rows)
+    return a.mean(0) if reduce == "mean" else a.max(0).values
+
+
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_saefeat_latent_choice_and_scores(model, make_ctx, tmp_path, reduce):
+    t = _sae(tmp_path / "sae.safetensors")
+    ctx = make_ctx("saefeat", {"sae": str(tmp_path / "sae.safetensors"), "reduce": reduce})
+    scores, rows = REGISTRY["saefeat"](ctx)
+    ac = torch.stack([_ref_acts(model, t, e, reduce) for e in ctx.inputs.chosen]).mean(0)
+    ar = torch.stack([_ref_acts(model, t, e, reduce) for e in ctx.inputs.rejected]).mean(0)
+    k = int(torch.argmax(ac - ar))
+    assert ctx.info["method"]["options"]["latent"] == k
+    assert ctx.info["method"]["layer_from"] == "metadata"
+    ref = torch.stack([_ref_acts(model, t, e, reduce)[k] for e in ctx.inputs.encoded])
+    assert torch.allclose(scores, ref, rtol=1e-10, atol=1e-12)
+    # an explicit latent and layer; no target pairs needed then
+    ctx2 = make_ctx("saefeat", {"sae": str(tmp_path / "sae.safetensors"), "latent": 3, "layer": LAYER,
+                                "reduce": reduce}, with_pairs=False)
+    s2, rows2 = REGISTRY["saefeat"](ctx2)
+    assert rows2 == []
+    ref2 = torch.stack([_ref_acts(model, t, e, reduce)[3] for e in ctx.inputs.encoded])
+    assert torch.allclose(s2, ref2, rtol=1e-10, atol=1e-12)
+
+
+def test_saefeat_errors(make_ctx, tmp_path):
+    run = lambda **o: REGISTRY["saefeat"](make_ctx("saefeat", o))  # noqa: E731
+    with pytest.raises(ConfigError, match="sae"):
+        run()
+    with pytest.raises(InputError, match="not found"):
+        run(sae=str(tmp_path / "missing.safetensors"))
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file at all")
+    with pytest.raises(InputError, match="safetensors"):
+        run(sae=str(tmp_path / "junk.safetensors"))
+    save_file({"W_enc": torch.zeros(16, 4)}, str(tmp_path / "nob.safetensors"))
+    with pytest.raises(InputError, match="b_enc"):
+        run(sae=str(tmp_path / "nob.safetensors"), layer=1)
+    _sae(tmp_path / "wide.safetensors", d_model=20)
+    with pytest.raises(InputError, match="hidden size 16"):
+        run(sae=str(tmp_path / "wide.safetensors"))
+    save_file({"W_enc": torch.zeros(12, 16), "b_enc": torch.zeros(12)}, str(tmp_path / "t.safetensors"))
+    with pytest.raises(InputError, match="transposed"):
+        run(sae=str(tmp_path / "t.safetensors"), layer=1)
+    save_file({"W_enc": torch.zeros(16, 4), "b_enc": torch.zeros(4), "threshold": torch.zeros(5)},
+              str(tmp_path / "thr.safetensors"))
+    with pytest.raises(InputError, match="threshold"):
+        run(sae=str(tmp_path / "thr.safetensors"), layer=1)
+    _sae(tmp_path / "nolayer.safetensors", layer=None)
+    with pytest.raises(ConfigError, match="layer"):
+        run(sae=str(tmp_path / "nolayer.safetensors"))
+    _sae(tmp_path / "ok.safetensors")
+    with pytest.raises(ConfigError, match="latent"):
+        run(sae=str(tmp_path / "ok.safetensors"), latent=12)
+
+
+# --------------------------------------------------------------------------- pipeline and compare
+
+POOL_LABELS = [False, True, False, False, False, True, False, False]
+
+
+def _write_inputs(tmp_path, pool_examples, pair_examples):
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p, "response": r, "harmful": y}) + "\n"
+                            for i, ((p, r), y) in enumerate(zip(pool_examples, POOL_LABELS))))
+    targets = tmp_path / "targets.jsonl"
+    targets.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q, "chosen": c, "rejected": r}) + "\n"
+                               for i, (q, c, r) in enumerate(pair_examples)))
+    return pool, targets
+
+
+@pytest.mark.parametrize("name", ["random", "ifguide", "vecfilter", "projdiff", "conceptinf", "saefeat"])
+def test_every_baseline_runs_through_score_pool(lm, tmp_path, pool_examples, pair_examples, name):
+    pool, targets = _write_inputs(tmp_path, pool_examples, pair_examples)
+    opts = {"projdiff": {"max_new_tokens": 3}, "saefeat": {"sae": str(tmp_path / "sae.safetensors")}}.get(name, {})
+    if name == "saefeat":
+        _sae(tmp_path / "sae.safetensors")
+    s = ScoreSettings(method=name, batch_size=4, progress=False, method_options=opts)
+    summary = score_pool(lm, pool, targets, tmp_path / "run", s, CurvatureSettings(kind="identity"))
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run == json.loads(json.dumps(summary))
+    # run.json's "method" is currently replaced by ctx.info["method"] (pipeline merges info last)
+    assert run["method"] == name or run["method"]["name"] == name
+    rows = [json.loads(x) for x in (tmp_path / "run" / "scores.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"p{i}" for i in range(8)]
+    assert all(math.isfinite(r["score"]) for r in rows)
+
+
+def test_options_for_splits_per_method_options():
+    opts = {"layer": 2, "quantile": 0.9, "vecfilter": {"similarity": "cosine"}, "projdiff.max_new_tokens": 5,
+            "sae": "x.safetensors"}
+    assert options_for("vecfilter", opts) == {"layer": 2, "similarity": "cosine"}
+    assert options_for("projdiff", opts) == {"layer": 2, "max_new_tokens": 5}
+    assert options_for("ifguide", opts) == {"quantile": 0.9}
+    assert options_for("random", opts) == {}
+    assert options_for("prism", opts) == {"layer": 2, "quantile": 0.9, "sae": "x.safetensors"}
+    with pytest.raises(ConfigError):
+        options_for("vecfilter", {"vecfilter": 3})
+
+
+def test_compare_writes_table_with_sklearn_metrics_and_reuses_curvature(lm, tmp_path, pool_examples,
+                                                                        pair_examples):
+    from sklearn.metrics import average_precision_score, roc_auc_score
+    pool, targets = _write_inputs(tmp_path, pool_examples, pair_examples)
+    s = ScoreSettings(batch_size=4, progress=False, method_options={"ifguide.quantile": 0.9, "layer": 1})
+    res = compare(lm, pool, targets, tmp_path / "cmp", ["prism", "ifguide", "vecfilter"], s,
+                  CurvatureSettings(kind="kfac", batch_size=4), label="harmful")
+    out = tmp_path / "cmp"
+    assert json.loads((out / "compare.json").read_text()) == json.loads(json.dumps(res))
+    md = (out / "compare.md").read_text()
+    for row in res["methods"]:
+        m = row["method"]
+        scored = [json.loads(x) for x in (out / m / "scores.jsonl").read_text().splitlines()]
+        y = [POOL_LABELS[int(r["id"][1:])] for r in scored]
+        sc = [r["score"] for r in scored]
+        assert row["auroc"] == roc_auc_score(y, sc)
+        assert row["auprc"] == average_precision_score(y, sc)
+        assert f"| {m} | {row['wall_s']:.2f} | {row['auroc']:.4f} | {row['auprc']:.4f} |" in md
+    runs = {m: json.loads((out / m / "run.json").read_text()) for m in ["prism", "ifguide", "vecfilter"]}
+    assert runs["prism"]["curvature"]["reused"] is False
+    assert runs["ifguide"]["curvature"]["reused"] is True
+    assert runs["ifguide"]["curvature"]["path"] == runs["prism"]["curvature"]["path"]
+    assert "curvature" not in runs["vecfilter"]
+    assert runs["ifguide"]["settings"]["method_options"] == {"quantile": 0.9}
+    assert runs["vecfilter"]["settings"]["method_options"] == {"layer": 1}
+    assert res["n_positive"] == 2
+    with pytest.raises(ConfigError):
+        compare(lm, pool, targets, tmp_path / "cmp2", ["prism", "nope"], s)
+
+
+def test_cli_methods_and_compare(tmp_path, tok, pool_examples, pair_examples, capsys):
+    from prism_select.cli import main
+    from tiny import tiny_llama
+    assert main(["methods"]) == 0
+    listed = capsys.readouterr().out
+    assert "ifguide" in listed and "prism" in listed
+    mdir = tmp_path / "m"
+    tiny_llama(len(tok)).save_pretrained(mdir)
+    tok.save_pretrained(mdir)
+    pool, targets = _write_inputs(tmp_path, pool_examples, pair_examples)
+    rc = main(["compare", "--pool", str(pool), "--targets", str(targets), "--out", str(tmp_path / "c"),
+               "--methods", "random", "vecfilter", "--label", "harmful", "--model", str(mdir),
+               "--dtype", "float64", "--device", "cpu", "--cache-dir", str(tmp_path / "cache"),
+               "--no-progress", "--curvature", "identity", "--option", "vecfilter.layer=1"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| random |" in text and "| vecfilter |" in text
+    assert json.loads((tmp_path / "c" / "vecfilter" / "run.json").read_text())["method"]["options"]["layer"] == 1
