@@ -1,0 +1,243 @@
+"""Reliability of the `score` job: bad input, atomic outputs, resume/refuse,
+caches keyed by fingerprints, untrusted files, determinism (issue: reliability)."""
+
+import builtins
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from prism_select.cli import main
+from prism_select.curvature import CurvatureSettings
+from prism_select.errors import CacheError, InputError, NumericalError, OutputError
+from prism_select.examples import make_example
+from prism_select.model import ModelSettings, load_model
+from prism_select.pipeline import ScoreSettings, prepare_inputs, score_pool
+
+from tiny import tiny_llama, tiny_tokenizer
+
+OUTPUTS = ("scores.jsonl", "pairs.jsonl", "run.json")
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    tok = tiny_tokenizer()
+    m = tiny_llama(len(tok), dtype=torch.float32)
+    d = tmp_path / "model"
+    m.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def data(tmp_path):
+    return make_example(tmp_path / "data", n_pool=10, n_pairs=3)
+
+
+def settings(tmp_path, model_dir, **kw):
+    return ModelSettings(model=str(model_dir), dtype="float32", device="cpu", cache_dir=str(tmp_path / "cache"))
+
+
+def run(tmp_path, model_dir, pool, targets, out, curvature="ekfac", **kw):
+    s = ScoreSettings(max_length=128, batch_size=4, progress=False, chunk_size=4, **kw)
+    return score_pool(settings(tmp_path, model_dir), pool, targets, out, s, CurvatureSettings(kind=curvature))
+
+
+def scores_of(out):
+    return [json.loads(line) for line in (Path(out) / "scores.jsonl").read_text().splitlines()]
+
+
+def no_outputs(out):
+    return not any((Path(out) / f).exists() for f in OUTPUTS)
+
+
+def test_schema_of_written_files(tmp_path, model_dir, data):
+    out = tmp_path / "run"
+    summary = run(tmp_path, model_dir, *data, out)
+    rows = scores_of(out)
+    assert [set(r) for r in rows] == [{"id", "score", "rank"}] * 10
+    assert sorted(r["rank"] for r in rows) == list(range(1, 11))
+    by_rank = sorted(rows, key=lambda r: r["rank"])
+    assert all(a["score"] >= b["score"] for a, b in zip(by_rank, by_rank[1:]))
+    pairs = [json.loads(x) for x in (out / "pairs.jsonl").read_text().splitlines()]
+    assert len(pairs) == 3 and {"id", "pi", "margin"} <= set(pairs[0])
+    assert all(abs(p["pi"] - 1 / (1 + math.exp(-p["margin"]))) < 1e-12 for p in pairs)
+    rj = json.loads((out / "run.json").read_text())
+    for key in ("settings", "curvature_settings", "versions", "fingerprints", "timings", "counts", "model"):
+        assert key in rj
+    assert rj["status"] == "complete" and rj == json.loads(json.dumps(summary))
+    assert not (out / ".partial").exists()
+
+
+BAD_POOLS = {
+    "empty.jsonl": "",
+    "badjson.jsonl": '{"prompt": "a", "response": "b"}\n{not json}\n',
+    "missing.jsonl": '{"prompt": "a"}\n',
+    "mistyped.jsonl": '{"prompt": "a", "response": 3}\n',
+    "emptyresp.jsonl": '{"prompt": "a", "response": "  "}\n',
+    "dupids.jsonl": '{"id": 1, "prompt": "a", "response": "b"}\n{"id": 1, "prompt": "c", "response": "d"}\n',
+    "pool.xml": "<pool/>",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_POOLS))
+def test_bad_pool_gives_named_error_and_no_output(tmp_path, model_dir, data, name):
+    bad = tmp_path / name
+    bad.write_text(BAD_POOLS[name])
+    out = tmp_path / "run"
+    with pytest.raises(InputError) as e:
+        run(tmp_path, model_dir, bad, data[1], out)
+    assert name in str(e.value)
+    assert no_outputs(out)
+
+
+def test_non_utf8_and_cli_exit_code(tmp_path, model_dir, data, capsys):
+    bad = tmp_path / "bytes.jsonl"
+    bad.write_bytes(b'{"prompt": "a", "response": "\xff\xfe"}\n')
+    out = tmp_path / "run"
+    code = main(["score", "--model", str(model_dir), "--pool", str(bad), "--targets", str(data[1]),
+                 "--out", str(out), "--device", "cpu", "--no-progress", "--cache-dir", str(tmp_path / "c")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "bytes.jsonl" in err and "row 0" in err and "Traceback" not in err
+    assert no_outputs(out)
+
+
+def test_chosen_equal_rejected_and_unfit_response(tmp_path, model_dir, data):
+    t = tmp_path / "t.jsonl"
+    t.write_text('{"prompt": "q", "chosen": "same", "rejected": "same"}\n')
+    with pytest.raises(InputError, match="row 0"):
+        run(tmp_path, model_dir, data[0], t, tmp_path / "r1")
+    long_pool = tmp_path / "long.jsonl"
+    long_pool.write_text(json.dumps({"prompt": "q", "response": "x" * 400}) + "\n")
+    with pytest.raises(InputError, match="max_length"):
+        run(tmp_path, model_dir, long_pool, data[1], tmp_path / "r2")
+    assert no_outputs(tmp_path / "r1") and no_outputs(tmp_path / "r2")
+
+
+def test_skip_invalid_lists_records_in_run_json(tmp_path, model_dir, data):
+    pool = tmp_path / "mixed.jsonl"
+    lines = data[0].read_text().splitlines()
+    pool.write_text("\n".join(lines[:4] + ['{"prompt": "a"}', json.dumps({"prompt": "q", "response": "y" * 400})]
+                              + lines[4:]) + "\n")
+    summary = run(tmp_path, model_dir, pool, data[1], tmp_path / "run", skip_invalid=True)
+    assert summary["counts"]["invalid"] == 2 and summary["counts"]["pool"] == 10
+    assert {r["row"] for r in summary["invalid_records"]} == {4, 5}
+
+
+def test_finished_run_is_refused_unless_overwrite(tmp_path, model_dir, data):
+    out = tmp_path / "run"
+    run(tmp_path, model_dir, *data, out)
+    with pytest.raises(OutputError, match="overwrite"):
+        run(tmp_path, model_dir, *data, out)
+    run(tmp_path, model_dir, *data, out, overwrite=True)
+
+
+def test_unfinished_run_with_other_settings_is_refused(tmp_path, model_dir, data):
+    """An output directory holding an unfinished run (its .partial/ key) with other
+    settings is refused; resuming with the same settings is tested with SIGKILL in
+    test_resume.py."""
+    out = tmp_path / "run"
+    (out / ".partial").mkdir(parents=True)
+    (out / ".partial" / "key.json").write_text(json.dumps({"settings": {"method": "equal"}}))
+    with pytest.raises(CacheError, match="unfinished run"):
+        run(tmp_path, model_dir, *data, out)
+    assert no_outputs(out)
+    run(tmp_path, model_dir, *data, out, overwrite=True)
+    assert (out / "run.json").exists()
+
+
+def test_unwritable_output_fails_before_work(tmp_path, model_dir, data, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    called = []
+    monkeypatch.setattr("prism_select.pipeline.load_model", lambda *a: called.append(1))
+    with pytest.raises(OutputError):
+        run(tmp_path, model_dir, *data, blocker / "run")
+    assert not called
+
+
+def test_curvature_cache_reused_only_when_fingerprints_match(tmp_path, model_dir, data):
+    a = run(tmp_path, model_dir, *data, tmp_path / "a")
+    b = run(tmp_path, model_dir, *data, tmp_path / "b")
+    assert a["curvature"]["reused"] is False and b["curvature"]["reused"] is True
+    assert scores_of(tmp_path / "a") == scores_of(tmp_path / "b")
+    other_pool, _ = make_example(tmp_path / "data2", n_pool=10, n_pairs=3, seed=5)
+    c = run(tmp_path, model_dir, other_pool, data[1], tmp_path / "c")
+    assert c["curvature"]["reused"] is False and c["curvature"]["path"] != a["curvature"]["path"]
+    # A saved curvature whose recorded settings do not match its key is never reused.
+    meta = Path(a["curvature"]["path"]) / "curvature.json"
+    m = json.loads(meta.read_text())
+    m["settings"]["damping_factor"] = 0.5
+    meta.write_text(json.dumps(m))
+    d = run(tmp_path, model_dir, *data, tmp_path / "d")
+    assert d["curvature"]["reused"] is False
+    from prism_select.curvature import Curvature
+    with pytest.raises(CacheError):
+        Curvature.load(Path(a["curvature"]["path"]), expect={"model_fingerprint": "other"})
+
+
+def test_nan_weights_name_the_layer_or_record(tmp_path, data):
+    tok = tiny_tokenizer()
+    m = tiny_llama(len(tok), dtype=torch.float32)
+    with torch.no_grad():
+        m.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    d = tmp_path / "nanmodel"
+    m.save_pretrained(d)
+    tok.save_pretrained(d)
+    with pytest.raises(NumericalError) as e:
+        run(tmp_path, d, *data, tmp_path / "run")
+    assert re.search(r"record|layer", str(e.value))
+    assert no_outputs(tmp_path / "run")
+
+
+def test_data_paths_are_never_opened(tmp_path, model_dir, monkeypatch):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not read")
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text(json.dumps({"prompt": str(secret), "response": str(secret), "image": str(secret)}) + "\n")
+    targets = tmp_path / "t.jsonl"
+    targets.write_text(json.dumps({"prompt": str(secret), "chosen": str(secret), "rejected": "no"}) + "\n")
+    opened = []
+    real_open = builtins.open
+
+    def spy(file, *a, **k):
+        opened.append(os.fspath(file) if isinstance(file, (str, os.PathLike)) else file)
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    prepare_inputs(tiny_tokenizer(), pool, targets, max_length=512)
+    assert str(secret) not in opened
+
+
+def test_no_pickle_loading_in_the_package():
+    root = Path(__file__).resolve().parents[1] / "prism_select"
+    for f in root.rglob("*.py"):
+        text = f.read_text()
+        assert "import pickle" not in text and "pickle.load" not in text, f
+        for m in re.finditer(r"torch\.load\(([^)]*)\)", text):
+            assert "weights_only=True" in m.group(1), f"{f}: {m.group(0)}"
+        assert "trust_remote_code=True" not in text, f
+
+
+def test_same_seed_gives_identical_scores_on_cpu(tmp_path, model_dir, data):
+    run(tmp_path, model_dir, *data, tmp_path / "a", curvature="ekfac")
+    run(tmp_path, model_dir, *data, tmp_path / "b", curvature="ekfac")
+    assert scores_of(tmp_path / "a") == scores_of(tmp_path / "b")
+    rj = json.loads((tmp_path / "a" / "run.json").read_text())
+    # Everything needed to rerun is recorded.
+    assert rj["settings"]["seed"] == 0 and rj["inputs"]["pool"] and rj["model"]["settings"]["model"]
+
+
+def test_ctrl_c_message_says_how_to_resume(tmp_path, model_dir, data, capsys, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("prism_select.pipeline.score_pool", interrupted)
+    code = main(["score", "--model", str(model_dir), "--pool", str(data[0]), "--targets", str(data[1]),
+                 "--out", str(tmp_path / "run")])
+    assert code == 130
+    assert "same command" in capsys.readouterr().err
