@@ -577,3 +577,13 @@ def test_cuda_load_dtype_and_device_independent_fingerprint(tiny_dir):
     with pytest.raises(ConfigError) as ei:
         load_model(ModelSettings(str(tiny_dir), device=f"cuda:{torch.cuda.device_count()}"))
     assert ei.value.field == "device"
+
+
+@needs_gguf
+def test_gguf_recognised_by_magic_without_suffix(tmp_path):
+    gg = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gg)
+    other = tmp_path / "weights.bin"
+    shutil.copy(gg, other)
+    lm = load_model(ModelSettings(str(other), dtype="float32", device="cpu", cache_dir=str(tmp_path / "c")))
+    assert lm.source["kind"] == "gguf" and lm.source["gguf_key"] == gguf_cache_key(gg)
