@@ -419,8 +419,8 @@ def test_every_baseline_runs_through_score_pool(lm, tmp_path, pool_examples, pai
     summary = score_pool(lm, pool, targets, tmp_path / "run", s, CurvatureSettings(kind="identity"))
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run == json.loads(json.dumps(summary))
-    # run.json's "method" is currently replaced by ctx.info["method"] (pipeline merges info last)
-    assert run["method"] == name or run["method"]["name"] == name
+
+    assert run["method"] == name and run["method_info"]["name"] == name
     rows = [json.loads(x) for x in (tmp_path / "run" / "scores.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"p{i}" for i in range(8)]
     assert all(math.isfinite(r["score"]) for r in rows)
@@ -485,4 +485,4 @@ def test_cli_methods_and_compare(tmp_path, tok, pool_examples, pair_examples, ca
     assert rc == 0
     text = capsys.readouterr().out
     assert "| random |" in text and "| vecfilter |" in text
-    assert json.loads((tmp_path / "c" / "vecfilter" / "run.json").read_text())["method"]["options"]["layer"] == 1
+    assert json.loads((tmp_path / "c" / "vecfilter" / "run.json").read_text())["method_info"]["options"]["layer"] == 1

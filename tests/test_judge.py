@@ -261,7 +261,7 @@ def test_judge_through_score_pool_never_writes_the_key(tmp_path, monkeypatch, ca
         summary = score_pool(ModelSettings(str(d), device="cpu", dtype="float32"), pool, targets, tmp_path / "out",
                              ScoreSettings(method="judge", progress=False,
                                            method_options={"endpoint": stub.url, "model": "m"}))
-    assert summary["method"]["backend"] == "endpoint"
+    assert summary["method_info"]["backend"] == "endpoint"
     scores = [json.loads(x)["score"] for x in (tmp_path / "out" / "scores.jsonl").read_text().splitlines()]
     assert scores == [1.0 if ("=9" in r or "=6" in r) else 0.2 for _, r in POOL]
     for f in (tmp_path / "out").rglob("*"):

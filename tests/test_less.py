@@ -235,7 +235,7 @@ def test_less_through_score_pool(tmp_path, two_checkpoints):
     opts = {"checkpoints": [str(c) for c in two_checkpoints], "proj_dim": 16, "proj_seed": 7}
     summary = score_pool(ModelSettings(str(d), device="cpu", dtype="float64"), pool, targets, tmp_path / "out",
                          ScoreSettings(method="less", progress=False, method_options=opts))
-    assert summary["method"]["name"] == "less"
+    assert summary["method"] == "less" and summary["method_info"]["name"] == "less"
     scores = torch.tensor([json.loads(x)["score"] for x in (tmp_path / "out" / "scores.jsonl").read_text().splitlines()],
                           dtype=torch.float64)
     ref, _ = reference_scores(two_checkpoints, [0.75, 0.25], 16, 7, TASKS)

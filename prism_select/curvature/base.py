@@ -115,7 +115,9 @@ class Curvature:
         fingerprints) into ``directory``, atomically."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}
+        # clone(): layers reading the same input share one factor in memory, which
+        # safetensors refuses to save as such.
+        tensors = {k: v.detach().cpu().clone().contiguous() for k, v in self.tensors.items()}
         tmp = d / ".factors.safetensors.tmp"
         save_file(tensors, str(tmp))
         tmp.replace(d / "factors.safetensors")
