@@ -1,0 +1,421 @@
+"""One self-contained HTML page for an experiment directory or a single score run.
+
+``write_report(path)``: ``path`` is an experiment directory (``results.json``, from
+:mod:`.protocols`) or a score run directory (``scores.jsonl`` + ``run.json``, from
+``prism-select score``). The page ``<path>/report.html`` holds
+
+* the result tables (methods x settings, mean ± std over seeds, the best value of a
+  column in bold) and a per-run summary (pool size, harmful count, pairs, ``pi`` range,
+  method errors);
+* ROC curves per method, the distribution of ``pi`` over the target pairs (from
+  ``pairs.jsonl``, split by the pair ``kind`` when the targets name one), score
+  histograms split by label, for the first seed of each setting;
+* the top and bottom 10 pool examples of each method (prompt and response excerpts).
+
+Every image is a PNG written beside the page (``report-*.png``) and inlined as a
+base64 data URI, and the page links no external file, script or font, so it can be
+mailed or archived alone. Plots use matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import re
+from pathlib import Path
+
+from ..errors import InputError
+from ..io import atomic_write_bytes, atomic_write_text
+
+CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1200px;
+color:#222;padding:0 1em;line-height:1.4}
+h1{font-size:1.6em}h2{font-size:1.3em;border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}
+h3{font-size:1.1em}
+table{border-collapse:collapse;margin:.6em 0 1.2em;font-size:.92em}
+th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right;vertical-align:top}
+th{background:#f3f3f3}td.l,th.l{text-align:left}
+td.best{font-weight:bold;background:#eef7ee}
+.note{color:#666;font-size:.9em}
+img{max-width:100%;border:1px solid #eee;margin:.3em 0}
+.ex td{text-align:left;font-size:.85em;max-width:520px;white-space:pre-wrap;word-break:break-word}
+.err{color:#a00}
+details{margin:.4em 0}summary{cursor:pointer}
+code{background:#f6f6f6;padding:0 .2em}
+"""
+
+N_EXAMPLES = 10
+EXCERPT = 400
+
+
+def _esc(x) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _fmt(v, digits=3) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    return f"{v:.{digits}f}"
+
+
+def _cell(c: dict) -> str:
+    if not c or c.get("mean") is None:
+        return "—"
+    s = _fmt(c["mean"])
+    if c.get("std") is not None:
+        s += f" ± {_fmt(c['std'])}"
+    return s
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", str(text)).strip("-").lower() or "x"
+
+
+def _excerpt(text, n=EXCERPT) -> str:
+    if not isinstance(text, str):
+        text = json.dumps(text, ensure_ascii=False)
+    return text if len(text) <= n else text[:n] + " …"
+
+
+def _read_jsonl(path) -> list:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# --------------------------------------------------------------------------- plots
+
+class _Plots:
+    """Figures saved beside the page and inlined as data URIs."""
+
+    def __init__(self, out_dir: Path):
+        import matplotlib
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+        self.plt = plt
+        self.out_dir = out_dir
+        self.names: list = []
+
+    def img(self, fig, name: str, alt: str) -> str:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+        self.plt.close(fig)
+        data = buf.getvalue()
+        fname = f"report-{_slug(name)}.png"
+        k = 2
+        while fname in self.names:
+            fname = f"report-{_slug(name)}-{k}.png"
+            k += 1
+        self.names.append(fname)
+        atomic_write_bytes(self.out_dir / fname, data)
+        b64 = base64.b64encode(data).decode("ascii")
+        return f'<img src="data:image/png;base64,{b64}" alt="{_esc(alt)}" title="{_esc(fname)}">'
+
+    def roc(self, curves: dict, title: str, name: str) -> str:
+        from .protocols import auroc, roc_points
+        fig, ax = self.plt.subplots(figsize=(5.2, 4.6))
+        for m, (s, y) in curves.items():
+            fpr, tpr = roc_points(s, y)
+            ax.plot(fpr, tpr, label=f"{m} ({auroc(s, y):.3f})", lw=1.4)
+        ax.plot([0, 1], [0, 1], ls="--", c="#999", lw=1)
+        ax.set_xlabel("false positive rate")
+        ax.set_ylabel("true positive rate")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7, loc="lower right")
+        return self.img(fig, name, f"ROC curves: {title}")
+
+    def pi_hist(self, groups: dict, title: str, name: str) -> str:
+        fig, ax = self.plt.subplots(figsize=(5.2, 3.4))
+        bins = [i / 40 for i in range(41)]
+        for k, xs in groups.items():
+            ax.hist(xs, bins=bins, alpha=0.6, label=f"{k} (n={len(xs)}, {min(xs):.2f}-{max(xs):.2f})")
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("pi = sigmoid(margin)")
+        ax.set_ylabel("target pairs")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+        return self.img(fig, name, f"pi distribution: {title}")
+
+    def score_hists(self, per_method: dict, title: str, name: str) -> str:
+        n = len(per_method)
+        cols = min(4, n)
+        rows = math.ceil(n / cols)
+        fig, axes = self.plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
+        for ax in axes.flat[n:]:
+            ax.axis("off")
+        for ax, (m, (s, y)) in zip(axes.flat, per_method.items()):
+            if y is None:
+                ax.hist(s, bins=30, color="#4477aa")
+            else:
+                pos = [a for a, b in zip(s, y) if b]
+                neg = [a for a, b in zip(s, y) if not b]
+                lo, hi = min(s), max(s)
+                if hi <= lo:
+                    hi = lo + 1e-12
+                bins = [lo + (hi - lo) * i / 30 for i in range(31)]
+                ax.hist(neg, bins=bins, alpha=0.6, color="#4477aa", label=f"not harmful ({len(neg)})", density=True)
+                ax.hist(pos, bins=bins, alpha=0.6, color="#cc4444", label=f"harmful ({len(pos)})", density=True)
+                ax.legend(fontsize=6)
+            ax.set_title(m, fontsize=9)
+            ax.tick_params(labelsize=6)
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
+        return self.img(fig, name, f"score histograms: {title}")
+
+
+# --------------------------------------------------------------------------- pieces
+
+def _table_html(t: dict) -> str:
+    cols = t["columns"]
+    best = {}
+    for j in range(len(cols)):
+        vals = [(r["cells"][j] or {}).get("mean") for r in t["rows"]]
+        vals = [v for v in vals if v is not None]
+        if vals and max(vals) - min(vals) > 1e-12:  # no "best" when every row ties
+            best[j] = min(vals) if t.get("lower_is_better") else max(vals)
+    out = [f'<h3>{_esc(t["title"])}</h3>', f'<table class="results" id="table-{_esc(t["name"])}">',
+           "<tr><th class=l>method</th>" + "".join(f"<th>{_esc(c)}</th>" for c in cols) + "</tr>"]
+    for r in t["rows"]:
+        tds = []
+        for j, c in enumerate(r["cells"]):
+            is_best = c and c.get("mean") is not None and j in best and abs(c["mean"] - best[j]) < 1e-12
+            n = f' title="n={c.get("n", 0)}"' if c else ""
+            tds.append(f'<td{" class=best" if is_best else ""}{n}>{_esc(_cell(c))}</td>')
+        out.append(f"<tr><td class=l>{_esc(r['label'])}</td>{''.join(tds)}</tr>")
+    out.append("</table>")
+    if t.get("note"):
+        out.append(f'<p class="note">{_esc(t["note"])}</p>')
+    return "\n".join(out)
+
+
+def _pool_index(pool_path: Path) -> dict:
+    """id -> (prompt, response, raw record) of a pool file in any supported format."""
+    from ..data import load_pool
+    from ..data.readers import iter_records, record_id
+    items = {e.id: e for e in load_pool(pool_path, skip_invalid=True).items}
+    raw = {}
+    for row, rec in iter_records(pool_path, on_invalid=lambda e: None):
+        try:
+            raw[record_id(rec, row)] = rec
+        except InputError:
+            continue
+    return {i: (e.prompt, e.response, raw.get(i, {})) for i, e in items.items()}
+
+
+def _examples_html(scores: list, pool: dict, label: str | None) -> str:
+    ranked = sorted(scores, key=lambda r: r["rank"])
+    parts = []
+    for title, rows in (("top", ranked[:N_EXAMPLES]), ("bottom", ranked[-N_EXAMPLES:][::-1])):
+        body = []
+        for r in rows:
+            prompt, response, raw = pool.get(r["id"], ("?", "?", {}))
+            lab = ""
+            if label:
+                lab = f"<td>{_esc(raw.get(label, ''))}</td>"
+            score = f"{float(r['score']):.4g}"
+            body.append(f"<tr><td>{r['rank']}</td><td>{_esc(r['id'])}</td><td>{_esc(score)}</td>"
+                        f"{lab}<td>{_esc(_excerpt(prompt))}</td><td>{_esc(_excerpt(response))}</td></tr>")
+        head = "<tr><th>rank</th><th>id</th><th>score</th>" + (f"<th>{_esc(label)}</th>" if label else "") + \
+               "<th class=l>prompt</th><th class=l>response</th></tr>"
+        parts.append(f"<h4>{title} {len(rows)}</h4><table class=ex>{head}{''.join(body)}</table>")
+    return "\n".join(parts)
+
+
+def _labels(pool: dict, label: str | None) -> dict | None:
+    if not label:
+        return None
+    if not all(label in raw for _, _, raw in pool.values()):
+        return None
+    return {i: bool(raw[label]) for i, (_, _, raw) in pool.items()}
+
+
+def _run_figures(plots: _Plots, base: Path, run: dict, title: str, key: str) -> str:
+    """ROC, score histograms and top/bottom examples of one run."""
+    pool_path = base / run["pool"]
+    if not pool_path.exists():
+        return f'<p class="err">pool file {_esc(run["pool"])} is missing</p>'
+    pool = _pool_index(pool_path)
+    label = run.get("label")
+    labels = _labels(pool, label)
+    curves, hists, examples = {}, {}, []
+    for m, rec in run.get("methods", {}).items():
+        if rec.get("status") != "ok":
+            continue
+        sp = base / rec["dir"] / "scores.jsonl"
+        if not sp.is_file():
+            continue
+        rows = _read_jsonl(sp)
+        s = [float(r["score"]) for r in rows]
+        if labels is not None:
+            y = [labels[r["id"]] for r in rows]
+            curves[m] = (s, y)
+            hists[m] = (s, y)
+        else:
+            hists[m] = (s, None)
+        examples.append((m, rows))
+    out = []
+    if curves and any(any(y) for _, y in curves.values()) and any(not all(y) for _, y in curves.values()):
+        out.append(plots.roc(curves, title, f"roc-{key}"))
+    if hists:
+        out.append(plots.score_hists(hists, f"scores: {title}", f"scores-{key}"))
+    for i, (m, rows) in enumerate(examples):
+        out.append(f"<details{' open' if i == 0 else ''}><summary>top and bottom {N_EXAMPLES} by "
+                   f"<b>{_esc(m)}</b> ({_esc(title)})</summary>{_examples_html(rows, pool, label if labels else None)}"
+                   "</details>")
+    return "\n".join(out)
+
+
+def _pi_groups(base: Path, runs: list) -> dict:
+    groups: dict = {}
+    for run in runs:
+        rec = (run.get("methods") or {}).get("prism") or next(
+            (r for r in (run.get("methods") or {}).values() if r.get("status") == "ok"
+             and (base / r["dir"] / "pairs.jsonl").is_file()), None)
+        if not rec or rec.get("status") != "ok":
+            continue
+        pp = base / rec["dir"] / "pairs.jsonl"
+        if not pp.is_file():
+            continue
+        kinds = {}
+        if run.get("targets") and (base / run["targets"]).is_file():
+            kinds = {t.get("id"): t.get("kind") for t in _read_jsonl(base / run["targets"])}
+        for r in _read_jsonl(pp):
+            if "pi" in r:
+                groups.setdefault(kinds.get(r["id"]) or "pairs", []).append(float(r["pi"]))
+    return groups
+
+
+def _runs_table(runs: list) -> str:
+    head = ["setting", "seed", "pool", "harmful", "pairs", "pi min", "pi max", "notes"]
+    rows = []
+    for r in runs:
+        pi = (r.get("pi") or {}).get("all") or {}
+        notes = []
+        for m, rec in (r.get("methods") or {}).items():
+            if rec.get("status") == "error":
+                notes.append(f"{m}: {rec.get('error', '')[:300]}")
+        if r.get("note"):
+            notes.append(r["note"])
+        if r.get("n_worsened") is not None:
+            notes.append(f"worsened probes {r['n_worsened']}, improved {r.get('n_improved')}")
+        rows.append([r.get("setting"), r.get("seed"), r.get("n_pool", ""), r.get("n_harmful", ""),
+                     r.get("n_pairs", ""), _fmt(pi.get("min")), _fmt(pi.get("max")), "; ".join(notes)])
+    out = ["<table class=runs><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
+    for row in rows:
+        out.append("<tr>" + "".join(f"<td{' class=l' if i in (0, 7) else ''}>{_esc(v)}</td>"
+                                     for i, v in enumerate(row)) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def _page(title: str, body: list) -> str:
+    return ("<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
+            f"<title>{_esc(title)}</title><style>{CSS}</style></head><body>\n"
+            + "\n".join(body) + "\n</body></html>\n")
+
+
+# --------------------------------------------------------------------------- reports
+
+def _experiment_report(base: Path, plots: _Plots) -> str:
+    res = json.loads((base / "results.json").read_text(encoding="utf-8"))
+    cfg = res.get("config", {})
+    proto = res.get("protocol", "?")
+    model = cfg.get("model", {})
+    body = [f"<h1>prism-select: {_esc(proto)} experiment</h1>",
+            f"<p>model <code>{_esc(model.get('model'))}</code> "
+            f"(dtype {_esc(model.get('dtype'))}), seeds {_esc(res.get('seeds'))}, "
+            f"curvature <code>{_esc((cfg.get('curvature') or {}).get('kind'))}</code>, "
+            f"methods {_esc(', '.join(res.get('methods', [])))}.</p>",
+            "<p class=note>Cells: mean ± sample standard deviation over seeds (no ± with one seed); "
+            "hover a cell for the number of seeds. Every value is computed from the files of this run.</p>",
+            "<h2>Results</h2>"]
+    for t in res.get("tables", []):
+        body.append(_table_html(t))
+    runs = res.get("runs", [])
+    body.append("<h2>Runs</h2>")
+    body.append(_runs_table(runs))
+    settings = list(dict.fromkeys(r["setting"] for r in runs))
+    for st in settings:
+        st_runs = [r for r in runs if r["setting"] == st]
+        first = st_runs[0]
+        key = _slug(st)
+        body.append(f"<h2>{_esc(st)}</h2>")
+        groups = _pi_groups(base, st_runs)
+        if groups:
+            body.append(plots.pi_hist(groups, f"pi over target pairs, {st} ({len(st_runs)} seed(s))", f"pi-{key}"))
+        if first.get("pool"):
+            body.append(_run_figures(plots, base, first, f"{st}, seed {first.get('seed')}", key))
+    if res.get("timings"):
+        body.append("<h2>Timings (s)</h2><table>" + "".join(
+            f"<tr><td class=l>{_esc(k)}</td><td>{v:.1f}</td></tr>" for k, v in sorted(res["timings"].items()))
+            + "</table>")
+    return _page(f"prism-select {proto}", body)
+
+
+def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
+    run = json.loads((base / "run.json").read_text(encoding="utf-8"))
+    pool_path = Path(run.get("inputs", {}).get("pool", ""))
+    targets = run.get("inputs", {}).get("targets") or None
+    counts = run.get("counts", {})
+    body = [f"<h1>prism-select score run: {_esc(run.get('method'))}</h1>",
+            f"<p>{counts.get('pool')} pool examples, {counts.get('pairs')} target pairs, "
+            f"{counts.get('invalid', 0)} skipped; model <code>{_esc(run.get('model', {}).get('model'))}</code>; "
+            f"curvature <code>{_esc(run.get('curvature_settings', {}).get('kind'))}</code>; "
+            f"{run.get('timings', {}).get('total_s', 0):.1f} s.</p>"]
+    if not pool_path.is_file():
+        body.append(f'<p class="err">the pool file {_esc(pool_path)} named in run.json is not readable here</p>')
+        return _page("prism-select score run", body)
+    pool = _pool_index(pool_path)
+    if label is None and pool and all("harmful" in raw for _, _, raw in pool.values()):
+        label = "harmful"
+    labels = _labels(pool, label)
+    rows = _read_jsonl(base / "scores.jsonl")
+    s = [float(r["score"]) for r in rows]
+    if labels is not None:
+        from .protocols import auprc, auroc
+        y = [labels[r["id"]] for r in rows]
+        body.append("<h2>Ranking</h2><table class=results id=table-ranking><tr><th class=l>method</th><th>AUROC</th>"
+                    f"<th>AUPRC</th><th>positives</th></tr><tr><td class=l>{_esc(run.get('method'))}</td>"
+                    f"<td>{_fmt(auroc(s, y))}</td><td>{_fmt(auprc(s, y))}</td><td>{sum(y)} / {len(y)}</td></tr></table>")
+        if 0 < sum(y) < len(y):
+            body.append(plots.roc({run.get("method", "method"): (s, y)}, f"label '{label}'", "roc"))
+    else:
+        y = None
+    pp = base / "pairs.jsonl"
+    if pp.is_file():
+        kinds = {}
+        if targets and Path(targets).is_file() and Path(targets).suffix == ".jsonl":
+            kinds = {t.get("id"): t.get("kind") for t in _read_jsonl(targets)}
+        groups: dict = {}
+        for r in _read_jsonl(pp):
+            if "pi" in r:
+                groups.setdefault(kinds.get(r["id"]) or "pairs", []).append(float(r["pi"]))
+        if groups:
+            body.append("<h2>Target pairs</h2>")
+            body.append(plots.pi_hist(groups, "pi over target pairs", "pi"))
+    body.append("<h2>Scores</h2>")
+    body.append(plots.score_hists({run.get("method", "method"): (s, y)}, "score distribution", "scores"))
+    body.append(_examples_html(rows, pool, label if labels else None))
+    return _page("prism-select score run", body)
+
+
+def write_report(path, *, label: str | None = None, out: str | None = None) -> Path:
+    """Write ``report.html`` (and its PNGs) for an experiment or score run directory;
+    returns the page's path. ``label``: the pool's boolean label field for a score
+    run (default ``harmful`` when every record has it)."""
+    base = Path(path)
+    if (base / "results.json").is_file():
+        kind = "experiment"
+    elif (base / "scores.jsonl").is_file() and (base / "run.json").is_file():
+        kind = "score"
+    else:
+        raise InputError("neither an experiment directory (results.json) nor a finished score run "
+                         "(scores.jsonl + run.json)", path=base,
+                         fix="pass the --out directory of `prism-select experiment` or `prism-select score`")
+    page_path = Path(out) if out else base / "report.html"
+    plots = _Plots(page_path.parent)
+    text = _experiment_report(base, plots) if kind == "experiment" else _score_run_report(base, plots, label)
+    atomic_write_text(page_path, text)
+    return page_path

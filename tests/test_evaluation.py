@@ -1,0 +1,550 @@
+"""Evaluation protocols, data builders, checkers and the HTML report, on a tiny in-process model."""
+
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from prism_select.errors import ConfigError, InputError
+from prism_select.evaluation import builders, probes
+from prism_select.evaluation.protocols import (auprc, auroc, load_config, mean_std, ranking, repair,
+                                               run_experiment, select)
+
+from tiny import tiny_llama, tiny_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("PRISM_SELECT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("PRISM_DATA_ROOT", raising=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-model")
+    tok = tiny_tokenizer()
+    model = tiny_llama(len(tok), dtype=torch.float32)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+# --------------------------------------------------------------------------- fixtures
+
+def gsm8k_rows(n: int, seed: int = 0) -> list:
+    """GSM8K-format problems: two calculator steps, the second using the first's result."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b, c = rng.randint(11, 40), rng.randint(41, 70), rng.randint(3, 9)
+        s, r = a + b, (a + b) * c
+        q = f"Ann has {a} pens and buys {b} more. Each pen costs ${c}. How much are all her pens worth?"
+        sol = (f"Ann has {a}+{b} = <<{a}+{b}={s}>>{s} pens.\n"
+               f"They are worth {s}*{c} = $<<{s}*{c}={r}>>{r}.\n#### {r}")
+        rows.append({"question": q, "answer": sol})
+    return rows
+
+
+def write_gsm8k(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def gsm8k(tmp_path):
+    d = tmp_path / "data" / "gsm8k"
+    d.mkdir(parents=True)
+    write_gsm8k(d / "train.jsonl", gsm8k_rows(40, 0))
+    write_gsm8k(d / "test.jsonl", gsm8k_rows(10, 1))
+    return d
+
+
+@pytest.fixture
+def bbh_dir(tmp_path):
+    d = tmp_path / "data" / "bbh"
+    d.mkdir(parents=True)
+    opts = "\nOptions:\n(A) red\n(B) blue\n(C) green"
+    (d / "colors.json").write_text(json.dumps({"examples": [
+        {"input": f"Item {i} is which colour?{opts}", "target": "(" + "ABC"[i % 3] + ")"} for i in range(6)]}))
+    (d / "yesno.json").write_text(json.dumps({"examples": [
+        {"input": f"Is {i} even?", "target": "Yes" if i % 2 == 0 else "No"} for i in range(6)]}))
+    (d / "counting.json").write_text(json.dumps({"examples": [
+        {"input": f"Count to {i}.", "target": str(i)} for i in range(6)]}))
+    return d
+
+
+NATALIA_Q = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+             "How many clips did Natalia sell altogether in April and May?")
+NATALIA_A = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+             "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+
+
+# --------------------------------------------------------------------------- builders
+
+def test_corruption_is_carried_through_to_the_final_answer():
+    out = builders.corrupt_at(NATALIA_Q, NATALIA_A, 0, random.Random(3))
+    assert out is not None
+    new = int(out["corrupted"])
+    assert new != 24
+    sol = out["solution"]
+    assert f"<<48/2={new}>>{new} clips in May" in sol
+    assert f"48+{new} = <<48+{new}={48 + new}>>{48 + new} clips" in sol
+    assert sol.endswith(f"#### {48 + new}")
+    assert out["final_answer"] == str(48 + new) and out["original_final_answer"] == "72"
+    # corrupting the last step changes only the final result
+    last = builders.corrupt_at(NATALIA_Q, NATALIA_A, 1, random.Random(0))
+    assert last is not None and "<<48/2=24>>24" in last["solution"]
+    assert last["solution"].endswith(f"#### {last['corrupted']}")
+
+
+def test_ambiguous_step_is_not_corrupted():
+    # the first result (6) also occurs in the question: replacing later 6s would be ambiguous
+    q = "Tom has 6 apples and 3 pears. He buys 3 more pears. How many fruits?"
+    a = "Pears: 3+3 = <<3+3=6>>6.\nFruits: 6+6 = <<6+6=12>>12.\n#### 12"
+    assert builders.corrupt_at(q, a, 0, random.Random(0)) is None
+    assert builders.corrupt_at(q, a, 1, random.Random(0)) is not None
+
+
+@pytest.mark.parametrize("ratio,expected", [(0.0, 0), (0.1, 2), (0.25, 5), (0.5, 10), (1.0, 20)])
+def test_mistake_math_pool_ratio_and_labels(gsm8k, ratio, expected):
+    rows = builders.read_gsm8k(gsm8k / "train.jsonl")
+    pool = builders.mistake_math_pool(gsm8k / "train.jsonl", 20, ratio, seed=1)
+    assert len(pool) == 20 and len({p["id"] for p in pool}) == 20
+    assert sum(p["harmful"] for p in pool) == expected
+    for p in pool:
+        original = rows[p["source_index"]]["answer"]
+        assert "<<" not in p["response"]
+        assert p["prompt"] == rows[p["source_index"]]["question"]
+        if p["harmful"]:
+            assert p["final_answer"] != builders.final_answer_text(original)
+            assert p["response"].endswith("#### " + p["final_answer"])
+            assert p["corruption"]["original_final_answer"] == builders.final_answer_text(original)
+        else:
+            assert p["response"] == builders.strip_annotations(original)
+            assert p["final_answer"] == builders.final_answer_text(original)
+
+
+def test_pools_share_problems_across_ratios_and_keep_annotations(gsm8k):
+    a = builders.mistake_math_pool(gsm8k / "train.jsonl", 10, 0.1, seed=0)
+    b = builders.mistake_math_pool(gsm8k / "train.jsonl", 10, 0.5, seed=0, keep_annotations=True)
+    assert [p["id"] for p in a] == [p["id"] for p in b]
+    assert all("<<" in p["response"] for p in b)
+    assert a == builders.mistake_math_pool(gsm8k / "train.jsonl", 10, 0.1, seed=0)  # deterministic
+    with pytest.raises(ConfigError):
+        builders.mistake_math_pool(gsm8k / "train.jsonl", 10, 1.5)
+    with pytest.raises(InputError):
+        builders.mistake_math_pool(gsm8k / "train.jsonl", 500, 0.1)
+
+
+def test_targets_exclude_the_pool_and_distractors_shuffle(gsm8k):
+    pool = builders.mistake_math_pool(gsm8k / "train.jsonl", 20, 0.2, seed=0)
+    pairs = builders.mistake_math_targets(gsm8k / "train.jsonl", 6, seed=0, exclude=pool, n_distractors=4)
+    assert len(pairs) == 10
+    used = {p["source_index"] for p in pool}
+    assert not used & {t["source_index"] for t in pairs}
+    cf = [t for t in pairs if t["kind"] == "counterfactual"]
+    dx = [t for t in pairs if t["kind"] == "distractor"]
+    assert len(cf) == 6 and len(dx) == 4
+    for t in cf:
+        assert builders.final_answer_text(t["chosen"]) != builders.final_answer_text(t["rejected"])
+    for t in dx:
+        assert t["chosen"] != t["rejected"] and sorted(t["chosen"].split()) == sorted(t["rejected"].split())
+    assert all("task" not in t for t in pairs)
+
+
+def test_probes_and_bbh_splits(gsm8k, bbh_dir):
+    pr = builders.gsm8k_probes(gsm8k / "test.jsonl", 5, seed=0)
+    assert len(pr) == 5 and all(probes.numeric_final_answer(p, p["solution"]) for p in pr)
+    targets, heldout = builders.bbh_splits(bbh_dir, 2, seed=0, n_heldout_per_task=3)
+    assert len(targets) == 6 and len(heldout) == 9
+    assert not {t["id"] for t in targets} & {h["id"] for h in heldout}
+    for t in targets:
+        assert t["chosen"] != t["rejected"]
+        if t["task"] == "colors":
+            assert t["rejected"] in ("(A)", "(B)", "(C)")
+        elif t["task"] == "yesno":
+            assert {t["chosen"], t["rejected"]} == {"Yes", "No"}
+        else:
+            assert abs(int(t["rejected"]) - int(t["chosen"])) in (1, 2, 3) and int(t["rejected"]) >= 0
+    assert builders.wrong_answer({"input": "x", "target": "a b c"}, ["a b c", "x"] * 6 + list("qwertyuiop"),
+                                 random.Random(0)) != "a b c"
+    with pytest.raises(ConfigError):
+        builders.bbh_splits(bbh_dir, 2, tasks=["nope"])
+
+
+# --------------------------------------------------------------------------- checkers
+
+def test_builtin_checkers():
+    rec = {"reference": "1000"}
+    assert probes.numeric_final_answer(rec, "so 10*100 = 1,000\n#### 1,000")
+    assert probes.numeric_final_answer(rec, "The answer is $1000.")
+    assert probes.numeric_final_answer(rec, "we get 999 + 1 = 1000")
+    assert not probes.numeric_final_answer(rec, "#### 999 (not 1000)")
+    assert not probes.numeric_final_answer(rec, "no number at all")
+    assert probes.numeric_final_answer({"reference": "Natalia ...\n#### 72"}, "#### 72")
+    assert probes.exact_match({"reference": "Blue"}, "  blue. ")
+    assert not probes.exact_match({"reference": "Blue"}, "light blue")
+    assert probes.final_answer({"reference": "(B)"}, "Let's think. So the answer is (B).")
+    assert probes.final_answer({"reference": "(B)"}, "B")
+    assert not probes.final_answer({"reference": "(B)"}, "So the answer is (C).")
+    assert probes.final_answer({"target": "No"}, "the answer is no")
+    with pytest.raises(InputError):
+        probes.exact_match({"id": 1}, "x")
+
+
+def test_load_checker(tmp_path, monkeypatch):
+    assert probes.load_checker("numeric_final_answer") is probes.numeric_final_answer
+    rx = probes.load_checker({"name": "regex", "pattern": r"answer:\s*(\w+)", "flags": "i"})
+    assert rx({"reference": "cat"}, "ANSWER: Cat") and not rx({"reference": "cat"}, "answer: dog")
+    assert probes.load_checker({"name": "regex", "pattern": "sorry", "compare": "match"})({}, "I am sorry")
+    for bad in ("nope", {"name": "regex"}, {"name": "regex", "pattern": "("}, {"pattern": "x"},
+                "no_such_module_xyz:f"):
+        with pytest.raises(ConfigError):
+            probes.load_checker(bad)
+    (tmp_path / "my_checks.py").write_text(
+        "def short(rec, resp):\n    return len(resp) < 5\n"
+        "def longer_than(n):\n    return lambda rec, resp: len(resp) > n\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert probes.load_checker("my_checks:short")({}, "abc")
+    assert probes.load_checker({"name": "my_checks:longer_than", "n": 2})({}, "abc")
+
+
+def test_generate_left_pads_and_is_deterministic(tiny_dir):
+    from prism_select.model import ModelSettings, load_model
+    lm = load_model(ModelSettings(model=str(tiny_dir), dtype="float32", device="cpu"))
+    prompts = ["What is 2+3?", "Say hi.", [{"role": "user", "content": "A much longer prompt than the rest."}]]
+    a = probes.generate(lm, prompts, max_new_tokens=6, batch_size=3)
+    b = probes.generate(lm, prompts, max_new_tokens=6, batch_size=3)
+    assert a == b and len(a) == 3 and all(isinstance(x, str) for x in a)
+    # each answer equals the unbatched greedy answer (left padding keeps positions right)
+    one = [probes.generate(lm, [p], max_new_tokens=6, batch_size=1)[0] for p in prompts]
+    assert one == a
+    assert lm.tokenizer.padding_side == "right"  # the tokenizer is left as training needs it
+
+
+# --------------------------------------------------------------------------- metrics
+
+def test_auroc_auprc_match_sklearn():
+    from sklearn.metrics import average_precision_score, roc_auc_score
+    rng = random.Random(0)
+    for _ in range(20):
+        n = rng.randint(5, 40)
+        y = [rng.random() < 0.3 for _ in range(n)]
+        if all(y) or not any(y):
+            y[0] = not y[0]
+        s = [round(rng.random(), 1) for _ in range(n)]  # ties
+        assert auroc(s, y) == pytest.approx(roc_auc_score(y, s))
+        assert auprc(s, y) == pytest.approx(average_precision_score(y, s))
+    m = mean_std([0.5, 0.7])
+    assert m["mean"] == pytest.approx(0.6) and m["std"] == pytest.approx(0.1414213, rel=1e-5)
+    assert mean_std([0.5])["std"] is None
+
+
+# --------------------------------------------------------------------------- configs
+
+def test_config_validation_names_the_field(tmp_path, gsm8k):
+    base = {"data": {"gsm8k_train": str(gsm8k / "train.jsonl")}}
+    with pytest.raises(ConfigError, match="data.pool_sise"):
+        load_config({**base, "data": {**base["data"], "pool_sise": 3}}, "ranking")
+    with pytest.raises(ConfigError, match="data.pool_size"):
+        load_config({"data": {**base["data"], "pool_size": "many"}}, "ranking")
+    with pytest.raises(ConfigError, match="model.dtype"):
+        load_config({**base, "model": {"model": "default", "dtype": "float8"}}, "ranking")
+    with pytest.raises(ConfigError, match=r"targets\[0\].n_distractors"):
+        load_config({**base, "targets": [{"name": "a", "n_distractors": "x"}]}, "ranking")
+    with pytest.raises(ConfigError, match="harmful_ratios"):
+        load_config({**base, "harmful_ratios": [2]}, "ranking")
+    with pytest.raises(ConfigError, match="finetune.preset"):
+        load_config({**base, "probes": {"gsm8k_test": "t.jsonl"}, "finetune": {"preset": "nope"}}, "repair")
+    with pytest.raises(ConfigError, match="finetune"):
+        load_config({**base, "probes": {"gsm8k_test": "t.jsonl"},
+                     "finetune": {"overrides": {"learnin_rate": 1}}}, "repair")
+    with pytest.raises(ConfigError, match="score.scoring"):
+        load_config({**base, "score": {"scoring": "nope"}}, "ranking")
+    assert load_config({**base, "score": {"skip_invalid": True}}, "ranking").score.extra == {"skip_invalid": True}
+    with pytest.raises(ConfigError, match="probes.checker"):
+        load_config({**base, "probes": {"gsm8k_test": "t.jsonl", "checker": "nope"}}, "repair")
+    # sections, smoke overrides, seeds override, YAML, relative paths against data_root
+    cfg_file = tmp_path / "exp.yaml"
+    cfg_file.write_text(
+        "common:\n  model: default\n  data_root: data\n  seeds: [0, 1, 2]\n"
+        "  data: {gsm8k_train: gsm8k/train.jsonl, pool_size: 300}\n"
+        "ranking:\n  harmful_ratios: [0.1, 0.5]\n"
+        "smoke:\n  seeds: [0]\n  data: {pool_size: 8}\n")
+    cfg = load_config(cfg_file, "ranking")
+    assert cfg.seeds == [0, 1, 2] and cfg.harmful_ratios == [0.1, 0.5] and cfg.data.pool_size == 300
+    assert cfg.data.gsm8k_train == str((tmp_path / "data" / "gsm8k" / "train.jsonl").resolve())
+    sm = load_config(cfg_file, "ranking", smoke=True)
+    assert sm.seeds == [0] and sm.data.pool_size == 8 and sm.harmful_ratios == [0.1, 0.5]
+    assert load_config(cfg_file, "ranking", seeds=[4, 5]).seeds == [4, 5]
+    other = load_config(cfg_file, "ranking", data_root=str(tmp_path / "elsewhere"))
+    assert other.data.gsm8k_train == str((tmp_path / "elsewhere" / "gsm8k" / "train.jsonl").resolve())
+
+
+# --------------------------------------------------------------------------- protocols
+
+FAST_FT = {"learning_rate": 0.03, "epochs": 1, "batch_size": 4, "grad_accum": 1, "lora_r": 4, "lora_alpha": 8,
+           "max_length": 512, "warmup_ratio": 0.0}
+
+
+def _common(tiny_dir, **kw):
+    return {"model": {"model": str(tiny_dir), "dtype": "float32", "device": "cpu"},
+            "score": {"max_length": 512, "batch_size": 8}, "curvature": {"kind": "ekfac"}, **kw}
+
+
+def _check_scores_and_auroc(exp: Path, run: dict, method: str):
+    """AUROC recomputed independently (sklearn) from the written files."""
+    from sklearn.metrics import roc_auc_score
+    rec = run["methods"][method]
+    scores = [json.loads(line) for line in (exp / rec["dir"] / "scores.jsonl").read_text().splitlines()]
+    pool = {r["id"]: r for r in map(json.loads, (exp / run["pool"]).read_text().splitlines())}
+    assert {s["id"] for s in scores} == set(pool)
+    y = [pool[s["id"]]["harmful"] for s in scores]
+    assert rec["auroc"] == pytest.approx(roc_auc_score(y, [s["score"] for s in scores]))
+    return rec["auroc"]
+
+
+def test_ranking_protocol_end_to_end(tmp_path, tiny_dir, gsm8k):
+    cfg = load_config(_common(
+        tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 10},
+        targets=[{"name": "cf", "n_counterfactual": 3}, {"name": "mixed", "n_counterfactual": 3, "n_distractors": 2,
+                                                         "methods": ["prism", "equal"]}],
+        harmful_ratios=[0.3], seeds=[0, 1], methods=["prism", "equal", "random"], report=False), "ranking")
+    out = tmp_path / "exp"
+    res = ranking(cfg, out)
+    assert (out / "results.json").is_file()
+    assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(res))
+    assert len(res["runs"]) == 4 and res["settings"] == ["cf @ 30%", "mixed @ 30%"]
+    for run in res["runs"]:
+        assert run["n_harmful"] == 3 and run["n_pool"] == 10
+        for m in run["methods"]:
+            _check_scores_and_auroc(out, run, m)
+        assert (out / run["methods"]["prism"]["dir"] / "pairs.jsonl").is_file()
+        assert 0 < run["pi"]["all"]["min"] <= run["pi"]["all"]["max"] < 1
+    mixed = [r for r in res["runs"] if r["variant"] == "mixed"]
+    assert set(mixed[0]["methods"]) == {"prism", "equal"} and set(mixed[0]["pi"]) == {"all", "counterfactual",
+                                                                                        "distractor"}
+    # the table is the mean and sample std over the two seeds
+    auc = next(t for t in res["tables"] if t["name"] == "auroc")
+    row = next(r for r in auc["rows"] if r["label"] == "prism")
+    vals = [r["methods"]["prism"]["auroc"] for r in res["runs"] if r["setting"] == "cf @ 30%"]
+    assert row["cells"][0]["mean"] == pytest.approx(sum(vals) / 2)
+    assert row["cells"][0]["n"] == 2 and row["cells"][0]["std"] is not None
+    # a rerun reuses every finished step; another config in the same dir is refused
+    mtime = (out / res["runs"][0]["methods"]["prism"]["dir"] / "scores.jsonl").stat().st_mtime_ns
+    again = ranking(cfg, out)
+    assert (out / res["runs"][0]["methods"]["prism"]["dir"] / "scores.jsonl").stat().st_mtime_ns == mtime
+    assert again["tables"] == res["tables"]
+    from prism_select.errors import OutputError
+    cfg.seeds = [0]
+    with pytest.raises(OutputError):
+        ranking(cfg, out)
+
+
+def test_ranking_records_method_errors(tmp_path, tiny_dir, gsm8k):
+    cfg = load_config(_common(
+        tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 6},
+        targets=[{"n_counterfactual": 2}], harmful_ratios=[0.5], methods=["prism", "saefeat"],
+        on_method_error="record", report=False), "ranking")
+    res = ranking(cfg, tmp_path / "exp")
+    m = res["runs"][0]["methods"]
+    assert m["prism"]["status"] == "ok" and m["saefeat"]["status"] == "error" and m["saefeat"]["error"]
+    assert not (tmp_path / "exp" / "report.html").exists()
+    cfg.on_method_error = "raise"
+    with pytest.raises(ConfigError):
+        ranking(cfg, tmp_path / "exp2")
+
+
+def test_repair_protocol_end_to_end(tmp_path, tiny_dir, gsm8k):
+    cfg = load_config(_common(
+        tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 8},
+        probes={"gsm8k_test": str(gsm8k / "test.jsonl"), "n": 4}, harmful_ratios=[0.25], seeds=[0],
+        methods=["prism", "random"], finetune={"preset": "repair", "overrides": FAST_FT},
+        generation={"max_new_tokens": 6, "batch_size": 4}, pair_selection="all", oracle=True), "repair")
+    out = tmp_path / "exp"
+    res = repair(cfg, out)
+    run = res["runs"][0]
+    rdir = out / run["dir"]
+    for f in ("pool.jsonl", "probes.jsonl", "start/responses.jsonl", "mixed/responses.jsonl",
+              "mixed/adapter/adapter_config.json", "targets.jsonl"):
+        assert (rdir / f).exists(), f
+    assert run["n_pairs"] > 0, "the fine-tuned tiny model should answer differently"
+    pairs = [json.loads(x) for x in (rdir / "targets.jsonl").read_text().splitlines()]
+    pre = {r["id"]: r for r in map(json.loads, (rdir / "start/responses.jsonl").read_text().splitlines())}
+    post = {r["id"]: r for r in map(json.loads, (rdir / "mixed/responses.jsonl").read_text().splitlines())}
+    for p in pairs:
+        assert p["chosen"] == post[p["id"]]["response"] and p["rejected"] == pre[p["id"]]["response"]
+    for m in ("prism", "random"):
+        _check_scores_and_auroc(out, run, m)
+        kept = (rdir / "retrain" / m / "kept.jsonl").read_text().splitlines()
+        assert len(kept) == 8 - 2  # the harmful ratio (25%) of 8 removed
+        assert (rdir / "retrain" / m / "adapter" / "adapter_config.json").is_file()
+        resp = [json.loads(x) for x in (rdir / "retrain" / m / "responses.jsonl").read_text().splitlines()]
+        assert run["error_rates"][m] == pytest.approx(sum(not r["correct"] for r in resp) / len(resp))
+    assert run["removed"]["Oracle"] == {"n": 2, "harmful": 2}
+    assert set(run["error_rates"]) == {"Start", "Mixed", "prism", "random", "Oracle"}
+    err = next(t for t in res["tables"] if t["name"] == "error_rate")
+    assert [r["label"] for r in err["rows"]] == ["Start", "Mixed", "prism", "random", "Oracle"]
+    html = (out / "report.html").read_text()
+    assert "table-error_rate" in html and "data:image/png;base64," in html
+    # a rerun reuses the fine-tunes, responses and scores (each step has its own marker)
+    stamps = {p: p.stat().st_mtime_ns for p in rdir.rglob("*")
+              if p.name in ("adapter_model.safetensors", "responses.jsonl", "scores.jsonl", "finetune.json")}
+    assert len(stamps) == 4 * 2 + 5 + 2  # 4 fine-tunes (adapter, finetune.json), 5 response files, 2 score runs
+    cfg.report = False
+    again = repair(cfg, out)
+    assert again["tables"] == res["tables"]
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+def test_repair_without_pairs_is_reported(tmp_path, tiny_dir, gsm8k):
+    cfg = load_config(_common(
+        tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 4},
+        probes={"gsm8k_test": str(gsm8k / "test.jsonl"), "n": 2}, harmful_ratios=[0.5],
+        methods=["prism"], finetune={"overrides": {**FAST_FT, "learning_rate": 1e-9}},
+        generation={"max_new_tokens": 3}, pair_selection="worsened", report=False), "repair")
+    res = repair(cfg, tmp_path / "exp")
+    run = res["runs"][0]
+    assert run["n_pairs"] == 0 and "note" in run and run["methods"] == {}
+    assert set(run["error_rates"]) == {"Start", "Mixed"}
+
+
+def test_pair_selection_modes():
+    from prism_select.evaluation.protocols import _pairs_from_responses
+    probes_ = [{"id": i, "prompt": f"q{i}"} for i in range(4)]
+    pre = [{"id": 0, "response": "a", "correct": True}, {"id": 1, "response": "b", "correct": False},
+           {"id": 2, "response": "c", "correct": True}, {"id": 3, "response": "d", "correct": False}]
+    post = [{"id": 0, "response": "A", "correct": False}, {"id": 1, "response": "B", "correct": False},
+            {"id": 2, "response": "C", "correct": True}, {"id": 3, "response": "d", "correct": False}]
+    assert [p["id"] for p in _pairs_from_responses(probes_, pre, post, "worsened")] == [0]
+    assert [p["id"] for p in _pairs_from_responses(probes_, pre, post, "wrong_after")] == [0, 1]
+    assert [p["id"] for p in _pairs_from_responses(probes_, pre, post, "all")] == [0, 1, 2]  # 3: same text
+    p0 = _pairs_from_responses(probes_, pre, post, "worsened")[0]
+    assert (p0["chosen"], p0["rejected"], p0["prompt"]) == ("A", "a", "q0")
+
+
+def test_select_protocol_end_to_end(tmp_path, tiny_dir, gsm8k, bbh_dir):
+    pool = builders.mistake_math_pool(gsm8k / "train.jsonl", 8, 0.0, seed=0)
+    pool_path = tmp_path / "pool.jsonl"
+    builders.write_records(pool_path, pool)
+    cfg = load_config(_common(
+        tiny_dir, pool=str(pool_path), bbh={"dir": str(bbh_dir), "n_targets_per_task": 1, "n_heldout_per_task": 2},
+        fraction=0.25, seeds=[0], methods=["prism", "random"],
+        finetune={"preset": "general", "overrides": FAST_FT}, generation={"max_new_tokens": 4, "batch_size": 8}),
+        "select")
+    out = tmp_path / "exp"
+    res = select(cfg, out)
+    run = res["runs"][0]
+    assert run["n_selected"] == 2
+    assert set(run["accuracy"]) == {"Start", "Full data", "prism", "random"}
+    for m in ("prism", "random"):
+        sub = (out / run["dir"] / "selected" / m / "subset.jsonl").read_text().splitlines()
+        assert len(sub) == 2
+        resp = [json.loads(x) for x in (out / run["dir"] / "selected" / m / "responses.jsonl").read_text().splitlines()]
+        assert len(resp) == 6 and {r["task"] for r in resp} == {"colors", "yesno", "counting"}
+        for task in ("colors", "yesno", "counting"):
+            rows = [r for r in resp if r["task"] == task]
+            assert run["accuracy"][m][task] == pytest.approx(sum(r["correct"] for r in rows) / len(rows))
+    t = res["tables"][0]
+    assert t["columns"] == ["colors", "counting", "yesno", "mean"]
+    assert [r["label"] for r in t["rows"]][:2] == ["Start", "Full data"]
+    assert "table-accuracy" in (out / "report.html").read_text()
+
+
+def test_report_html_for_experiment_and_score_run(tmp_path, tiny_dir, gsm8k):
+    from prism_select.cli import main
+    from prism_select.evaluation.report import write_report
+    exp = tmp_path / "exp"
+    run_experiment("ranking", _common(
+        tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 8},
+        targets=[{"n_counterfactual": 2, "n_distractors": 1}], harmful_ratios=[0.25], methods=["prism", "random"],
+        report=False), exp)
+    assert main(["report", "--run", str(exp)]) == 0
+    html = (exp / "report.html").read_text()
+    assert "<table" in html and "table-auroc" in html and "counterfactual @ 25%" in html
+    assert html.count('<img src="data:image/png;base64,') >= 3  # pi, ROC, histograms
+    assert "http://" not in html and "https://" not in html and "<script" not in html
+    assert len(list(exp.glob("report-*.png"))) >= 3
+    # prompts and responses are escaped
+    assert "&lt;" not in html or "<<" not in html
+    # a plain score run directory
+    run_dir = exp / "runs" / "r25" / "seed0" / "counterfactual" / "scores" / "prism"
+    page = write_report(run_dir)
+    text = page.read_text()
+    assert "table-ranking" in text and "data:image/png;base64," in text and "top 8" in text
+    with pytest.raises(InputError):
+        write_report(tmp_path)
+
+
+def test_report_escapes_html(tmp_path):
+    from prism_select.evaluation.report import write_report
+    pool = [{"id": f"x{i}", "prompt": "<script>alert(1)</script>", "response": "a & b", "harmful": i % 2 == 0}
+            for i in range(4)]
+    (tmp_path / "pool.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pool))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "scores.jsonl").write_text("".join(json.dumps({"id": p["id"], "score": float(i), "rank": 4 - i}) + "\n"
+                                              for i, p in enumerate(pool)))
+    (run / "run.json").write_text(json.dumps({"method": "prism", "inputs": {"pool": str(tmp_path / "pool.jsonl")},
+                                              "counts": {"pool": 4}, "timings": {"total_s": 1.0}}))
+    html = write_report(run).read_text()
+    assert "<script>" not in html and "&lt;script&gt;" in html and "a &amp; b" in html
+
+
+def test_cli_build_data(tmp_path, gsm8k, bbh_dir):
+    from prism_select.cli import main
+    assert main(["build-data", "mistake-math", "--gsm8k", str(gsm8k / "train.jsonl"), "--n", "10",
+                 "--harmful-ratio", "0.2", "--out", str(tmp_path / "pool.jsonl"), "--targets-out",
+                 str(tmp_path / "t.jsonl"), "--n-targets", "3", "--n-distractors", "2", "--probes-from",
+                 str(gsm8k / "test.jsonl"), "--probes-out", str(tmp_path / "p.jsonl"), "--n-probes", "3"]) == 0
+    pool = [json.loads(x) for x in (tmp_path / "pool.jsonl").read_text().splitlines()]
+    assert len(pool) == 10 and sum(p["harmful"] for p in pool) == 2
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 5
+    assert len((tmp_path / "p.jsonl").read_text().splitlines()) == 3
+    assert main(["build-data", "bbh", "--bbh-dir", str(bbh_dir), "--targets-out", str(tmp_path / "bt.jsonl"),
+                 "--heldout-out", str(tmp_path / "bh.jsonl")]) == 0
+    assert len((tmp_path / "bt.jsonl").read_text().splitlines()) == 9
+    # a bad config is a clean error (exit code 2), not a traceback
+    (tmp_path / "bad.yaml").write_text("data: {gsm8k_train: x, pool_size: -1}\n")
+    assert main(["experiment", "ranking", "--config", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "o")]) == 2
+
+
+def test_shipped_experiment_config_is_valid(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    path = root / "experiments" / "gsm8k_mistake_math.yaml"
+    for proto in ("ranking", "repair"):
+        cfg = load_config(path, proto, data_root=str(tmp_path))
+        assert cfg.model.model == "default"
+        small = load_config(path, proto, smoke=True, data_root=str(tmp_path))
+        assert len(small.seeds) == 1
+    rk = load_config(path, "ranking", data_root=str(tmp_path))
+    assert rk.harmful_ratios == [0.1, 0.5] and rk.seeds == [0, 1, 2] and rk.data.pool_size == 300
+    assert {t.n_counterfactual for t in rk.targets} == {24} and max(t.n_distractors for t in rk.targets) == 24
+
+
+# --------------------------------------------------------------------------- browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs the Debian package chromium")
+def test_report_renders_in_headless_chromium(tmp_path, tiny_dir, gsm8k):
+    exp = tmp_path / "exp"
+    run_experiment("ranking", _common(
+        tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 8},
+        targets=[{"n_counterfactual": 2}], harmful_ratios=[0.25], methods=["prism", "random"]), exp)
+    page = exp / "report.html"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
+    shot = tmp_path / "shot.png"
+    subprocess.run([str(CHROMIUM), *flags, f"--screenshot={shot}", "--window-size=1280,2000", page.as_uri()],
+                   check=True, timeout=120, capture_output=True)
+    assert shot.is_file() and shot.stat().st_size > 20_000
+    dom = subprocess.run([str(CHROMIUM), *flags, "--dump-dom", page.as_uri()], check=True, timeout=120,
+                         capture_output=True, text=True).stdout
+    assert 'id="table-auroc"' in dom and "prism" in dom
