@@ -43,6 +43,10 @@ def _add_score_args(p: argparse.ArgumentParser):
     g.add_argument("--no-progress", action="store_true")
     g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a baseline method's setting (JSON value), repeatable")
+    g.add_argument("--scoring", default="exact", choices=["exact", "fast"],
+                   help="exact (default) or fast: central finite differences along v (inference forwards only)")
+    g.add_argument("--fd-eps", type=float, default=None, metavar="EPS",
+                   help="relative finite-difference step of --scoring fast (default 0.03)")
     c = p.add_argument_group("curvature")
     c.add_argument("--curvature", default="ekfac", choices=list(KINDS))
     c.add_argument("--damping", type=float, default=None,
@@ -76,7 +80,9 @@ def _score_settings(a):
     from .pipeline import ScoreSettings
     s = ScoreSettings(method=a.method, max_length=a.max_length, batch_size=a.batch_size, modules=a.modules,
                       skip_invalid=a.skip_invalid, chunk_size=a.chunk_size, overwrite=a.overwrite,
-                      progress=not a.no_progress, seed=a.seed, method_options=_options(a.option))
+                      progress=not a.no_progress, seed=a.seed, method_options=_options(a.option),
+                      scoring=getattr(a, "scoring", "exact"),
+                      **({"fd_eps": a.fd_eps} if getattr(a, "fd_eps", None) is not None else {}))
     c = CurvatureSettings(kind=a.curvature, damping=a.damping, fisher=a.fisher, fit_examples=a.fit_examples,
                           batch_size=a.batch_size, seed=a.seed)
     return s, c

@@ -32,7 +32,9 @@ from .errors import CacheError, ConfigError, InputError, OutputError
 from .io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_json
 from .model import LoadedModel, ModelSettings, load_model, tracked_linear_modules
 from .preference import METHODS as DIRECTION_METHODS, compute_preference
-from .scoring import DEFAULT_CHUNK_SIZE, score_encoded
+from . import distributed
+from .fast import DEFAULT_FD_EPS
+from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS, score_encoded
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,10 @@ class ScoreSettings:
     overwrite: replace a finished run or an unfinished run with other settings.
     seed: seeds every random choice of the run.
     method_options: extra settings for a baseline method (recorded in run.json).
+    scoring: exact (default: one forward + one activation-only backward per batch) or
+        fast (central finite differences along v, two inference forwards; see
+        docs/performance.md for speed and agreement with exact).
+    fd_eps: relative finite-difference step of ``scoring="fast"``.
     """
 
     method: str = "prism"
@@ -64,8 +70,14 @@ class ScoreSettings:
     progress: bool = True
     seed: int = 0
     method_options: dict = field(default_factory=dict)
+    scoring: str = "exact"
+    fd_eps: float = DEFAULT_FD_EPS
 
     def __post_init__(self):
+        if self.scoring not in SCORINGS:
+            raise ConfigError("scoring", f"unknown value {self.scoring!r}", f"use one of {', '.join(SCORINGS)}")
+        if not (self.fd_eps > 0 and self.fd_eps < float("inf")):
+            raise ConfigError("fd_eps", f"must be a finite number > 0, got {self.fd_eps}")
         if self.max_length < 2:
             raise ConfigError("max_length", f"must be >= 2, got {self.max_length}")
         if self.batch_size < 1:
@@ -182,16 +194,24 @@ class RunContext:
             v = load_file(str(v_path))
         else:
             v = self.curvature().precondition(direction)
-            partial.mkdir(parents=True, exist_ok=True)
-            tmp = partial / f".{tag}_v.tmp"
-            save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
-            tmp.replace(v_path)
+            if distributed.is_main():
+                partial.mkdir(parents=True, exist_ok=True)
+                tmp = partial / f".{tag}_v.tmp"
+                save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
+                tmp.replace(v_path)
         t = time.perf_counter()
+        stats: dict = {}
         s = score_encoded(self.lm.model, self.modules, self.inputs.encoded, v, pad_id=self.pad_id,
                           batch_size=self.settings.batch_size, chunk_size=self.settings.chunk_size,
                           partial_dir=partial / tag, run_key=self.info.get("run_key"),
-                          progress=self.settings.progress, ids=[e.id for e in self.inputs.pool])
-        self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + time.perf_counter() - t
+                          progress=self.settings.progress, ids=[e.id for e in self.inputs.pool],
+                          scoring=self.settings.scoring, fd_eps=self.settings.fd_eps, stats=stats)
+        dt = time.perf_counter() - t
+        self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + dt
+        if stats.get("examples"):  # this rank's share; tokens/s counts real (non-padding) tokens
+            self.info.setdefault("throughput", {})[tag] = {
+                **stats, "ranks": distributed.world(), "real_tokens_per_s_rank": stats["real_tokens"] / dt,
+                "padding_fraction": 1 - stats["real_tokens"] / max(stats["padded_tokens"], 1)}
         return s
 
 
@@ -277,6 +297,9 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     check_writable_dir(out_dir)  # fail before any long work
     t0 = time.perf_counter()
     timings = {}
+    if not isinstance(model, LoadedModel) and distributed.init_from_env(model.device):  # torchrun / accelerate
+        from dataclasses import replace
+        model = replace(model, device=distributed.local_device(model.device))
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     timings["load_model_s"] = time.perf_counter() - t0
     t = time.perf_counter()
@@ -289,14 +312,18 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     run_key = {"settings": {k: v for k, v in asdict(settings).items() if k not in ("overwrite", "progress", "batch_size")},
                "curvature": asdict(curvature), "fingerprints": fingerprints,
                "dtype": str(lm.dtype), "modules": sha256_json(list(modules))}
-    _prepare_out_dir(out_dir, run_key, settings.overwrite)
+    if distributed.is_main():
+        _prepare_out_dir(out_dir, run_key, settings.overwrite)
+    distributed.barrier()
     ctx = RunContext(lm, modules, inputs, settings, curvature, out_dir, timings,
                      info={"run_key": run_key})
     scores, pairs = _method_fn(settings.method)(ctx)
     rk = ranks(scores)
-    atomic_write_jsonl(out_dir / "scores.jsonl",
-                       ({"id": ex.id, "score": float(scores[i]), "rank": rk[i]} for i, ex in enumerate(inputs.pool)))
-    if pairs:
+    main = distributed.is_main()  # every rank holds the gathered scores; rank 0 writes them
+    if main:
+        atomic_write_jsonl(out_dir / "scores.jsonl",
+                           ({"id": ex.id, "score": float(scores[i]), "rank": rk[i]} for i, ex in enumerate(inputs.pool)))
+    if pairs and main:
         atomic_write_jsonl(out_dir / "pairs.jsonl", pairs)
     timings["total_s"] = time.perf_counter() - t0
     info = dict(ctx.info)
@@ -321,6 +348,10 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
         "timings": timings,
         **info,
     }
-    atomic_write_json(out_dir / "run.json", summary)
-    shutil.rmtree(out_dir / ".partial", ignore_errors=True)
+    if distributed.active():
+        summary["distributed"] = {"world_size": distributed.world()}
+    if main:
+        atomic_write_json(out_dir / "run.json", summary)
+        shutil.rmtree(out_dir / ".partial", ignore_errors=True)
+    distributed.barrier()
     return summary

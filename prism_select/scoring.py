@@ -1,14 +1,25 @@
 """The score loop: ``s(z) = g_z . v`` for every candidate, without per-example gradients.
 
 For each tracked layer with preconditioned target ``V = (H^-1 g_KL)_l``:
-``g_z . v = sum_l sum_t b_t^T V_l a_t``. A forward hook forms ``u_t = V_l a_t``
-(one extra matmul per layer, like a forward), a gradient hook on the layer's output
-adds ``sum_t b_t . u_t`` to each example's score the moment ``b`` is known, so
-neither ``a`` nor ``b`` outlives its layer's step of the backward pass. The backward
-runs with parameters frozen: gradients w.r.t. activations only, no weight gradients.
+``g_z . v = sum_l sum_t b_t^T V_l a_t``.
+
+``scoring="exact"`` (default) runs :class:`prism_select.fast.ExactScorer`: one forward
+and one backward *to the activations* (parameters frozen, no weight gradients, nothing
+below the first tracked layer), with each tracked layer contracting ``V`` in the
+model's dtype on tensor cores and the token dot products accumulated in float32
+(float64 models: exact in float64). ``impl="hooks"`` keeps the original hook-based
+route (float32 ``u = V a`` in a forward hook) as a reference.
+
+``scoring="fast"`` runs central finite differences along ``v`` (two perturbed copies
+in one forward of a doubled batch; :class:`prism_select.fast.FDScorer`). See
+docs/performance.md for its speed and for where it does and does not agree with the
+exact route.
 
 Examples are processed in length-sorted chunks; each finished chunk is written to
 ``<out>/.partial/chunk_NNNNNN.safetensors``, so a killed run resumes where it was.
+Under ``torchrun`` chunk ``k`` belongs to rank ``k % world`` and the scores are
+gathered in pool order (:mod:`prism_select.distributed`). :func:`score_stream` scores a
+pool file a window at a time (host memory flat in pool size).
 """
 
 from __future__ import annotations
@@ -20,12 +31,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from . import distributed
+from . import fast as _fast
 from .data.tokenize import collate, token_losses
-from .errors import CacheError
+from .errors import CacheError, ConfigError
+from .fast import DEFAULT_FD_EPS, FAST_MODES, ExactScorer, collate_to
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .io import atomic_write_json
 
 DEFAULT_CHUNK_SIZE = 1024
+SCORINGS = ("exact", "fast")
+#: the route behind ``--scoring fast`` (chosen from benchmarks/bench_scoring.py; see docs/performance.md)
+FAST_MODE = "fd"
 
 
 class _ScoreHooks:
@@ -64,13 +81,41 @@ class _ScoreHooks:
 
 
 def score_batch(model, hooks: _ScoreHooks, batch: list, pad_id: int, device) -> torch.Tensor:
+    """The original hook-based exact route (``impl="hooks"``), kept as a reference."""
     b = collate(batch, pad_id, device)
     hooks.mask = b["attention_mask"]
     hooks.scores = torch.zeros(len(batch), dtype=torch.float64, device=device)
     out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
     losses, _ = token_losses(out.logits, b["labels"])
     losses.sum().backward()
-    return hooks.scores.detach().cpu()
+    return hooks.scores.detach()
+
+
+class _HookScorer:
+    def __init__(self, model, modules, V, pad_id, device):
+        compute = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+        self.model, self.pad_id, self.device = model, pad_id, device
+        self.Vd = {n: V[n].to(device=device, dtype=compute) for n in modules}
+        self.hooks = _ScoreHooks(modules, self.Vd, compute)
+
+    def __enter__(self):
+        self._grad = activation_grad_mode(self.model)
+        self._grad.__enter__()
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        self._grad.__exit__(*exc)
+
+    def score(self, b):
+        self.hooks.mask = b["attention_mask"]
+        self.hooks.scores = torch.zeros(b["input_ids"].shape[0], dtype=torch.float64, device=self.device)
+        with torch.enable_grad():
+            out = self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+            losses, _ = token_losses(out.logits, b["labels"])
+            losses.sum().backward()
+        return self.hooks.scores
 
 
 def plan_chunks(encoded: list, chunk_size: int) -> list:
@@ -79,24 +124,68 @@ def plan_chunks(encoded: list, chunk_size: int) -> list:
     return [order[k:k + chunk_size] for k in range(0, len(order), chunk_size)]
 
 
-def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, batch_size: int = 8,
-                  device=None, chunk_size: int = DEFAULT_CHUNK_SIZE, partial_dir=None,
-                  run_key: dict | None = None, progress: bool = True, ids=None) -> torch.Tensor:
-    """Scores ``g_z . V`` for every encoded example (float64, input order).
+def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps: float = DEFAULT_FD_EPS,
+                pad_id: int = 0, device=None, impl: str = "auto"):
+    """A context-managed object with ``score(collated_batch) -> (B,) tensor``.
 
-    With ``partial_dir``, finished chunks are saved there and reused by a later call
-    with the same ``run_key`` (a mismatched key raises :class:`CacheError`).
+    scoring: ``exact`` (one forward + one activation-only backward) or ``fast``
+    (``FAST_MODE``, central finite differences by default), or one fast route by name
+    (``fd``, ``fd-hp``, ``jvp``). impl: ``auto`` or ``hooks`` (the reference exact route).
     """
-    device = device or next(model.parameters()).device
-    compute = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
-    Vd = {n: V[n].to(device=device, dtype=compute) for n in modules}
-    scores = torch.full((len(encoded),), float("nan"), dtype=torch.float64)
-    chunks = plan_chunks(encoded, chunk_size)
-    done = set()
-    if partial_dir is not None:
-        partial_dir = Path(partial_dir)
+    if scoring not in SCORINGS + FAST_MODES:
+        raise ConfigError("scoring", f"unknown value {scoring!r}", f"use one of {', '.join(SCORINGS)}")
+    if scoring == "exact":
+        if impl == "hooks":
+            return _HookScorer(model, modules, V, pad_id, device)
+        return ExactScorer(model, modules, V)
+    kind = FAST_MODE if scoring == "fast" else scoring
+    sc = _fast.make_scorer(kind, model, modules, V, fd_eps=fd_eps)
+    return sc if hasattr(sc, "__enter__") else _Plain(sc)
+
+
+class _Plain:
+    def __init__(self, scorer):
+        self.scorer = scorer
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def score(self, b):
+        return self.scorer.score(b)
+
+
+def _chunk_path(partial_dir: Path, k: int) -> Path:
+    return partial_dir / f"chunk_{k:06d}.safetensors"
+
+
+def _save_chunk(partial_dir: Path, k: int, chunk, out: torch.Tensor):
+    f = _chunk_path(partial_dir, k)
+    tmp = partial_dir / f".chunk_{k:06d}.{distributed.rank()}.tmp"
+    save_file({"index": torch.as_tensor(chunk, dtype=torch.int64), "score": out}, str(tmp))
+    tmp.replace(f)
+
+
+def _load_chunk(partial_dir: Path, k: int, chunk):
+    f = _chunk_path(partial_dir, k)
+    if not f.exists():
+        return None
+    try:
+        t = load_file(str(f))
+    except Exception:  # a torn file cannot exist (atomic rename), but be safe
+        return None
+    if t["index"].tolist() != list(chunk):
+        return None
+    return t["score"]
+
+
+def _open_partial(partial_dir, run_key):
+    partial_dir = Path(partial_dir)
+    state = partial_dir / "state.json"
+    if distributed.is_main():
         partial_dir.mkdir(parents=True, exist_ok=True)
-        state = partial_dir / "state.json"
         if state.exists():
             old = json.loads(state.read_text())
             if old != run_key:
@@ -105,30 +194,187 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
                     "use the same command to resume it, or --overwrite to start again")
         else:
             atomic_write_json(state, run_key)
-        for k, chunk in enumerate(chunks):
-            f = partial_dir / f"chunk_{k:06d}.safetensors"
-            if f.exists():
-                t = load_file(str(f))
-                if t["index"].tolist() == chunk:
-                    scores[t["index"]] = t["score"]
-                    done.add(k)
-    todo = [k for k in range(len(chunks)) if k not in done]
-    bar = tqdm(total=sum(len(chunks[k]) for k in todo), desc="scoring", unit="ex", disable=not progress)
-    with activation_grad_mode(model), _ScoreHooks(modules, Vd, compute) as hooks:
+    distributed.barrier()
+    return partial_dir
+
+
+def score_chunks(scorer, encoded: list, chunks: list, *, pad_id: int, batch_size: int, device,
+                 partial_dir=None, progress: bool = True, ids=None, index_base: int = 0,
+                 chunk_base: int = 0, stats: dict | None = None) -> dict:
+    """Score this rank's chunks (global number ``chunk_base + k``, owned by rank
+    ``(chunk_base + k) % world``) that are not saved yet.
+
+    Returns ``{k: scores (float64, chunk order)}`` for this rank's chunks. ``stats``,
+    if given, accumulates ``examples``, ``real_tokens`` and ``padded_tokens``.
+    """
+    mine = [k for k in range(len(chunks)) if distributed.owner(chunk_base + k) == distributed.rank()]
+    results, todo = {}, []
+    for k in mine:
+        got = (_load_chunk(partial_dir, chunk_base + k, [index_base + i for i in chunks[k]])
+               if partial_dir is not None else None)
+        if got is not None:
+            results[k] = got
+        else:
+            todo.append(k)
+    bar = tqdm(total=sum(len(chunks[k]) for k in todo), desc="scoring", unit="ex",
+               disable=not progress or not distributed.is_main())
+    with (scorer if todo else _Plain(None)):
         for k in todo:
             chunk = chunks[k]
-            out = torch.empty(len(chunk), dtype=torch.float64)
+            parts = []
             for s in range(0, len(chunk), batch_size):
                 idx = chunk[s:s + batch_size]
-                out[s:s + len(idx)] = score_batch(model, hooks, [encoded[i] for i in idx], pad_id, device)
-                check_finite(out[s:s + len(idx)], "candidate scores",
-                             record=[ids[i] for i in idx] if ids is not None else idx)
+                items = [encoded[i] for i in idx]
+                b = collate_to(items, pad_id, device)
+                parts.append(scorer.score(b).detach())
+                if stats is not None:
+                    real = sum(len(e.input_ids) for e in items)
+                    stats["examples"] = stats.get("examples", 0) + len(items)
+                    stats["real_tokens"] = stats.get("real_tokens", 0) + real
+                    stats["padded_tokens"] = stats.get("padded_tokens", 0) + b["input_ids"].numel()
                 bar.update(len(idx))
-            scores[chunk] = out
+            out = torch.cat(parts).to("cpu", torch.float64)  # one device sync per chunk
+            bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
+            if bad:
+                check_finite(out, "candidate scores",
+                             record=[ids[chunk[i]] if ids is not None else chunk[i] for i in bad])
+            results[k] = out
             if partial_dir is not None:
-                f = partial_dir / f"chunk_{k:06d}.safetensors"
-                tmp = partial_dir / f".chunk_{k:06d}.tmp"
-                save_file({"index": torch.tensor(chunk, dtype=torch.int64), "score": out}, str(tmp))
-                tmp.replace(f)
+                _save_chunk(partial_dir, chunk_base + k, [index_base + i for i in chunk], out)
     bar.close()
-    return scores
+    return results
+
+
+def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, batch_size: int = 8,
+                  device=None, chunk_size: int = DEFAULT_CHUNK_SIZE, partial_dir=None,
+                  run_key: dict | None = None, progress: bool = True, ids=None,
+                  scoring: str = "exact", fd_eps: float = DEFAULT_FD_EPS, impl: str = "auto",
+                  stats: dict | None = None) -> torch.Tensor:
+    """Scores ``g_z . V`` for every encoded example (float64, input order).
+
+    With ``partial_dir``, finished chunks are saved there and reused by a later call
+    with the same ``run_key`` (a mismatched key raises :class:`CacheError`). Under
+    ``torchrun`` each rank scores its share of the chunks and every rank returns the
+    full, gathered scores.
+    """
+    device = device or next(model.parameters()).device
+    chunks = plan_chunks(encoded, chunk_size)
+    if partial_dir is not None:
+        partial_dir = _open_partial(partial_dir, run_key)
+    scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
+                         impl=impl)
+    results = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
+                           partial_dir=partial_dir, progress=progress, ids=ids, stats=stats)
+    if results:
+        index = torch.cat([torch.as_tensor(chunks[k], dtype=torch.int64) for k in results])
+        values = torch.cat([results[k] for k in results])
+    else:
+        index, values = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64)
+    return distributed.gather_scores(len(encoded), index, values)
+
+
+# ----------------------------------------------------------------------------- streaming
+
+def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_invalid: bool, invalid: list):
+    """Yield lists of ``(id, Encoded)`` of at most ``window`` valid records, in file order."""
+    from .data.readers import iter_records, parse_pool_record
+    from .data.records import InvalidRecord
+    from .data.tokenize import encode
+    from .errors import InputError
+
+    def bad(err):
+        invalid.append(InvalidRecord(str(pool_path), err.row, err.field, err.reason))
+
+    buf = []
+    for row, rec in iter_records(pool_path, on_invalid=bad if skip_invalid else None):
+        try:
+            ex = parse_pool_record(rec, row)
+            enc = encode(tokenizer, ex.prompt, ex.response, max_length, path=pool_path, row=row)
+        except InputError as e:
+            e = InputError(e.reason, path=pool_path, row=row, field=e.field, fix=e.fix)
+            if not skip_invalid:
+                raise e from None
+            bad(e)
+            continue
+        buf.append((ex.id, enc))
+        if len(buf) >= window:
+            yield buf
+            buf = []
+    if buf:
+        yield buf
+
+
+def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, *, max_length: int = 2048,
+                 batch_size: int = 8, window: int = 65536, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 partial_dir=None, run_key: dict | None = None, scoring: str = "exact",
+                 fd_eps: float = DEFAULT_FD_EPS, device=None, progress: bool = True,
+                 skip_invalid: bool = False) -> dict:
+    """Score a pool file without holding it in memory; write ``scores.jsonl`` lines
+    (``id``, ``score``, ``rank``) to ``out_path``.
+
+    The file is read ``window`` records at a time; each window is tokenised, cut into
+    length-sorted chunks (numbered globally, so resuming and sharding work as in
+    :func:`score_encoded`) and scored; the window's tokens are then dropped. Host memory
+    is bounded by the window plus 16 bytes per record (the float64 score and the int64
+    rank order, needed for the ranks). Ids go to a side file and are streamed back for
+    the output. Scores equal those of :func:`score_encoded` on the same records for
+    ``window >= len(pool)`` (same chunks); with smaller windows each example's score
+    is the same function of the same tokens (batch composition differs, so expect
+    agreement to float rounding).
+    """
+    import json as _json
+    import os
+    import tempfile
+
+    import numpy as np
+
+    device = device or next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
+    if partial_dir is not None:
+        partial_dir = _open_partial(partial_dir, run_key)
+    scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device)
+    invalid: list = []
+    scores = np.zeros(0, dtype=np.float64)
+    n, chunk_base = 0, 0
+    out_path = Path(out_path)
+    fd, ids_path = tempfile.mkstemp(prefix=".ids-", suffix=".jsonl", dir=str(out_path.parent))
+    stats: dict = {}
+    try:
+        with os.fdopen(fd, "w") as ids_f:
+            for win in _stream_windows(tokenizer, pool_path, window, max_length, skip_invalid, invalid):
+                encoded = [e for _, e in win]
+                for rid, _ in win:
+                    ids_f.write(_json.dumps(rid) + "\n")
+                chunks = plan_chunks(encoded, chunk_size)
+                res = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
+                                   partial_dir=partial_dir, progress=progress, index_base=n,
+                                   chunk_base=chunk_base, stats=stats,
+                                   ids=[r for r, _ in win])
+                if res:
+                    index = torch.cat([torch.as_tensor(chunks[k], dtype=torch.int64) for k in res])
+                    values = torch.cat([res[k] for k in res])
+                else:
+                    index, values = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64)
+                full = distributed.gather_scores(len(encoded), index, values)
+                scores = np.concatenate([scores, full.numpy()])
+                n += len(encoded)
+                chunk_base += len(chunks)
+                del encoded, win, chunks, res, full
+        order = np.lexsort((np.arange(n), -scores))  # highest first, ties in input order
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(1, n + 1)
+        del order
+        if distributed.is_main():
+            tmp = out_path.with_name(f".{out_path.name}.tmp")
+            with open(ids_path) as src, open(tmp, "w") as dst:
+                for i, line in enumerate(src):
+                    dst.write(_json.dumps({"id": _json.loads(line), "score": float(scores[i]),
+                                           "rank": int(rank[i])}) + "\n")
+            tmp.replace(out_path)
+    finally:
+        try:
+            os.unlink(ids_path)
+        except OSError:
+            pass
+    distributed.barrier()
+    return {"count": n, "invalid": [r.to_json() for r in invalid], **stats}

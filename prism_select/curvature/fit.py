@@ -20,8 +20,10 @@ import random
 import torch
 from tqdm.auto import tqdm
 
-from ..data.tokenize import collate, token_losses
-from ..gradients import Taps, activation_grad_mode, check_finite, layer_shape
+from .. import distributed
+from ..data.tokenize import token_losses
+from ..fast import Tap, batch_losses, collate_to, mm_acc, split_causal_lm, tap_linears
+from ..gradients import check_finite, has_bias, layer_shape
 from ..io import sha256_json
 from .base import Curvature, CurvatureSettings, settings_dict
 
@@ -54,28 +56,148 @@ def _sampled_labels(logits: torch.Tensor, labels: torch.Tensor, gen: torch.Gener
     return new
 
 
-def _passes(model, modules, encoded, batches, fisher, seed, device, pad_id, desc, on_batch):
+class _Stats:
+    """Per-batch bookkeeping shared by the fit taps."""
+
+    def __init__(self, acc):
+        self.acc = acc
+        self.sel = None  # (B, T) bool: real tokens of the batch
+        self.cache: dict = {}
+        self.n_tokens = None
+        self.bad: list = []
+
+    def start(self, b):
+        self.sel = b["attention_mask"]
+        self._masks = {}
+        self.cache.clear()
+        self.n_batch = self.sel.sum().to(self.acc)
+        self.n_tokens = self.n_batch if self.n_tokens is None else self.n_tokens + self.n_batch
+
+    def mask(self, dtype):
+        m = self._masks.get(dtype)
+        if m is None:
+            m = self._masks[dtype] = self.sel.to(dtype)[..., None]
+        return m
+
+
+def _key(x, *extra):
+    """Identifies one input tensor within a batch. The cache entry also holds ``x``, so
+    its memory cannot be reused by another tensor (with the same address) meanwhile."""
+    return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x._version) + extra
+
+
+def _with_ones(x):
+    return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)], dim=-1)
+
+
+class _CovTap(Tap):
+    """Pass 1: ``A += a a^T`` over real tokens (once per distinct input, shared by the
+    layers that read it), ``S += b b^T``."""
+
+    def __init__(self, module, stats, A, S):
+        super().__init__(module)
+        self.stats, self.A, self.S, self.bias = stats, A, S, has_bias(module)
+
+    def on_forward(self, x):
+        st = self.stats
+        k = _key(x, self.bias)
+        C = st.cache.get(k, (None, None))[1]
+        if C is None:
+            a = (x * st.mask(x.dtype)).reshape(-1, x.shape[-1])  # padding rows zeroed
+            C = mm_acc(a.T, a, st.acc)
+            if self.bias:
+                s = a.sum(0, dtype=st.acc)
+                n = st.n_batch.reshape(1, 1)
+                C = torch.cat([torch.cat([C, s[:, None]], 1), torch.cat([s[None, :], n], 1)], 0)
+            st.cache[k] = (x, C)
+        self.A += C
+
+    def on_backward(self, x, g):
+        g2 = g.reshape(-1, g.shape[-1])
+        self.S += mm_acc(g2.T, g2, self.stats.acc)
+
+
+class _LambdaTap(Tap):
+    """Pass 2 (EK-FAC): ``Lambda += sum_n (Q_S^T G_n Q_A)**2`` (padding has ``b = 0``)."""
+
+    keep_input = True
+
+    def __init__(self, module, stats, QA, QS, Lam, qa_group):
+        super().__init__(module)
+        self.stats, self.Lam, self.bias = stats, Lam, has_bias(module)
+        dt = module.weight.dtype
+        self.QA, self.QS = QA.to(dt), QS.to(dt)
+        self.qa_id = qa_group
+
+    def on_backward(self, x, g):
+        st = self.stats
+        k = _key(x, self.bias, self.qa_id)
+        aq = st.cache.get(k, (None, None))[1]
+        if aq is None:
+            xa = _with_ones(x) if self.bias else x
+            aq = mm_acc(xa, self.QA, st.acc).to(x.dtype)
+            st.cache[k] = (x, aq)
+        bq = mm_acc(g, self.QS, st.acc).to(g.dtype)
+        if g.dtype == st.acc:
+            rot = bq.transpose(1, 2) @ aq
+            self.Lam += (rot * rot).sum(0)
+        else:  # half precision: bf16 products (float32 accumulate), squares summed in float32
+            rot = torch.bmm(bq.transpose(1, 2), aq)
+            self.Lam += rot.square_().sum(0, dtype=st.acc)
+
+
+class _DiagTap(Tap):
+    keep_input = True
+
+    def __init__(self, module, stats, D):
+        super().__init__(module)
+        self.stats, self.D, self.bias = stats, D, has_bias(module)
+
+    def on_backward(self, x, g):
+        xa = _with_ones(x) if self.bias else x
+        G = mm_acc(g.transpose(1, 2), xa, self.stats.acc)
+        self.D += (G * G).sum(0)
+
+
+def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, desc, progress=True):
+    """One pass over ``batches`` (this rank's share) with ``taps`` routing the tracked layers."""
     gen = torch.Generator().manual_seed(seed)
-    compute = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
-    with activation_grad_mode(model), Taps(modules, compute) as taps:
-        for batch in tqdm(batches, desc=desc, unit="batch", leave=False):
-            enc = [encoded[i] for i in batch]
-            b = collate(enc, pad_id, device)
-            taps.mask = b["attention_mask"]
-            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
-            labels = b["labels"] if fisher == "empirical" else _sampled_labels(out.logits, b["labels"], gen)
-            losses, _ = token_losses(out.logits, labels)
-            check_finite(losses, "the training loss", record=batch)
-            losses.sum().backward()
-            on_batch(taps, b["attention_mask"], batch)
-            taps.clear()
+    split = split_causal_lm(model) if fisher == "empirical" else None
+    mine = distributed.shard(batches)
+    with tap_linears(model, taps):
+        for batch in tqdm(mine, desc=desc, unit="batch", leave=False,
+                          disable=not progress or not distributed.is_main()):
+            b = collate_to([encoded[i] for i in batch], pad_id, device)
+            stats.start(b)
+            with torch.enable_grad():
+                if fisher == "empirical":
+                    losses, _ = batch_losses(model, b, split=split)
+                else:
+                    out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+                    losses, _ = token_losses(out.logits, _sampled_labels(out.logits, b["labels"], gen))
+                stats.bad.append((batch, torch.isfinite(losses.detach()).all()))
+                losses.sum().backward()
+            stats.cache.clear()
+    for batch, ok in stats.bad:  # one device sync per pass, not per batch
+        if not bool(ok):
+            check_finite(torch.tensor([float("nan")]), "the training loss", record=batch)
+    stats.bad.clear()
 
 
 def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettings,
-                  *, pad_id: int, device=None, row_ids=None) -> Curvature:
-    """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples."""
+                  *, pad_id: int, device=None, progress: bool = True, timings: dict | None = None) -> Curvature:
+    """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples.
+
+    Under ``torchrun`` (an initialised process group), each rank runs its share of the
+    fit batches and the statistics are summed across ranks (all-reduce) before each
+    eigendecomposition, so every rank ends with the same curvature. ``timings``, if
+    given, receives ``factors_s``, ``eigh_s`` and ``lambda_s``.
+    """
+    import time
+
     device = device or next(model.parameters()).device
     layers = list(modules)
+    timings = timings if timings is not None else {}
     if settings.kind == "identity":
         return Curvature("identity", layers, {}, {n: 0.0 for n in layers})
     idx = fit_indices(len(encoded), settings)
@@ -83,19 +205,21 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     compute = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
     n_examples = len(idx)
     tensors: dict = {}
+    stats = _Stats(compute)
 
     def zeros(*shape):
         return torch.zeros(*shape, dtype=compute, device=device)
 
+    def sync():
+        if device is not None and torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
     if settings.kind == "diagonal":
         D = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
-
-        def acc_diag(taps, mask, batch):
-            for n in layers:
-                D[n] += (taps.per_example_grads(n) ** 2).sum(0)
-
-        _passes(model, modules, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-                "curvature (diagonal)", acc_diag)
+        taps = {n: _DiagTap(m, stats, D[n]) for n, m in modules.items()}
+        _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
+                "curvature (diagonal)", progress)
+        distributed.all_reduce_sum(list(D.values()))
         for n in layers:
             tensors[f"{n}::D"] = D[n] / n_examples
             check_finite(tensors[f"{n}::D"], "the diagonal curvature", layer=n)
@@ -103,32 +227,66 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
         return Curvature("diagonal", layers, tensors, damping)
 
     # Pass 1: Kronecker factors.
+    t0 = time.perf_counter()
     A = {n: zeros(layer_shape(m)[1], layer_shape(m)[1]) for n, m in modules.items()}
     S = {n: zeros(layer_shape(m)[0], layer_shape(m)[0]) for n, m in modules.items()}
-    n_tokens = [0]
+    taps = {n: _CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
+    _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
+            "curvature factors", progress)
+    n_tok = stats.n_tokens if stats.n_tokens is not None else torch.zeros((), device=device)
+    n_tok = n_tok.to(compute).reshape(1)
+    distributed.all_reduce_sum(list(A.values()) + list(S.values()) + [n_tok])
+    n_tokens = int(round(float(n_tok)))
+    sync()
+    timings["factors_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eig_cache: list = []  # layers reading the same input have identical A: one eigh
+    qa_group: dict = {}
 
-    def acc_cov(taps, mask, batch):
-        n_tokens[0] += int(mask.sum())
-        for n in layers:
-            a = taps.a[n].reshape(-1, taps.a[n].shape[-1])
-            b = taps.b[n].reshape(-1, taps.b[n].shape[-1])
-            A[n] += a.T @ a
-            S[n] += b.T @ b
+    def eigh_once(M):
+        for gid, (M0, res) in enumerate(eig_cache):
+            if M0.shape == M.shape and torch.equal(M0, M):
+                return res[0], res[1].clone(), gid
+        lam, Q = _eigh(M)
+        res = (lam.clamp(min=0).to(compute), Q.to(compute))
+        eig_cache.append((M, res))
+        return res[0], res[1], len(eig_cache) - 1
 
-    _passes(model, modules, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-            "curvature factors", acc_cov)
+    # Under torchrun each rank decomposes its share of the layers (layers that read the
+    # same input stay on one rank); the others hold zeros and a sum shares the results.
+    owner, groups = {}, []
+    for i, n in enumerate(layers):
+        for gi, (M0, members) in enumerate(groups):
+            if M0.shape == A[n].shape and torch.equal(M0, A[n]):
+                members.append(n)
+                owner[n] = gi
+                break
+        else:
+            groups.append((A[n], [n]))
+            owner[n] = len(groups) - 1
     for n in layers:
-        A[n] /= max(n_tokens[0], 1)
+        A[n] /= max(n_tokens, 1)
         S[n] /= n_examples
         check_finite(A[n], "the activation covariance", layer=n)
         check_finite(S[n], "the gradient covariance", layer=n)
-        lamA, QA = torch.linalg.eigh(A[n].double())
-        lamS, QS = torch.linalg.eigh(S[n].double())
-        tensors[f"{n}::QA"] = QA.to(compute)
+        mine = distributed.owner(owner[n]) == distributed.rank()
+        if mine:
+            lamA, QA, qa_group[n] = eigh_once(A[n])
+            lamS, QS = _eigh(S[n])
+        else:
+            qa_group[n] = -1 - owner[n]
+            lamA, QA = A[n].new_zeros(A[n].shape[0]), torch.zeros_like(A[n])
+            lamS, QS = S[n].new_zeros(S[n].shape[0]), torch.zeros_like(S[n])
+        tensors[f"{n}::QA"] = QA
         tensors[f"{n}::QS"] = QS.to(compute)
-        tensors[f"{n}::lamA"] = lamA.clamp(min=0).to(compute)
+        tensors[f"{n}::lamA"] = lamA
         tensors[f"{n}::lamS"] = lamS.clamp(min=0).to(compute)
-    del A, S
+    if distributed.active():
+        distributed.all_reduce_sum([tensors[f"{n}::{k}"] for n in layers for k in ("QA", "QS", "lamA", "lamS")])
+        qa_group = {n: owner[n] for n in layers}
+    del A, S, eig_cache
+    sync()
+    timings["eigh_s"] = time.perf_counter() - t0
 
     if settings.kind == "kfac":
         cur = Curvature("kfac", layers, tensors, {})
@@ -136,24 +294,37 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
         return cur
 
     # Pass 2 (EK-FAC): eigenvalues corrected with per-example gradients in the eigenbasis.
+    t0 = time.perf_counter()
     Lam = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
-
-    def acc_lambda(taps, mask, batch):
-        for n in layers:
-            a = taps.a[n] @ tensors[f"{n}::QA"]
-            b = taps.b[n] @ tensors[f"{n}::QS"]
-            rot = torch.einsum("bto,bti->boi", b, a)
-            Lam[n] += (rot ** 2).sum(0)
-
-    _passes(model, modules, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-            "curvature eigenvalues", acc_lambda)
+    taps = {n: _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], qa_group[n])
+            for n, m in modules.items()}
+    _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
+            "curvature eigenvalues", progress)
+    del taps
+    distributed.all_reduce_sum(list(Lam.values()))
     for n in layers:
         tensors[f"{n}::Lambda"] = Lam[n] / n_examples
         check_finite(tensors[f"{n}::Lambda"], "the EK-FAC eigenvalues", layer=n)
         del tensors[f"{n}::lamA"], tensors[f"{n}::lamS"]
+    sync()
+    timings["lambda_s"] = time.perf_counter() - t0
     cur = Curvature("ekfac", layers, tensors, {})
     cur.damping = {n: _damping(settings, cur.eigenvalues(n)) for n in layers}
     return cur
+
+
+def _eigh(M: torch.Tensor):
+    """Eigendecomposition of a symmetric factor: float64 on the CPU; on CUDA in the
+    factor's own precision (float32 unless the model is float64), which is several
+    times faster, falling back to float64 if the solver does not converge."""
+    if M.device.type == "cuda" and M.dtype != torch.float64:
+        try:
+            lam, Q = torch.linalg.eigh(M)
+            if torch.isfinite(lam).all():
+                return lam, Q
+        except RuntimeError:
+            pass
+    return torch.linalg.eigh(M.double())
 
 
 def _damping(settings: CurvatureSettings, eig: torch.Tensor) -> float:
@@ -179,7 +350,7 @@ def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fing
 
 
 def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_root,
-                          model_fingerprint, pool_fingerprint, max_length, device=None):
+                          model_fingerprint, pool_fingerprint, max_length, device=None, progress=True):
     """Reuse a saved curvature whose settings and fingerprints match, else fit and save.
 
     Returns ``(curvature, directory, reused)``.
@@ -190,14 +361,16 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
 
     key = curvature_key(settings, model_fingerprint, pool_fingerprint, list(modules), max_length)
     directory = Path(cache_root) / sha256_json(key)[:24]
-    if settings.kind != "identity" and (directory / "curvature.json").exists():
+    # Under torchrun the fit is collective: reuse only if every rank sees the saved copy.
+    if settings.kind != "identity" and distributed.all_or_nothing((directory / "curvature.json").exists()):
         try:
             cur = Curvature.load(directory, expect=key)
             log.info("reusing curvature from %s", directory)
             return cur, directory, True
         except CacheError as exc:
             log.warning("%s; fitting again", exc)
-    cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device)
-    if settings.kind != "identity":
+    cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress)
+    if settings.kind != "identity" and distributed.is_main():
         cur.save(directory, key)
+    distributed.barrier()
     return cur, directory, False

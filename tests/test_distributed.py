@@ -1,0 +1,118 @@
+"""Two CPU processes (gloo, started by torchrun) give the single-process results:
+curvature statistics all-reduced, the pool sharded by chunk, scores gathered in order."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+WORKER = r"""
+import json, sys
+sys.path.insert(0, {tests!r})
+import torch
+from prism_select import distributed
+from prism_select.curvature import CurvatureSettings, fit_curvature
+from prism_select.data.tokenize import encode
+from prism_select.scoring import score_encoded
+from conftest import POOL
+from tiny import tiny_llama, tiny_tokenizer
+
+distributed.init_from_env("cpu")
+torch.set_num_threads(1)
+tok = tiny_tokenizer()
+model = tiny_llama(len(tok))
+modules = {{n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}}
+pool = [encode(tok, p, r) for p, r in POOL + [(p + "?", r + "!") for p, r in POOL]]
+g = torch.Generator().manual_seed(0)
+d = {{n: torch.randn(m.out_features, m.in_features, generator=g, dtype=torch.float64) for n, m in modules.items()}}
+cur = fit_curvature(model, modules, pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3),
+                    pad_id=tok.pad_token_id, progress=False)
+v = cur.precondition(d)
+s = score_encoded(model, modules, pool, v, pad_id=tok.pad_token_id, batch_size=2, chunk_size=3, progress=False)
+if distributed.rank() == 0:
+    name = "model.layers.1.mlp.down_proj"
+    json.dump({{"scores": s.tolist(), "lam": cur.tensors[name + "::Lambda"].flatten().tolist(),
+               "world": distributed.world()}}, open(sys.argv[1], "w"))
+distributed.destroy()
+"""
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _torchrun(n, args, cwd, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--nnodes=1",
+           f"--master-port={_free_port()}", "--master-addr=127.0.0.1"] + args
+    r = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def test_sharded_fit_and_scores_equal_single_process(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(HERE)))
+    _torchrun(1, [str(script), str(tmp_path / "one.json")], tmp_path)
+    _torchrun(2, [str(script), str(tmp_path / "two.json")], tmp_path)
+    one = json.loads((tmp_path / "one.json").read_text())
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert one["world"] == 1 and two["world"] == 2
+    a, b = torch.tensor(one["scores"]), torch.tensor(two["scores"])
+    assert torch.isfinite(b).all()
+    assert torch.allclose(a, b, rtol=1e-9, atol=0), (a - b).abs().max()
+    la, lb = torch.tensor(one["lam"]), torch.tensor(two["lam"])
+    assert torch.allclose(la, lb, rtol=1e-9, atol=1e-15)
+
+
+def test_cli_under_torchrun_matches_single_process(tmp_path):
+    sys.path.insert(0, str(HERE))
+    from conftest import PAIRS, POOL
+    from tiny import tiny_llama, tiny_tokenizer
+    tok = tiny_tokenizer()
+    model = tiny_llama(len(tok), dtype=torch.float32)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    with open(tmp_path / "pool.jsonl", "w") as f:
+        for i, (p, r) in enumerate(POOL * 3):
+            f.write(json.dumps({"id": f"x{i}", "prompt": p, "response": r + " " * (i % 4)}) + "\n")
+    with open(tmp_path / "targets.jsonl", "w") as f:
+        for q, c, r in PAIRS:
+            f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
+
+    def args(out, cache):
+        return ["-m", "prism_select.cli", "score", "--model", str(tmp_path / "model"), "--pool",
+                str(tmp_path / "pool.jsonl"), "--targets", str(tmp_path / "targets.jsonl"), "--out", str(out),
+                "--cache-dir", str(cache), "--batch-size", "2", "--chunk-size", "4", "--no-progress",
+                "--device", "cpu", "--dtype", "float64"]
+
+    r = subprocess.run([sys.executable] + args(tmp_path / "single", tmp_path / "c1"), cwd=tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _torchrun(2, args(tmp_path / "multi", tmp_path / "c2"), tmp_path)
+
+    def read(d):
+        return {json.loads(l)["id"]: json.loads(l) for l in (d / "scores.jsonl").read_text().splitlines()}
+    s1, s2 = read(tmp_path / "single"), read(tmp_path / "multi")
+    assert list(s1) == list(s2)  # pool order
+    for k in s1:
+        assert s2[k]["score"] == pytest.approx(s1[k]["score"], rel=1e-9, abs=1e-12)
+    run = json.loads((tmp_path / "multi" / "run.json").read_text())
+    assert run["distributed"]["world_size"] == 2
+    assert not (tmp_path / "multi" / ".partial").exists()

@@ -1,0 +1,100 @@
+"""SIGKILL the `score` command at different points and run it again: it continues from
+the saved chunks and writes scores identical, bit for bit, to an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    sys.path.insert(0, str(HERE))
+    from conftest import PAIRS, POOL
+    from tiny import tiny_llama, tiny_tokenizer
+    d = tmp_path_factory.mktemp("resume")
+    tok = tiny_tokenizer()
+    model = tiny_llama(len(tok), dtype=torch.float32, layers=2, hidden=32)
+    model.save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    with open(d / "pool.jsonl", "w") as f:
+        for i in range(240):
+            p, r = POOL[i % len(POOL)]
+            f.write(json.dumps({"id": i, "prompt": p + " #" * (i % 7), "response": r + " ." * (i % 11)}) + "\n")
+    with open(d / "targets.jsonl", "w") as f:
+        for q, c, r in PAIRS:
+            f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
+    return d
+
+
+def _cmd(d, out, scoring="exact"):
+    return [sys.executable, "-m", "prism_select.cli", "score", "--model", str(d / "model"),
+            "--pool", str(d / "pool.jsonl"), "--targets", str(d / "targets.jsonl"), "--out", str(out),
+            "--cache-dir", str(out) + "-cache", "--batch-size", "2", "--chunk-size", "4",
+            "--no-progress", "--device", "cpu", "--dtype", "float32", "--scoring", scoring]
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1")
+
+
+def _scores(out):
+    return [json.loads(l) for l in (out / "scores.jsonl").read_text().splitlines()]
+
+
+def _run(cmd):
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _kill_when(cmd, ready, timeout=120):
+    """Start ``cmd``, SIGKILL it as soon as ``ready()`` holds; True if it was killed."""
+    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    try:
+        while p.poll() is None and time.time() - t0 < timeout:
+            if ready():
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+                return True
+            time.sleep(0.005)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return False
+
+
+@pytest.mark.parametrize("scoring", ["exact"])  # "fast" shares the chunk machinery
+def test_sigkill_and_resume_is_bit_identical(setup, tmp_path, scoring):
+    d = setup
+    ref = tmp_path / "ref"
+    _run(_cmd(d, ref, scoring))
+    out = tmp_path / "out"
+    chunks = out / ".partial" / "scores"
+    n_chunks = lambda: len(list(chunks.glob("chunk_*.safetensors"))) if chunks.exists() else 0  # noqa: E731
+    # 1) killed early (curvature fit / before any chunk), 2) and 3) killed among the chunks
+    killed = [_kill_when(_cmd(d, out, scoring), lambda: (out / ".partial" / "key.json").exists())]
+    for k in (3, 20):
+        before = n_chunks()
+        killed.append(_kill_when(_cmd(d, out, scoring), lambda: n_chunks() >= before + k))
+        if not killed[-1]:
+            break
+    assert killed[0] and killed[1], "the run finished before it could be killed"
+    assert n_chunks() > 0 and not (out / "run.json").exists()
+    _run(_cmd(d, out, scoring))
+    a, b = _scores(ref), _scores(out)
+    assert [r["id"] for r in a] == [r["id"] for r in b]
+    assert [r["score"] for r in a] == [r["score"] for r in b]  # bit for bit
+    assert [r["rank"] for r in a] == [r["rank"] for r in b]
+    assert not (out / ".partial").exists()
