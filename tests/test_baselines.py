@@ -257,17 +257,21 @@ def test_projdiff_samples_caches_and_reuses_own_responses(model, tok, lm, make_c
     assert len(recs) == 8 and all(r["n_tokens"] <= 4 for r in recs)
     # reused only when the key matches: same settings -> no sampling at all
     calls = []
-    real = gen_mod.sample_response
-    monkeypatch.setattr(gen_mod, "sample_response", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gen_mod.sample_responses
+    monkeypatch.setattr(gen_mod, "sample_responses", lambda *a, **k: calls.append(1) or real(*a, **k))
     ctx2 = make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 4})
     s2, _ = REGISTRY["projdiff"](ctx2)
     assert torch.equal(s1, s2) and calls == [] and ctx2.info["method"]["own_responses"]["reused"] == 8
     # the scores are those of the cached texts
-    s3, _ = REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER, "responses": [r["response"] for r in recs]}))
+    by_prompt = {r["prompt_sha"]: r["response"] for r in recs}  # the cache is in sampling order
+    from prism_select.io import sha256_json
+    texts = [by_prompt[sha256_json(list(e.input_ids[: e.response_start]))] for e in ctx.inputs.encoded]
+    s3, _ = REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER, "responses": texts}))
     assert torch.allclose(s1, s3, rtol=1e-12, atol=0)
     # other generation settings -> sampled again; the same settings from scratch -> the same texts
-    REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 3}))
-    assert len(calls) == 8
+    ctx3 = make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 3})
+    REGISTRY["projdiff"](ctx3)
+    assert calls and ctx3.info["method"]["own_responses"]["generated"] == 8
     path.unlink()
     s4, _ = REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 4}))
     assert torch.equal(s1, s4)

@@ -5,8 +5,8 @@ model's generation config says), from the prompt exactly as it is encoded for sc
 (chat template, left truncation), at most ``max_new_tokens`` tokens, stopping at (and
 dropping) the first special token (EOS, end-of-turn, ...). Each prompt draws from its
 own ``torch.Generator`` seeded with a hash of the run seed and the cache key, so a
-response does not depend on batch, order or device of the other prompts. One prompt at
-a time with the KV cache (``max_new_tokens`` forwards of one token each).
+response does not depend on the order or draws of the other prompts. Prompts are
+sampled in left-padded batches with the KV cache (``max_new_tokens`` forwards).
 
 Cache: ``<cache_dir>/generations/<model fingerprint[:16]>.jsonl``, one line per
 response: ``key`` (sha256 of model fingerprint, prompt token ids and the generation
@@ -106,28 +106,57 @@ def _returned_cache(out):
     return c if c is not None else getattr(out, "past_key_values", None)
 
 
-def sample_response(model, prompt_ids: list, max_new_tokens: int, stops: list, generator: torch.Generator) -> list:
-    """Token ids sampled after ``prompt_ids`` (the stop token excluded)."""
+def sample_responses(model, prompts: list, max_new_tokens: int, stops: list, generators: list,
+                     pad_id: int) -> list:
+    """Token ids sampled after each prompt (stop token excluded), a batch at a time.
+
+    Prompts are left-padded (explicit position ids keep every real token at its own
+    position); each row draws from its own generator, so a response does not depend on
+    the other prompts' draws (only, through float rounding of the batched forward, on
+    the batch's padding).
+    """
     device = next(model.parameters()).device
     stop = set(stops)
     kw = _cache_kwarg(model)
-    out, past = [], None
-    step_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(list(p))
+        attn[i, L - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = [[] for _ in prompts]
+    done = [False] * B
+    past = None
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            o = model(input_ids=step_ids, use_cache=True, **{kw: past})
+            o = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **{kw: past})
             past = _returned_cache(o)
-            probs = torch.softmax(o.logits[0, -1].double(), dim=-1).cpu()
-            tok = int(torch.multinomial(probs, 1, generator=generator))
-            if tok in stop:
+            probs = torch.softmax(o.logits[:, -1].double(), dim=-1).cpu()
+            nxt = []
+            for i in range(B):
+                tok = pad_id
+                if not done[i]:
+                    t = int(torch.multinomial(probs[i], 1, generator=generators[i]))
+                    if t in stop:
+                        done[i] = True
+                    else:
+                        out[i].append(t)
+                        tok = t
+                nxt.append(tok)
+            if all(done):
                 break
-            out.append(tok)
-            step_ids = torch.tensor([[tok]], dtype=torch.long, device=device)
+            ids = torch.tensor(nxt, dtype=torch.long, device=device)[:, None]
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
+            pos = pos[:, -1:] + 1
     return out
 
 
-def own_responses(lm, encoded: list, *, max_new_tokens: int, seed: int, cache_dir, progress: bool = False) -> tuple:
-    """``y'`` text for every encoded example (its prompt part), cached.
+def own_responses(lm, encoded: list, *, max_new_tokens: int, seed: int, cache_dir, progress: bool = False,
+                  batch_size: int = 32) -> tuple:
+    """``y'`` text for every encoded example (its prompt part), cached; sampled
+    ``batch_size`` prompts at a time.
 
     Returns ``(responses, {"generated": n, "reused": n, "cache": path})``.
     """
@@ -135,21 +164,22 @@ def own_responses(lm, encoded: list, *, max_new_tokens: int, seed: int, cache_di
     settings = generation_settings(max_new_tokens, seed, stops)
     path = cache_path(cache_dir, lm.fingerprint)
     cache = read_cache(path)
-    out, made, reused = [], 0, 0
-    for e in tqdm(encoded, desc="own responses (ProjDiff)", unit="ex", leave=False, disable=not progress):
-        prompt = e.input_ids[: e.response_start]
-        key = generation_key(lm.fingerprint, prompt, settings)
-        if key in cache:
-            out.append(cache[key]["response"])
-            reused += 1
-            continue
-        g_seed = int(hashlib.sha256(f"{seed}|{key}".encode()).hexdigest()[:15], 16)
-        ids = sample_response(lm.model, prompt, max_new_tokens, stops, torch.Generator().manual_seed(g_seed))
-        text = lm.tokenizer.decode(ids, skip_special_tokens=True)
-        rec = {"key": key, "prompt_sha": sha256_json(list(prompt)), "settings": settings, "response": text,
-               "n_tokens": len(ids)}
-        append_cache(path, rec)
-        cache[key] = rec
-        out.append(text)
-        made += 1
-    return out, {"generated": made, "reused": reused, "cache": str(path)}
+    keys = [generation_key(lm.fingerprint, e.input_ids[: e.response_start], settings) for e in encoded]
+    todo = sorted({k: i for i, k in enumerate(keys) if k not in cache}.values(),
+                  key=lambda i: encoded[i].response_start)  # similar prompt lengths batch together
+    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    bar = tqdm(total=len(todo), desc="own responses (ProjDiff)", unit="ex", leave=False, disable=not progress)
+    for s in range(0, len(todo), batch_size):
+        idx = todo[s:s + batch_size]
+        prompts = [encoded[i].input_ids[: encoded[i].response_start] for i in idx]
+        gens = [torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}|{keys[i]}".encode()).hexdigest()[:15], 16))
+                for i in idx]
+        for i, p, ids in zip(idx, prompts, sample_responses(lm.model, prompts, max_new_tokens, stops, gens, pad)):
+            rec = {"key": keys[i], "prompt_sha": sha256_json(list(p)), "settings": settings,
+                   "response": lm.tokenizer.decode(ids, skip_special_tokens=True), "n_tokens": len(ids)}
+            append_cache(path, rec)
+            cache[keys[i]] = rec
+        bar.update(len(idx))
+    bar.close()
+    out = [cache[k]["response"] for k in keys]
+    return out, {"generated": len(todo), "reused": len(keys) - len(todo), "cache": str(path)}
