@@ -142,7 +142,7 @@ def accuracy(ref, s):
 
 
 def load_embedded(dev, dtype):
-    from prism_select.model import ModelSettings, load_model, tracked_linear_modules
+    from prism_select.model import ModelSettings, load_model
     dt = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
     lm = load_model(ModelSettings(model=os.environ.get("PRISM_SELECT_DEFAULT_GGUF", "default"), dtype=dt,
                                   device=str(dev)))

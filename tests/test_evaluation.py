@@ -6,14 +6,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from prism_select.errors import ConfigError, InputError
 from prism_select.evaluation import builders, probes
 from prism_select.evaluation.protocols import (auprc, auroc, load_config, mean_std, ranking, repair,
                                                run_experiment, select)
 
-from tiny import tiny_llama, tiny_tokenizer
+from tiny import save_tiny
 
 
 @pytest.fixture(autouse=True)
@@ -25,12 +24,7 @@ def _env(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-model")
-    tok = tiny_tokenizer()
-    model = tiny_llama(len(tok), dtype=torch.float32)
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return save_tiny(tmp_path_factory.mktemp("tiny-model"))
 
 
 # --------------------------------------------------------------------------- fixtures

@@ -13,7 +13,7 @@ from prism_select.evaluation import FinetuneSettings, export_subset, finetune, l
 from prism_select.model import LoadedModel, ModelSettings, load_model, model_fingerprint
 
 from conftest import POOL
-from tiny import tiny_llama, tiny_tokenizer
+from tiny import save_tiny, tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -24,12 +24,7 @@ def _env(monkeypatch, tmp_path):
 
 @pytest.fixture
 def tiny_dir(tmp_path):
-    tok = tiny_tokenizer()
-    model = tiny_llama(len(tok), dtype=torch.float32)
-    d = tmp_path / "tiny"
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return save_tiny(tmp_path / "tiny")
 
 
 def _pool():

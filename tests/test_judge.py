@@ -16,7 +16,7 @@ from prism_select.model import LoadedModel, ModelSettings, load_model, model_fin
 from prism_select.pipeline import Inputs, RunContext, ScoreSettings
 
 from conftest import PAIRS, POOL
-from tiny import tiny_llama, tiny_tokenizer
+from tiny import save_tiny, tiny_llama, tiny_tokenizer
 
 try:
     from prism_select.baselines import REGISTRY
@@ -51,12 +51,7 @@ def make_ctx(tmp_path, options, out="run", pairs=True, max_length=2048):
 
 @pytest.fixture
 def judge_dir(tmp_path):
-    tok = tiny_tokenizer()
-    model = tiny_llama(len(tok), seed=5, dtype=torch.float64)
-    d = tmp_path / "judge"
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return save_tiny(tmp_path / "judge", dtype=torch.float64, seed=5)
 
 
 def direct_p_yes(model, tok, text):

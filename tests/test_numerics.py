@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature
+from prism_select.curvature import CurvatureSettings, fit_curvature
 from prism_select.data.tokenize import collate, encode
 from prism_select.preference import compute_preference
 from prism_select.scoring import score_encoded
@@ -100,7 +100,6 @@ def _explicit_fisher_pieces(model, modules, name, encoded, tok):
     Gs, A, S, T = [], 0, 0, 0
     for e in encoded:
         acts.clear()
-        b = collate([e], tok.pad_token_id)
         outs = []
         h2 = m.register_forward_hook(lambda mod, i, o: outs.append(o))
         loss = example_loss(model, e)

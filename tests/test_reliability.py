@@ -15,22 +15,17 @@ from prism_select.cli import main
 from prism_select.curvature import CurvatureSettings
 from prism_select.errors import CacheError, InputError, NumericalError, OutputError
 from prism_select.examples import make_example
-from prism_select.model import ModelSettings, load_model
+from prism_select.model import ModelSettings
 from prism_select.pipeline import ScoreSettings, prepare_inputs, score_pool
 
-from tiny import tiny_llama, tiny_tokenizer
+from tiny import save_tiny, tiny_llama, tiny_tokenizer
 
 OUTPUTS = ("scores.jsonl", "pairs.jsonl", "run.json")
 
 
 @pytest.fixture
 def model_dir(tmp_path):
-    tok = tiny_tokenizer()
-    m = tiny_llama(len(tok), dtype=torch.float32)
-    d = tmp_path / "model"
-    m.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return save_tiny(tmp_path / "model")
 
 
 @pytest.fixture

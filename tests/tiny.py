@@ -80,3 +80,12 @@ def _norms_in_model_dtype(model):
             if type(child).__name__.endswith("RMSNorm"):
                 eps = getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6))
                 setattr(mod, child_name, _RMSNorm(child.weight, eps))
+
+
+def save_tiny(directory, dtype=torch.float32, seed: int = 0, model=None):
+    """Save a tiny Llama (or ``model``) and the chat tokenizer as a loadable HF directory."""
+    tok = tiny_tokenizer()
+    model = model if model is not None else tiny_llama(len(tok), seed=seed, dtype=dtype)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory

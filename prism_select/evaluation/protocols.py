@@ -955,6 +955,17 @@ def _load_start(cfg):
     return load_model(cfg.model)
 
 
+def _mistake_math_run(exp, cfg, ratio, seed):
+    """The run directory of one (harmful ratio, seed) and its mistake-math pool."""
+    rdir = exp.out / "runs" / f"r{_pct(ratio)}" / f"seed{seed}"
+    rdir.mkdir(parents=True, exist_ok=True)
+    pool = builders.mistake_math_pool(cfg.data.gsm8k_train, cfg.data.pool_size, ratio, seed,
+                                      keep_annotations=cfg.data.keep_annotations)
+    pool_path = rdir / "pool.jsonl"
+    _write_if_changed(pool_path, pool)
+    return rdir, pool, pool_path
+
+
 # =========================================================================== ranking
 
 def ranking(config: RankingConfig, out_dir, *, overwrite: bool = False) -> dict:
@@ -968,12 +979,7 @@ def ranking(config: RankingConfig, out_dir, *, overwrite: bool = False) -> dict:
     runs = []
     for ratio in cfg.harmful_ratios:
         for seed in cfg.seeds:
-            rdir = exp.out / "runs" / f"r{_pct(ratio)}" / f"seed{seed}"
-            rdir.mkdir(parents=True, exist_ok=True)
-            pool = builders.mistake_math_pool(cfg.data.gsm8k_train, cfg.data.pool_size, ratio, seed,
-                                              keep_annotations=cfg.data.keep_annotations)
-            pool_path = rdir / "pool.jsonl"
-            _write_if_changed(pool_path, pool)
+            rdir, pool, pool_path = _mistake_math_run(exp, cfg, ratio, seed)
             for variant in cfg.targets:
                 vdir = rdir / variant.name
                 vdir.mkdir(parents=True, exist_ok=True)
@@ -1049,12 +1055,7 @@ def repair(config: RepairConfig, out_dir, *, overwrite: bool = False) -> dict:
     runs = []
     for ratio in cfg.harmful_ratios:
         for seed in cfg.seeds:
-            rdir = exp.out / "runs" / f"r{_pct(ratio)}" / f"seed{seed}"
-            rdir.mkdir(parents=True, exist_ok=True)
-            pool = builders.mistake_math_pool(cfg.data.gsm8k_train, cfg.data.pool_size, ratio, seed,
-                                              keep_annotations=cfg.data.keep_annotations)
-            pool_path = rdir / "pool.jsonl"
-            _write_if_changed(pool_path, pool)
+            rdir, pool, pool_path = _mistake_math_run(exp, cfg, ratio, seed)
             probes = builders.gsm8k_probes(cfg.probes.gsm8k_test, cfg.probes.n, seed)
             probes_path = rdir / "probes.jsonl"
             _write_if_changed(probes_path, probes)
