@@ -236,3 +236,19 @@ def test_ctrl_c_message_says_how_to_resume(tmp_path, model_dir, data, capsys, mo
                  "--out", str(tmp_path / "run")])
     assert code == 130
     assert "same command" in capsys.readouterr().err
+
+
+GPU_SCORE_RTOL = 1e-4  # float32 on CUDA: reduction order may differ between runs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_same_seed_gives_equal_scores_on_gpu(tmp_path, model_dir, data):
+    def run_cuda(out):
+        s = ScoreSettings(max_length=128, batch_size=4, progress=False)
+        ms = ModelSettings(model=str(model_dir), dtype="float32", device="cuda", cache_dir=str(tmp_path / out))
+        score_pool(ms, *data, tmp_path / out, s, CurvatureSettings(kind="ekfac"))
+        return torch.tensor([r["score"] for r in scores_of(tmp_path / out)], dtype=torch.float64)
+
+    a, b = run_cuda("a"), run_cuda("b")
+    assert torch.allclose(a, b, rtol=GPU_SCORE_RTOL, atol=GPU_SCORE_RTOL * float(a.abs().max()))
