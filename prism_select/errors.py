@@ -38,6 +38,10 @@ class InputError(PrismError):
             text += f" (fix: {fix})"
         super().__init__(text)
 
+    def at(self, path, row) -> "InputError":
+        """The same error, located at ``path``, ``row`` (record parsers raise unlocated)."""
+        return InputError(self.reason, path=path, row=row, field=self.field, fix=self.fix)
+
 
 class ConfigError(PrismError):
     """A settings value is invalid; the message names the field and the fix."""

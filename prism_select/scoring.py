@@ -291,7 +291,7 @@ def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_inv
             ex = parse_pool_record(rec, row)
             enc = encode(tokenizer, ex.prompt, ex.response, max_length, path=pool_path, row=row)
         except InputError as e:
-            e = InputError(e.reason, path=pool_path, row=row, field=e.field, fix=e.fix)
+            e = e.at(pool_path, row)
             if not skip_invalid:
                 raise e from None
             bad(e)

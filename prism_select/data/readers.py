@@ -298,7 +298,7 @@ def _load(path, parse: Callable[[dict, int, bool], Any], skip_invalid: bool) -> 
         try:
             item = parse(rec, row, fmt == "csv")
         except InputError as e:
-            e = InputError(e.reason, path=path, row=row, field=e.field, fix=e.fix)
+            e = e.at(path, row)
             if not skip_invalid:
                 raise e from None
             bad(e)
