@@ -55,6 +55,18 @@ def _add_score_args(p: argparse.ArgumentParser):
     c.add_argument("--fit-examples", type=int, default=None, help="fit on a seeded sample of N pool examples")
 
 
+def _add_stream_args(p: argparse.ArgumentParser):
+    from .pipeline import DEFAULT_STREAM_WINDOW, STREAM_FIT_EXAMPLES
+
+    g = p.add_argument_group("streaming (pools too large to load)")
+    g.add_argument("--stream", action="store_true",
+                   help="read and score the pool a window at a time (host memory flat in pool size; "
+                        f"prism, equal, unpaired only); the curvature is fitted on a seeded sample of "
+                        f"--fit-examples valid records (default {STREAM_FIT_EXAMPLES})")
+    g.add_argument("--stream-window", type=int, default=None, metavar="N",
+                   help=f"records read and tokenised at a time under --stream (default {DEFAULT_STREAM_WINDOW})")
+
+
 def _model_settings(a):
     from .model import ModelSettings
     return ModelSettings(model=a.model, adapter=a.adapter, dtype=a.dtype, device=a.device,
@@ -81,8 +93,9 @@ def _score_settings(a):
     s = ScoreSettings(method=a.method, max_length=a.max_length, batch_size=a.batch_size, modules=a.modules,
                       skip_invalid=a.skip_invalid, chunk_size=a.chunk_size, overwrite=a.overwrite,
                       progress=not a.no_progress, seed=a.seed, method_options=_options(a.option),
-                      scoring=getattr(a, "scoring", "exact"),
-                      **({"fd_eps": a.fd_eps} if getattr(a, "fd_eps", None) is not None else {}))
+                      scoring=getattr(a, "scoring", "exact"), stream=getattr(a, "stream", False),
+                      **({"fd_eps": a.fd_eps} if getattr(a, "fd_eps", None) is not None else {}),
+                      **({"stream_window": a.stream_window} if getattr(a, "stream_window", None) is not None else {}))
     c = CurvatureSettings(kind=a.curvature, damping=a.damping, fisher=a.fisher, fit_examples=a.fit_examples,
                           batch_size=a.batch_size, seed=a.seed)
     return s, c
@@ -253,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--out", required=True, help="run directory")
     _add_model_args(sc)
     _add_score_args(sc)
+    _add_stream_args(sc)
     sc.set_defaults(func=cmd_score)
 
     se = sub.add_parser("select", help="write the kept pool records in the pool's own format")

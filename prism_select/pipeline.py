@@ -9,34 +9,58 @@
 While running, ``.partial/`` holds the finished score chunks and the preconditioned
 target ``v``, so the same command resumes an interrupted run; the outputs appear
 (each atomically) only when every candidate is scored.
+
+With ``ScoreSettings.stream`` the pool is never loaded: one streaming pass validates it
+and draws the curvature's fit sample (:func:`prepare_stream_inputs`), and
+:func:`prism_select.scoring.score_stream` scores it a window at a time.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import __version__
+from . import __version__, distributed
 from .curvature import Curvature, CurvatureSettings, load_or_fit_curvature
 from .data import load_pool, load_targets
+from .data.readers import scan_pool
 from .data.records import InvalidRecord
-from .data.tokenize import DEFAULT_MAX_LENGTH, encode, encoded_fingerprint, has_chat_template
+from .data.tokenize import (
+    DEFAULT_MAX_LENGTH,
+    encode,
+    encoded_fingerprint,
+    has_chat_template,
+    tokenizer_fingerprint,
+)
 from .errors import CacheError, ConfigError, InputError, OutputError
-from .io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_json
-from .model import LoadedModel, ModelSettings, load_model, tracked_linear_modules
-from .preference import METHODS as DIRECTION_METHODS, compute_preference
-from . import distributed
 from .fast import DEFAULT_FD_EPS
-from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS, score_encoded
+from .io import (
+    atomic_write_json,
+    atomic_write_jsonl,
+    check_writable_dir,
+    sha256_file,
+    sha256_json,
+)
+from .model import LoadedModel, ModelSettings, load_model, tracked_linear_modules
+from .preference import METHODS as DIRECTION_METHODS
+from .preference import compute_preference
+from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS, score_encoded, score_stream
 
 log = logging.getLogger(__name__)
+
+# Under ``stream`` the curvature is fitted on a seeded sample of this many valid pool
+# records when ``CurvatureSettings.fit_examples`` is not set (a fit costs about three
+# forward+backward passes over its examples; 10K is minutes on one GPU at 1B parameters).
+STREAM_FIT_EXAMPLES = 10_000
+DEFAULT_STREAM_WINDOW = 65_536
 
 
 @dataclass
@@ -58,6 +82,11 @@ class ScoreSettings:
         fast (central finite differences along v, two inference forwards; see
         docs/performance.md for speed and agreement with exact).
     fd_eps: relative finite-difference step of ``scoring="fast"``.
+    stream: read the pool a window at a time instead of loading it (host memory flat in
+        pool size); prism, equal and unpaired only. The curvature is then fitted on a
+        seeded sample of ``CurvatureSettings.fit_examples`` valid records
+        (``STREAM_FIT_EXAMPLES`` when unset).
+    stream_window: records read and tokenised at a time under ``stream``.
     """
 
     method: str = "prism"
@@ -72,6 +101,8 @@ class ScoreSettings:
     method_options: dict = field(default_factory=dict)
     scoring: str = "exact"
     fd_eps: float = DEFAULT_FD_EPS
+    stream: bool = False
+    stream_window: int = DEFAULT_STREAM_WINDOW
 
     def __post_init__(self):
         if self.scoring not in SCORINGS:
@@ -87,6 +118,12 @@ class ScoreSettings:
         known = set(DIRECTION_METHODS) | set(_baseline_names())
         if self.method not in known:
             raise ConfigError("method", f"unknown method {self.method!r}", f"use one of {', '.join(sorted(known))}")
+        if self.stream_window < 1:
+            raise ConfigError("stream_window", f"must be >= 1, got {self.stream_window}")
+        if self.stream and self.method not in DIRECTION_METHODS:
+            raise ConfigError("stream", f"method {self.method!r} needs the whole pool in memory; streaming "
+                              f"scores only {', '.join(DIRECTION_METHODS)}",
+                              f"drop --stream, or use --method {' / '.join(DIRECTION_METHODS)}")
 
 
 def _baseline_names() -> list:
@@ -108,6 +145,11 @@ class Inputs:
     pool_path: str = ""
     targets_path: str = ""
     pool_format: str = ""
+    pool_fingerprint: str = ""  # names the pool in the run key and run.json
+    # Under stream (``pool`` and ``encoded`` stay empty): the curvature's fit sample
+    # (Encoded) and how it was drawn. ``fit_encoded`` None: fit on ``encoded``.
+    fit_encoded: list | None = None
+    fit_sample: dict | None = None
 
 
 def _encode_all(tokenizer, items, fields, max_length, path, skip_invalid, invalid):
@@ -124,13 +166,9 @@ def _encode_all(tokenizer, items, fields, max_length, path, skip_invalid, invali
     return kept, encs
 
 
-def prepare_inputs(tokenizer, pool_path, targets_path=None, *, max_length: int = DEFAULT_MAX_LENGTH,
-                   skip_invalid: bool = False) -> Inputs:
-    """Read and tokenise the pool and (optionally) the target pairs."""
-    pool = load_pool(pool_path, skip_invalid=skip_invalid)
-    invalid = list(pool.invalid)
-    examples, enc = _encode_all(tokenizer, pool.items, ["response"], max_length, pool_path,
-                                skip_invalid, invalid)
+def _with_targets(tokenizer, targets_path, max_length: int, skip_invalid: bool, *, invalid: list,
+                  truncated_pool: int, **pool_fields) -> Inputs:
+    """Inputs of an already read pool, with the target pairs read and tokenised."""
     pairs, chosen, rejected = [], [], []
     if targets_path is not None:
         tg = load_targets(targets_path, skip_invalid=skip_invalid)
@@ -141,15 +179,54 @@ def prepare_inputs(tokenizer, pool_path, targets_path=None, *, max_length: int =
         rejected = [r for _, r in penc]
         if not pairs:
             raise InputError("no valid target pair left", path=targets_path)
+    truncated = {"pool": truncated_pool,
+                 "targets": sum(c.truncated or r.truncated for c, r in zip(chosen, rejected))}
+    return Inputs(pairs=pairs, chosen=chosen, rejected=rejected, invalid=invalid, truncated=truncated,
+                  targets_path=str(targets_path or ""), **pool_fields)
+
+
+def prepare_inputs(tokenizer, pool_path, targets_path=None, *, max_length: int = DEFAULT_MAX_LENGTH,
+                   skip_invalid: bool = False) -> Inputs:
+    """Read and tokenise the pool and (optionally) the target pairs."""
+    pool = load_pool(pool_path, skip_invalid=skip_invalid)
+    invalid = list(pool.invalid)
+    examples, enc = _encode_all(tokenizer, pool.items, ["response"], max_length, pool_path,
+                                skip_invalid, invalid)
+    encoded = [e[0] for e in enc]
+    inputs = _with_targets(tokenizer, targets_path, max_length, skip_invalid, pool=examples, encoded=encoded,
+                           invalid=invalid, truncated_pool=sum(e.truncated for e in encoded),
+                           pool_path=str(pool_path), pool_format=pool.format,
+                           pool_fingerprint=encoded_fingerprint(encoded))
     if not examples:
         raise InputError("no valid pool record left", path=pool_path)
-    return Inputs(
-        pool=examples, encoded=[e[0] for e in enc], pairs=pairs, chosen=chosen, rejected=rejected,
-        invalid=invalid,
-        truncated={"pool": sum(e[0].truncated for e in enc),
-                   "targets": sum(c.truncated or r.truncated for c, r in zip(chosen, rejected))},
-        pool_path=str(pool_path), targets_path=str(targets_path or ""), pool_format=pool.format,
-    )
+    return inputs
+
+
+def prepare_stream_inputs(tokenizer, pool_path, targets_path=None, *, max_length: int = DEFAULT_MAX_LENGTH,
+                          skip_invalid: bool = False, fit_examples: int = STREAM_FIT_EXAMPLES,
+                          seed: int = 0) -> Inputs:
+    """The inputs of a streamed run, without the pool in memory.
+
+    One streaming pass (:func:`prism_select.data.readers.scan_pool`) validates the pool,
+    checks its ids and draws a seeded sample of ``fit_examples`` valid records; only
+    the sample is tokenised (``fit_encoded``: the curvature's fit set). The pool is
+    named by the sha256 of its file bytes (every file of a datasets directory), the
+    tokenizer and ``max_length``. ``pool`` and ``encoded`` stay empty; ``invalid`` and
+    ``truncated`` count the targets only: the scoring pass reports the pool's.
+    """
+    scan = scan_pool(pool_path, fit_examples, seed=seed, skip_invalid=skip_invalid)
+    _, enc = _encode_all(tokenizer, scan.sample, ["response"], max_length, pool_path, skip_invalid, [])
+    if not enc:
+        raise InputError(f"none of the {len(scan.sample)} records sampled to fit the curvature can be "
+                         f"tokenised within max_length={max_length}", path=pool_path,
+                         fix="raise --max-length or --fit-examples")
+    fingerprint = sha256_json({"file_sha256": sha256_file(pool_path), "max_length": max_length,
+                               "tokenizer": tokenizer_fingerprint(tokenizer)})
+    return _with_targets(tokenizer, targets_path, max_length, skip_invalid, pool=[], encoded=[], invalid=[],
+                         truncated_pool=0, pool_path=str(pool_path), pool_format=scan.format,
+                         pool_fingerprint=fingerprint, fit_encoded=[e[0] for e in enc],
+                         fit_sample={"valid_records": scan.count, "requested": fit_examples,
+                                     "drawn": len(scan.sample), "tokenised": len(enc), "seed": seed})
 
 
 @dataclass
@@ -164,6 +241,7 @@ class RunContext:
     out_dir: Path
     timings: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
+    streamed: dict | None = None  # under stream: what score_stream returned, and the file it wrote
     _curvature: Curvature | None = None
 
     @property
@@ -175,10 +253,11 @@ class RunContext:
         if self._curvature is None:
             t = time.perf_counter()
             cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
+            fit = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
             cur, directory, reused = load_or_fit_curvature(
-                self.lm.model, self.modules, self.inputs.encoded, self.curvature_settings,
+                self.lm.model, self.modules, fit, self.curvature_settings,
                 pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
-                pool_fingerprint=encoded_fingerprint(self.inputs.encoded),
+                pool_fingerprint=encoded_fingerprint(fit),
                 max_length=self.settings.max_length, progress=self.settings.progress)
             self.timings["curvature_s"] = time.perf_counter() - t
             self.info["curvature"] = {"kind": cur.kind, "path": str(directory), "reused": reused,
@@ -186,8 +265,13 @@ class RunContext:
             self._curvature = cur
         return self._curvature
 
-    def score_direction(self, direction: dict, tag: str = "scores") -> torch.Tensor:
-        """``g_z . H^-1 direction`` for every pool example (resumable)."""
+    def score_direction(self, direction: dict, tag: str = "scores") -> torch.Tensor | None:
+        """``g_z . H^-1 direction`` for every pool example (resumable).
+
+        Under ``settings.stream`` the pool file is scored a window at a time into
+        ``.partial/<tag>.jsonl`` (id, score, rank), recorded in ``self.streamed``, and
+        None is returned.
+        """
         partial = self.out_dir / ".partial"
         v_path = partial / f"{tag}_v.safetensors"
         if v_path.exists():
@@ -201,11 +285,23 @@ class RunContext:
                 tmp.replace(v_path)
         t = time.perf_counter()
         stats: dict = {}
-        s = score_encoded(self.lm.model, self.modules, self.inputs.encoded, v, pad_id=self.pad_id,
-                          batch_size=self.settings.batch_size, chunk_size=self.settings.chunk_size,
-                          partial_dir=partial / tag, run_key=self.info.get("run_key"),
-                          progress=self.settings.progress, ids=[e.id for e in self.inputs.pool],
-                          scoring=self.settings.scoring, fd_eps=self.settings.fd_eps, stats=stats)
+        st = self.settings
+        common = {"batch_size": st.batch_size, "chunk_size": st.chunk_size, "partial_dir": partial / tag,
+                  "run_key": self.info.get("run_key"), "progress": st.progress, "scoring": st.scoring,
+                  "fd_eps": st.fd_eps}
+        if st.stream:
+            s = None
+            out = partial / f"{tag}.jsonl"
+            res = score_stream(self.lm.model, self.lm.tokenizer, self.modules, v, self.inputs.pool_path, out,
+                               max_length=st.max_length, window=st.stream_window, skip_invalid=st.skip_invalid,
+                               **common)
+            if not res["count"]:
+                raise InputError("no valid pool record left", path=self.inputs.pool_path)
+            stats = {k: res.pop(k) for k in ("examples", "real_tokens", "padded_tokens") if k in res}
+            self.streamed = {**res, "path": out}
+        else:
+            s = score_encoded(self.lm.model, self.modules, self.inputs.encoded, v, pad_id=self.pad_id,
+                              ids=[e.id for e in self.inputs.pool], stats=stats, **common)
         dt = time.perf_counter() - t
         self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + dt
         if stats.get("examples"):  # this rank's share; tokens/s counts real (non-padding) tokens
@@ -289,25 +385,34 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
                curvature: CurvatureSettings | None = None) -> dict:
     """Score every pool example and write ``scores.jsonl``, ``pairs.jsonl`` and ``run.json``.
 
-    Returns the run summary (the content of run.json).
+    Returns the run summary (the content of run.json). Under ``settings.stream`` the pool
+    is read a window at a time (see :func:`prepare_stream_inputs`); an unset
+    ``curvature.fit_examples`` then becomes ``STREAM_FIT_EXAMPLES``.
     """
     settings = settings or ScoreSettings()
     curvature = curvature or CurvatureSettings()
+    fit_default = settings.stream and curvature.fit_examples is None
+    if fit_default:
+        curvature = replace(curvature, fit_examples=STREAM_FIT_EXAMPLES)
     out_dir = Path(out_dir)
     check_writable_dir(out_dir)  # fail before any long work
     t0 = time.perf_counter()
     timings = {}
     if not isinstance(model, LoadedModel) and distributed.init_from_env(model.device):  # torchrun / accelerate
-        from dataclasses import replace
         model = replace(model, device=distributed.local_device(model.device))
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     timings["load_model_s"] = time.perf_counter() - t0
     t = time.perf_counter()
-    inputs = prepare_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
-                            skip_invalid=settings.skip_invalid)
+    if settings.stream:
+        inputs = prepare_stream_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
+                                       skip_invalid=settings.skip_invalid, fit_examples=curvature.fit_examples,
+                                       seed=curvature.seed)
+    else:
+        inputs = prepare_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
+                                skip_invalid=settings.skip_invalid)
     timings["read_inputs_s"] = time.perf_counter() - t
     modules = tracked_linear_modules(lm.model, settings.modules)
-    fingerprints = {"model": lm.fingerprint, "pool": encoded_fingerprint(inputs.encoded),
+    fingerprints = {"model": lm.fingerprint, "pool": inputs.pool_fingerprint,
                     "targets": encoded_fingerprint(inputs.chosen + inputs.rejected)}
     run_key = {"settings": {k: v for k, v in asdict(settings).items() if k not in ("overwrite", "progress", "batch_size")},
                "curvature": asdict(curvature), "fingerprints": fingerprints,
@@ -318,11 +423,18 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     ctx = RunContext(lm, modules, inputs, settings, curvature, out_dir, timings,
                      info={"run_key": run_key})
     scores, pairs = _method_fn(settings.method)(ctx)
-    rk = ranks(scores)
     main = distributed.is_main()  # every rank holds the gathered scores; rank 0 writes them
-    if main:
-        atomic_write_jsonl(out_dir / "scores.jsonl",
-                           ({"id": ex.id, "score": float(scores[i]), "rank": rk[i]} for i, ex in enumerate(inputs.pool)))
+    if ctx.streamed is None:
+        n_pool, invalid, truncated_pool = len(inputs.pool), [r.to_json() for r in inputs.invalid], inputs.truncated["pool"]
+        if main:
+            rk = ranks(scores)
+            atomic_write_jsonl(out_dir / "scores.jsonl", ({"id": ex.id, "score": float(scores[i]), "rank": rk[i]}
+                                                          for i, ex in enumerate(inputs.pool)))
+    else:  # score_stream wrote the ranked file into .partial; the pool's skipped records come from it
+        n_pool, truncated_pool = ctx.streamed["count"], ctx.streamed["truncated"]
+        invalid = ctx.streamed["invalid"] + [r.to_json() for r in inputs.invalid]
+        if main:
+            os.replace(ctx.streamed["path"], out_dir / "scores.jsonl")
     if pairs and main:
         atomic_write_jsonl(out_dir / "pairs.jsonl", pairs)
     timings["total_s"] = time.perf_counter() - t0
@@ -342,12 +454,15 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
         "inputs": {"pool": inputs.pool_path, "pool_format": inputs.pool_format, "targets": inputs.targets_path},
         "fingerprints": fingerprints,
         "versions": _versions(),
-        "counts": {"pool": len(inputs.pool), "pairs": len(inputs.pairs), "invalid": len(inputs.invalid),
-                   "truncated_pool": inputs.truncated["pool"], "truncated_targets": inputs.truncated["targets"]},
-        "invalid_records": [r.to_json() for r in inputs.invalid],
+        "counts": {"pool": n_pool, "pairs": len(inputs.pairs), "invalid": len(invalid),
+                   "truncated_pool": truncated_pool, "truncated_targets": inputs.truncated["targets"]},
+        "invalid_records": invalid,
         "timings": timings,
+        "stream": settings.stream,
         **info,
     }
+    if settings.stream:
+        summary["fit_sample"] = {**inputs.fit_sample, "default_size": fit_default}
     if distributed.active():
         summary["distributed"] = {"world_size": distributed.world()}
     if main:

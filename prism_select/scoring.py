@@ -277,7 +277,7 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
 
 def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_invalid: bool, invalid: list):
     """Yield lists of ``(id, Encoded)`` of at most ``window`` valid records, in file order."""
-    from .data.readers import iter_records, parse_pool_record
+    from .data.readers import iter_pool
     from .data.records import InvalidRecord
     from .data.tokenize import encode
     from .errors import InputError
@@ -286,14 +286,12 @@ def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_inv
         invalid.append(InvalidRecord(str(pool_path), err.row, err.field, err.reason))
 
     buf = []
-    for row, rec in iter_records(pool_path, on_invalid=bad if skip_invalid else None):
+    for ex in iter_pool(pool_path, on_invalid=bad if skip_invalid else None):
         try:
-            ex = parse_pool_record(rec, row)
-            enc = encode(tokenizer, ex.prompt, ex.response, max_length, path=pool_path, row=row)
+            enc = encode(tokenizer, ex.prompt, ex.response, max_length, path=pool_path, row=ex.row)
         except InputError as e:
-            e = e.at(pool_path, row)
             if not skip_invalid:
-                raise e from None
+                raise
             bad(e)
             continue
         buf.append((ex.id, enc))
@@ -321,6 +319,11 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
     ``window >= len(pool)`` (same chunks); with smaller windows each example's score
     is the same function of the same tokens (batch composition differs, so expect
     agreement to float rounding).
+
+    Returns ``count`` (records scored), ``invalid`` (records skipped under
+    ``skip_invalid``), ``truncated`` (prompts cut to ``max_length``) and this rank's
+    ``examples``, ``real_tokens`` and ``padded_tokens``. Ids are not checked for
+    uniqueness here: :func:`prism_select.data.readers.scan_pool` does that in one pass.
     """
     import json as _json
     import os
@@ -335,7 +338,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device)
     invalid: list = []
     scores = np.zeros(0, dtype=np.float64)
-    n, chunk_base = 0, 0
+    n, chunk_base, truncated = 0, 0, 0
     out_path = Path(out_path)
     fd, ids_path = tempfile.mkstemp(prefix=".ids-", suffix=".jsonl", dir=str(out_path.parent))
     stats: dict = {}
@@ -343,6 +346,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
         with os.fdopen(fd, "w") as ids_f:
             for win in _stream_windows(tokenizer, pool_path, window, max_length, skip_invalid, invalid):
                 encoded = [e for _, e in win]
+                truncated += sum(e.truncated for e in encoded)
                 for rid, _ in win:
                     ids_f.write(_json.dumps(rid) + "\n")
                 chunks = plan_chunks(encoded, chunk_size)
@@ -377,4 +381,4 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
         except OSError:
             pass
     distributed.barrier()
-    return {"count": n, "invalid": [r.to_json() for r in invalid], **stats}
+    return {"count": n, "invalid": [r.to_json() for r in invalid], "truncated": truncated, **stats}

@@ -7,7 +7,9 @@ Two layers:
   re-reads a pool with it and writes the kept records back with every field untouched.
 * :func:`load_pool` / :func:`load_targets` validate each record into a
   :class:`PoolExample` / :class:`TargetPair` and report a bad one with its path, row,
-  field and fix (or collect it under ``skip_invalid``).
+  field and fix (or collect it under ``skip_invalid``). :func:`iter_pool` yields the
+  validated pool records one at a time, and :func:`scan_pool` checks a pool too large to
+  load in one streaming pass and draws a seeded sample of it (``score --stream``).
 
 ``row`` is always the 0-based record index: blank JSON Lines / CSV lines are not
 counted, but a line that fails to parse is, so row numbers (and the default ids
@@ -19,7 +21,10 @@ from __future__ import annotations
 import csv
 import json
 import os
-from collections.abc import Callable, Iterator
+import random
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -284,38 +289,139 @@ def load_targets(path: str | os.PathLike, skip_invalid: bool = False) -> Loaded:
     return _load(path, parse_target_record, skip_invalid)
 
 
+def iter_parsed(path, parse: Callable[[dict, int, bool], Any], on_invalid: OnInvalid | None = None
+                ) -> Iterator[Any]:
+    """Yield ``parse(record, row, from_csv)`` for each record of ``path``, streaming where
+    the format allows. A bad record raises :class:`InputError` located at its path and row,
+    or, with ``on_invalid``, is passed to it and skipped. Ids are not checked for
+    uniqueness here (that needs every id; see :func:`load_pool` and :func:`scan_pool`)."""
+    from_csv = detect_format(path) == "csv"
+    for row, rec in iter_records(path, on_invalid=on_invalid):
+        try:
+            yield parse(rec, row, from_csv)
+        except InputError as e:
+            e = e.at(path, row)
+            if on_invalid is None:
+                raise e from None
+            on_invalid(e)
+
+
+def iter_pool(path: str | os.PathLike, on_invalid: OnInvalid | None = None) -> Iterator[PoolExample]:
+    """The pool's valid :class:`PoolExample` records one at a time (see :func:`iter_parsed`)."""
+    return iter_parsed(path, parse_pool_record, on_invalid)
+
+
+def _duplicate_id(path, rid, first_row: int, row: int) -> InputError:
+    return InputError(f"duplicate id {rid!r}: rows {first_row} and {row}", path=path, row=row,
+                      field="id", fix="make ids unique, or drop the id field to use row numbers")
+
+
 def _load(path, parse: Callable[[dict, int, bool], Any], skip_invalid: bool) -> Loaded:
     """Shared loop. Duplicate ids always raise, even under ``skip_invalid``: scores refer
     to records by id, so an ambiguous id cannot be mapped back to one record."""
-    fmt = detect_format(path)
-    out = Loaded(path=str(path), format=fmt)
+    out = Loaded(path=str(path), format=detect_format(path))
 
     def bad(err: InputError) -> None:
         out.invalid.append(InvalidRecord(str(path), err.row, err.field, err.reason))
 
     seen: dict[Any, int] = {}
-    for row, rec in iter_records(path, on_invalid=bad if skip_invalid else None):
-        try:
-            item = parse(rec, row, fmt == "csv")
-        except InputError as e:
-            e = e.at(path, row)
-            if not skip_invalid:
-                raise e from None
-            bad(e)
-            continue
+    for item in iter_parsed(path, parse, on_invalid=bad if skip_invalid else None):
         if item.id in seen:
-            raise InputError(f"duplicate id {item.id!r}: rows {seen[item.id]} and {row}",
-                             path=path, row=row, field="id",
-                             fix="make ids unique, or drop the id field to use row numbers")
-        seen[item.id] = row
+            raise _duplicate_id(path, item.id, seen[item.id], item.row)
+        seen[item.id] = item.row
         out.items.append(item)
     if not out.items:
-        first = out.invalid[0]
-        forms = POOL_FORMS if parse is parse_pool_record else TARGET_FORM
-        raise InputError(f"no valid records: all {len(out.invalid)} are invalid (first, row "
-                         f"{first.row}: {first.reason})", path=path,
-                         fix=f"expected records of the form {forms}")
+        raise _no_valid(path, out.invalid, POOL_FORMS if parse is parse_pool_record else TARGET_FORM)
     return out
+
+
+def _no_valid(path, invalid: list, forms: str) -> InputError:
+    first = invalid[0]
+    return InputError(f"no valid records: all {len(invalid)} are invalid (first, row "
+                      f"{first.row}: {first.reason})", path=path,
+                      fix=f"expected records of the form {forms}")
+
+
+def reservoir_sample(items: Iterable, k: int, seed: int) -> tuple[list, int]:
+    """A uniform random sample of ``k`` of ``items`` (all of them if fewer) drawn in one
+    pass, holding only the sample; returns ``(sample in input order, number of items)``.
+
+    Algorithm R driven by ``random.Random(seed)``: the same items and seed give the same
+    sample. (Not the sample :func:`random.Random.sample` would draw from a list.)
+    """
+    rng = random.Random(seed)
+    kept: list = []  # (index, item)
+    n = 0
+    for item in items:
+        if len(kept) < k:
+            kept.append((n, item))
+        else:
+            j = rng.randrange(n + 1)
+            if j < k:
+                kept[j] = (n, item)
+        n += 1
+    kept.sort(key=lambda t: t[0])
+    return [item for _, item in kept], n
+
+
+@dataclass
+class PoolScan:
+    """What one streaming pass over a pool found (see :func:`scan_pool`)."""
+
+    path: str
+    format: str
+    count: int  # valid records
+    sample: list  # PoolExample, file order
+    invalid: list  # InvalidRecord
+
+
+def scan_pool(path: str | os.PathLike, sample_size: int, seed: int = 0,
+              skip_invalid: bool = False) -> PoolScan:
+    """One streaming pass over a pool: validate every record, check that ids are unique
+    and draw a seeded :func:`reservoir_sample` of ``sample_size`` valid records.
+
+    Holds the sample and 8 bytes a record (a hash of its id), so a pool too large to load
+    can still be checked as :func:`load_pool` checks it; a hash collision is confirmed by
+    a second pass before a duplicate id is reported.
+    """
+    invalid: list = []
+
+    def bad(err: InputError) -> None:
+        invalid.append(InvalidRecord(str(path), err.row, err.field, err.reason))
+
+    on_invalid = bad if skip_invalid else None
+    hashes = array("q")
+
+    def hashed():
+        for ex in iter_pool(path, on_invalid):
+            hashes.append(_id_hash(ex.id))
+            yield ex
+
+    sample, count = reservoir_sample(hashed(), sample_size, seed)
+    _check_unique_ids(path, hashes)
+    if count == 0:
+        raise _no_valid(path, invalid, POOL_FORMS)
+    return PoolScan(str(path), detect_format(path), count, sample, invalid)
+
+
+def _id_hash(rid) -> int:
+    # Python's hash is salted per process: only ever compared within one scan.
+    return hash((type(rid).__name__, rid))
+
+
+def _check_unique_ids(path, hashes: array) -> None:
+    import numpy as np
+
+    h = np.sort(np.frombuffer(hashes, dtype=np.int64)) if hashes else np.zeros(0, np.int64)
+    clash = set(h[1:][h[1:] == h[:-1]].tolist())
+    if not clash:
+        return
+    seen: dict[Any, int] = {}
+    for ex in iter_pool(path, on_invalid=lambda err: None):  # invalid ones were handled already
+        if _id_hash(ex.id) in clash:
+            if ex.id in seen:
+                raise _duplicate_id(path, ex.id, seen[ex.id], ex.row)
+            seen[ex.id] = ex.row
 
 
 def parse_pool_record(rec: dict, row: int, from_csv: bool = False) -> PoolExample:

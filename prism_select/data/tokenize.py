@@ -10,6 +10,7 @@ cannot fit (with at least one prompt token to predict it from) is invalid.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -142,3 +143,19 @@ def encoded_fingerprint(encoded: list) -> str:
         h.update(np.asarray([len(e.input_ids), e.response_start], dtype=np.int64).tobytes())
         h.update(np.asarray(e.input_ids, dtype=np.int64).tobytes())
     return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of what :func:`encode` depends on besides the text: the vocabulary and rules
+    (a fast tokenizer's serialised form, else its vocabulary), the chat template and the
+    special tokens."""
+    import hashlib
+
+    from ..io import sha256_json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    core = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return sha256_json({"class": type(tokenizer).__name__,
+                        "core": hashlib.sha256(core.encode()).hexdigest(),
+                        "chat_template": getattr(tokenizer, "chat_template", None),
+                        "special": {k: getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "pad", "unk")}})
