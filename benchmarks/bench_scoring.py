@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prism_select import fast  # noqa: E402
 from prism_select.curvature import CurvatureSettings, fit_curvature  # noqa: E402
 from prism_select.data.tokenize import Encoded, collate, encode  # noqa: E402
+from prism_select.graphs import GraphedScorer  # noqa: E402
 from prism_select.scoring import make_scorer  # noqa: E402
 
 CONFIGS = {
@@ -244,6 +245,7 @@ def main():
                                         "exact_hooks,fd,fd_fusedce,fd_hp,jvp,fit,kronfluence")
     ap.add_argument("--kron-n", type=int, default=None, help="examples for kronfluence's fit (default --fit-n)")
     ap.add_argument("--fd-eps", default="0.005,0.01,0.02,0.05", help="relative FD steps compared for accuracy")
+    ap.add_argument("--fd32-eps", default="1e-5", help="relative steps of the float32 FD route (fd32)")
     ap.add_argument("--pool", default=None, help="embedded: GSM8K-style jsonl (question/answer)")
     ap.add_argument("--targets", type=int, default=64, help="embedded: target pairs built from the pool file")
     ap.add_argument("--max-length", type=int, default=512)
@@ -315,16 +317,56 @@ def main():
         for p in model.parameters():
             p.grad = None
 
-    log("## throughput")
-    if "forward" in routes:
-        run_phase("forward", fwd, encoded, batches, pad_id, dev, results=R)
-    if "fwd_bwd" in routes:
+    class _Ref:  # a reference step as a "scorer", so GraphedScorer can capture it too
+        def __init__(self, train):
+            self.train = train
+
+        def score(self, b):
+            B = b["input_ids"].shape[0]
+            if not self.train:
+                with torch.no_grad():
+                    model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+                return torch.zeros(B, device=b["input_ids"].device)
+            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],
+                        use_cache=False)
+            out.loss.backward()  # gradients accumulate in place across replays (timing only)
+            return torch.zeros(B, device=b["input_ids"].device)
+
+    def ref_route(name, train, graphs=False, nomask=False):
+        if name not in routes:
+            return
         flags = [(p, p.requires_grad) for p in model.parameters()]
         for p, _ in flags:
-            p.requires_grad_(True)
-        run_phase("fwd_bwd", fwd_bwd, encoded, batches, pad_id, dev, results=R)
-        for p, f in flags:
-            p.requires_grad_(f)
+            p.requires_grad_(train)
+        try:
+            if graphs:
+                sc = GraphedScorer(_Ref(train), a.batch, pad_id)
+                fn = sc.score
+            elif nomask:
+                fn = lambda b: _Ref(train).score(fast.causal_only(b))  # noqa: E731
+            else:
+                fn = fwd_bwd if train else fwd
+            r = run_phase(name, fn, encoded, batches, pad_id, dev, results=R)
+            r.pop("_scores", None)
+            if graphs:
+                r["graph_captures"] = sc.captures
+                r["graph_failed"] = sc.failed
+                sc.graphs.clear()
+        finally:
+            for p, f in flags:
+                p.requires_grad_(f)
+                p.grad = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+    log("## throughput")
+    ref_route("forward", False)
+    ref_route("fwd_bwd", True)
+    # transparency: the same references without the attention mask, and CUDA-graphed
+    ref_route("forward_nomask", False, nomask=True)
+    ref_route("fwd_bwd_nomask", True, nomask=True)
+    ref_route("forward_graphs", False, graphs=True)
+    ref_route("fwd_bwd_graphs", True, graphs=True)
 
     # -- curvature (also gives v for the embedded model)
     if "fit" in routes and a.fit_n > 0:
@@ -411,6 +453,31 @@ def main():
                           warm=2 if i == 0 else 0)
             del sc
 
+    def lib_route(name, kind, graphs, eps=None):
+        """The library's own scorer, as the CLI builds it (``make_scorer``)."""
+        if name.split("@")[0] not in routes:
+            return
+        sc = make_scorer(model, modules, V, scoring=kind, pad_id=pad_id, device=dev, fd_eps=eps,
+                         cuda_graphs="on" if graphs else "off", batch_size=a.batch)
+        try:
+            with sc:
+                r = run_phase(name, sc.score, encoded, batches, pad_id, dev, results=R)
+                if graphs:
+                    r["graph_captures"] = sc.captures
+                    r["graph_failed"] = sc.failed
+        finally:
+            del sc
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+    lib_route("lib_exact", "exact", False)
+    lib_route("lib_exact_graphs", "exact", True)
+    fd32_eps = [float(x) for x in a.fd32_eps.split(",") if x]
+    for e in fd32_eps:
+        lib_route(f"fd32@{e:g}", "fd32", False, e)
+        lib_route(f"fd32_graphs@{e:g}", "fd32", True, e)
+    for e in eps_list[:1]:
+        lib_route(f"fd_graphs@{e:g}", "fd", True, e)
     fd_variant("fd", "fd", False)
     fd_variant("fd_fusedce", "fd", True)
     fd_variant("fd_hp", "fd-hp", False)

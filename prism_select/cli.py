@@ -47,6 +47,8 @@ def _add_score_args(p: argparse.ArgumentParser):
                    help="exact (default) or fast: central finite differences along v (inference forwards only)")
     g.add_argument("--fd-eps", type=float, default=None, metavar="EPS",
                    help="relative finite-difference step of --scoring fast (default 0.03)")
+    g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="capture each padded batch shape once and replay it (auto: on for CUDA devices)")
     c = p.add_argument_group("curvature")
     c.add_argument("--curvature", default="ekfac", choices=list(KINDS))
     c.add_argument("--damping", type=float, default=None,
@@ -94,6 +96,7 @@ def _score_settings(a):
                       skip_invalid=a.skip_invalid, chunk_size=a.chunk_size, overwrite=a.overwrite,
                       progress=not a.no_progress, seed=a.seed, method_options=_options(a.option),
                       scoring=getattr(a, "scoring", "exact"), stream=getattr(a, "stream", False),
+                      cuda_graphs=getattr(a, "cuda_graphs", "auto"),
                       **({"fd_eps": a.fd_eps} if getattr(a, "fd_eps", None) is not None else {}),
                       **({"stream_window": a.stream_window} if getattr(a, "stream_window", None) is not None else {}))
     c = CurvatureSettings(kind=a.curvature, damping=a.damping, fisher=a.fisher, fit_examples=a.fit_examples,

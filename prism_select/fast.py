@@ -34,6 +34,9 @@ Fast route (``fd`` / ``fd-hp`` / ``jvp``)
     inference forwards on pre-computed perturbed weights (rounded to the model's dtype).
     ``fd-hp``: the same, but the perturbation is kept out of the rounded weights: each
     tracked layer computes ``W a +- eps (V a)`` (a second matmul per layer).
+    ``fd32``: ``fd`` on a float32 copy of the model (for bf16/fp16 models): a PRISM
+    ``v`` is far from linear beyond tiny steps, and only float32 activations resolve
+    the loss change of a step that small (docs/performance.md).
     ``jvp``: ``torch.func.jvp`` of the losses along ``v`` (forward-mode AD).
     ``eps`` is relative: no tracked layer moves by more than ``fd_eps`` of its norm.
 """
@@ -133,13 +136,22 @@ def loss_index(labels: torch.Tensor):
 def batch_losses(model, batch: dict, *, split=None, need_grad: bool = True):
     """Per-example summed response loss (float32+, float64 for float64 models) and
     response token counts, through the fused chunked loss where the model allows."""
+    mask = batch.get("attention_mask")
     if split is not None:
         dec, head = split
-        hidden = dec(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)[0]
+        hidden = dec(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False)[0]
         need = need_grad and hidden.requires_grad
         return _FusedCE.apply(hidden, head.weight, head.bias, batch["labels"], need, batch.get("loss_index"))
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    out = model(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False)
     return token_losses(out.logits, batch["labels"])
+
+
+def causal_only(batch: dict) -> dict:
+    """``batch`` without its attention mask. Exact for right-padded batches under causal
+    attention (no real token sees a padded one; padded positions carry no loss), and it
+    spares the model a host sync per batch (transformers inspects the mask's values to
+    decide whether it can drop it) and lets the attention use its fused causal kernel."""
+    return {**batch, "attention_mask": None}
 
 
 # ----------------------------------------------------------------------------- rowdot
@@ -318,7 +330,7 @@ class ExactScorer:
         B = batch["input_ids"].shape[0]
         self.state.parts = []
         with torch.enable_grad():
-            losses, _ = batch_losses(self.model, batch, split=self.split)
+            losses, _ = batch_losses(self.model, causal_only(batch), split=self.split)
             losses.sum().backward()
         parts, self.state.parts = self.state.parts, []
         if not parts:
@@ -328,8 +340,11 @@ class ExactScorer:
 
 # ----------------------------------------------------------------------------- fast
 
-FAST_MODES = ("fd", "fd-hp", "jvp")
+FAST_MODES = ("fd", "fd-hp", "fd32", "jvp")
 DEFAULT_FD_EPS = 0.03
+#: ``fd32``'s relative step: float32 resolves loss changes of ~1e-6 of the loss, and a
+#: preconditioned PRISM ``v`` leaves the linear regime near 1e-4 (docs/performance.md)
+DEFAULT_FD32_EPS = 1e-5
 
 
 def fd_scale(modules: dict, V: dict, fd_eps: float) -> float:
@@ -356,12 +371,20 @@ class FDScorer:
     """
 
     def __init__(self, model, modules: dict, V: dict, fd_eps: float = DEFAULT_FD_EPS, mode: str = "fd",
-                 fused_loss: bool = False):
+                 fused_loss: bool = False, dtype: torch.dtype | None = None):
         if mode not in ("fd", "fd-hp"):
             raise ValueError(mode)
+        p = next(model.parameters())
+        if dtype is not None and dtype != p.dtype:
+            # run on a copy in ``dtype`` (fd32: the differences need float32 activations)
+            import copy
+            names = {id(m): n for n, m in model.named_modules()}
+            model = copy.deepcopy(model).to(dtype)
+            lookup = dict(model.named_modules())
+            modules = {n: lookup[names[id(m)]] for n, m in modules.items()}
+            p = next(model.parameters())
         self.model, self.modules, self.mode = model, modules, mode
         self.eps = fd_scale(modules, V, fd_eps)
-        p = next(model.parameters())
         self.acc = torch.float64 if p.dtype == torch.float64 else torch.float32
         self.split = split_causal_lm(model) if fused_loss else None
         self.tables = {}
@@ -408,7 +431,8 @@ class FDScorer:
     @torch.no_grad()
     def score(self, batch: dict) -> torch.Tensor:
         B = batch["input_ids"].shape[0]
-        two = {k: torch.cat([batch[k], batch[k]]) for k in ("input_ids", "attention_mask", "labels")}
+        two = {k: torch.cat([batch[k], batch[k]]) for k in ("input_ids", "labels")}
+        two["attention_mask"] = None  # see causal_only
         if "loss_index" in batch:
             bi, ti = batch["loss_index"]
             two["loss_index"] = (torch.cat([bi, bi + B]), torch.cat([ti, ti]))
@@ -454,12 +478,17 @@ class JVPScorer:
         return t
 
 
-def make_scorer(kind: str, model, modules: dict, V: dict, *, fd_eps: float = DEFAULT_FD_EPS):
-    """``exact`` | ``fd`` | ``fd-hp`` | ``jvp`` scorer objects with a ``score(batch)`` method."""
+def make_scorer(kind: str, model, modules: dict, V: dict, *, fd_eps: float | None = None):
+    """``exact`` | ``fd`` | ``fd-hp`` | ``fd32`` | ``jvp`` scorer objects with a ``score(batch)``
+    method; ``fd_eps=None`` takes the route's default step."""
+    if fd_eps is None:
+        fd_eps = DEFAULT_FD32_EPS if kind == "fd32" else DEFAULT_FD_EPS
     if kind == "exact":
         return ExactScorer(model, modules, V)
     if kind in ("fd", "fd-hp"):
         return FDScorer(model, modules, V, fd_eps=fd_eps, mode=kind)
+    if kind == "fd32":
+        return FDScorer(model, modules, V, fd_eps=fd_eps, mode="fd", dtype=torch.float32)
     if kind == "jvp":
         return JVPScorer(model, modules, V)
     raise ValueError(f"unknown scorer {kind!r}")

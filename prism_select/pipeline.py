@@ -41,7 +41,7 @@ from .data.tokenize import (
     tokenizer_fingerprint,
 )
 from .errors import CacheError, ConfigError, InputError, OutputError
-from .fast import DEFAULT_FD_EPS
+from .graphs import GRAPH_MODES
 from .io import (
     atomic_write_json,
     atomic_write_jsonl,
@@ -81,12 +81,16 @@ class ScoreSettings:
     scoring: exact (default: one forward + one activation-only backward per batch) or
         fast (central finite differences along v, two inference forwards; see
         docs/performance.md for speed and agreement with exact).
-    fd_eps: relative finite-difference step of ``scoring="fast"``.
+    fd_eps: relative finite-difference step of ``scoring="fast"`` (None: the route's
+        default, see ``prism_select.fast``).
     stream: read the pool a window at a time instead of loading it (host memory flat in
         pool size); prism, equal and unpaired only. The curvature is then fitted on a
         seeded sample of ``CurvatureSettings.fit_examples`` valid records
         (``STREAM_FIT_EXAMPLES`` when unset).
     stream_window: records read and tokenised at a time under ``stream``.
+    cuda_graphs: auto (default: on for CUDA devices) | on | off. Captures each padded
+        batch shape's whole score computation once and replays it (removes the host's
+        kernel-launch cost; see prism_select/graphs.py and docs/performance.md).
     """
 
     method: str = "prism"
@@ -100,15 +104,19 @@ class ScoreSettings:
     seed: int = 0
     method_options: dict = field(default_factory=dict)
     scoring: str = "exact"
-    fd_eps: float = DEFAULT_FD_EPS
+    fd_eps: float | None = None
     stream: bool = False
     stream_window: int = DEFAULT_STREAM_WINDOW
+    cuda_graphs: str = "auto"
 
     def __post_init__(self):
         if self.scoring not in SCORINGS:
             raise ConfigError("scoring", f"unknown value {self.scoring!r}", f"use one of {', '.join(SCORINGS)}")
-        if not (self.fd_eps > 0 and self.fd_eps < float("inf")):
+        if self.fd_eps is not None and not (self.fd_eps > 0 and self.fd_eps < float("inf")):
             raise ConfigError("fd_eps", f"must be a finite number > 0, got {self.fd_eps}")
+        if self.cuda_graphs not in GRAPH_MODES:
+            raise ConfigError("cuda_graphs", f"unknown value {self.cuda_graphs!r}",
+                              f"use one of {', '.join(GRAPH_MODES)}")
         if self.max_length < 2:
             raise ConfigError("max_length", f"must be >= 2, got {self.max_length}")
         if self.batch_size < 1:
@@ -288,7 +296,7 @@ class RunContext:
         st = self.settings
         common = {"batch_size": st.batch_size, "chunk_size": st.chunk_size, "partial_dir": partial / tag,
                   "run_key": self.info.get("run_key"), "progress": st.progress, "scoring": st.scoring,
-                  "fd_eps": st.fd_eps}
+                  "fd_eps": st.fd_eps, "cuda_graphs": st.cuda_graphs}
         if st.stream:
             s = None
             out = partial / f"{tag}.jsonl"

@@ -35,8 +35,9 @@ from . import distributed
 from . import fast as _fast
 from .data.tokenize import collate, token_losses
 from .errors import CacheError, ConfigError
-from .fast import DEFAULT_FD_EPS, FAST_MODES, ExactScorer, collate_to
+from .fast import FAST_MODES, ExactScorer, collate_to
 from .gradients import activation_grad_mode, check_finite, has_bias
+from .graphs import GraphedScorer, graphs_wanted
 from .io import atomic_write_json
 
 DEFAULT_CHUNK_SIZE = 1024
@@ -124,23 +125,33 @@ def plan_chunks(encoded: list, chunk_size: int) -> list:
     return [order[k:k + chunk_size] for k in range(0, len(order), chunk_size)]
 
 
-def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps: float = DEFAULT_FD_EPS,
-                pad_id: int = 0, device=None, impl: str = "auto"):
+def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps: float | None = None,
+                pad_id: int = 0, device=None, impl: str = "auto", cuda_graphs: str = "off",
+                batch_size: int | None = None):
     """A context-managed object with ``score(collated_batch) -> (B,) tensor``.
 
     scoring: ``exact`` (one forward + one activation-only backward) or ``fast``
     (``FAST_MODE``, central finite differences by default), or one fast route by name
     (``fd``, ``fd-hp``, ``jvp``). impl: ``auto`` or ``hooks`` (the reference exact route).
+    cuda_graphs: ``auto`` (on for CUDA devices) | ``on`` | ``off``; graphs capture the
+    whole batch computation once per padded shape (:mod:`prism_select.graphs`) and need
+    ``batch_size`` (every batch is padded to it).
     """
     if scoring not in SCORINGS + FAST_MODES:
         raise ConfigError("scoring", f"unknown value {scoring!r}", f"use one of {', '.join(SCORINGS)}")
+    device = device or next(model.parameters()).device
     if scoring == "exact":
         if impl == "hooks":
             return _HookScorer(model, modules, V, pad_id, device)
-        return ExactScorer(model, modules, V)
-    kind = FAST_MODE if scoring == "fast" else scoring
-    sc = _fast.make_scorer(kind, model, modules, V, fd_eps=fd_eps)
-    return sc if hasattr(sc, "__enter__") else _Plain(sc)
+        sc = ExactScorer(model, modules, V)
+    else:
+        kind = FAST_MODE if scoring == "fast" else scoring
+        sc = _fast.make_scorer(kind, model, modules, V, fd_eps=fd_eps)
+        if not hasattr(sc, "__enter__"):  # jvp: not graphed
+            return _Plain(sc)
+    if batch_size is not None and graphs_wanted(cuda_graphs, device):
+        return GraphedScorer(sc, batch_size, pad_id)
+    return sc
 
 
 class _Plain:
@@ -248,8 +259,8 @@ def score_chunks(scorer, encoded: list, chunks: list, *, pad_id: int, batch_size
 def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, batch_size: int = 8,
                   device=None, chunk_size: int = DEFAULT_CHUNK_SIZE, partial_dir=None,
                   run_key: dict | None = None, progress: bool = True, ids=None,
-                  scoring: str = "exact", fd_eps: float = DEFAULT_FD_EPS, impl: str = "auto",
-                  stats: dict | None = None) -> torch.Tensor:
+                  scoring: str = "exact", fd_eps: float | None = None, impl: str = "auto",
+                  stats: dict | None = None, cuda_graphs: str = "auto") -> torch.Tensor:
     """Scores ``g_z . V`` for every encoded example (float64, input order).
 
     With ``partial_dir``, finished chunks are saved there and reused by a later call
@@ -262,7 +273,7 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
-                         impl=impl)
+                         impl=impl, cuda_graphs=cuda_graphs, batch_size=batch_size)
     results = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
                            partial_dir=partial_dir, progress=progress, ids=ids, stats=stats)
     if results:
@@ -305,8 +316,8 @@ def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_inv
 def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, *, max_length: int = 2048,
                  batch_size: int = 8, window: int = 65536, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  partial_dir=None, run_key: dict | None = None, scoring: str = "exact",
-                 fd_eps: float = DEFAULT_FD_EPS, device=None, progress: bool = True,
-                 skip_invalid: bool = False) -> dict:
+                 fd_eps: float | None = None, device=None, progress: bool = True,
+                 skip_invalid: bool = False, cuda_graphs: str = "auto") -> dict:
     """Score a pool file without holding it in memory; write ``scores.jsonl`` lines
     (``id``, ``score``, ``rank``) to ``out_path``.
 
@@ -335,7 +346,8 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
     pad_id = tokenizer.pad_token_id
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
-    scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device)
+    scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
+                         cuda_graphs=cuda_graphs, batch_size=batch_size)
     invalid: list = []
     scores = np.zeros(0, dtype=np.float64)
     n, chunk_base, truncated = 0, 0, 0

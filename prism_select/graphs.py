@@ -1,0 +1,148 @@
+"""CUDA graphs for the scoring routes: capture a batch's whole score computation once
+per padded shape, then replay it.
+
+Why: on models up to ~0.5B parameters a scoring step (like a training step) is bound
+by the host launching kernels, not by the GPU (docs/performance.md: a 0.3B step at
+batch 16 takes ~55 ms for ~20 ms of arithmetic). A CUDA graph replays the recorded
+kernels with one launch, so the route runs at the GPU's pace.
+
+How: every batch is padded to ``batch_size`` rows and to a *bucketed* length
+(:func:`bucket_length`, at most 1/8 extra tokens, never fewer than 16), so a pool
+needs only a few dozen shapes. For each new shape the scorer's ``score`` runs once on
+a side stream (warm-up: kernel selection, lazy initialisation), then once under
+capture; later batches of that shape copy their tokens into the captured input
+buffers and replay. All graphs share one memory pool: the intermediates of one shape
+reuse the memory of another, so memory stays at about one step's peak.
+
+Correctness rests on right padding: padded positions come after every real token, so
+under causal attention no real token sees them; their labels are ``-100`` (no loss,
+and their output gradients are exactly zero). The captured batches carry no
+attention mask (``attention_mask=None``, plain causal attention), which is also what
+lets the attention run its fused causal kernel. Padded rows score exactly 0 and are
+dropped. ``tests/test_graphs.py`` checks graphed against eager scores on the GPU and
+the padding/bucketing on the CPU.
+
+If a capture fails (a model whose forward needs the host mid-step, e.g. reading a
+tensor's value), the scorer logs why and falls back to eager execution for the rest
+of the run; results are unaffected.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: never pad a batch to fewer than this many tokens of length granularity
+MIN_BUCKET = 16
+#: extra length allowed by bucketing: ``1 / BUCKET_FRACTION`` of the next power of two
+BUCKET_FRACTION = 8
+GRAPH_MODES = ("auto", "on", "off")
+
+
+def bucket_length(t: int) -> int:
+    """Smallest bucket ``>= t``: a multiple of ``max(MIN_BUCKET, 2^ceil(log2 t) / 8)``."""
+    if t <= MIN_BUCKET:
+        return MIN_BUCKET
+    step = max(MIN_BUCKET, (1 << (t - 1).bit_length()) // BUCKET_FRACTION)
+    return -(-t // step) * step
+
+
+def pad_batch(batch: dict, rows: int, length: int, pad_id: int, out: dict | None = None) -> dict:
+    """``batch`` (right-padded ``input_ids``/``labels``) padded to ``rows x length``,
+    without an attention mask; written into ``out``'s buffers when given."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    b, t = ids.shape
+    if out is None:
+        out = {"input_ids": torch.full((rows, length), pad_id, dtype=ids.dtype, device=ids.device),
+               "labels": torch.full((rows, length), -100, dtype=labels.dtype, device=labels.device),
+               "attention_mask": None}
+    else:
+        out["input_ids"].fill_(pad_id)
+        out["labels"].fill_(-100)
+    out["input_ids"][:b, :t].copy_(ids, non_blocking=True)
+    out["labels"][:b, :t].copy_(labels, non_blocking=True)
+    return out
+
+
+def graphs_wanted(mode: str, device) -> bool:
+    """``auto``: on for CUDA devices; ``on`` on a CPU device is an error."""
+    from .errors import ConfigError
+
+    if mode not in GRAPH_MODES:
+        raise ConfigError("cuda_graphs", f"unknown value {mode!r}", f"use one of {', '.join(GRAPH_MODES)}")
+    is_cuda = torch.device(device).type == "cuda"
+    if mode == "on" and not is_cuda:
+        raise ConfigError("cuda_graphs", "CUDA graphs need a CUDA device",
+                          "pass --cuda-graphs auto (or off) when scoring on the CPU")
+    return is_cuda and mode != "off"
+
+
+class GraphedScorer:
+    """Wraps a scorer (an object with ``score(batch) -> (B,)`` and optionally a context
+    manager) so that each padded batch shape is captured once and replayed.
+
+    ``capture=False`` keeps the padding and bucketing but runs eagerly (used to test the
+    padding on the CPU, and as the fallback after a failed capture).
+    """
+
+    def __init__(self, scorer, batch_size: int, pad_id: int, capture: bool = True):
+        self.inner, self.rows, self.pad_id = scorer, batch_size, pad_id
+        self.capture = capture
+        self.graphs: dict = {}  # length -> (graph, static batch, static scores)
+        self.pool = None
+        self.captures = 0
+        self.failed: str | None = None
+
+    def __enter__(self):
+        if hasattr(self.inner, "__enter__"):
+            self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.graphs.clear()  # frees the graphs' memory pool
+        if hasattr(self.inner, "__exit__"):
+            self.inner.__exit__(*exc)
+
+    def score(self, batch: dict) -> torch.Tensor:
+        b, t = batch["input_ids"].shape
+        if b > self.rows:
+            raise ValueError(f"batch of {b} rows exceeds the graphed batch size {self.rows}")
+        length = bucket_length(t)
+        if not self.capture or self.failed:
+            return self.inner.score(pad_batch(batch, self.rows, length, self.pad_id))[:b]
+        entry = self.graphs.get(length)
+        if entry is None:
+            entry = self._capture(batch, length)
+            if entry is None:
+                return self.inner.score(pad_batch(batch, self.rows, length, self.pad_id))[:b]
+        graph, static, out = entry
+        pad_batch(batch, self.rows, length, self.pad_id, out=static)
+        graph.replay()
+        return out[:b].clone()
+
+    def _capture(self, batch: dict, length: int):
+        static = pad_batch(batch, self.rows, length, self.pad_id)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2 if not self.graphs else 1):  # warm-up: kernel choice, lazy init
+                    self.inner.score(static)
+            torch.cuda.current_stream().wait_stream(side)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.inner.score(static)
+        except Exception as exc:  # capture is an optimisation: fall back, keep the run going
+            self.failed = f"{type(exc).__name__}: {exc}"
+            self.graphs.clear()
+            torch.cuda.synchronize()
+            log.warning("CUDA graph capture failed (%s); scoring continues without graphs", self.failed)
+            return None
+        self.captures += 1
+        self.graphs[length] = (graph, static, out)
+        return self.graphs[length]
