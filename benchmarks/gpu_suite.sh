@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # One GPU call's worth of measurements (docs/performance.md, run 5): the CUDA-only tests,
 # then bench_scoring.py on the embedded model (GSM8K), the 0.3B and the 1B configs.
-#   bash benchmarks/gpu_suite.sh OUT_DIR [GGUF]    (GGUF: the embedded model's file)
+#   bash benchmarks/gpu_suite.sh OUT_DIR GGUF|- [all|embedded|random]
+#   (GGUF: the embedded model's file; "-" skips the embedded model; the third argument
+#   splits the suite over two calls of at most 10 minutes each)
 set -uo pipefail
-OUT="${1:?output folder}"; GGUF="${2:-}"
+OUT="${1:?output folder}"; GGUF="${2:--}"; WHAT="${3:-all}"
+[ "$GGUF" = "-" ] && GGUF=""
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 [ -n "$GGUF" ] && export PRISM_SELECT_DEFAULT_GGUF="$GGUF"
-python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_model.py tests/test_reliability.py \
+[ "$WHAT" != random ] && python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_model.py tests/test_reliability.py \
     -k "cuda or gpu or graph" 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 B="python3 benchmarks/bench_scoring.py"
 REFS=forward,fwd_bwd,forward_nomask,fwd_bwd_nomask,forward_graphs,fwd_bwd_graphs
-if [ -n "$GGUF" ]; then
+if [ -n "$GGUF" ] && [ "$WHAT" != random ]; then
   $B --config embedded --pool benchdata/gsm8k_1100.jsonl --n 1000 --targets 64 --batch 32 --fit-n 1000 --warm-all \
      --routes $REFS,exact,lib_exact,lib_exact_graphs,fd32,fd32_graphs,fd_graphs,fd,fit \
      --fd32-eps 3e-6,1e-5,3e-5,1e-4 --fd-eps 0.03 --json "$OUT/run5_embedded.json" 2>&1 | tee "$OUT/run5_embedded.txt" | tail -45
 fi
+[ "$WHAT" = embedded ] && exit 0
 $B --config 0.3b --seq-len 512 --batch 16 --n 512 --fit-n 512 \
    --routes $REFS,exact,lib_exact,lib_exact_graphs,fd32_graphs,fd_graphs,fit --fd-eps 0.03 --fd32-eps 1e-4 \
    --json "$OUT/run5_03b.json" 2>&1 | tee "$OUT/run5_03b.txt" | tail -30
