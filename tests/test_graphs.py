@@ -16,8 +16,9 @@ from tiny import tiny_llama
 #: finite differences divide float64 rounding by their step (1e-6 here)
 PAD_RTOL = {"exact": 1e-10, "fd": 1e-8}
 #: captured graph vs eager on the GPU in float32 (kernel choice may differ: sdpa causal
-#: kernel in both, but cuBLAS may pick other algorithms for the padded shapes)
-GPU_F32_RTOL = 1e-4
+#: kernel in both, but cuBLAS may pick other algorithms for the padded shapes); finite
+#: differences divide that rounding by their step (1e-3 here)
+GPU_F32_RTOL = {"exact": 1e-4, "fd": 1e-3}
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -112,7 +113,7 @@ def test_graphs_match_eager_on_gpu(gpu_model, tok, encoded_pool, scoring):
     eager = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="off", **kw)
     graphed = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="on", **kw)
     again = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="on", **kw)
-    assert rel_err(graphed, eager) <= GPU_F32_RTOL
+    assert rel_err(graphed, eager) <= GPU_F32_RTOL[scoring]
     assert torch.equal(graphed, again)  # replay is deterministic
 
 
@@ -157,4 +158,4 @@ def test_failed_capture_falls_back_to_eager(gpu_model, tok, encoded_pool):
         got = sc.score(b)
         ref = inner.score(b)
     assert sc.failed is not None
-    assert rel_err(got, ref) <= GPU_F32_RTOL
+    assert rel_err(got, ref) <= GPU_F32_RTOL["exact"]
