@@ -106,6 +106,10 @@ class GraphedScorer:
         if hasattr(self.inner, "__exit__"):
             self.inner.__exit__(*exc)
 
+    def computed_tokens(self, batch: dict) -> int:
+        """Token positions actually computed for ``batch`` (rows and length padded)."""
+        return self.rows * bucket_length(batch["input_ids"].shape[1])
+
     def score(self, batch: dict) -> torch.Tensor:
         b, t = batch["input_ids"].shape
         if b > self.rows:

@@ -242,7 +242,9 @@ def score_chunks(scorer, encoded: list, chunks: list, *, pad_id: int, batch_size
                     real = sum(len(e.input_ids) for e in items)
                     stats["examples"] = stats.get("examples", 0) + len(items)
                     stats["real_tokens"] = stats.get("real_tokens", 0) + real
-                    stats["padded_tokens"] = stats.get("padded_tokens", 0) + b["input_ids"].numel()
+                    computed = getattr(scorer, "computed_tokens", None)  # graphs pad further
+                    stats["padded_tokens"] = stats.get("padded_tokens", 0) + (
+                        computed(b) if computed else b["input_ids"].numel())
                 bar.update(len(idx))
             out = torch.cat(parts).to("cpu", torch.float64)  # one device sync per chunk
             bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
