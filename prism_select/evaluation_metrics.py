@@ -14,6 +14,23 @@ def auroc(scores: list, labels: list) -> float:
     return float(roc_auc_score([bool(x) for x in labels], scores))
 
 
+def spearman(a: list, b: list) -> float:
+    """Spearman rank correlation (ties ranked in input order: meant for continuous
+    scores); NaN when either side is constant."""
+    import torch
+
+    def ranks(x):
+        x = torch.as_tensor(x, dtype=torch.float64)
+        r = torch.empty_like(x)
+        r[torch.argsort(x, stable=True)] = torch.arange(len(x), dtype=torch.float64)
+        return r - r.mean()
+
+    if len(set(map(float, a))) < 2 or len(set(map(float, b))) < 2:
+        return float("nan")
+    ra, rb = ranks(a), ranks(b)
+    return float((ra @ rb) / (ra.norm() * rb.norm()))
+
+
 def auprc(scores: list, labels: list) -> float:
     """Area under the precision-recall curve of ``scores`` for ``labels`` (True =
     positive), as sklearn's average precision (step-wise, no interpolation); chance

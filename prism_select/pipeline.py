@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 # records when ``CurvatureSettings.fit_examples`` is not set (a fit costs about three
 # forward+backward passes over its examples; 10K is minutes on one GPU at 1B parameters).
 STREAM_FIT_EXAMPLES = 10_000
+#: pool examples scored both ways before a fast run, and the agreement below which it warns
+FAST_CHECK_EXAMPLES = 64
+FAST_CHECK_MIN_SPEARMAN = 0.95
 DEFAULT_STREAM_WINDOW = 65_536
 
 
@@ -273,6 +276,33 @@ class RunContext:
             self._curvature = cur
         return self._curvature
 
+    def check_fast(self, v: dict, n: int = FAST_CHECK_EXAMPLES) -> dict:
+        """Score a few pool examples (the curvature's fit examples under ``stream``) with
+        both the exact route and the configured fast route; warn when they disagree.
+
+        A fast route is only as good as the loss is linear along ``v`` at its step, which
+        depends on the model and the direction (docs/performance.md): this costs one
+        exact pass over ``n`` examples and tells the user before the long run.
+        """
+        from .evaluation_metrics import spearman
+        st = self.settings
+        sample = (self.inputs.encoded or self.inputs.fit_encoded or [])[:n]
+        if len(sample) < 3:
+            return {"examples": len(sample), "skipped": "too few examples to compare"}
+        kw = {"pad_id": self.pad_id, "batch_size": st.batch_size, "progress": False,
+              "cuda_graphs": st.cuda_graphs}
+        exact = score_encoded(self.lm.model, self.modules, sample, v, scoring="exact", **kw)
+        fast = score_encoded(self.lm.model, self.modules, sample, v, scoring=st.scoring, fd_eps=st.fd_eps, **kw)
+        rho = spearman(exact.tolist(), fast.tolist())
+        out = {"examples": len(sample), "spearman_vs_exact": rho,
+               "rel_err_vs_exact": float((fast - exact).norm() / exact.norm().clamp_min(1e-300))}
+        if not rho >= FAST_CHECK_MIN_SPEARMAN:
+            log.warning("--scoring %s agrees poorly with exact scoring on %d pool examples (Spearman %.3f < %.2f); "
+                        "its ranking is unreliable for this model and direction: use --scoring exact "
+                        "(see docs/performance.md)", st.scoring, len(sample), rho, FAST_CHECK_MIN_SPEARMAN)
+            out["warning"] = "fast scores disagree with exact scores; use --scoring exact"
+        return out
+
     def score_direction(self, direction: dict, tag: str = "scores") -> torch.Tensor | None:
         """``g_z . H^-1 direction`` for every pool example (resumable).
 
@@ -291,9 +321,11 @@ class RunContext:
                 tmp = partial / f".{tag}_v.tmp"
                 save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
                 tmp.replace(v_path)
+        st = self.settings
+        if st.scoring != "exact" and tag not in self.info.get("fast_check", {}):
+            self.info.setdefault("fast_check", {})[tag] = self.check_fast(v)
         t = time.perf_counter()
         stats: dict = {}
-        st = self.settings
         common = {"batch_size": st.batch_size, "chunk_size": st.chunk_size, "partial_dir": partial / tag,
                   "run_key": self.info.get("run_key"), "progress": st.progress, "scoring": st.scoring,
                   "fd_eps": st.fd_eps, "cuda_graphs": st.cuda_graphs}
