@@ -368,34 +368,39 @@ def main():
     ref_route("forward_graphs", False, graphs=True)
     ref_route("fwd_bwd_graphs", True, graphs=True)
 
-    # -- curvature (also gives v for the embedded model)
-    if "fit" in routes and a.fit_n > 0:
+    # -- curvature (also gives v for the embedded model); "fit" with the library default
+    # (CUDA graphs on a GPU), "fit_eager" without graphs
+    for fit_name, graphs in (("fit", "auto"), ("fit_eager", "off")):
+        if fit_name not in routes or a.fit_n <= 0:
+            continue
         fit_enc = (encoded * math.ceil(a.fit_n / len(encoded)))[:a.fit_n]
         try:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            tm: dict = {}
+            tm: dict = {"cuda_graphs": graphs}
             sync(dev)
             t = time.perf_counter()
-            cur = fit_curvature(model, modules, fit_enc, CurvatureSettings(kind="ekfac", batch_size=a.batch),
-                                pad_id=pad_id, device=dev, progress=False, timings=tm)
+            c = fit_curvature(model, modules, fit_enc, CurvatureSettings(kind="ekfac", batch_size=a.batch),
+                              pad_id=pad_id, device=dev, progress=False, timings=tm, cuda_graphs=graphs)
             sync(dev)
             tm["total_s"] = time.perf_counter() - t
             tm["examples"] = len(fit_enc)
             tm["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
-            tm["factors_gib"] = sum(t.numel() * t.element_size() for t in cur.tensors.values()) / 2**30
+            tm["factors_gib"] = sum(t.numel() * t.element_size() for t in c.tensors.values()) / 2**30
             if "fwd_bwd" in R and "ex_per_s" in R["fwd_bwd"]:
                 epoch = len(fit_enc) / R["fwd_bwd"]["ex_per_s"]
                 tm["epoch_s"] = epoch
                 tm["passes_over_epoch"] = (tm["factors_s"] + tm["lambda_s"]) / epoch
-            R["fit"] = tm
-            log(f"  fit ekfac on {len(fit_enc)}: factors {tm['factors_s']:.2f}s  eigh {tm['eigh_s']:.2f}s  "
+            R[fit_name] = tm
+            cur = c if cur is None else cur
+            log(f"  {fit_name} ekfac on {len(fit_enc)}: factors {tm['factors_s']:.2f}s  eigh {tm['eigh_s']:.2f}s  "
                 f"lambda {tm['lambda_s']:.2f}s  (passes = {tm.get('passes_over_epoch', float('nan')):.2f}x a "
                 f"fwd+bwd epoch)  peak {tm['peak_gib'] or 0:.2f} GiB  factors {tm['factors_gib']:.2f} GiB")
+            del c
         except Exception as e:
             import traceback
             traceback.print_exc()
-            R["fit"] = {"error": f"{type(e).__name__}: {e}"}
+            R[fit_name] = {"error": f"{type(e).__name__}: {e}"}
     if cur is not None and a.config == "embedded":
         V = cur.precondition(direction)
     else:
@@ -556,9 +561,12 @@ def main():
     for k, v in R.items():
         if isinstance(v, dict) and ("error" in v or "skipped" in v):
             log(f"| {k} | {v.get('error') or v.get('skipped')} |")
-    if "fit" in R and "factors_s" in R["fit"]:
-        f = R["fit"]
-        log(f"fit EK-FAC ({f['examples']} ex): factors {f['factors_s']:.2f}s + lambda {f['lambda_s']:.2f}s = "
+    for fit_name in ("fit", "fit_eager"):
+        if fit_name not in R or "factors_s" not in R[fit_name]:
+            continue
+        f = R[fit_name]
+        log(f"{fit_name} EK-FAC ({f['examples']} ex, cuda_graphs {f['cuda_graphs']}): "
+            f"factors {f['factors_s']:.2f}s + lambda {f['lambda_s']:.2f}s = "
             f"{f.get('passes_over_epoch', float('nan')):.2f}x one fwd+bwd epoch; eigh {f['eigh_s']:.2f}s (fixed); "
             f"peak {f['peak_gib'] or 0:.2f} GiB, factors {f['factors_gib']:.2f} GiB")
     if "kronfluence_fit" in R and "seconds" in R["kronfluence_fit"] and fb_r:

@@ -51,19 +51,26 @@ def bucket_length(t: int) -> int:
 
 
 def pad_batch(batch: dict, rows: int, length: int, pad_id: int, out: dict | None = None) -> dict:
-    """``batch`` (right-padded ``input_ids``/``labels``) padded to ``rows x length``,
-    without an attention mask; written into ``out``'s buffers when given."""
-    ids, labels = batch["input_ids"], batch["labels"]
+    """``batch`` (right-padded ``input_ids``/``labels``/``attention_mask``) padded to
+    ``rows x length``. The model gets no attention mask (``attention_mask`` None); the
+    real-token mask travels as ``token_mask`` for code that counts tokens (the
+    curvature fit). Written into ``out``'s buffers when given."""
+    ids, labels, mask = batch["input_ids"], batch["labels"], batch.get("attention_mask")
+    if mask is None:
+        mask = batch["token_mask"]
     b, t = ids.shape
     if out is None:
         out = {"input_ids": torch.full((rows, length), pad_id, dtype=ids.dtype, device=ids.device),
                "labels": torch.full((rows, length), -100, dtype=labels.dtype, device=labels.device),
+               "token_mask": torch.zeros((rows, length), dtype=mask.dtype, device=mask.device),
                "attention_mask": None}
     else:
         out["input_ids"].fill_(pad_id)
         out["labels"].fill_(-100)
+        out["token_mask"].zero_()
     out["input_ids"][:b, :t].copy_(ids, non_blocking=True)
     out["labels"][:b, :t].copy_(labels, non_blocking=True)
+    out["token_mask"][:b, :t].copy_(mask, non_blocking=True)
     return out
 
 
@@ -83,6 +90,10 @@ def graphs_wanted(mode: str, device) -> bool:
 class GraphedScorer:
     """Wraps a scorer (an object with ``score(batch) -> (B,)`` and optionally a context
     manager) so that each padded batch shape is captured once and replayed.
+
+    A step that accumulates state (the curvature fit's statistics) must not count its
+    warm-up runs: it provides ``neutral(batch)``, a batch of the same shape that adds
+    nothing (no labels, no real tokens), used for the warm-up instead.
 
     ``capture=False`` keeps the padding and bucketing but runs eagerly (used to test the
     padding on the CPU, and as the fallback after a failed capture).
@@ -132,9 +143,10 @@ class GraphedScorer:
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
+            warm = self.inner.neutral(static) if hasattr(self.inner, "neutral") else static
             with torch.cuda.stream(side):
                 for _ in range(2 if not self.graphs else 1):  # warm-up: kernel choice, lazy init
-                    self.inner.score(static)
+                    self.inner.score(warm)
             torch.cuda.current_stream().wait_stream(side)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()

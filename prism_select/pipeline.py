@@ -269,7 +269,8 @@ class RunContext:
                 self.lm.model, self.modules, fit, self.curvature_settings,
                 pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
                 pool_fingerprint=encoded_fingerprint(fit),
-                max_length=self.settings.max_length, progress=self.settings.progress)
+                max_length=self.settings.max_length, progress=self.settings.progress,
+                cuda_graphs=self.settings.cuda_graphs)
             self.timings["curvature_s"] = time.perf_counter() - t
             self.info["curvature"] = {"kind": cur.kind, "path": str(directory), "reused": reused,
                                       "damping": _summary(list(cur.damping.values()))}

@@ -58,10 +58,16 @@ def _env():
     return env
 
 
+PORT_TAKEN = ("Address already in use", "EADDRINUSE", "errno: 98")
+
+
 def _torchrun(n, args, cwd, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--nnodes=1",
-           f"--master-port={_free_port()}", "--master-addr=127.0.0.1"] + args
-    r = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    for attempt in range(3):  # the free port can be taken between probing and binding: retry
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--nnodes=1",
+               f"--master-port={_free_port()}", "--master-addr=127.0.0.1"] + args
+        r = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+        if r.returncode == 0 or not any(m in r.stderr for m in PORT_TAKEN):
+            break
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 

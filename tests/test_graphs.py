@@ -159,3 +159,73 @@ def test_failed_capture_falls_back_to_eager(gpu_model, tok, encoded_pool):
         ref = inner.score(b)
     assert sc.failed is not None
     assert rel_err(got, ref) <= GPU_F32_RTOL["exact"]
+
+
+# ----------------------------------------------------------------------------- curvature fit
+
+def test_fit_through_padded_graph_path_equals_plain_fit(monkeypatch, model, modules, tok, encoded_pool):
+    """The fit's graph path (padded rows and lengths, no attention mask, plain loss,
+    token_mask counting tokens) gives the same factors and eigenvalues (float64, CPU:
+    the padding logic without capture)."""
+    import functools
+
+    from prism_select.curvature import CurvatureSettings, fit_curvature
+    from prism_select.curvature import fit as fit_mod
+    settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=4)
+    ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
+    used = []
+
+    def padded(*a, **k):
+        used.append(1)
+        return GraphedScorer(*a, **k, capture=False)
+
+    monkeypatch.setattr(fit_mod, "graphs_wanted", lambda mode, dev: True)
+    monkeypatch.setattr(fit_mod, "GraphedScorer", functools.partial(padded))
+    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
+    assert len(used) == 2  # both passes went through the padded path
+    for k, t in ref.tensors.items():
+        if k.endswith(("::QA", "::QS")):
+            continue  # eigenvectors (signs/rotations in degenerate spaces) checked through use
+        assert torch.allclose(got.tensors[k], t, rtol=1e-9, atol=1e-12), k
+    g = {n: torch.randn(m.weight.shape, dtype=torch.float64) for n, m in modules.items()}
+    a, b = ref.precondition(g), got.precondition(g)
+    assert max(rel_err(b[n], a[n]) for n in modules) <= 1e-8
+
+
+def test_fit_warmup_batch_adds_nothing(model, modules, tok, encoded_pool):
+    """The graph warm-up runs the fit step on ``neutral`` batches: no statistics move."""
+    from prism_select.curvature import fit as fit_mod
+    from prism_select.fast import tap_linears
+    from prism_select.graphs import pad_batch
+    from prism_select.gradients import layer_shape
+    stats = fit_mod._Stats(torch.float64)
+    A = {n: torch.zeros(layer_shape(m)[1], layer_shape(m)[1], dtype=torch.float64) for n, m in modules.items()}
+    S = {n: torch.zeros(layer_shape(m)[0], layer_shape(m)[0], dtype=torch.float64) for n, m in modules.items()}
+    taps = {n: fit_mod._CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
+    step = fit_mod._FitStep(model, stats, "empirical", 0, None)
+    b = pad_batch(fast.collate_to(encoded_pool[:3], tok.pad_token_id, None), 4, 64, tok.pad_token_id)
+    with tap_linears(model, taps):
+        step.score(step.neutral(b))
+        assert float(stats.n_tokens) == 0
+        assert all(float(t.abs().sum()) == 0 for t in list(A.values()) + list(S.values()))
+        step.score(b)  # and the real batch does add
+        assert float(stats.n_tokens) == sum(len(e.input_ids) for e in encoded_pool[:3])
+        assert all(float(t.abs().sum()) > 0 for t in list(A.values()) + list(S.values()))
+
+
+@needs_cuda
+def test_graphed_fit_matches_eager_on_gpu(gpu_model, tok, encoded_pool):
+    from prism_select.curvature import CurvatureSettings, fit_curvature
+    from prism_select.model import tracked_linear_modules
+    modules = tracked_linear_modules(gpu_model, None)
+    settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
+    kw = dict(pad_id=tok.pad_token_id, device="cuda", progress=False)
+    eager = fit_curvature(gpu_model, modules, encoded_pool, settings, cuda_graphs="off", **kw)
+    graphed = fit_curvature(gpu_model, modules, encoded_pool, settings, cuda_graphs="on", **kw)
+    for k, t in eager.tensors.items():
+        if k.endswith(("::QA", "::QS")):
+            continue
+        assert rel_err(graphed.tensors[k].double(), t.double()) <= GPU_F32_RTOL["exact"], k
+    g = {n: torch.randn(m.weight.shape, device="cuda") for n, m in modules.items()}
+    a, b = eager.precondition(g), graphed.precondition(g)
+    assert max(rel_err(b[n].double(), a[n].double()) for n in modules) <= 1e-3

@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 
 from .. import distributed
 from ..data.tokenize import token_losses
-from ..fast import Tap, batch_losses, collate_to, mm_acc, split_causal_lm, tap_linears
+from ..fast import Tap, batch_losses, causal_only, collate_to, mm_acc, split_causal_lm, tap_linears
+from ..graphs import GraphedScorer, graphs_wanted
 from ..gradients import check_finite, has_bias, layer_shape
 from ..io import sha256_json
 from .base import Curvature, CurvatureSettings, settings_dict
@@ -67,11 +68,14 @@ class _Stats:
         self.bad: list = []
 
     def start(self, b):
-        self.sel = b["attention_mask"]
+        sel = b.get("token_mask")
+        self.sel = b["attention_mask"] if sel is None else sel
         self._masks = {}
         self.cache.clear()
         self.n_batch = self.sel.sum().to(self.acc)
-        self.n_tokens = self.n_batch if self.n_tokens is None else self.n_tokens + self.n_batch
+        if self.n_tokens is None:
+            self.n_tokens = torch.zeros((), dtype=self.acc, device=self.sel.device)
+        self.n_tokens += self.n_batch  # in place: a CUDA graph replays it
 
     def mask(self, dtype):
         m = self._masks.get(dtype)
@@ -201,25 +205,53 @@ class _DiagTap(Tap):
         self.D += (G * G).sum(0)
 
 
-def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, desc, progress=True):
-    """One pass over ``batches`` (this rank's share) with ``taps`` routing the tracked layers."""
-    gen = torch.Generator().manual_seed(seed)
-    split = split_causal_lm(model) if fisher == "empirical" else None
+class _FitStep:
+    """One fit batch: forward, the loss, the backward through the taps (which add to the
+    statistics). Returns the per-example finite-loss flags. Under CUDA graphs
+    (:class:`prism_select.graphs.GraphedScorer`) the batch comes padded, without an
+    attention mask (``token_mask`` marks the real tokens) and with the plain loss."""
+
+    def __init__(self, model, stats, fisher, seed, split):
+        self.model, self.stats, self.fisher, self.split = model, stats, fisher, split
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def score(self, b):
+        self.stats.start(b)
+        with torch.enable_grad():
+            if self.fisher == "empirical":
+                losses, _ = batch_losses(self.model, causal_only(b), split=self.split)
+            else:
+                out = self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+                losses, _ = token_losses(out.logits, _sampled_labels(out.logits, b["labels"], self.gen))
+            ok = torch.isfinite(losses.detach())
+            losses.sum().backward()
+        self.stats.cache.clear()
+        return ok
+
+    @staticmethod
+    def neutral(b):
+        """Same shapes, adds nothing: no loss, no real token (graph warm-up)."""
+        return {**b, "labels": torch.full_like(b["labels"], -100), "token_mask": torch.zeros_like(b["token_mask"])}
+
+
+def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, desc, progress=True,
+            cuda_graphs: str = "off", batch_size: int | None = None):
+    """One pass over ``batches`` (this rank's share) with ``taps`` routing the tracked layers.
+    ``cuda_graphs`` (empirical Fisher only): capture each padded batch shape once."""
+    graphed = fisher == "empirical" and batch_size is not None and graphs_wanted(cuda_graphs, device or "cpu")
+    split = split_causal_lm(model) if fisher == "empirical" and not graphed else None
+    step = _FitStep(model, stats, fisher, seed, split)
+    runner = GraphedScorer(step, batch_size, pad_id) if graphed else step
     mine = distributed.shard(batches)
     with tap_linears(model, taps):
         for batch in tqdm(mine, desc=desc, unit="batch", leave=False,
                           disable=not progress or not distributed.is_main()):
             b = collate_to([encoded[i] for i in batch], pad_id, device)
-            stats.start(b)
-            with torch.enable_grad():
-                if fisher == "empirical":
-                    losses, _ = batch_losses(model, b, split=split)
-                else:
-                    out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
-                    losses, _ = token_losses(out.logits, _sampled_labels(out.logits, b["labels"], gen))
-                stats.bad.append((batch, torch.isfinite(losses.detach()).all()))
-                losses.sum().backward()
-            stats.cache.clear()
+            if fisher == "empirical":  # the mask is only for counting tokens (see causal_only)
+                b["token_mask"] = b["attention_mask"]
+            stats.bad.append((batch, runner.score(b).all()))
+        if graphed:
+            runner.graphs.clear()
     for batch, ok in stats.bad:  # one device sync per pass, not per batch
         if not bool(ok):
             check_finite(torch.tensor([float("nan")]), "the training loss", record=batch)
@@ -227,13 +259,16 @@ def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, 
 
 
 def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettings,
-                  *, pad_id: int, device=None, progress: bool = True, timings: dict | None = None) -> Curvature:
+                  *, pad_id: int, device=None, progress: bool = True, timings: dict | None = None,
+                  cuda_graphs: str = "auto") -> Curvature:
     """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples.
 
     Under ``torchrun`` (an initialised process group), each rank runs its share of the
     fit batches and the statistics are summed across ranks (all-reduce) before each
     eigendecomposition, so every rank ends with the same curvature. ``timings``, if
-    given, receives ``factors_s``, ``eigh_s`` and ``lambda_s``.
+    given, receives ``factors_s``, ``eigh_s`` and ``lambda_s``. ``cuda_graphs`` (auto: on
+    for CUDA devices; empirical Fisher only) captures each padded fit-batch shape once
+    and replays it (:mod:`prism_select.graphs`); the statistics are the same sums.
     """
     import time
 
@@ -260,7 +295,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
         D = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
         taps = {n: _DiagTap(m, stats, D[n]) for n, m in modules.items()}
         _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-                "curvature (diagonal)", progress)
+                "curvature (diagonal)", progress, cuda_graphs, settings.batch_size)
         distributed.all_reduce_sum(list(D.values()))
         for n in layers:
             tensors[f"{n}::D"] = D[n] / n_examples
@@ -274,7 +309,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     S = {n: zeros(layer_shape(m)[0], layer_shape(m)[0]) for n, m in modules.items()}
     taps = {n: _CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-            "curvature factors", progress)
+            "curvature factors", progress, cuda_graphs, settings.batch_size)
     for n, m in modules.items():
         mirror_blocks(A[n], m.in_features)
         mirror_blocks(S[n])
@@ -344,7 +379,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     taps = {n: _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], qa_group[n])
             for n, m in modules.items()}
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-            "curvature eigenvalues", progress)
+            "curvature eigenvalues", progress, cuda_graphs, settings.batch_size)
     del taps
     distributed.all_reduce_sum(list(Lam.values()))
     for n in layers:
@@ -395,7 +430,8 @@ def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fing
 
 
 def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_root,
-                          model_fingerprint, pool_fingerprint, max_length, device=None, progress=True):
+                          model_fingerprint, pool_fingerprint, max_length, device=None, progress=True,
+                          cuda_graphs: str = "auto"):
     """Reuse a saved curvature whose settings and fingerprints match, else fit and save.
 
     Returns ``(curvature, directory, reused)``.
@@ -414,7 +450,8 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
             return cur, directory, True
         except CacheError as exc:
             log.warning("%s; fitting again", exc)
-    cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress)
+    cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
+                        cuda_graphs=cuda_graphs)
     if settings.kind != "identity" and distributed.is_main():
         cur.save(directory, key)
     distributed.barrier()
