@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call's worth of measurements (docs/performance.md, run 5): the CUDA-only tests,
 # then bench_scoring.py on the embedded model (GSM8K), the 0.3B and the 1B configs.
-#   bash benchmarks/gpu_suite.sh OUT_DIR GGUF|- [all|embedded|random]
+#   bash benchmarks/gpu_suite.sh OUT_DIR GGUF|- [all|embedded|random|fit]
+#   ("fit": the curvature fit with and without CUDA graphs on all three models, run 6)
 #   (GGUF: the embedded model's file; "-" skips the embedded model; the third argument
 #   splits the suite over two calls of at most 10 minutes each)
 set -uo pipefail
@@ -10,6 +11,17 @@ OUT="${1:?output folder}"; GGUF="${2:--}"; WHAT="${3:-all}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 [ -n "$GGUF" ] && export PRISM_SELECT_DEFAULT_GGUF="$GGUF"
+if [ "$WHAT" = fit ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_numerics.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+  R=forward,fwd_bwd,fwd_bwd_graphs,lib_exact,lib_exact_graphs,fit,fit_eager
+  [ -n "$GGUF" ] && python3 benchmarks/bench_scoring.py --config embedded --pool benchdata/gsm8k_1100.jsonl --n 1000 \
+     --targets 64 --batch 32 --fit-n 1000 --warm-all --routes $R --json "$OUT/run6_embedded.json" 2>&1 | grep -A30 "^## "
+  python3 benchmarks/bench_scoring.py --config 0.3b --seq-len 512 --batch 16 --n 512 --fit-n 512 --routes $R \
+     --json "$OUT/run6_03b.json" 2>&1 | grep -A30 "^## "
+  python3 benchmarks/bench_scoring.py --config 1b --seq-len 512 --batch 16 --n 256 --fit-n 256 --routes $R \
+     --json "$OUT/run6_1b.json" 2>&1 | grep -A30 "^## "
+  exit 0
+fi
 [ "$WHAT" != random ] && python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_model.py tests/test_reliability.py \
     -k "cuda or gpu or graph" 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 B="python3 benchmarks/bench_scoring.py"
