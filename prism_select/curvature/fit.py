@@ -84,48 +84,6 @@ class _Stats:
         return m
 
 
-#: Gram matrices ``x^T x`` of width >= GRAM_MIN_DIM are formed block by block, upper
-#: blocks only (symmetry: ~(k+1)/2k of the products for k blocks), in blocks of about
-#: GRAM_BLOCK columns; the lower blocks are mirrored once after the pass (mirror_blocks)
-GRAM_MIN_DIM = 2048
-GRAM_BLOCK = 1024
-
-
-def gram_bounds(d: int) -> list:
-    """Column block boundaries of a ``d``-wide Gram matrix (one block below GRAM_MIN_DIM)."""
-    if d < GRAM_MIN_DIM:
-        return [0, d]
-    k = -(-d // GRAM_BLOCK)
-    return [round(i * d / k) for i in range(k + 1)]
-
-
-def gram_upper(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``x^T x`` (``x``: tokens x d) with only the diagonal and upper blocks of
-    :func:`gram_bounds` filled (lower blocks zero): complete it with :func:`mirror_blocks`."""
-    d = x.shape[-1]
-    bounds = gram_bounds(d)
-    if len(bounds) == 2:
-        return mm_acc(x.T, x, acc)
-    out = torch.zeros(d, d, dtype=acc, device=x.device)
-    xt = x.T
-    for i in range(len(bounds) - 1):
-        r = slice(bounds[i], bounds[i + 1])
-        c = slice(bounds[i], d)  # this block row, from the diagonal block rightwards: one product
-        out[r, c] = mm_acc(xt[r], x[:, c], acc)
-    return out
-
-
-def mirror_blocks(M: torch.Tensor, d: int | None = None) -> torch.Tensor:
-    """Fill the lower blocks of a matrix whose leading ``d x d`` part (default: all of
-    it) was summed from :func:`gram_upper` terms, in place. (A layer with a bias appends
-    a full row and column of sums to its activation covariance: ``d = in_features``.)"""
-    bounds = gram_bounds(M.shape[0] if d is None else d)
-    for i in range(1, len(bounds) - 1):
-        r = slice(bounds[i], bounds[i + 1])
-        M[r, :bounds[i]] = M[:bounds[i], r].T
-    return M
-
-
 def _key(x, *extra):
     """Identifies one input tensor within a batch. The cache entry also holds ``x``, so
     its memory cannot be reused by another tensor (with the same address) meanwhile."""
@@ -150,7 +108,7 @@ class _CovTap(Tap):
         C = st.cache.get(k, (None, None))[1]
         if C is None:
             a = (x * st.mask(x.dtype)).reshape(-1, x.shape[-1])  # padding rows zeroed
-            C = gram_upper(a, st.acc)
+            C = mm_acc(a.T, a, st.acc)
             if self.bias:
                 s = a.sum(0, dtype=st.acc)
                 n = st.n_batch.reshape(1, 1)
@@ -160,7 +118,7 @@ class _CovTap(Tap):
 
     def on_backward(self, x, g):
         g2 = g.reshape(-1, g.shape[-1])
-        self.S += gram_upper(g2, self.stats.acc)
+        self.S += mm_acc(g2.T, g2, self.stats.acc)
 
 
 class _LambdaTap(Tap):
@@ -310,9 +268,6 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     taps = {n: _CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
             "curvature factors", progress, cuda_graphs, settings.batch_size)
-    for n, m in modules.items():
-        mirror_blocks(A[n], m.in_features)
-        mirror_blocks(S[n])
     n_tok = stats.n_tokens if stats.n_tokens is not None else torch.zeros((), device=device)
     n_tok = n_tok.to(compute).reshape(1)
     distributed.all_reduce_sum(list(A.values()) + list(S.values()) + [n_tok])
