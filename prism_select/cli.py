@@ -48,7 +48,8 @@ def _add_score_args(p: argparse.ArgumentParser):
     g.add_argument("--fd-eps", type=float, default=None, metavar="EPS",
                    help="relative finite-difference step of --scoring fast (default 0.03)")
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
-                   help="capture each padded batch shape once and replay it (auto: on for CUDA devices)")
+                   help="capture each padded batch shape once and replay it (auto: on for CUDA devices and "
+                        "models below 1B parameters)")
     c = p.add_argument_group("curvature")
     c.add_argument("--curvature", default="ekfac", choices=list(KINDS))
     c.add_argument("--damping", type=float, default=None,

@@ -91,7 +91,7 @@ class ScoreSettings:
         seeded sample of ``CurvatureSettings.fit_examples`` valid records
         (``STREAM_FIT_EXAMPLES`` when unset).
     stream_window: records read and tokenised at a time under ``stream``.
-    cuda_graphs: auto (default: on for CUDA devices) | on | off. Captures each padded
+    cuda_graphs: auto (default: on for CUDA devices and models below 1B parameters) | on | off. Captures each padded
         batch shape's whole score computation once and replays it (removes the host's
         kernel-launch cost; see prism_select/graphs.py and docs/performance.md).
     """

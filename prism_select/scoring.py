@@ -149,7 +149,7 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
         sc = _fast.make_scorer(kind, model, modules, V, fd_eps=fd_eps)
         if not hasattr(sc, "__enter__"):  # jvp: not graphed
             return _Plain(sc)
-    if batch_size is not None and graphs_wanted(cuda_graphs, device):
+    if batch_size is not None and graphs_wanted(cuda_graphs, device, model):
         return GraphedScorer(sc, batch_size, pad_id)
     return sc
 

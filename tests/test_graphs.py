@@ -53,6 +53,18 @@ def test_bucket_length_bounds():
     assert len({bucket_length(t) for t in range(1, 2049)}) <= 60
 
 
+def test_graphs_auto_follows_model_size(monkeypatch, model):
+    """``auto`` on a CUDA device: graphs for models below AUTO_MAX_PARAMS only (no CUDA
+    needed to check the decision)."""
+    from prism_select import graphs
+    n = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(graphs, "AUTO_MAX_PARAMS", n + 1)
+    assert graphs_wanted("auto", "cuda", model) is True
+    monkeypatch.setattr(graphs, "AUTO_MAX_PARAMS", n)
+    assert graphs_wanted("auto", "cuda", model) is False
+    assert graphs_wanted("on", "cuda", model) is True
+
+
 def test_graphs_wanted_modes():
     assert graphs_wanted("auto", "cpu") is False
     assert graphs_wanted("off", "cpu") is False
@@ -179,7 +191,7 @@ def test_fit_through_padded_graph_path_equals_plain_fit(monkeypatch, model, modu
         used.append(1)
         return GraphedScorer(*a, **k, capture=False)
 
-    monkeypatch.setattr(fit_mod, "graphs_wanted", lambda mode, dev: True)
+    monkeypatch.setattr(fit_mod, "graphs_wanted", lambda mode, dev, model=None: True)
     monkeypatch.setattr(fit_mod, "GraphedScorer", functools.partial(padded))
     got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert len(used) == 2  # both passes went through the padded path

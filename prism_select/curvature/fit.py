@@ -196,7 +196,7 @@ def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, 
             cuda_graphs: str = "off", batch_size: int | None = None):
     """One pass over ``batches`` (this rank's share) with ``taps`` routing the tracked layers.
     ``cuda_graphs`` (empirical Fisher only): capture each padded batch shape once."""
-    graphed = fisher == "empirical" and batch_size is not None and graphs_wanted(cuda_graphs, device or "cpu")
+    graphed = fisher == "empirical" and batch_size is not None and graphs_wanted(cuda_graphs, device or "cpu", model)
     split = split_causal_lm(model) if fisher == "empirical" and not graphed else None
     step = _FitStep(model, stats, fisher, seed, split)
     runner = GraphedScorer(step, batch_size, pad_id) if graphed else step
