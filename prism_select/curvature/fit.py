@@ -121,6 +121,14 @@ class _CovTap(Tap):
         self.S += mm_acc(g2.T, g2, self.stats.acc)
 
 
+def _rotate(x: torch.Tensor, Q: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``x @ Q`` in ``x``'s dtype. Half precision: one tensor-core matmul (float32
+    accumulation, rounded once to half), no float32 intermediate to write and cast."""
+    if x.dtype == acc or x.dtype != Q.dtype:
+        return mm_acc(x, Q, acc).to(x.dtype)
+    return x @ Q
+
+
 class _LambdaTap(Tap):
     """Pass 2 (EK-FAC): ``Lambda += sum_n (Q_S^T G_n Q_A)**2`` (padding has ``b = 0``)."""
 
@@ -139,9 +147,9 @@ class _LambdaTap(Tap):
         aq = st.cache.get(k, (None, None))[1]
         if aq is None:
             xa = _with_ones(x) if self.bias else x
-            aq = mm_acc(xa, self.QA, st.acc).to(x.dtype)
+            aq = _rotate(xa, self.QA, st.acc)
             st.cache[k] = (x, aq)
-        bq = mm_acc(g, self.QS, st.acc).to(g.dtype)
+        bq = _rotate(g, self.QS, st.acc)
         if g.dtype == st.acc:
             rot = bq.transpose(1, 2) @ aq
             self.Lam += (rot * rot).sum(0)
