@@ -571,6 +571,17 @@ def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return a.to(acc) @ b.to(acc)
 
 
+def mm_acc_into(M: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``M += a @ b`` with ``M``'s dtype for the result and accumulation. Half-precision
+    operands on CUDA: one in-place GEMM (``beta = 1``), no temporary the size of ``M``."""
+    if a.device.type == "cuda" and a.dtype == b.dtype and a.dtype != M.dtype:
+        try:
+            return torch.addmm(M, a, b, out_dtype=M.dtype, out=M)
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    return M.add_(mm_acc(a, b, M.dtype))
+
+
 def collate_to(batch, pad_id, device):
     """``collate`` with a pinned, non-blocking host-to-device copy on CUDA."""
     b = collate(batch, pad_id)

@@ -193,7 +193,7 @@ def test_fit_through_padded_graph_path_equals_plain_fit(monkeypatch, model, modu
 
     monkeypatch.setattr(fit_mod, "graphs_wanted", lambda mode, dev, model=None: True)
     monkeypatch.setattr(fit_mod, "GraphedScorer", functools.partial(padded))
-    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
+    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, cuda_graphs="on")
     assert len(used) == 2  # both passes went through the padded path
     for k, t in ref.tensors.items():
         if k.endswith(("::QA", "::QS")):
@@ -241,3 +241,26 @@ def test_graphed_fit_matches_eager_on_gpu(gpu_model, tok, encoded_pool):
     g = {n: torch.randn(m.weight.shape, device="cuda") for n, m in modules.items()}
     a, b = eager.precondition(g), graphed.precondition(g)
     assert max(rel_err(b[n].double(), a[n].double()) for n in modules) <= 1e-3
+
+
+@needs_cuda
+def test_mm_acc_into_accumulates_in_place_on_gpu():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(64, 40, device="cuda", generator=g).to(torch.bfloat16)
+    M = torch.randn(40, 40, device="cuda", generator=g)
+    ref = M + a.float().T @ a.float()
+    ptr = M.data_ptr()
+    out = fast.mm_acc_into(M, a.T, a)
+    assert out.data_ptr() == ptr and M.data_ptr() == ptr
+    assert rel_err(M.double(), ref.double()) <= 1e-5
+
+
+def test_fit_graphs_pay_off_needs_replays_per_shape(tok, encoded_pool):
+    from prism_select.curvature.fit import FIT_GRAPH_MIN_REPLAYS, fit_graphs_pay_off
+    same = [[0]] * FIT_GRAPH_MIN_REPLAYS  # one shape, replayed often enough
+    assert fit_graphs_pay_off(encoded_pool, same)
+    assert not fit_graphs_pay_off(encoded_pool, same[:-1])
+    lengths = {bucket_length(len(e.input_ids)) for e in encoded_pool}
+    varied = [[i] for i in range(len(encoded_pool))] * FIT_GRAPH_MIN_REPLAYS
+    assert fit_graphs_pay_off(encoded_pool, varied) == (len(varied) >= FIT_GRAPH_MIN_REPLAYS * len(lengths))
+    assert not fit_graphs_pay_off(encoded_pool, [[i] for i in range(len(encoded_pool))])

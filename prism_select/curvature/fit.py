@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 
 from .. import distributed
 from ..data.tokenize import token_losses
-from ..fast import Tap, batch_losses, causal_only, collate_to, mm_acc, split_causal_lm, tap_linears
-from ..graphs import GraphedScorer, graphs_wanted
+from ..fast import Tap, batch_losses, causal_only, collate_to, mm_acc, mm_acc_into, split_causal_lm, tap_linears
+from ..graphs import GraphedScorer, bucket_length, graphs_wanted
 from ..gradients import check_finite, has_bias, layer_shape
 from ..io import sha256_json
 from .base import Curvature, CurvatureSettings, settings_dict
@@ -118,7 +118,7 @@ class _CovTap(Tap):
 
     def on_backward(self, x, g):
         g2 = g.reshape(-1, g.shape[-1])
-        self.S += mm_acc(g2.T, g2, self.stats.acc)
+        mm_acc_into(self.S, g2.T, g2)
 
 
 def _rotate(x: torch.Tensor, Q: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -200,15 +200,30 @@ class _FitStep:
         return {**b, "labels": torch.full_like(b["labels"], -100), "token_mask": torch.zeros_like(b["token_mask"])}
 
 
+#: under ``cuda_graphs="auto"`` a fit pass is captured only when it replays each padded
+#: shape at least this often on average: a capture costs a few steps, and a short or
+#: very varied fit never earns it back (docs/performance.md, runs 6-9)
+FIT_GRAPH_MIN_REPLAYS = 8
+
+
+def fit_graphs_pay_off(encoded: list, batches: list) -> bool:
+    """Whether ``batches`` (lists of indices into ``encoded``) hold at least
+    FIT_GRAPH_MIN_REPLAYS batches per distinct padded shape."""
+    shapes = {bucket_length(max(len(encoded[i].input_ids) for i in b)) for b in batches}
+    return len(batches) >= FIT_GRAPH_MIN_REPLAYS * max(len(shapes), 1)
+
+
 def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, desc, progress=True,
             cuda_graphs: str = "off", batch_size: int | None = None):
     """One pass over ``batches`` (this rank's share) with ``taps`` routing the tracked layers.
     ``cuda_graphs`` (empirical Fisher only): capture each padded batch shape once."""
-    graphed = fisher == "empirical" and batch_size is not None and graphs_wanted(cuda_graphs, device or "cpu", model)
+    mine = distributed.shard(batches)
+    graphed = (fisher == "empirical" and batch_size is not None
+               and graphs_wanted(cuda_graphs, device or "cpu", model)
+               and (cuda_graphs == "on" or fit_graphs_pay_off(encoded, mine)))
     split = split_causal_lm(model) if fisher == "empirical" and not graphed else None
     step = _FitStep(model, stats, fisher, seed, split)
     runner = GraphedScorer(step, batch_size, pad_id) if graphed else step
-    mine = distributed.shard(batches)
     with tap_linears(model, taps):
         for batch in tqdm(mine, desc=desc, unit="batch", leave=False,
                           disable=not progress or not distributed.is_main()):
