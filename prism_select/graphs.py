@@ -1,5 +1,5 @@
-"""CUDA graphs for the scoring routes: capture a batch's whole score computation once
-per padded shape, then replay it.
+"""CUDA graphs for the scoring routes and the curvature fit: capture a batch's whole
+step (score computation, or fit statistics) once per padded shape, then replay it.
 
 Why: on models up to ~0.5B parameters a scoring step (like a training step) is bound
 by the host launching kernels, not by the GPU (docs/performance.md: a 0.3B step at
@@ -21,6 +21,9 @@ attention mask (``attention_mask=None``, plain causal attention), which is also 
 lets the attention run its fused causal kernel. Padded rows score exactly 0 and are
 dropped. ``tests/test_graphs.py`` checks graphed against eager scores on the GPU and
 the padding/bucketing on the CPU.
+
+``auto`` captures for models below :data:`AUTO_MAX_PARAMS` parameters; the curvature
+fit additionally needs enough batches per shape (``curvature.fit.FIT_GRAPH_MIN_REPLAYS``).
 
 If a capture fails (a model whose forward needs the host mid-step, e.g. reading a
 tensor's value), the scorer logs why and falls back to eager execution for the rest
