@@ -549,7 +549,7 @@ def main():
     fb_r = R.get("fwd_bwd", {}).get("ex_per_s")
     log("")
     log(f"## {a.config} on {info['device']}, {a.dtype}, batch {a.batch}, {len(encoded)} examples")
-    log(f"| route | ex/s | real tok/s | / fwd+bwd | / forward | peak GiB | Spearman vs exact | top-5% overlap |")
+    log("| route | ex/s | real tok/s | / fwd+bwd | / forward | peak GiB | Spearman vs exact | top-5% overlap |")
     log("|---|---|---|---|---|---|---|---|")
     for k, v in R.items():
         if not isinstance(v, dict) or "ex_per_s" not in v:

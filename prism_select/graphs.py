@@ -84,13 +84,20 @@ def pad_batch(batch: dict, rows: int, length: int, pad_id: int, out: dict | None
 AUTO_MAX_PARAMS = 1_000_000_000
 
 
+def check_graph_mode(mode: str) -> None:
+    """ConfigError naming ``cuda_graphs`` unless ``mode`` is one of GRAPH_MODES."""
+    from .errors import ConfigError
+
+    if mode not in GRAPH_MODES:
+        raise ConfigError("cuda_graphs", f"unknown value {mode!r}", f"use one of {', '.join(GRAPH_MODES)}")
+
+
 def graphs_wanted(mode: str, device, model=None) -> bool:
     """``auto``: on for CUDA devices and models below :data:`AUTO_MAX_PARAMS` parameters;
     ``on`` on a CPU device is an error."""
     from .errors import ConfigError
 
-    if mode not in GRAPH_MODES:
-        raise ConfigError("cuda_graphs", f"unknown value {mode!r}", f"use one of {', '.join(GRAPH_MODES)}")
+    check_graph_mode(mode)
     is_cuda = torch.device(device).type == "cuda"
     if mode == "on" and not is_cuda:
         raise ConfigError("cuda_graphs", "CUDA graphs need a CUDA device",

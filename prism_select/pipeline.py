@@ -41,7 +41,7 @@ from .data.tokenize import (
     tokenizer_fingerprint,
 )
 from .errors import CacheError, ConfigError, InputError, OutputError
-from .graphs import GRAPH_MODES
+from .graphs import check_graph_mode
 from .io import (
     atomic_write_json,
     atomic_write_jsonl,
@@ -91,9 +91,10 @@ class ScoreSettings:
         seeded sample of ``CurvatureSettings.fit_examples`` valid records
         (``STREAM_FIT_EXAMPLES`` when unset).
     stream_window: records read and tokenised at a time under ``stream``.
-    cuda_graphs: auto (default: on for CUDA devices and models below 1B parameters) | on | off. Captures each padded
-        batch shape's whole score computation once and replays it (removes the host's
-        kernel-launch cost; see prism_select/graphs.py and docs/performance.md).
+    cuda_graphs: auto (default: on for CUDA devices and models below 1B parameters) | on |
+        off. Captures each padded batch shape's whole score computation (and curvature-fit
+        step) once and replays it, removing the host's kernel-launch cost; see
+        prism_select/graphs.py and docs/performance.md.
     """
 
     method: str = "prism"
@@ -117,9 +118,7 @@ class ScoreSettings:
             raise ConfigError("scoring", f"unknown value {self.scoring!r}", f"use one of {', '.join(SCORINGS)}")
         if self.fd_eps is not None and not (self.fd_eps > 0 and self.fd_eps < float("inf")):
             raise ConfigError("fd_eps", f"must be a finite number > 0, got {self.fd_eps}")
-        if self.cuda_graphs not in GRAPH_MODES:
-            raise ConfigError("cuda_graphs", f"unknown value {self.cuda_graphs!r}",
-                              f"use one of {', '.join(GRAPH_MODES)}")
+        check_graph_mode(self.cuda_graphs)
         if self.max_length < 2:
             raise ConfigError("max_length", f"must be >= 2, got {self.max_length}")
         if self.batch_size < 1:

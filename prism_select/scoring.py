@@ -133,7 +133,8 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
     scoring: ``exact`` (one forward + one activation-only backward) or ``fast``
     (``FAST_MODE``, central finite differences by default), or one fast route by name
     (``fd``, ``fd-hp``, ``jvp``). impl: ``auto`` or ``hooks`` (the reference exact route).
-    cuda_graphs: ``auto`` (on for CUDA devices) | ``on`` | ``off``; graphs capture the
+    cuda_graphs: ``auto`` (on for CUDA devices and models below
+    ``graphs.AUTO_MAX_PARAMS``) | ``on`` | ``off``; graphs capture the
     whole batch computation once per padded shape (:mod:`prism_select.graphs`) and need
     ``batch_size`` (every batch is padded to it).
     """

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prism_select.curvature import CurvatureSettings, fit_curvature
-from prism_select.data.tokenize import collate, encode
+from prism_select.data.tokenize import encode
 from prism_select.preference import compute_preference
 from prism_select.scoring import score_encoded
 

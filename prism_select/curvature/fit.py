@@ -247,9 +247,11 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     Under ``torchrun`` (an initialised process group), each rank runs its share of the
     fit batches and the statistics are summed across ranks (all-reduce) before each
     eigendecomposition, so every rank ends with the same curvature. ``timings``, if
-    given, receives ``factors_s``, ``eigh_s`` and ``lambda_s``. ``cuda_graphs`` (auto: on
-    for CUDA devices; empirical Fisher only) captures each padded fit-batch shape once
-    and replays it (:mod:`prism_select.graphs`); the statistics are the same sums.
+    given, receives ``factors_s``, ``eigh_s`` and ``lambda_s``. ``cuda_graphs`` (empirical
+    Fisher only; ``auto``: CUDA devices, models below ``graphs.AUTO_MAX_PARAMS``, and
+    passes that replay each shape FIT_GRAPH_MIN_REPLAYS times) captures each padded
+    fit-batch shape once and replays it (:mod:`prism_select.graphs`); the statistics are
+    the same sums.
     """
     import time
 

@@ -950,9 +950,13 @@ def _finish(exp: _Exp, results: dict) -> dict:
     return results
 
 
-def _load_start(cfg):
+def _load_start(exp, cfg):
+    """The start model of a protocol run; its load time goes to ``exp``'s timings."""
     from ..model import load_model
-    return load_model(cfg.model)
+    t = time.perf_counter()
+    lm = load_model(cfg.model)
+    exp.time("load_model", time.perf_counter() - t)
+    return lm
 
 
 def _mistake_math_run(exp, cfg, ratio, seed):
@@ -973,9 +977,7 @@ def ranking(config: RankingConfig, out_dir, *, overwrite: bool = False) -> dict:
     cfg = config
     exp = _Exp(out_dir, "ranking", cfg, overwrite)
     methods_all = _resolve_methods(cfg.methods)
-    t = time.perf_counter()
-    lm = _load_start(cfg)
-    exp.time("load_model", time.perf_counter() - t)
+    lm = _load_start(exp, cfg)
     runs = []
     for ratio in cfg.harmful_ratios:
         for seed in cfg.seeds:
@@ -1049,9 +1051,7 @@ def repair(config: RepairConfig, out_dir, *, overwrite: bool = False) -> dict:
     cfg = config
     exp = _Exp(out_dir, "repair", cfg, overwrite)
     methods = _resolve_methods(cfg.methods)
-    t = time.perf_counter()
-    lm = _load_start(cfg)
-    exp.time("load_model", time.perf_counter() - t)
+    lm = _load_start(exp, cfg)
     runs = []
     for ratio in cfg.harmful_ratios:
         for seed in cfg.seeds:
@@ -1171,9 +1171,7 @@ def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
     pool_path = Path(cfg.pool)
     if not pool_path.exists():
         raise InputError("pool file not found", path=pool_path, fix="set 'pool' in the config")
-    t = time.perf_counter()
-    lm = _load_start(cfg)
-    exp.time("load_model", time.perf_counter() - t)
+    lm = _load_start(exp, cfg)
     runs = []
     for seed in cfg.seeds:
         sdir = exp.out / "runs" / f"seed{seed}"
