@@ -43,13 +43,17 @@ def main():
                "fit_efficiency": t1[0] * t1[2] / (fit * k), "score_efficiency": t1[1] * t1[2] / (score * k),
                "fit_plus_score_efficiency": (t1[0] + t1[1]) * t1[2] / ((fit + score) * k),
                "max_rel_diff_vs_first": float((s - b).abs().max() / b.abs().max()),
-               "pool": len(ids), "throughput": meta.get("throughput")}
+               "pool": len(ids), "throughput": meta.get("throughput"),
+               "fit_phases_s": meta.get("curvature", {}).get("phases_s")}
         rows.append(row)
     print("| GPUs | curvature fit s | scoring s | fit eff. | scoring eff. | fit+score eff. | max |diff| / max |score| |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['gpus']} | {r['curvature_s']:.2f} | {r['scores_s']:.2f} | {r['fit_efficiency']:.3f} | "
               f"{r['score_efficiency']:.3f} | {r['fit_plus_score_efficiency']:.3f} | {r['max_rel_diff_vs_first']:.2e} |")
+    for r in rows:
+        if r["fit_phases_s"]:
+            print(f"{r['gpus']} GPU(s), fit phases: " + ", ".join(f"{k} {v:.2f}" for k, v in r["fit_phases_s"].items()))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -5,10 +5,14 @@
 :func:`init_from_env` joins that process group (``env://``, NCCL on CUDA, gloo on
 CPU) and pins the process to its local GPU. Then:
 
+* work is cut into contiguous, cost-balanced shares of a length-sorted order
+  (:func:`contiguous_owners`): each rank sees about ``1/world`` of the distinct
+  sequence lengths, so per-shape setup (CUDA graph captures) divides too;
 * the curvature fit runs each rank's share of the fit batches and sums the factor
-  statistics across ranks (all-reduce) before the eigendecompositions;
-* scoring gives chunk ``k`` of the length-sorted pool to rank ``k % world``, and the
-  scores are gathered in pool order on every rank; rank 0 writes the outputs.
+  statistics across ranks (all-reduce); the eigendecompositions are spread over the
+  ranks by cost (:func:`balance`) and each result is broadcast by the rank that made it;
+* scoring gives each rank a contiguous share of the length-sorted pool (in chunks), and
+  the scores are gathered in pool order on every rank; rank 0 writes the outputs.
 
 Multi-node is the same command on each node with torchrun's rendezvous flags
 (``--nnodes N --node-rank i --master-addr HOST --master-port PORT``, or
@@ -78,13 +82,47 @@ def local_device(device: str = "auto") -> str:
     return device
 
 
-def shard(items: list) -> list:
-    """This rank's share: items ``r, r + K, r + 2K, ...``."""
-    return items[rank()::world()] if active() else items
+def contiguous_owners(costs: list, parts: int | None = None) -> list:
+    """The part (rank) of each item when a sequence is cut into ``parts`` (default: the
+    world size) contiguous runs of near-equal total cost.
+
+    An item goes to the part its cost midpoint falls in, so the runs differ by at most
+    about one item's cost; the result is non-decreasing and deterministic. With zero
+    total cost the items are split by count.
+    """
+    parts = world() if parts is None else parts
+    n = len(costs)
+    if parts <= 1 or n == 0:
+        return [0] * n
+    total = float(sum(costs))
+    if total <= 0:
+        return [min(parts - 1, i * parts // n) for i in range(n)]
+    out, before = [], 0.0
+    for c in costs:
+        out.append(min(parts - 1, int((before + 0.5 * float(c)) * parts / total)))
+        before += float(c)
+    return out
 
 
-def owner(k: int) -> int:
-    return k % world()
+def shard(items: list, costs: list | None = None) -> list:
+    """This rank's contiguous share of ``items`` (balanced by ``costs``, default equal)."""
+    if not active():
+        return items
+    owners = contiguous_owners([1.0] * len(items) if costs is None else costs)
+    return [x for x, o in zip(items, owners) if o == rank()]
+
+
+def balance(costs: list, parts: int | None = None) -> list:
+    """Assign independent tasks to ``parts`` ranks, largest first to the least loaded
+    (longest-processing-time rule); returns each task's rank. Deterministic."""
+    parts = world() if parts is None else parts
+    load = [0.0] * max(parts, 1)
+    out = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i)):
+        r = min(range(len(load)), key=lambda r: (load[r], r))
+        out[i] = r
+        load[r] += float(costs[i])
+    return out
 
 
 def barrier():
@@ -134,6 +172,29 @@ def broadcast(tensors: list, src: int = 0):
         buf = t.to(dev).contiguous()
         dist.broadcast(buf, src)
         t.copy_(buf)
+
+
+def share_from_owners(tensors: list, owners: list):
+    """Every rank ends with rank ``owners[i]``'s value of ``tensors[i]`` (same shapes
+    and dtypes on every rank): one broadcast per (owner, dtype), of that owner's tensors
+    packed into one buffer."""
+    if not active() or not tensors:
+        return
+    groups: dict = {}
+    for t, o in zip(tensors, owners):
+        groups.setdefault((o, t.dtype), []).append(t)
+    for (o, _), ts in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        dev = _comm_device(ts[0])
+        if rank() == o:
+            flat = torch.cat([t.reshape(-1).to(dev) for t in ts])
+        else:
+            flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=dev)
+        dist.broadcast(flat, o)
+        if rank() != o:
+            off = 0
+            for t in ts:
+                t.copy_(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
 
 
 def all_or_nothing(flag: bool) -> bool:

@@ -264,15 +264,17 @@ class RunContext:
             t = time.perf_counter()
             cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
             fit = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
+            phases: dict = {}
             cur, directory, reused = load_or_fit_curvature(
                 self.lm.model, self.modules, fit, self.curvature_settings,
                 pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
                 pool_fingerprint=encoded_fingerprint(fit),
                 max_length=self.settings.max_length, progress=self.settings.progress,
-                cuda_graphs=self.settings.cuda_graphs)
+                cuda_graphs=self.settings.cuda_graphs, timings=phases)
             self.timings["curvature_s"] = time.perf_counter() - t
             self.info["curvature"] = {"kind": cur.kind, "path": str(directory), "reused": reused,
-                                      "damping": _summary(list(cur.damping.values()))}
+                                      "damping": _summary(list(cur.damping.values())),
+                                      "phases_s": phases}  # factors / eigendecompositions / eigenvalues
             self._curvature = cur
         return self._curvature
 

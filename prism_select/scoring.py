@@ -17,9 +17,10 @@ exact route.
 
 Examples are processed in length-sorted chunks; each finished chunk is written to
 ``<out>/.partial/chunk_NNNNNN.safetensors``, so a killed run resumes where it was.
-Under ``torchrun`` chunk ``k`` belongs to rank ``k % world`` and the scores are
-gathered in pool order (:mod:`prism_select.distributed`). :func:`score_stream` scores a
-pool file a window at a time (host memory flat in pool size).
+Under ``torchrun`` each rank owns the chunks of one contiguous, token-balanced share
+of the length-sorted pool (:func:`plan_chunks`) and the scores are gathered in pool
+order (:mod:`prism_select.distributed`). :func:`score_stream` scores a pool file a
+window at a time (host memory flat in pool size).
 """
 
 from __future__ import annotations
@@ -119,10 +120,26 @@ class _HookScorer:
         return self.hooks.scores
 
 
-def plan_chunks(encoded: list, chunk_size: int) -> list:
-    """Length-sorted index chunks; deterministic, so a resumed run sees the same ones."""
+def plan_chunks(encoded: list, chunk_size: int, parts: int = 1) -> tuple:
+    """Length-sorted index chunks and the rank that owns each: ``(chunks, owners)``.
+
+    The length-sorted order is first cut into ``parts`` contiguous shares of near-equal
+    token count (:func:`prism_select.distributed.contiguous_owners`), then each share
+    into chunks of ``chunk_size``, so each rank meets only its own range of lengths
+    (graph captures divide with the work). Deterministic: the same pool and ``parts``
+    give the same chunks, which is what resuming relies on (a resumed run with another
+    world size recomputes the chunks whose contents differ).
+    """
     order = sorted(range(len(encoded)), key=lambda i: (len(encoded[i].input_ids), i))
-    return [order[k:k + chunk_size] for k in range(0, len(order), chunk_size)]
+    share = distributed.contiguous_owners([len(encoded[i].input_ids) for i in order], parts)
+    chunks, owners, start = [], [], 0
+    for end in range(1, len(order) + 1):
+        if end == len(order) or share[end] != share[start]:
+            for k in range(start, end, chunk_size):
+                chunks.append(order[k:min(k + chunk_size, end)])
+                owners.append(share[start])
+            start = end
+    return chunks, owners
 
 
 def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps: float | None = None,
@@ -212,14 +229,15 @@ def _open_partial(partial_dir, run_key):
 
 def score_chunks(scorer, encoded: list, chunks: list, *, pad_id: int, batch_size: int, device,
                  partial_dir=None, progress: bool = True, ids=None, index_base: int = 0,
-                 chunk_base: int = 0, stats: dict | None = None) -> dict:
-    """Score this rank's chunks (global number ``chunk_base + k``, owned by rank
-    ``(chunk_base + k) % world``) that are not saved yet.
+                 chunk_base: int = 0, stats: dict | None = None, owners: list | None = None) -> dict:
+    """Score this rank's chunks (global number ``chunk_base + k``; chunk ``k`` is owned
+    by rank ``owners[k]``, default all rank 0) that are not saved yet.
 
     Returns ``{k: scores (float64, chunk order)}`` for this rank's chunks. ``stats``,
     if given, accumulates ``examples``, ``real_tokens`` and ``padded_tokens``.
     """
-    mine = [k for k in range(len(chunks)) if distributed.owner(chunk_base + k) == distributed.rank()]
+    owners = owners if owners is not None else [0] * len(chunks)
+    mine = [k for k in range(len(chunks)) if owners[k] == distributed.rank()]
     results, todo = {}, []
     for k in mine:
         got = (_load_chunk(partial_dir, chunk_base + k, [index_base + i for i in chunks[k]])
@@ -272,13 +290,13 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     full, gathered scores.
     """
     device = device or next(model.parameters()).device
-    chunks = plan_chunks(encoded, chunk_size)
+    chunks, owners = plan_chunks(encoded, chunk_size, distributed.world())
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
                          impl=impl, cuda_graphs=cuda_graphs, batch_size=batch_size)
     results = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
-                           partial_dir=partial_dir, progress=progress, ids=ids, stats=stats)
+                           partial_dir=partial_dir, progress=progress, ids=ids, stats=stats, owners=owners)
     if results:
         index = torch.cat([torch.as_tensor(chunks[k], dtype=torch.int64) for k in results])
         values = torch.cat([results[k] for k in results])
@@ -364,10 +382,10 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
                 truncated += sum(e.truncated for e in encoded)
                 for rid, _ in win:
                     ids_f.write(_json.dumps(rid) + "\n")
-                chunks = plan_chunks(encoded, chunk_size)
+                chunks, owners = plan_chunks(encoded, chunk_size, distributed.world())
                 res = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
                                    partial_dir=partial_dir, progress=progress, index_base=n,
-                                   chunk_base=chunk_base, stats=stats,
+                                   chunk_base=chunk_base, stats=stats, owners=owners,
                                    ids=[r for r, _ in win])
                 if res:
                     index = torch.cat([torch.as_tensor(chunks[k], dtype=torch.int64) for k in res])

@@ -122,3 +122,50 @@ def test_cli_under_torchrun_matches_single_process(tmp_path):
     run = json.loads((tmp_path / "multi" / "run.json").read_text())
     assert run["distributed"]["world_size"] == 2
     assert not (tmp_path / "multi" / ".partial").exists()
+
+
+def test_contiguous_owners_balance_cost_and_keep_order():
+    from prism_select.distributed import contiguous_owners
+
+    costs = [1.0] * 10 + [3.0] * 10  # rising lengths: equal counts would be 10 vs 30
+    own = contiguous_owners(costs, 2)
+    assert own == sorted(own) and set(own) == {0, 1}
+    load = [sum(c for c, o in zip(costs, own) if o == r) for r in (0, 1)]
+    assert abs(load[0] - load[1]) <= max(costs)
+    assert contiguous_owners(costs, 1) == [0] * 20
+    assert contiguous_owners([0.0] * 4, 2) == [0, 0, 1, 1]
+    assert contiguous_owners([], 3) == []
+
+
+def test_balance_spreads_large_tasks_first():
+    from prism_select.distributed import balance
+
+    # one layer group of a model: three big eighs and eight small ones, four ranks
+    costs = [27.0, 1, 1, 1, 27.0, 1, 1, 1, 1, 1, 27.0]
+    where = balance(costs, 4)
+    big = [where[i] for i, c in enumerate(costs) if c == 27.0]
+    assert len(set(big)) == 3  # never two big ones on one rank
+    load = [sum(c for c, r in zip(costs, where) if r == k) for k in range(4)]
+    assert max(load) == 27.0
+    assert balance(costs, 4) == where  # deterministic
+
+
+def test_plan_chunks_gives_each_rank_one_length_range():
+    from prism_select.data.tokenize import Encoded
+    from prism_select.scoring import plan_chunks
+
+    lengths = [5 + (i * 7) % 40 for i in range(50)]
+    enc = [Encoded(input_ids=[1] * n, response_start=1) for n in lengths]
+    one, owners1 = plan_chunks(enc, 4)
+    assert set(owners1) == {0} and sorted(i for c in one for i in c) == list(range(50))
+    chunks, owners = plan_chunks(enc, 4, parts=3)
+    assert sorted(i for c in chunks for i in c) == list(range(50))
+    assert owners == sorted(owners) and set(owners) == {0, 1, 2}
+    assert all(len(c) <= 4 for c in chunks)
+    for r in range(3):  # contiguous length ranges that do not overlap
+        mine = [lengths[i] for c, o in zip(chunks, owners) if o == r for i in c]
+        later = [lengths[i] for c, o in zip(chunks, owners) if o > r for i in c]
+        assert not later or max(mine) <= min(later)
+    tokens = [sum(lengths[i] for c, o in zip(chunks, owners) if o == r for i in c) for r in range(3)]
+    assert max(tokens) - min(tokens) <= 2 * max(lengths)
+    assert plan_chunks(enc, 4, parts=3) == (chunks, owners)  # deterministic: resume sees the same

@@ -217,7 +217,8 @@ def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, 
             cuda_graphs: str = "off", batch_size: int | None = None):
     """One pass over ``batches`` (this rank's share) with ``taps`` routing the tracked layers.
     ``cuda_graphs`` (empirical Fisher only): capture each padded batch shape once."""
-    mine = distributed.shard(batches)
+    # contiguous shares of the length-sorted batches: each rank captures ~1/world of the shapes
+    mine = distributed.shard(batches, [len(b) * max(len(encoded[i].input_ids) for i in b) for b in batches])
     graphed = (fisher == "empirical" and batch_size is not None
                and graphs_wanted(cuda_graphs, device or "cpu", model)
                and (cuda_graphs == "on" or fit_graphs_pay_off(encoded, mine)))
@@ -300,51 +301,50 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     sync()
     timings["factors_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    eig_cache: list = []  # layers reading the same input have identical A: one eigh
-    qa_group: dict = {}
-
-    def eigh_once(M):
-        for gid, (M0, res) in enumerate(eig_cache):
-            if M0.shape == M.shape and torch.equal(M0, M):
-                return res[0], res[1].clone(), gid
-        lam, Q = _eigh(M)
-        res = (lam.clamp(min=0).to(compute), Q.to(compute))
-        eig_cache.append((M, res))
-        return res[0], res[1], len(eig_cache) - 1
-
-    # Under torchrun each rank decomposes its share of the layers (layers that read the
-    # same input stay on one rank); the others hold zeros and a sum shares the results.
-    owner, groups = {}, []
-    for i, n in enumerate(layers):
-        for gi, (M0, members) in enumerate(groups):
-            if M0.shape == A[n].shape and torch.equal(M0, A[n]):
-                members.append(n)
-                owner[n] = gi
+    # Layers reading the same input have bitwise-identical A (one product per input in
+    # the pass): group them by a fingerprint (one host sync), confirm with torch.equal,
+    # and decompose each distinct A once.
+    fps = torch.stack([torch.stack([A[n].sum(), A[n].diagonal().sum(), A[n][0].sum()]) for n in layers]).tolist()
+    fp = dict(zip(layers, fps))
+    group_of, reps = {}, []  # layer -> group id; group id -> representative layer
+    for n in layers:
+        for gid, r in enumerate(reps):
+            if A[r].shape == A[n].shape and fp[r] == fp[n] and torch.equal(A[r], A[n]):
+                group_of[n] = gid
                 break
         else:
-            groups.append((A[n], [n]))
-            owner[n] = len(groups) - 1
+            group_of[n] = len(reps)
+            reps.append(n)
     for n in layers:
         A[n] /= max(n_tokens, 1)
         S[n] /= n_examples
         check_finite(A[n], "the activation covariance", layer=n)
         check_finite(S[n], "the gradient covariance", layer=n)
-        mine = distributed.owner(owner[n]) == distributed.rank()
-        if mine:
-            lamA, QA, qa_group[n] = eigh_once(A[n])
-            lamS, QS = _eigh(S[n])
+    # Tasks: one eigh per distinct A and one per layer's S. Under torchrun they are
+    # spread over the ranks by cost (~size^3, largest first), and each result is then
+    # broadcast by the rank that computed it.
+    tasks = [("A", r) for r in reps] + [("S", n) for n in layers]
+    where = distributed.balance([(A[n] if k == "A" else S[n]).shape[0] ** 3 for k, n in tasks])
+    results, owners = {}, []
+    for (k, n), r in zip(tasks, where):
+        M = A[n] if k == "A" else S[n]
+        if r == distributed.rank():
+            lam, Q = _eigh(M)
+            lam, Q = lam.clamp(min=0).to(compute), Q.to(compute)
         else:
-            qa_group[n] = -1 - owner[n]
-            lamA, QA = A[n].new_zeros(A[n].shape[0]), torch.zeros_like(A[n])
-            lamS, QS = S[n].new_zeros(S[n].shape[0]), torch.zeros_like(S[n])
+            lam, Q = M.new_empty(M.shape[0]), torch.empty_like(M)
+        results[(k, n)] = (lam, Q)
+        owners += [r, r]
+    distributed.share_from_owners([t for kn in tasks for t in results[kn]], owners)
+    qa_group = dict(group_of)
+    for n in layers:
+        lamA, QA = results[("A", reps[group_of[n]])]
+        if n != reps[group_of[n]]:  # stored once per layer (safetensors refuses shared storage)
+            lamA, QA = lamA.clone(), QA.clone()
         tensors[f"{n}::QA"] = QA
-        tensors[f"{n}::QS"] = QS.to(compute)
         tensors[f"{n}::lamA"] = lamA
-        tensors[f"{n}::lamS"] = lamS.clamp(min=0).to(compute)
-    if distributed.active():
-        distributed.all_reduce_sum([tensors[f"{n}::{k}"] for n in layers for k in ("QA", "QS", "lamA", "lamS")])
-        qa_group = {n: owner[n] for n in layers}
-    del A, S, eig_cache
+        tensors[f"{n}::lamS"], tensors[f"{n}::QS"] = results[("S", n)]
+    del A, S, results
     sync()
     timings["eigh_s"] = time.perf_counter() - t0
 
@@ -411,8 +411,9 @@ def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fing
 
 def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_root,
                           model_fingerprint, pool_fingerprint, max_length, device=None, progress=True,
-                          cuda_graphs: str = "auto"):
-    """Reuse a saved curvature whose settings and fingerprints match, else fit and save.
+                          cuda_graphs: str = "auto", timings: dict | None = None):
+    """Reuse a saved curvature whose settings and fingerprints match, else fit and save
+    (``timings``, if given, receives the fit's phases as in :func:`fit_curvature`).
 
     Returns ``(curvature, directory, reused)``.
     """
@@ -431,7 +432,7 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
         except CacheError as exc:
             log.warning("%s; fitting again", exc)
     cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
-                        cuda_graphs=cuda_graphs)
+                        cuda_graphs=cuda_graphs, timings=timings)
     if settings.kind != "identity" and distributed.is_main():
         cur.save(directory, key)
     distributed.barrier()
