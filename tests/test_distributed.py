@@ -122,6 +122,19 @@ def test_cli_under_torchrun_matches_single_process(tmp_path):
     run = json.loads((tmp_path / "multi" / "run.json").read_text())
     assert run["distributed"]["world_size"] == 2
     assert not (tmp_path / "multi" / ".partial").exists()
+    # the curvature was saved in two shares, one per rank; one process reuses it
+    saved = Path(run["curvature"]["path"])
+    assert sorted(p.name for p in saved.glob("factors*")) == [
+        "factors-00000-of-00002.safetensors", "factors-00001-of-00002.safetensors"]
+    assert set(run["curvature"]["phases_s"]) == {"factors_s", "eigh_s", "lambda_s"}
+    r = subprocess.run([sys.executable] + args(tmp_path / "reuse", tmp_path / "c2"), cwd=tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = json.loads((tmp_path / "reuse" / "run.json").read_text())
+    assert again["curvature"]["reused"] is True
+    s3 = read(tmp_path / "reuse")
+    for k in s1:
+        assert s3[k]["score"] == pytest.approx(s1[k]["score"], rel=1e-9, abs=1e-12)
 
 
 def test_contiguous_owners_balance_cost_and_keep_order():

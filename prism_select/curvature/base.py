@@ -111,19 +111,38 @@ class Curvature:
 
     # -- persistence ---------------------------------------------------------------
     def save(self, directory, meta: dict):
-        """Write ``factors.safetensors`` and ``curvature.json`` (settings and
-        fingerprints) into ``directory``, atomically."""
+        """Write the factors and ``curvature.json`` (settings, fingerprints, file list)
+        into ``directory``, each file atomically; ``curvature.json`` comes last.
+
+        One process writes ``factors.safetensors``. Under torchrun every rank must call
+        this: each writes a contiguous, size-balanced share of the tensors to
+        ``factors-RRRRR-of-KKKKK.safetensors`` (the copy to the host and the write divide
+        with the ranks) and rank 0 writes ``curvature.json`` once all shares are on disk.
+        """
+        from .. import distributed
+
         d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        # clone(): layers reading the same input share one factor in memory, which
-        # safetensors refuses to save as such.
-        tensors = {k: v.detach().cpu().clone().contiguous() for k, v in self.tensors.items()}
-        tmp = d / ".factors.safetensors.tmp"
-        save_file(tensors, str(tmp))
-        tmp.replace(d / "factors.safetensors")
+        parts, me = distributed.world(), distributed.rank()
+        if distributed.is_main():
+            d.mkdir(parents=True, exist_ok=True)
+        distributed.barrier()
+        names = list(self.tensors)
+        owner = distributed.contiguous_owners([self.tensors[k].numel() for k in names], parts)
+        files = (["factors.safetensors"] if parts == 1
+                 else [f"factors-{r:05d}-of-{parts:05d}.safetensors" for r in range(parts)])
+        # a copy on the host per tensor: layers reading the same input may share one
+        # factor in memory, which safetensors refuses to save as such
+        mine = {k: self.tensors[k].detach().to("cpu", copy=True).contiguous()
+                for k, o in zip(names, owner) if o == me}
+        tmp = d / f".{files[me]}.tmp"
+        save_file(mine, str(tmp))
+        tmp.replace(d / files[me])
+        distributed.barrier()
         full = dict(meta)
-        full.update({"kind": self.kind, "layers": self.layers, "damping": self.damping})
-        atomic_write_json(d / "curvature.json", full)
+        full.update({"kind": self.kind, "layers": self.layers, "damping": self.damping, "files": files})
+        if distributed.is_main():
+            atomic_write_json(d / "curvature.json", full)
+        distributed.barrier()
         self.meta = full
 
     @classmethod
@@ -131,17 +150,23 @@ class Curvature:
         """Load a saved curvature; with ``expect``, refuse (CacheError) unless every
         key of ``expect`` equals the saved metadata (settings and fingerprints)."""
         d = Path(directory)
-        meta_path, fac_path = d / "curvature.json", d / "factors.safetensors"
-        if not meta_path.exists() or not fac_path.exists():
-            raise CacheError(f"no saved curvature in {d} (expected curvature.json and factors.safetensors)")
+        meta_path = d / "curvature.json"
+        if not meta_path.exists():
+            raise CacheError(f"no saved curvature in {d} (expected curvature.json)")
         meta = json.loads(meta_path.read_text())
+        files = meta.get("files", ["factors.safetensors"])
+        missing = [f for f in files if not (d / f).exists()]
+        if missing:
+            raise CacheError(f"saved curvature in {d} is incomplete: {', '.join(missing)} missing")
         if expect:
             diff = [k for k, v in expect.items() if meta.get(k) != v]
             if diff:
                 raise CacheError(
                     f"saved curvature in {d} was fitted with other {', '.join(diff)}; "
                     "refusing to reuse it (fit again, or pass the matching model/pool/settings)")
-        tensors = load_file(str(fac_path))
+        tensors: dict = {}
+        for f in files:
+            tensors.update(load_file(str(d / f)))
         return cls(meta["kind"], meta["layers"], tensors, meta["damping"], meta)
 
 

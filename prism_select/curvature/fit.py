@@ -423,17 +423,19 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
 
     key = curvature_key(settings, model_fingerprint, pool_fingerprint, list(modules), max_length)
     directory = Path(cache_root) / sha256_json(key)[:24]
-    # Under torchrun the fit is collective: reuse only if every rank sees the saved copy.
+    # Under torchrun the fit is collective: reuse only if every rank loads the saved copy
+    # (a cache directory that is not shared by all nodes means fitting again).
+    cur = None
     if settings.kind != "identity" and distributed.all_or_nothing((directory / "curvature.json").exists()):
         try:
             cur = Curvature.load(directory, expect=key)
-            log.info("reusing curvature from %s", directory)
-            return cur, directory, True
         except CacheError as exc:
             log.warning("%s; fitting again", exc)
+    if distributed.all_or_nothing(cur is not None):
+        log.info("reusing curvature from %s", directory)
+        return cur, directory, True
     cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
                         cuda_graphs=cuda_graphs, timings=timings)
-    if settings.kind != "identity" and distributed.is_main():
-        cur.save(directory, key)
-    distributed.barrier()
+    if settings.kind != "identity":
+        cur.save(directory, key)  # collective under torchrun: each rank writes a share
     return cur, directory, False
