@@ -17,7 +17,8 @@ CPU) and pins the process to its local GPU. Then:
 Multi-node is the same command on each node with torchrun's rendezvous flags
 (``--nnodes N --node-rank i --master-addr HOST --master-port PORT``, or
 ``--rdzv-backend c10d --rdzv-endpoint HOST:PORT``); ``--out`` must then be on a
-filesystem every node sees (resumable chunks are written there by their rank).
+filesystem every node sees (resumable chunks are written there by their rank), and so
+should ``--cache-dir`` (each rank saves a share of the curvature there).
 
 With one process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) every helper is a no-op.
 """
