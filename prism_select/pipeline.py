@@ -17,6 +17,7 @@ and draws the curvature's fit sample (:func:`prepare_stream_inputs`), and
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -314,12 +315,16 @@ class RunContext:
         """
         partial = self.out_dir / ".partial"
         v_path = partial / f"{tag}_v.safetensors"
+        info_path = partial / f"{tag}_curvature.json"  # run.json's "curvature" entry, for a resumed run
         if v_path.exists():
             v = load_file(str(v_path))
+            if "curvature" not in self.info and info_path.exists():
+                self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
         else:
             v = self.curvature().precondition(direction)
             if distributed.is_main():
                 partial.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(info_path, self.info["curvature"])
                 tmp = partial / f".{tag}_v.tmp"
                 save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
                 tmp.replace(v_path)

@@ -402,12 +402,11 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
         rank[order] = np.arange(1, n + 1)
         del order
         if distributed.is_main():
-            tmp = out_path.with_name(f".{out_path.name}.tmp")
-            with open(ids_path) as src, open(tmp, "w") as dst:
+            from .io import atomic_open
+            with open(ids_path) as src, atomic_open(out_path) as dst:
                 for i, line in enumerate(src):
                     dst.write(_json.dumps({"id": _json.loads(line), "score": float(scores[i]),
                                            "rank": int(rank[i])}) + "\n")
-            tmp.replace(out_path)
     finally:
         try:
             os.unlink(ids_path)

@@ -98,3 +98,5 @@ def test_sigkill_and_resume_is_bit_identical(setup, tmp_path, scoring):
     assert [r["score"] for r in a] == [r["score"] for r in b]  # bit for bit
     assert [r["rank"] for r in a] == [r["rank"] for r in b]
     assert not (out / ".partial").exists()
+    meta = json.loads((out / "run.json").read_text())  # the resumed run still says which curvature
+    assert meta["curvature"]["kind"] == json.loads((ref / "run.json").read_text())["curvature"]["kind"]
