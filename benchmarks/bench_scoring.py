@@ -443,6 +443,16 @@ def main():
             fast.ROWDOT_BACKEND = "auto"
 
     exact_variant("exact", "auto")
+    if "exact_fp32" in routes:  # the true exact: the same scores on a float32 copy of the model
+        import copy
+        m32 = copy.deepcopy(model).float()
+        mods32 = tracked_linear_modules(m32)
+        sc = fast.ExactScorer(m32, mods32, {n: t.float() for n, t in V.items()})
+        with sc:
+            run_phase("exact_fp32", sc.score, encoded, batches, pad_id, dev, results=R)
+        del sc, m32, mods32
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     exact_variant("exact_bmm", "bmm")
     exact_variant("exact_mulsum", "mulsum")
     exact_variant("exact_fusedce", "auto", fused_loss=True)
@@ -541,6 +551,12 @@ def main():
         for k, v in R.items():
             if isinstance(v, dict) and "_scores" in v and k != ref_name and "randv" not in k:
                 acc[k] = accuracy(ref, v["_scores"][: len(ref)] if len(v["_scores"]) == len(ref) else v["_scores"])
+    acc32 = {}  # against the float32 exact route, where it ran
+    if "_scores" in R.get("exact_fp32", {}):
+        ref32 = R["exact_fp32"]["_scores"]
+        for k, v in R.items():
+            if isinstance(v, dict) and "_scores" in v and k != "exact_fp32" and "randv" not in k:
+                acc32[k] = accuracy(ref32, v["_scores"])
     if "_scores" in R.get("exact_hooks", {}) and ref_name:
         acc["exact(vs hooks fp32)"] = accuracy(R["exact_hooks"]["_scores"], R[ref_name]["_scores"])
 
@@ -549,15 +565,18 @@ def main():
     fb_r = R.get("fwd_bwd", {}).get("ex_per_s")
     log("")
     log(f"## {a.config} on {info['device']}, {a.dtype}, batch {a.batch}, {len(encoded)} examples")
-    log("| route | ex/s | real tok/s | / fwd+bwd | / forward | peak GiB | Spearman vs exact | top-5% overlap |")
-    log("|---|---|---|---|---|---|---|---|")
+    log("| route | ex/s | real tok/s | / fwd+bwd | / forward | peak GiB | Spearman vs exact | top-5% overlap "
+        "| Spearman vs exact fp32 | top-5% vs fp32 |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
     for k, v in R.items():
         if not isinstance(v, dict) or "ex_per_s" not in v:
             continue
-        ac = acc.get(k, {})
+        ac, ac32 = acc.get(k, {}), acc32.get(k, {})
         log(f"| {k} | {v['ex_per_s']:.1f} | {v['real_tok_per_s']:.0f} | "
-            f"{v['ex_per_s'] / fb_r if fb_r else float('nan'):.2f} | {v['ex_per_s'] / fwd_r if fwd_r else float('nan'):.2f} | "
-            f"{v['peak_gib'] or 0:.2f} | {ac.get('spearman', float('nan')):.4f} | {ac.get('top5_overlap', float('nan')):.3f} |")
+            f"{v['ex_per_s'] / fb_r if fb_r else nan:.2f} | {v['ex_per_s'] / fwd_r if fwd_r else nan:.2f} | "
+            f"{v['peak_gib'] or 0:.2f} | {ac.get('spearman', nan):.4f} | {ac.get('top5_overlap', nan):.3f} | "
+            f"{ac32.get('spearman', nan):.4f} | {ac32.get('top5_overlap', nan):.3f} |")
     for k, v in R.items():
         if isinstance(v, dict) and ("error" in v or "skipped" in v):
             log(f"| {k} | {v.get('error') or v.get('skipped')} |")
@@ -587,7 +606,8 @@ def main():
         clean = {k: ({kk: vv for kk, vv in v.items() if kk != "_scores"} if isinstance(v, dict) else v)
                  for k, v in R.items()}
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"info": info, "results": clean, "accuracy": acc}, indent=1))
+        Path(a.json).write_text(json.dumps({"info": info, "results": clean, "accuracy": acc,
+                                            "accuracy_vs_fp32": acc32}, indent=1))
 
 
 if __name__ == "__main__":
