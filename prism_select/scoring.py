@@ -39,6 +39,7 @@ from .errors import CacheError, ConfigError
 from .fast import FAST_MODES, ExactScorer, collate_to
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
+from .precision import check_residual_dtype, residual_fp32
 from .io import atomic_write_json
 
 DEFAULT_CHUNK_SIZE = 1024
@@ -144,7 +145,7 @@ def plan_chunks(encoded: list, chunk_size: int, parts: int = 1) -> tuple:
 
 def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps: float | None = None,
                 pad_id: int = 0, device=None, impl: str = "auto", cuda_graphs: str = "off",
-                batch_size: int | None = None):
+                batch_size: int | None = None, residual_dtype: str = "model"):
     """A context-managed object with ``score(collated_batch) -> (B,) tensor``.
 
     scoring: ``exact`` (one forward + one activation-only backward) or ``fast``
@@ -153,8 +154,11 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
     cuda_graphs: ``auto`` (on for CUDA devices and models below
     ``graphs.AUTO_MAX_PARAMS``) | ``on`` | ``off``; graphs capture the
     whole batch computation once per padded shape (:mod:`prism_select.graphs`) and need
-    ``batch_size`` (every batch is padded to it).
+    ``batch_size`` (every batch is padded to it). residual_dtype: ``model`` | ``float32``
+    (half-precision models: carry the residual stream in float32, matmuls unchanged;
+    :mod:`prism_select.precision`).
     """
+    check_residual_dtype(residual_dtype)
     if scoring not in SCORINGS + FAST_MODES:
         raise ConfigError("scoring", f"unknown value {scoring!r}", f"use one of {', '.join(SCORINGS)}")
     device = device or next(model.parameters()).device
@@ -167,9 +171,38 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
         sc = _fast.make_scorer(kind, model, modules, V, fd_eps=fd_eps)
         if not hasattr(sc, "__enter__"):  # jvp: not graphed
             return _Plain(sc)
+    if residual_dtype == "float32":
+        sc = _ResidualFP32(sc, model)
     if batch_size is not None and graphs_wanted(cuda_graphs, device, model):
         return GraphedScorer(sc, batch_size, pad_id)
     return sc
+
+
+class _ResidualFP32:
+    """Runs ``scorer`` with the model's residual stream in float32 (precision.residual_fp32)."""
+
+    def __init__(self, scorer, model):
+        self.inner, self.model = scorer, model
+
+    def __enter__(self):
+        self._policy = residual_fp32(self.model)
+        self._policy.__enter__()
+        if hasattr(self.inner, "__enter__"):
+            self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if hasattr(self.inner, "__exit__"):
+                self.inner.__exit__(*exc)
+        finally:
+            self._policy.__exit__(*exc)
+
+    def neutral(self, b):
+        return self.inner.neutral(b)
+
+    def score(self, batch):
+        return self.inner.score(batch)
 
 
 class _Plain:
@@ -281,7 +314,8 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
                   device=None, chunk_size: int = DEFAULT_CHUNK_SIZE, partial_dir=None,
                   run_key: dict | None = None, progress: bool = True, ids=None,
                   scoring: str = "exact", fd_eps: float | None = None, impl: str = "auto",
-                  stats: dict | None = None, cuda_graphs: str = "auto") -> torch.Tensor:
+                  stats: dict | None = None, cuda_graphs: str = "auto",
+                  residual_dtype: str = "model") -> torch.Tensor:
     """Scores ``g_z . V`` for every encoded example (float64, input order).
 
     With ``partial_dir``, finished chunks are saved there and reused by a later call
@@ -294,7 +328,7 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
-                         impl=impl, cuda_graphs=cuda_graphs, batch_size=batch_size)
+                         impl=impl, cuda_graphs=cuda_graphs, batch_size=batch_size, residual_dtype=residual_dtype)
     results = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
                            partial_dir=partial_dir, progress=progress, ids=ids, stats=stats, owners=owners)
     if results:
@@ -338,7 +372,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
                  batch_size: int = 8, window: int = 65536, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  partial_dir=None, run_key: dict | None = None, scoring: str = "exact",
                  fd_eps: float | None = None, device=None, progress: bool = True,
-                 skip_invalid: bool = False, cuda_graphs: str = "auto") -> dict:
+                 skip_invalid: bool = False, cuda_graphs: str = "auto", residual_dtype: str = "model") -> dict:
     """Score a pool file without holding it in memory; write ``scores.jsonl`` lines
     (``id``, ``score``, ``rank``) to ``out_path``.
 
@@ -368,7 +402,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
-                         cuda_graphs=cuda_graphs, batch_size=batch_size)
+                         cuda_graphs=cuda_graphs, batch_size=batch_size, residual_dtype=residual_dtype)
     invalid: list = []
     scores = np.zeros(0, dtype=np.float64)
     n, chunk_base, truncated = 0, 0, 0
