@@ -468,12 +468,12 @@ def main():
                           warm=2 if i == 0 else 0)
             del sc
 
-    def lib_route(name, kind, graphs, eps=None):
+    def lib_route(name, kind, graphs, eps=None, residual="model"):
         """The library's own scorer, as the CLI builds it (``make_scorer``)."""
         if name.split("@")[0] not in routes:
             return
         sc = make_scorer(model, modules, V, scoring=kind, pad_id=pad_id, device=dev, fd_eps=eps,
-                         cuda_graphs="on" if graphs else "off", batch_size=a.batch)
+                         cuda_graphs="on" if graphs else "off", batch_size=a.batch, residual_dtype=residual)
         try:
             with sc:
                 r = run_phase(name, sc.score, encoded, batches, pad_id, dev, results=R)
@@ -487,6 +487,9 @@ def main():
 
     lib_route("lib_exact", "exact", False)
     lib_route("lib_exact_graphs", "exact", True)
+    # --residual-dtype float32: the residual stream in float32, matmuls in the model dtype
+    lib_route("lib_exact_r32", "exact", False, residual="float32")
+    lib_route("lib_exact_r32_graphs", "exact", True, residual="float32")
     fd32_eps = [float(x) for x in a.fd32_eps.split(",") if x]
     for e in fd32_eps:
         lib_route(f"fd32@{e:g}", "fd32", False, e)
