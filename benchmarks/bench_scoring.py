@@ -496,6 +496,16 @@ def main():
         lib_route(f"fd32_graphs@{e:g}", "fd32", True, e)
     for e in eps_list[:1]:
         lib_route(f"fd_graphs@{e:g}", "fd", True, e)
+    if "jvp_mixed" in routes:  # hand-written forward-mode JVP, float32 tangent sites (fast_jvp)
+        try:
+            from prism_select.fast_jvp import MixedJVPScorer
+            for tag, kw in (("jvp_mixed", {}), ("jvp_mixed_bf16", {"sites": ()})):
+                sc = MixedJVPScorer(model, modules, V, **kw)
+                with sc:
+                    run_phase(tag, sc.score, encoded, batches, pad_id, dev, results=R)
+                del sc
+        except Exception as e:  # a route that cannot run must not lose the others
+            R["jvp_mixed"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     fd_variant("fd", "fd", False)
     fd_variant("fd_fusedce", "fd", True)
     fd_variant("fd_hp", "fd-hp", False)
