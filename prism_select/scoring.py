@@ -198,8 +198,10 @@ class _ResidualFP32:
         finally:
             self._policy.__exit__(*exc)
 
-    def neutral(self, b):
-        return self.inner.neutral(b)
+    def __getattr__(self, name):  # neutral(), captures, ...: whatever the inner scorer has
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def score(self, batch):
         return self.inner.score(batch)

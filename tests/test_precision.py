@@ -103,3 +103,14 @@ def test_score_settings_reject_unknown_residual_dtype():
     with pytest.raises(ConfigError, match="residual_dtype"):
         ScoreSettings(residual_dtype="half")
     assert ScoreSettings(residual_dtype="float32").residual_dtype == "float32"
+
+
+def test_wrapped_scorer_exposes_only_what_the_inner_scorer_has():
+    """GraphedScorer warms up with ``neutral`` only when the scorer has one: the float32
+    residual wrapper must not invent it (a capture failed that way on the GPU)."""
+    from prism_select.scoring import _ResidualFP32
+    m, V, _ = _setup()
+    inner = ExactScorer(m, tracked_linear_modules(m), V)
+    wrapped = _ResidualFP32(inner, m)
+    assert hasattr(wrapped, "neutral") == hasattr(inner, "neutral")
+    assert wrapped.state is inner.state
