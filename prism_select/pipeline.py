@@ -83,10 +83,12 @@ class ScoreSettings:
     overwrite: replace a finished run or an unfinished run with other settings.
     seed: seeds every random choice of the run.
     method_options: extra settings for a baseline method (recorded in run.json).
-    scoring: exact (default: one forward + one activation-only backward per batch) or
-        fast (central finite differences along v, two inference forwards; see
-        docs/performance.md for speed and agreement with exact).
-    fd_eps: relative finite-difference step of ``scoring="fast"`` (None: the route's
+    scoring: exact (default: one forward + one activation-only backward per batch),
+        fast (central finite differences along v in the model's dtype, two inference
+        forwards) or fd32 (the same on a float32 copy of the model: for a bf16 model the
+        scores match float32 exact scores, where bf16 exact scores do not quite; slower).
+        See docs/performance.md for speed and agreement.
+    fd_eps: relative finite-difference step of ``fast`` / ``fd32`` (None: the route's
         default, see ``prism_select.fast``).
     stream: read the pool a window at a time instead of loading it (host memory flat in
         pool size); prism, equal and unpaired only. The curvature is then fitted on a

@@ -43,7 +43,7 @@ from .precision import check_residual_dtype, residual_fp32
 from .io import atomic_write_json
 
 DEFAULT_CHUNK_SIZE = 1024
-SCORINGS = ("exact", "fast")
+SCORINGS = ("exact", "fast", "fd32")
 #: the route behind ``--scoring fast`` (chosen from benchmarks/bench_scoring.py; see docs/performance.md)
 FAST_MODE = "fd"
 
