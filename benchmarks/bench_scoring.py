@@ -496,9 +496,9 @@ def main():
         lib_route(f"fd32_graphs@{e:g}", "fd32", True, e)
     for e in eps_list[:1]:
         lib_route(f"fd_graphs@{e:g}", "fd", True, e)
-    if "jvp_mixed" in routes:  # hand-written forward-mode JVP, float32 tangent sites (fast_jvp)
+    if "jvp_mixed" in routes:  # hand-written forward-mode JVP, float32 tangent sites (benchmarks/mixed_jvp.py)
         try:
-            from prism_select.fast_jvp import MixedJVPScorer
+            from mixed_jvp import MixedJVPScorer
             for tag, kw in (("jvp_mixed", {}), ("jvp_mixed_bf16", {"sites": ()})):
                 sc = MixedJVPScorer(model, modules, V, **kw)
                 with sc:
