@@ -105,7 +105,7 @@ def run_phase(name, fn, encoded, batches, pad_id, dev, warm=2, results=None):
                "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None}
         if scores:
             order = [i for b in batches for i in b]
-            full = torch.empty(len(encoded), dtype=torch.float64)
+            full = torch.full((len(encoded),), float("nan"), dtype=torch.float64)  # unscored: NaN
             full[order] = torch.cat(scores).double().cpu()
             out["_scores"] = full
         log(f"  {name:<22} {out['ex_per_s']:9.1f} ex/s  {out['real_tok_per_s']:11.0f} tok/s  "
@@ -138,8 +138,11 @@ def top_overlap(a, b, frac=0.05):
 
 
 def accuracy(ref, s):
-    return {"pearson": pearson(ref, s), "spearman": spearman(ref, s), "top5_overlap": top_overlap(ref, s),
-            "rel_err": float((s - ref).norm() / ref.norm())}
+    """Agreement over the examples both routes scored (a route may score a subset)."""
+    both = torch.isfinite(ref) & torch.isfinite(s)
+    ref, s = ref[both], s[both]
+    return {"n": int(both.sum()), "pearson": pearson(ref, s), "spearman": spearman(ref, s),
+            "top5_overlap": top_overlap(ref, s), "rel_err": float((s - ref).norm() / ref.norm())}
 
 
 def load_embedded(dev, dtype):
@@ -608,7 +611,7 @@ def main():
             f"{kf['epochs']:.2f}x one fwd+bwd epoch")
     for k, v in R.items():
         if isinstance(v, dict) and "_scores" in v:
-            x = v["_scores"]
+            x = v["_scores"][torch.isfinite(v["_scores"])]
             v["score_stats"] = {"mean": float(x.mean()), "std": float(x.std()), "min": float(x.min()),
                                 "max": float(x.max())}
             log(f"scores {k}: mean {x.mean():.4g} std {x.std():.4g} min {x.min():.4g} max {x.max():.4g}")

@@ -1,4 +1,5 @@
-"""A diagnostic, not a scoring route (docs/performance.md, run 10): a hand-written forward-mode JVP of Llama-style causal LMs with a mixed-precision tangent.
+"""A hand-written forward-mode JVP of Llama-style causal LMs with a mixed-precision tangent:
+a diagnostic behind docs/performance.md run 10, not a scoring route of the library.
 
 ``MixedJVPScorer`` returns, per example, the directional derivative of the summed
 response-token loss along the preconditioned direction ``V`` -- the same quantity as
