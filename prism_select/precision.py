@@ -35,7 +35,7 @@ def check_residual_dtype(value: str) -> None:
                           f"use one of {', '.join(RESIDUAL_DTYPES)}")
 
 
-def _to_weight_dtype(module, args, kwargs=None):
+def _to_weight_dtype(module, args):
     x = args[0]
     if torch.is_tensor(x) and x.dtype != module.weight.dtype and x.is_floating_point():
         return (x.to(module.weight.dtype),) + tuple(args[1:])

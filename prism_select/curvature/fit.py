@@ -336,7 +336,6 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
         results[(k, n)] = (lam, Q)
         owners += [r, r]
     distributed.share_from_owners([t for kn in tasks for t in results[kn]], owners)
-    qa_group = dict(group_of)
     for n in layers:
         lamA, QA = results[("A", reps[group_of[n]])]
         if n != reps[group_of[n]]:  # stored once per layer (safetensors refuses shared storage)
@@ -356,7 +355,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     # Pass 2 (EK-FAC): eigenvalues corrected with per-example gradients in the eigenbasis.
     t0 = time.perf_counter()
     Lam = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
-    taps = {n: _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], qa_group[n])
+    taps = {n: _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], group_of[n])
             for n, m in modules.items()}
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
             "curvature eigenvalues", progress, cuda_graphs, settings.batch_size)
