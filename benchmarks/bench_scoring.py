@@ -471,12 +471,13 @@ def main():
                           warm=2 if i == 0 else 0)
             del sc
 
-    def lib_route(name, kind, graphs, eps=None, residual="model"):
+    def lib_route(name, kind, graphs, eps=None, precision="model", split_gemm="two", split_backward=False):
         """The library's own scorer, as the CLI builds it (``make_scorer``)."""
         if name.split("@")[0] not in routes:
             return
+        prec.SPLIT_GEMM, prec.SPLIT_BACKWARD = split_gemm, split_backward
         sc = make_scorer(model, modules, V, scoring=kind, pad_id=pad_id, device=dev, fd_eps=eps,
-                         cuda_graphs="on" if graphs else "off", batch_size=a.batch, residual_dtype=residual)
+                         cuda_graphs="on" if graphs else "off", batch_size=a.batch, precision=precision)
         try:
             with sc:
                 r = run_phase(name, sc.score, encoded, batches, pad_id, dev, results=R)
@@ -488,11 +489,18 @@ def main():
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
+    from prism_select import precision as prec
     lib_route("lib_exact", "exact", False)
     lib_route("lib_exact_graphs", "exact", True)
-    # --residual-dtype float32: the residual stream in float32, matmuls in the model dtype
-    lib_route("lib_exact_r32", "exact", False, residual="float32")
-    lib_route("lib_exact_r32_graphs", "exact", True, residual="float32")
+    # --precision residual32: the residual stream in float32, matmuls in the model dtype
+    lib_route("lib_exact_r32", "exact", False, precision="residual32")
+    lib_route("lib_exact_r32_graphs", "exact", True, precision="residual32")
+    # --precision split32: float32 activations, linear layers as split half-precision GEMMs
+    lib_route("lib_exact_s32", "exact", False, precision="split32")
+    lib_route("lib_exact_s32_graphs", "exact", True, precision="split32")
+    lib_route("lib_exact_s32k_graphs", "exact", True, precision="split32", split_gemm="kcat")
+    lib_route("lib_exact_s32b_graphs", "exact", True, precision="split32", split_backward=True)
+    prec.SPLIT_GEMM, prec.SPLIT_BACKWARD = "two", False
     fd32_eps = [float(x) for x in a.fd32_eps.split(",") if x]
     for e in fd32_eps:
         lib_route(f"fd32@{e:g}", "fd32", False, e)

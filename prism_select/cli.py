@@ -53,9 +53,10 @@ def _add_score_args(p: argparse.ArgumentParser):
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="capture each padded batch shape once and replay it (auto: on for CUDA devices and "
                         "models below 1B parameters)")
-    g.add_argument("--residual-dtype", default="model", choices=["model", "float32"],
-                   help="float32: carry a bf16/fp16 model's residual stream in float32 while scoring "
-                        "(matmuls unchanged; scores closer to float32 exact scores)")
+    g.add_argument("--precision", default="model", choices=["model", "residual32", "split32"],
+                   help="arithmetic of a bf16/fp16 model while scoring: model (as loaded); residual32 (residual "
+                        "stream in float32, matmuls unchanged); split32 (float32 activations, each linear layer as "
+                        "two half-precision GEMMs on a hi/lo split: float32-accurate scores on tensor cores)")
     c = p.add_argument_group("curvature")
     c.add_argument("--curvature", default="ekfac", choices=list(KINDS))
     c.add_argument("--damping", type=float, default=None,
@@ -104,7 +105,7 @@ def _score_settings(a):
                       progress=not a.no_progress, seed=a.seed, method_options=_options(a.option),
                       scoring=getattr(a, "scoring", "exact"), stream=getattr(a, "stream", False),
                       cuda_graphs=getattr(a, "cuda_graphs", "auto"),
-                      residual_dtype=getattr(a, "residual_dtype", "model"),
+                      precision=getattr(a, "precision", "model"),
                       **({"fd_eps": a.fd_eps} if getattr(a, "fd_eps", None) is not None else {}),
                       **({"stream_window": a.stream_window} if getattr(a, "stream_window", None) is not None else {}))
     c = CurvatureSettings(kind=a.curvature, damping=a.damping, fisher=a.fisher, fit_examples=a.fit_examples,

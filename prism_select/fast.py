@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from .data.tokenize import collate, token_losses
 from .gradients import has_bias
+from .precision import cotangent_mm, split_linear
 
 # ----------------------------------------------------------------------------- loss
 
@@ -250,24 +251,29 @@ class _ScoredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, layer: _Layer):
         ctx.layer = layer
+        # float32 activations of a half-precision model (precision "split32"): the
+        # products run as split half-precision GEMMs with float32 results
+        ctx.split = x.dtype != layer.W.dtype
+        linear = split_linear if ctx.split else F.linear
         if layer.mode == "u":
-            ctx.t = F.linear(x, layer.Vw, layer.Vb)
+            ctx.t = linear(x, layer.Vw, layer.Vb)
         else:
             ctx.t = x
-        return F.linear(x, layer.W, layer.b)
+        return linear(x, layer.W, layer.b)
 
     @staticmethod
     def backward(ctx, g):
         layer, t = ctx.layer, ctx.t
         ctx.t = None
+        mm = cotangent_mm if ctx.split else torch.matmul
         if layer.mode == "u":
             s = rowdot(g, t)
         else:
-            s = rowdot(g @ layer.Vw, t)
+            s = rowdot(mm(g, layer.Vw), t)
             if layer.bias:
                 s = s + (g.reshape(g.shape[0], -1, g.shape[-1]).sum(1, dtype=s.dtype) @ layer.Vb.to(s.dtype))
         layer.state.parts.append(s)
-        return (g @ layer.W if ctx.needs_input_grad[0] else None), None, None
+        return (mm(g, layer.W) if ctx.needs_input_grad[0] else None), None, None
 
 
 class _State:
@@ -553,33 +559,6 @@ def tap_linears(model, taps: dict):
                     del tap.module.forward
                 except AttributeError:
                     pass
-
-
-def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``a @ b`` with the result (and accumulation) in ``acc``; half-precision operands
-    stay in half precision on CUDA (tensor cores, float32 accumulate)."""
-    if a.dtype == acc and b.dtype == acc:
-        return a @ b
-    if a.dim() == 3 and b.dim() == 2:
-        return mm_acc(a.reshape(-1, a.shape[-1]), b, acc).view(*a.shape[:-1], b.shape[-1])
-    if a.device.type == "cuda" and a.dtype == b.dtype:
-        try:
-            f = torch.bmm if a.dim() == 3 else torch.mm
-            return f(a, b, out_dtype=acc)
-        except (RuntimeError, TypeError):
-            pass
-    return a.to(acc) @ b.to(acc)
-
-
-def mm_acc_into(M: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``M += a @ b`` with ``M``'s dtype for the result and accumulation. Half-precision
-    operands on CUDA: one in-place GEMM (``beta = 1``), no temporary the size of ``M``."""
-    if a.device.type == "cuda" and a.dtype == b.dtype and a.dtype != M.dtype:
-        try:
-            return torch.addmm(M, a, b, out_dtype=M.dtype, out=M)
-        except (RuntimeError, TypeError, NotImplementedError):
-            pass
-    return M.add_(mm_acc(a, b, M.dtype))
 
 
 def collate_to(batch, pad_id, device):

@@ -43,7 +43,7 @@ from .data.tokenize import (
 )
 from .errors import CacheError, ConfigError, InputError, OutputError
 from .graphs import check_graph_mode
-from .precision import check_residual_dtype
+from .precision import check_precision, check_precision_scoring
 from .io import (
     atomic_write_json,
     atomic_write_jsonl,
@@ -99,10 +99,12 @@ class ScoreSettings:
         off. Captures each padded batch shape's whole score computation (and curvature-fit
         step) once and replays it, removing the host's kernel-launch cost; see
         prism_select/graphs.py and docs/performance.md.
-    residual_dtype: model (default) | float32. For half-precision models, float32 carries
-        the residual stream (token embeddings, residual additions, norms) in float32 while
-        weights and matmuls stay in the model's dtype: scores closer to float32 exact
-        scores (prism_select/precision.py, docs/performance.md).
+    precision: model (default) | residual32 | split32, for half-precision models.
+        residual32 carries the residual stream (token embeddings, residual additions,
+        norms) in float32 while matmuls and attention stay in the model's dtype; split32
+        computes every activation in float32, the linear layers as two half-precision
+        GEMMs on a hi/lo split of their input: float32-accurate scores on tensor cores
+        (prism_select/precision.py, docs/performance.md).
     """
 
     method: str = "prism"
@@ -120,7 +122,7 @@ class ScoreSettings:
     stream: bool = False
     stream_window: int = DEFAULT_STREAM_WINDOW
     cuda_graphs: str = "auto"
-    residual_dtype: str = "model"
+    precision: str = "model"
 
     def __post_init__(self):
         if self.scoring not in SCORINGS:
@@ -128,7 +130,8 @@ class ScoreSettings:
         if self.fd_eps is not None and not (self.fd_eps > 0 and self.fd_eps < float("inf")):
             raise ConfigError("fd_eps", f"must be a finite number > 0, got {self.fd_eps}")
         check_graph_mode(self.cuda_graphs)
-        check_residual_dtype(self.residual_dtype)
+        check_precision(self.precision)
+        check_precision_scoring(self.precision, self.scoring)
         if self.max_length < 2:
             raise ConfigError("max_length", f"must be >= 2, got {self.max_length}")
         if self.batch_size < 1:
@@ -302,7 +305,7 @@ class RunContext:
         if len(sample) < 3:
             return {"examples": len(sample), "skipped": "too few examples to compare"}
         kw = {"pad_id": self.pad_id, "batch_size": st.batch_size, "progress": False,
-              "cuda_graphs": st.cuda_graphs, "residual_dtype": st.residual_dtype}
+              "cuda_graphs": st.cuda_graphs, "precision": st.precision}
         exact = score_encoded(self.lm.model, self.modules, sample, v, scoring="exact", **kw)
         fast = score_encoded(self.lm.model, self.modules, sample, v, scoring=st.scoring, fd_eps=st.fd_eps, **kw)
         rho = spearman(exact.tolist(), fast.tolist())
@@ -344,7 +347,7 @@ class RunContext:
         stats: dict = {}
         common = {"batch_size": st.batch_size, "chunk_size": st.chunk_size, "partial_dir": partial / tag,
                   "run_key": self.info.get("run_key"), "progress": st.progress, "scoring": st.scoring,
-                  "fd_eps": st.fd_eps, "cuda_graphs": st.cuda_graphs, "residual_dtype": st.residual_dtype}
+                  "fd_eps": st.fd_eps, "cuda_graphs": st.cuda_graphs, "precision": st.precision}
         if st.stream:
             s = None
             out = partial / f"{tag}.jsonl"

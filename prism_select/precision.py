@@ -1,19 +1,27 @@
-"""Precision policy for half-precision models: the residual stream in float32.
+"""Precision policies for half-precision models, and float32-accurate GEMMs from
+half-precision ones.
 
-A bf16 model adds every layer's output into a bf16 residual stream, which keeps 8 bits
-of each hidden value; a layer's update, often a few hundredths of the stream's size,
-loses most of its own bits in that sum. PRISM's scores are directional derivatives along
-a preconditioned ``v`` of large curvature, and they are sensitive to exactly that
-rounding: on the embedded SmolLM2-135M with PRISM's ``v`` (128 GSM8K records, CPU), bf16
-exact scores correlate with float32 exact scores at Spearman 0.971, and emulating bf16
-everywhere *except* the residual stream gives 0.994 (docs/performance.md, session 3).
+A bf16 model rounds every activation to 8 significant bits. PRISM's scores are
+directional derivatives along a preconditioned ``v`` of large curvature, and they are
+sensitive to where the model is linearised: on the embedded SmolLM2-135M with PRISM's
+``v`` the bf16 exact scores correlate with the float32 exact scores of the same weights
+at Spearman 0.992 only (top-5% overlap 0.90; docs/performance.md, run 10). Which
+roundings matter was measured one site at a time: the residual stream most, then the
+inputs of the linear layers and the attention products; the precision of the cotangent
+(or tangent) much less.
 
-:func:`residual_fp32` keeps the weights and every matmul in the model's dtype (tensor
-cores, no extra weight memory) but carries the residual stream in float32: the token
-embeddings are upcast, every ``nn.Linear`` receives its input cast to its weight's
-dtype, and the rotary tables stay in the model's dtype so attention runs in half
-precision as before. Residual additions and norms then run in float32; gradients flow
-back through the same casts. Used by ``ScoreSettings.residual_dtype`` ("float32").
+Policies (``ScoreSettings.precision``; a no-op on float32/float64 models):
+
+* ``model``: everything in the model's dtype (the default).
+* ``residual32`` (:func:`residual_fp32`): the residual stream, token embeddings and norms
+  in float32; every matmul and the attention in the model's dtype, on tensor cores.
+* ``split32`` (:func:`split32`): float32 activations everywhere (attention and loss
+  included); every ``nn.Linear`` runs as :func:`split_linear`, two half-precision GEMMs
+  on the float32 input split into ``hi + lo`` against the weights, which are exact in
+  their own dtype, with float32 results: float32-accurate forwards on tensor cores.
+
+The half-precision GEMMs with float32 accumulation and result (:func:`mm_acc`,
+:func:`mm_acc_into`) are shared with the curvature fit.
 """
 
 from __future__ import annotations
@@ -25,14 +33,29 @@ from torch import nn
 
 from .errors import ConfigError
 
-RESIDUAL_DTYPES = ("model", "float32")
+PRECISIONS = ("model", "residual32", "split32")
 HALF = (torch.bfloat16, torch.float16)
 
 
-def check_residual_dtype(value: str) -> None:
-    if value not in RESIDUAL_DTYPES:
-        raise ConfigError("residual_dtype", f"unknown value {value!r}",
-                          f"use one of {', '.join(RESIDUAL_DTYPES)}")
+def check_precision(value: str) -> None:
+    if value not in PRECISIONS:
+        raise ConfigError("precision", f"unknown value {value!r}", f"use one of {', '.join(PRECISIONS)}")
+
+
+def check_precision_scoring(precision: str, scoring: str) -> None:
+    """split32 is built into the exact route's layers; the finite-difference routes
+    perturb half-precision weights of their own (``fd32`` is float32 already)."""
+    if precision == "split32" and scoring != "exact":
+        raise ConfigError("precision", f"split32 applies to exact scoring, not {scoring!r}",
+                          "use --scoring exact with --precision split32, or --scoring fd32 alone")
+
+
+def precision_policy(model, precision: str):
+    """The context manager that applies ``precision`` (one of :data:`PRECISIONS`) to ``model``."""
+    check_precision(precision)
+    if precision == "split32":
+        return split32(model)
+    return residual_fp32(model, precision == "residual32")
 
 
 def _to_weight_dtype(module, args):
@@ -45,16 +68,19 @@ def _to_weight_dtype(module, args):
 @contextmanager
 def residual_fp32(model, enabled: bool = True):
     """Within the block, ``model`` (a half-precision transformers causal LM) computes
-    with a float32 residual stream (see the module docstring). A no-op for float32 and
-    float64 models or with ``enabled=False``."""
+    with a float32 residual stream: the token embeddings are upcast, every ``nn.Linear``
+    receives its input cast to its weight's dtype, and the rotary tables stay in the
+    model's dtype so attention runs in half precision as before. Residual additions and
+    norms then run in float32; gradients flow back through the same casts. A no-op for
+    float32 and float64 models or with ``enabled=False``."""
     dtype = next(model.parameters()).dtype
     if not enabled or dtype not in HALF:
         yield model
         return
     embed = model.get_input_embeddings()
     if embed is None:
-        raise ConfigError("residual_dtype", f"{type(model).__name__} has no input embeddings to upcast",
-                          "use --residual-dtype model")
+        raise ConfigError("precision", f"{type(model).__name__} has no input embeddings to upcast",
+                          "use --precision model")
     hooks = [embed.register_forward_hook(lambda m, i, out: out.float())]
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
@@ -68,3 +94,147 @@ def residual_fp32(model, enabled: bool = True):
     finally:
         for h in hooks:
             h.remove()
+
+
+# ----------------------------------------------------------------------------- split32
+
+def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``a @ b`` with the result (and accumulation) in ``acc``; half-precision operands
+    stay in half precision on CUDA (tensor cores, float32 accumulate)."""
+    if a.dtype == acc and b.dtype == acc:
+        return a @ b
+    if a.dim() == 3 and b.dim() == 2:
+        return mm_acc(a.reshape(-1, a.shape[-1]), b, acc).view(*a.shape[:-1], b.shape[-1])
+    if a.device.type == "cuda" and a.dtype == b.dtype:
+        try:
+            f = torch.bmm if a.dim() == 3 else torch.mm
+            return f(a, b, out_dtype=acc)
+        except (RuntimeError, TypeError):
+            pass
+    return a.to(acc) @ b.to(acc)
+
+
+def mm_acc_into(M: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``M += a @ b`` with ``M``'s dtype for the result and accumulation. Half-precision
+    operands on CUDA: one in-place GEMM (``beta = 1``), no temporary the size of ``M``."""
+    if a.device.type == "cuda" and a.dtype == b.dtype and a.dtype != M.dtype:
+        try:
+            return torch.addmm(M, a, b, out_dtype=M.dtype, out=M)
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    return M.add_(mm_acc(a, b, M.dtype))
+
+
+def split_half(x: torch.Tensor, dtype: torch.dtype):
+    """``x`` (float32) as ``hi + lo`` with both terms in ``dtype`` (bf16/fp16): ``hi`` is
+    ``x`` rounded, ``lo`` the rounding error rounded. ``hi + lo`` carries 16 of float32's
+    24 mantissa bits (bf16), against bf16's 8: a 256x smaller rounding error."""
+    hi = x.to(dtype)
+    return hi, (x - hi.to(x.dtype)).to(dtype)
+
+
+#: how :func:`split_linear` runs its products on CUDA: ``two`` (two GEMMs, the second
+#: accumulating into the float32 result of the first) | ``kcat`` (one GEMM of ``[hi | lo]``
+#: against ``[W | W]``, the doubled weight built once per layer by :func:`split32`)
+SPLIT_GEMM = "two"
+#: whether the backward's products split the cotangent too (float32-accurate gradients,
+#: one more GEMM per product) or round it to the weights' dtype. On the embedded model
+#: with PRISM's ``v`` (CPU, 96 GSM8K records) rounding it leaves a relative error of
+#: 6.3e-3 in the scores against float32 exact (Spearman 0.9998), splitting it 5e-5;
+#: plain bf16 exact: 0.105
+SPLIT_BACKWARD = False
+
+
+def split_mm(a: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``a @ B`` for a float32 matrix ``a`` and a half-precision ``B``: two
+    half-precision GEMMs on ``split_half(a)``, float32 accumulation and result."""
+    hi, lo = split_half(a, B.dtype)
+    y = mm_acc(hi, B, a.dtype)
+    return mm_acc_into(y, lo, B)
+
+
+def split_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + b`` for float32 ``x`` and half-precision ``W`` (exact in its own
+    dtype), float32-accurate: :func:`split_mm` on tensor cores (``SPLIT_GEMM``)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    W2 = getattr(W, "_split_w2", None)
+    if W2 is not None and SPLIT_GEMM == "kcat" and x.is_cuda:
+        K = shape[-1]
+        buf = torch.empty(x2.shape[0], 2 * K, dtype=W.dtype, device=x.device)
+        hi = buf[:, :K]
+        hi.copy_(x2)
+        buf[:, K:].copy_(x2 - hi)
+        y = mm_acc(buf, W2.t(), x.dtype)
+    else:
+        y = split_mm(x2, W.t())
+    if b is not None:
+        y = y.add_(b)
+    return y.view(*shape[:-1], W.shape[0])
+
+
+def cotangent_mm(g: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``g @ B`` in a backward under split32: float32 ``g`` against half-precision ``B``,
+    with ``g`` split (``SPLIT_BACKWARD``) or rounded to ``B``'s dtype; float32 result."""
+    g2 = g.reshape(-1, g.shape[-1])
+    y = split_mm(g2, B) if SPLIT_BACKWARD else mm_acc(g2.to(B.dtype), B, g.dtype)
+    return y.view(*g.shape[:-1], B.shape[1])
+
+
+class _SplitLinear(torch.autograd.Function):
+    """:func:`split_linear`, and a backward through :func:`cotangent_mm`."""
+
+    @staticmethod
+    def forward(ctx, x, W, b):
+        ctx.save_for_backward(x if W.requires_grad else None, W)
+        ctx.has_b = b is not None
+        return split_linear(x, W, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, W = ctx.saved_tensors
+        gx = cotangent_mm(g, W) if ctx.needs_input_grad[0] else None
+        gW = gb = None
+        g2 = g.reshape(-1, g.shape[-1])
+        if ctx.needs_input_grad[1]:  # half-precision weight gradients, float32 accumulation
+            gW = mm_acc(g2.t().to(W.dtype), x.reshape(-1, x.shape[-1]).to(W.dtype), torch.float32).to(W.dtype)
+        if ctx.has_b and ctx.needs_input_grad[2]:
+            gb = g2.sum(0).to(W.dtype)
+        return gx, gW, gb
+
+
+@contextmanager
+def split32(model, enabled: bool = True):
+    """Within the block, ``model`` (half precision) computes with float32 activations
+    everywhere (residual stream, norms, attention, loss) while every ``nn.Linear`` runs
+    as :func:`split_linear`: float32-accurate scores at tensor-core speed for the
+    matmuls. A no-op for float32/float64 models or with ``enabled=False``. Layers whose
+    ``forward`` is replaced later (the exact scorer's tracked layers) handle float32
+    inputs themselves."""
+    dtype = next(model.parameters()).dtype
+    if not enabled or dtype not in HALF:
+        yield model
+        return
+    embed = model.get_input_embeddings()
+    if embed is None:
+        raise ConfigError("precision", f"{type(model).__name__} has no input embeddings to upcast",
+                          "use --precision model")
+    hooks = [embed.register_forward_hook(lambda m, i, out: out.float())]
+    patched, doubled = [], []
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            if "forward" not in m.__dict__:
+                m.forward = (lambda x, m=m: _SplitLinear.apply(x, m.weight, m.bias))
+                patched.append(m)
+            if SPLIT_GEMM == "kcat" and m.weight.is_cuda and not hasattr(m.weight, "_split_w2"):
+                m.weight._split_w2 = torch.cat([m.weight.detach(), m.weight.detach()], 1)
+                doubled.append(m.weight)
+    try:
+        yield model
+    finally:
+        for h in hooks:
+            h.remove()
+        for m in patched:
+            m.__dict__.pop("forward", None)
+        for W in doubled:
+            del W._split_w2

@@ -39,7 +39,7 @@ from .errors import CacheError, ConfigError
 from .fast import FAST_MODES, ExactScorer, collate_to
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
-from .precision import check_residual_dtype, residual_fp32
+from .precision import check_precision, check_precision_scoring, precision_policy
 from .io import atomic_write_json
 
 DEFAULT_CHUNK_SIZE = 1024
@@ -145,7 +145,7 @@ def plan_chunks(encoded: list, chunk_size: int, parts: int = 1) -> tuple:
 
 def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps: float | None = None,
                 pad_id: int = 0, device=None, impl: str = "auto", cuda_graphs: str = "off",
-                batch_size: int | None = None, residual_dtype: str = "model"):
+                batch_size: int | None = None, precision: str = "model"):
     """A context-managed object with ``score(collated_batch) -> (B,) tensor``.
 
     scoring: ``exact`` (one forward + one activation-only backward) or ``fast``
@@ -154,11 +154,12 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
     cuda_graphs: ``auto`` (on for CUDA devices and models below
     ``graphs.AUTO_MAX_PARAMS``) | ``on`` | ``off``; graphs capture the
     whole batch computation once per padded shape (:mod:`prism_select.graphs`) and need
-    ``batch_size`` (every batch is padded to it). residual_dtype: ``model`` | ``float32``
-    (half-precision models: carry the residual stream in float32, matmuls unchanged;
-    :mod:`prism_select.precision`).
+    ``batch_size`` (every batch is padded to it). precision: ``model`` | ``residual32`` | ``split32``
+    (half-precision models: float32 residual stream, or float32 activations everywhere
+    with split half-precision GEMMs; :mod:`prism_select.precision`).
     """
-    check_residual_dtype(residual_dtype)
+    check_precision(precision)
+    check_precision_scoring(precision, scoring)
     if scoring not in SCORINGS + FAST_MODES:
         raise ConfigError("scoring", f"unknown value {scoring!r}", f"use one of {', '.join(SCORINGS)}")
     device = device or next(model.parameters()).device
@@ -171,21 +172,21 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
         sc = _fast.make_scorer(kind, model, modules, V, fd_eps=fd_eps)
         if not hasattr(sc, "__enter__"):  # jvp: not graphed
             return _Plain(sc)
-    if residual_dtype == "float32":
-        sc = _ResidualFP32(sc, model)
+    if precision != "model":
+        sc = _WithPrecision(sc, model, precision)
     if batch_size is not None and graphs_wanted(cuda_graphs, device, model):
         return GraphedScorer(sc, batch_size, pad_id)
     return sc
 
 
-class _ResidualFP32:
-    """Runs ``scorer`` with the model's residual stream in float32 (precision.residual_fp32)."""
+class _WithPrecision:
+    """Runs ``scorer`` under a precision policy (:func:`precision.precision_policy`)."""
 
-    def __init__(self, scorer, model):
-        self.inner, self.model = scorer, model
+    def __init__(self, scorer, model, precision: str):
+        self.inner, self.model, self.precision = scorer, model, precision
 
     def __enter__(self):
-        self._policy = residual_fp32(self.model)
+        self._policy = precision_policy(self.model, self.precision)
         self._policy.__enter__()
         if hasattr(self.inner, "__enter__"):
             self.inner.__enter__()
@@ -317,7 +318,7 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
                   run_key: dict | None = None, progress: bool = True, ids=None,
                   scoring: str = "exact", fd_eps: float | None = None, impl: str = "auto",
                   stats: dict | None = None, cuda_graphs: str = "auto",
-                  residual_dtype: str = "model") -> torch.Tensor:
+                  precision: str = "model") -> torch.Tensor:
     """Scores ``g_z . V`` for every encoded example (float64, input order).
 
     With ``partial_dir``, finished chunks are saved there and reused by a later call
@@ -330,7 +331,7 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
-                         impl=impl, cuda_graphs=cuda_graphs, batch_size=batch_size, residual_dtype=residual_dtype)
+                         impl=impl, cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision)
     results = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
                            partial_dir=partial_dir, progress=progress, ids=ids, stats=stats, owners=owners)
     if results:
@@ -374,7 +375,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
                  batch_size: int = 8, window: int = 65536, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  partial_dir=None, run_key: dict | None = None, scoring: str = "exact",
                  fd_eps: float | None = None, device=None, progress: bool = True,
-                 skip_invalid: bool = False, cuda_graphs: str = "auto", residual_dtype: str = "model") -> dict:
+                 skip_invalid: bool = False, cuda_graphs: str = "auto", precision: str = "model") -> dict:
     """Score a pool file without holding it in memory; write ``scores.jsonl`` lines
     (``id``, ``score``, ``rank``) to ``out_path``.
 
@@ -404,7 +405,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
-                         cuda_graphs=cuda_graphs, batch_size=batch_size, residual_dtype=residual_dtype)
+                         cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision)
     invalid: list = []
     scores = np.zeros(0, dtype=np.float64)
     n, chunk_base, truncated = 0, 0, 0

@@ -250,7 +250,8 @@ def test_mm_acc_into_accumulates_in_place_on_gpu():
     M = torch.randn(40, 40, device="cuda", generator=g)
     ref = M + a.float().T @ a.float()
     ptr = M.data_ptr()
-    out = fast.mm_acc_into(M, a.T, a)
+    from prism_select.precision import mm_acc_into
+    out = mm_acc_into(M, a.T, a)
     assert out.data_ptr() == ptr and M.data_ptr() == ptr
     assert rel_err(M.double(), ref.double()) <= 1e-5
 

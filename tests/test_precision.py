@@ -1,4 +1,5 @@
-"""precision.residual_fp32: a half-precision model with a float32 residual stream."""
+"""prism_select.precision: float32 residual stream (residual32) and float32 activations with
+split half-precision GEMMs (split32) for half-precision models."""
 
 import copy
 import sys
@@ -92,25 +93,203 @@ def test_policy_is_a_no_op_in_float64_and_validated():
     m, V, batch = _setup(dtype=torch.float64)
     a, b = _scores(m, V, batch, False), _scores(m, V, batch, True)
     assert torch.allclose(a, b, rtol=EXACT_TOL, atol=0)
-    with pytest.raises(ConfigError, match="residual_dtype"):
-        make_scorer(m, tracked_linear_modules(m), V, residual_dtype="float16")
-    with make_scorer(m, tracked_linear_modules(m), V, residual_dtype="float32") as sc:
-        assert torch.allclose(sc.score(batch).double(), a, rtol=EXACT_TOL, atol=0)
+    with pytest.raises(ConfigError, match="precision"):
+        make_scorer(m, tracked_linear_modules(m), V, precision="float16")
+    for precision in ("residual32", "split32"):
+        with make_scorer(m, tracked_linear_modules(m), V, precision=precision) as sc:
+            assert torch.allclose(sc.score(batch).double(), a, rtol=EXACT_TOL, atol=0)
 
 
-def test_score_settings_reject_unknown_residual_dtype():
+def test_score_settings_reject_unknown_precision():
     from prism_select.pipeline import ScoreSettings
-    with pytest.raises(ConfigError, match="residual_dtype"):
-        ScoreSettings(residual_dtype="half")
-    assert ScoreSettings(residual_dtype="float32").residual_dtype == "float32"
+    with pytest.raises(ConfigError, match="precision"):
+        ScoreSettings(precision="half")
+    assert ScoreSettings(precision="split32").precision == "split32"
 
 
 def test_wrapped_scorer_exposes_only_what_the_inner_scorer_has():
     """GraphedScorer warms up with ``neutral`` only when the scorer has one: the float32
     residual wrapper must not invent it (a capture failed that way on the GPU)."""
-    from prism_select.scoring import _ResidualFP32
+    from prism_select.scoring import _WithPrecision
     m, V, _ = _setup()
     inner = ExactScorer(m, tracked_linear_modules(m), V)
-    wrapped = _ResidualFP32(inner, m)
+    wrapped = _WithPrecision(inner, m, "residual32")
     assert hasattr(wrapped, "neutral") == hasattr(inner, "neutral")
     assert wrapped.state is inner.state
+
+
+# ----------------------------------------------------------------------------- split32
+
+#: hi + lo of a bf16 split keeps 16 significant bits: |x - (hi + lo)| <= 2^-16 |x|
+#: (the bound is 2^-17 from the two roundings; the constant leaves a factor 2)
+SPLIT_RECONSTRUCTION = 2.0 ** -16
+#: split_linear against float64 on the same bf16 weights: float32-level error
+#: (measured 3-4e-7 relative on 64 x 48 x 40 products); plain bf16 F.linear: ~2e-3
+SPLIT_LINEAR_TOL = 1e-5
+#: split32 logits of the tiny model against float64 arithmetic on the same weights
+#: (measured 2.4-2.5e-6 over 6 seeds, against 5.2-5.5e-3 for plain bf16: 2100-2200x)
+SPLIT_LOGITS_TOL = 2e-5
+MIN_SPLIT_LOGITS_GAIN = 100.0
+#: exact scores: split32 rounds the cotangent to bf16 (as the bf16 route does), so the
+#: gain on scores is smaller on this tiny model than on the real one (measured 3.8-7.0x
+#: over 6 seeds; 17x on the embedded model, docs/performance.md)
+MIN_SPLIT_SCORE_GAIN = 2.0
+
+
+def test_split_half_reconstructs_float32():
+    from prism_select.precision import split_half
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 1000)
+    hi, lo = split_half(x, torch.bfloat16)
+    assert hi.dtype == lo.dtype == torch.bfloat16
+    err = (x.double() - hi.double() - lo.double()).abs()
+    assert (err <= SPLIT_RECONSTRUCTION * x.double().abs()).all()
+    assert (x.double() - hi.double()).abs().max() > 0  # the split does carry information
+
+
+def test_split_linear_and_its_gradients_match_float64():
+    from prism_select.precision import _SplitLinear, split_linear
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 48, generator=g, dtype=torch.float32) * 3
+    W = torch.randn(40, 48, generator=g).to(torch.bfloat16)
+    b = torch.randn(40, generator=g).to(torch.bfloat16)
+    ref = x.double() @ W.double().t() + b.double()
+    y = split_linear(x, W, b)
+    assert y.dtype == torch.float32 and y.shape == (4, 16, 40)
+    assert float((y.double() - ref).norm() / ref.norm()) < SPLIT_LINEAR_TOL
+    plain = torch.nn.functional.linear(x.to(torch.bfloat16), W, b)
+    assert float((plain.double() - ref).norm() / ref.norm()) > 10 * SPLIT_LINEAR_TOL
+    # backward: the cotangent is rounded to bf16, so gradients carry bf16-level error
+    xr = x.clone().requires_grad_(True)
+    Wr = W.clone().requires_grad_(True)
+    br = b.clone().requires_grad_(True)
+    cot = torch.randn(4, 16, 40, generator=g)
+    _SplitLinear.apply(xr, Wr, br).backward(cot)
+    c64 = cot.double()
+    for got, want in ((xr.grad, c64 @ W.double()),
+                      (Wr.grad, c64.reshape(-1, 40).t() @ x.double().reshape(-1, 48)),
+                      (br.grad, c64.sum((0, 1)))):
+        assert float((got.double() - want).norm() / want.norm()) < BF16_GRAD_TOL
+
+
+#: gradients through split_linear: the cotangent (and, for W, the input) rounded to bf16
+BF16_GRAD_TOL = 1e-2
+
+
+def _logits(model, policy, batch):
+    with policy(model), torch.no_grad():
+        return model(input_ids=batch["input_ids"]).logits.double()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_split32_forward_is_float32_accurate(seed):
+    from prism_select.precision import split32
+    m, _, batch = _setup(seed=seed)
+    plain = lambda model: residual_fp32(model, False)  # noqa: E731
+    ref = _logits(copy.deepcopy(m).double(), plain, batch)
+    err = {name: float((_logits(m, pol, batch) - ref).norm() / ref.norm())
+           for name, pol in (("bf16", plain), ("split32", split32))}
+    assert err["split32"] < SPLIT_LOGITS_TOL, err
+    assert err["split32"] * MIN_SPLIT_LOGITS_GAIN < err["bf16"], err
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_split32_exact_scores_closer_to_float64(seed):
+    m, V, batch = _setup(seed=seed)
+    V = {n: v.to(torch.bfloat16).double() for n, v in V.items()}  # the bf16 route rounds V too
+    mods = tracked_linear_modules
+    ref = _scores(copy.deepcopy(m).double(), V, batch, False)
+
+    def err(precision):
+        with make_scorer(m, mods(m), V, precision=precision) as sc:
+            return float((sc.score(batch).double() - ref).norm() / ref.norm())
+
+    e_bf16, e_split = err("model"), err("split32")
+    assert e_split * MIN_SPLIT_SCORE_GAIN < e_bf16, (e_bf16, e_split)
+
+
+def test_split32_patches_every_linear_and_undoes_it():
+    from prism_select.precision import split32
+    m, V, batch = _setup()
+    linears = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
+    seen = {}
+
+    def note(key, out):  # returns None: the output is unchanged
+        seen.setdefault(key, (out[0] if isinstance(out, tuple) else out).dtype)
+
+    hooks = [m.model.layers[0].register_forward_hook(lambda mod, i, o: note("residual", o)),
+             m.model.layers[0].self_attn.q_proj.register_forward_hook(lambda mod, i, o: note("q", o))]
+    with split32(m):
+        assert all("forward" in mod.__dict__ for mod in linears)
+        with torch.no_grad():
+            assert m(input_ids=batch["input_ids"]).logits.dtype == torch.float32
+    for h in hooks:
+        h.remove()
+    assert seen == {"residual": torch.float32, "q": torch.float32}
+    assert not any("forward" in mod.__dict__ for mod in linears)
+    with torch.no_grad():
+        assert m(input_ids=batch["input_ids"]).logits.dtype == torch.bfloat16
+    # nested inside the exact scorer's own patches, and undone with them
+    with make_scorer(m, tracked_linear_modules(m), V, precision="split32") as sc:
+        assert torch.isfinite(sc.score(batch)).all()
+    assert not any("forward" in mod.__dict__ for mod in linears)
+
+
+def test_split32_is_for_the_exact_route():
+    m, V, _ = _setup()
+    with pytest.raises(ConfigError, match="precision"):
+        make_scorer(m, tracked_linear_modules(m), V, scoring="fd32", precision="split32")
+    from prism_select.pipeline import ScoreSettings
+    with pytest.raises(ConfigError, match="precision"):
+        ScoreSettings(scoring="fast", precision="split32")
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("gemm", ["two", "kcat"])
+def test_split32_on_gpu_graphed_equals_eager_and_float64(monkeypatch, gemm):
+    """On the GPU the split GEMMs run on tensor cores (mm with a float32 out_dtype);
+    CUDA graphs replay the same computation; with either GEMM layout."""
+    from prism_select import precision
+    from prism_select.scoring import score_encoded
+    monkeypatch.setattr(precision, "SPLIT_GEMM", gemm)
+    m, V, _ = _setup(seed=0)
+    m = m.cuda().eval()
+    mods = tracked_linear_modules(m)
+    V = {n: v.to(torch.bfloat16).double() for n, v in V.items()}
+    tok = tiny_tokenizer()
+    enc = [encode(tok, p, r) for p, r in POOL]
+    kw = dict(pad_id=tok.pad_token_id, batch_size=4, progress=False, precision="split32")
+    eager = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="off", **kw).double()
+    graphed = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="on", **kw).double()
+    assert float((graphed - eager).norm() / eager.norm()) < GPU_REPLAY_TOL
+    m64 = copy.deepcopy(m).cpu().double()
+    ref = score_encoded(m64, tracked_linear_modules(m64), enc, V, cuda_graphs="off",
+                        **{**kw, "precision": "model"}).double()
+    plain = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="off",
+                          **{**kw, "precision": "model"}).double()
+    e_split = float((eager.cpu() - ref).norm() / ref.norm())
+    e_plain = float((plain.cpu() - ref).norm() / ref.norm())
+    assert e_split * MIN_SPLIT_SCORE_GAIN < e_plain, (e_plain, e_split)
+
+
+#: graphed vs eager replays of the same split32 computation (kernel choice may differ by
+#: padding: float32 sums in another order)
+GPU_REPLAY_TOL = 1e-4
+
+
+def test_split_backward_gives_float32_accurate_gradients(monkeypatch):
+    from prism_select import precision
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 48, generator=g, requires_grad=True)
+    W = torch.randn(40, 48, generator=g).to(torch.bfloat16)
+    cot = torch.randn(8, 40, generator=g)
+    want = cot.double() @ W.double()
+    errs = {}
+    for split in (False, True):
+        monkeypatch.setattr(precision, "SPLIT_BACKWARD", split)
+        x.grad = None
+        precision._SplitLinear.apply(x, W, None).backward(cot)
+        errs[split] = float((x.grad.double() - want).norm() / want.norm())
+    assert errs[True] < SPLIT_LINEAR_TOL < errs[False] < BF16_GRAD_TOL, errs
