@@ -29,6 +29,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
@@ -128,9 +129,61 @@ def mm_acc_into(M: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
 def split_half(x: torch.Tensor, dtype: torch.dtype):
     """``x`` (float32) as ``hi + lo`` with both terms in ``dtype`` (bf16/fp16): ``hi`` is
     ``x`` rounded, ``lo`` the rounding error rounded. ``hi + lo`` carries 16 of float32's
-    24 mantissa bits (bf16), against bf16's 8: a 256x smaller rounding error."""
+    24 mantissa bits (bf16), against bf16's 8: a 256x smaller rounding error. For a
+    contiguous CUDA matrix both come from one fused kernel, as the two halves of one
+    ``(N, 2K)`` buffer (:func:`split_cat`)."""
+    if x.is_cuda and x.dim() == 2 and x.dtype == torch.float32:
+        buf = split_cat(x, dtype)
+        K = x.shape[1]
+        return buf[:, :K], buf[:, K:]
     hi = x.to(dtype)
     return hi, (x - hi.to(x.dtype)).to(dtype)
+
+
+_split_kernel = None
+
+
+def _get_split_kernel():
+    global _split_kernel
+    if _split_kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _split(X, OUT, total, K, BLOCK: tl.constexpr):
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < total
+            x = tl.load(X + offs, mask=m)
+            hi = x.to(OUT.dtype.element_ty)
+            lo = (x - hi.to(tl.float32)).to(OUT.dtype.element_ty)
+            at = (offs // K) * (2 * K) + offs % K
+            tl.store(OUT + at, hi, mask=m)
+            tl.store(OUT + at + K, lo, mask=m)
+
+        _split_kernel = _split
+    return _split_kernel
+
+
+def split_cat(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[hi | lo]`` of :func:`split_half` for a float32 ``(N, K)`` matrix, as one
+    ``(N, 2K)`` tensor in ``dtype``: one Triton kernel on CUDA (reads ``x`` once)."""
+    N, K = x.shape
+    out = torch.empty(N, 2 * K, dtype=dtype, device=x.device)
+    if x.is_cuda:
+        try:
+            BLOCK = 1024
+            _get_split_kernel()[(triton_cdiv(N * K, BLOCK),)](x.contiguous(), out, N * K, K, BLOCK=BLOCK)
+            return out
+        except ImportError:  # no Triton: the same split in three PyTorch kernels
+            pass
+    hi = out[:, :K]
+    hi.copy_(x)
+    out[:, K:].copy_(x - hi)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
 
 
 #: how :func:`split_linear` runs its products on CUDA: ``two`` (two GEMMs, the second
@@ -160,12 +213,7 @@ def split_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None
     x2 = x.reshape(-1, shape[-1])
     W2 = getattr(W, "_split_w2", None)
     if W2 is not None and SPLIT_GEMM == "kcat" and x.is_cuda:
-        K = shape[-1]
-        buf = torch.empty(x2.shape[0], 2 * K, dtype=W.dtype, device=x.device)
-        hi = buf[:, :K]
-        hi.copy_(x2)
-        buf[:, K:].copy_(x2 - hi)
-        y = mm_acc(buf, W2.t(), x.dtype)
+        y = mm_acc(split_cat(x2, W.dtype), W2.t(), x.dtype)
     else:
         y = split_mm(x2, W.t())
     if b is not None:
@@ -203,6 +251,55 @@ class _SplitLinear(torch.autograd.Function):
         return gx, gW, gb
 
 
+def _float32_sdpa(original):
+    """transformers' SDPA attention for float32 activations of a grouped-query model: the
+    key/value heads repeated, so that PyTorch can pick its fused memory-efficient float32
+    kernel. With ``enable_gqa``, which transformers passes when there is no mask, only
+    the unfused math kernel takes float32 (docs/performance.md, run 11's profile).
+    Anything else goes to ``original``."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                  **kwargs):
+        groups = getattr(module, "num_key_value_groups", 1)
+        plain = (query.dtype == torch.float32 and attention_mask is None and groups > 1
+                 and query.shape[2] == key.shape[2] and kwargs.get("position_bias") is None
+                 and kwargs.get("softcap") is None)
+        if not plain:
+            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                            is_causal=is_causal, **kwargs)
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        causal = query.shape[2] > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=causal)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+@contextmanager
+def _float32_attention(model):
+    """Within the block, a grouped-query SDPA model runs attention through
+    :func:`_float32_sdpa`. A no-op for other attention implementations."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # pragma: no cover - transformers without the attention registry
+        yield
+        return
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != "sdpa" or "sdpa" not in ALL_ATTENTION_FUNCTIONS:
+        yield
+        return
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
+    had, before = "sdpa" in local, local.get("sdpa")
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = _float32_sdpa(ALL_ATTENTION_FUNCTIONS["sdpa"])
+    try:
+        yield
+    finally:
+        if had:
+            local["sdpa"] = before
+        else:
+            local.pop("sdpa", None)
+
+
 @contextmanager
 def split32(model, enabled: bool = True):
     """Within the block, ``model`` (half precision) computes with float32 activations
@@ -230,7 +327,8 @@ def split32(model, enabled: bool = True):
                 m.weight._split_w2 = torch.cat([m.weight.detach(), m.weight.detach()], 1)
                 doubled.append(m.weight)
     try:
-        yield model
+        with _float32_attention(model):
+            yield model
     finally:
         for h in hooks:
             h.remove()

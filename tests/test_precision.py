@@ -293,3 +293,56 @@ def test_split_backward_gives_float32_accurate_gradients(monkeypatch):
         precision._SplitLinear.apply(x, W, None).backward(cot)
         errs[split] = float((x.grad.double() - want).norm() / want.norm())
     assert errs[True] < SPLIT_LINEAR_TOL < errs[False] < BF16_GRAD_TOL, errs
+
+
+def test_split32_float32_attention_equals_transformers_sdpa(monkeypatch):
+    """split32 routes grouped-query float32 attention through repeated key/value heads
+    (so CUDA can use its fused float32 kernel); the result is transformers' own SDPA
+    attention, and every layer goes through it."""
+    from contextlib import nullcontext
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prism_select import precision
+    tok = tiny_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    batch = collate_to([encode(tok, p, r) for p, r in POOL], tok.pad_token_id, "cpu")
+    calls = []
+    real = precision._float32_sdpa
+
+    def counting(original):
+        inner = real(original)
+
+        def attention(module, query, *a, **kw):
+            calls.append(query.dtype)
+            return inner(module, query, *a, **kw)
+        return attention
+
+    def logits():
+        with precision.split32(m), torch.no_grad():
+            return m(input_ids=batch["input_ids"]).logits.double()
+
+    monkeypatch.setattr(precision, "_float32_sdpa", counting)
+    mine = logits()
+    assert calls == [torch.float32] * cfg.num_hidden_layers
+    monkeypatch.setattr(precision, "_float32_attention", lambda model: nullcontext())
+    theirs = logits()
+    assert float((mine - theirs).norm() / theirs.norm()) < SPLIT_LOGITS_TOL
+    # the swap is undone on exit
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    assert "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
+@needs_cuda
+def test_split_kernel_matches_the_torch_split_bit_for_bit():
+    from prism_select.precision import split_cat
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in [(7, 5), (300, 576), (33, 1536)]:
+        x = torch.randn(*shape, device="cuda", generator=g) * 10
+        buf = split_cat(x, torch.bfloat16)
+        hi = x.to(torch.bfloat16)
+        lo = (x - hi.float()).to(torch.bfloat16)
+        assert torch.equal(buf[:, :shape[1]], hi) and torch.equal(buf[:, shape[1]:], lo)
