@@ -208,17 +208,39 @@ def split_mm(a: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 
 def split_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + b`` for float32 ``x`` and half-precision ``W`` (exact in its own
-    dtype), float32-accurate: :func:`split_mm` on tensor cores (``SPLIT_GEMM``)."""
+    dtype), float32-accurate: :func:`split_mm` on tensor cores (``SPLIT_GEMM``). On CUDA
+    the split of the latest input is reused by the next layer reading the same tensor
+    (q/k/v, gate/up, and the scorer's ``V`` products)."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    W2 = getattr(W, "_split_w2", None)
-    if W2 is not None and SPLIT_GEMM == "kcat" and x.is_cuda:
-        y = mm_acc(split_cat(x2, W.dtype), W2.t(), x.dtype)
+    K = shape[-1]
+    if x.is_cuda:
+        buf = _split_of(x, W.dtype)
+        W2 = getattr(W, "_split_w2", None)
+        if W2 is not None and SPLIT_GEMM == "kcat":
+            y = mm_acc(buf, W2.t(), x.dtype)
+        else:
+            y = mm_acc_into(mm_acc(buf[:, :K], W.t(), x.dtype), buf[:, K:], W.t())
     else:
-        y = split_mm(x2, W.t())
+        y = split_mm(x.reshape(-1, K), W.t())
     if b is not None:
         y = y.add_(b)
     return y.view(*shape[:-1], W.shape[0])
+
+
+_last_split: list = [None, -1, None]  # (input tensor, its version, its split): held, so never a recycled address
+
+
+def _split_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    try:
+        version = x._version
+    except RuntimeError:  # inference-mode tensors keep no version counter: no reuse
+        return split_cat(x.reshape(-1, x.shape[-1]), dtype)
+    t, seen, buf = _last_split
+    if t is x and seen == version and buf.dtype == dtype:
+        return buf
+    buf = split_cat(x.reshape(-1, x.shape[-1]), dtype)
+    _last_split[:] = [x, version, buf]
+    return buf
 
 
 def cotangent_mm(g: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
@@ -330,6 +352,7 @@ def split32(model, enabled: bool = True):
         with _float32_attention(model):
             yield model
     finally:
+        _last_split[:] = [None, -1, None]
         for h in hooks:
             h.remove()
         for m in patched:
