@@ -174,7 +174,10 @@ class GraphedScorer:
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.inner.score(static)
         except Exception as exc:  # capture is an optimisation: fall back, keep the run going
-            self.failed = f"{type(exc).__name__}: {exc}"
+            first = exc
+            while first.__context__ is not None:  # a failed capture reports the error that broke it last
+                first = first.__context__
+            self.failed = f"{type(first).__name__}: {first}"
             self.graphs.clear()
             torch.cuda.synchronize()
             log.warning("CUDA graph capture failed (%s); scoring continues without graphs", self.failed)

@@ -227,7 +227,15 @@ def split_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None
     return y.view(*shape[:-1], W.shape[0])
 
 
-_last_split: list = [None, -1, None]  # (input tensor, its version, its split): held, so never a recycled address
+#: (input tensor, its version, its split) of the latest split within one forward. Held,
+#: so never a recycled address; cleared when a forward starts and ends (split32's hooks),
+#: so nothing allocated in one forward is freed in another: a CUDA graph captured after an
+#: eager warm-up fails otherwise ("dependency created on uncaptured work in another stream")
+_last_split: list = [None, -1, None]
+
+
+def _forget_split(*_):
+    _last_split[:] = [None, -1, None]
 
 
 def _split_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -338,7 +346,8 @@ def split32(model, enabled: bool = True):
     if embed is None:
         raise ConfigError("precision", f"{type(model).__name__} has no input embeddings to upcast",
                           "use --precision model")
-    hooks = [embed.register_forward_hook(lambda m, i, out: out.float())]
+    hooks = [embed.register_forward_hook(lambda m, i, out: out.float()),
+             model.register_forward_pre_hook(_forget_split), model.register_forward_hook(_forget_split)]
     patched, doubled = [], []
     for m in model.modules():
         if isinstance(m, nn.Linear):
@@ -352,7 +361,7 @@ def split32(model, enabled: bool = True):
         with _float32_attention(model):
             yield model
     finally:
-        _last_split[:] = [None, -1, None]
+        _forget_split()
         for h in hooks:
             h.remove()
         for m in patched:

@@ -264,6 +264,11 @@ def test_split32_on_gpu_graphed_equals_eager_and_float64(monkeypatch, gemm):
     eager = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="off", **kw).double()
     graphed = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="on", **kw).double()
     assert float((graphed - eager).norm() / eager.norm()) < GPU_REPLAY_TOL
+    sc = make_scorer(m, mods, {k: v.cuda() for k, v in V.items()}, pad_id=tok.pad_token_id, cuda_graphs="on",
+                     batch_size=4, precision="split32")
+    with sc:  # the graphs were captured, not replaced by the eager fallback
+        sc.score(collate_to(enc[:4], tok.pad_token_id, "cuda"))
+        assert sc.failed is None and sc.captures == 1, sc.failed
     m64 = copy.deepcopy(m).cpu().double()
     ref = score_encoded(m64, tracked_linear_modules(m64), enc, V, cuda_graphs="off",
                         **{**kw, "precision": "model"}).double()
