@@ -351,3 +351,35 @@ def test_split_kernel_matches_the_torch_split_bit_for_bit():
         hi = x.to(torch.bfloat16)
         lo = (x - hi.float()).to(torch.bfloat16)
         assert torch.equal(buf[:, :shape[1]], hi) and torch.equal(buf[:, shape[1]:], lo)
+
+
+def test_cli_precision_option(tmp_path, capsys):
+    """``prism-select score --precision split32`` on a bf16 model: finite scores, the
+    setting recorded in run.json; with a finite-difference route it is refused."""
+    import json
+
+    from conftest import PAIRS
+    from tiny import save_tiny
+
+    from prism_select.cli import main
+    save_tiny(tmp_path / "model", dtype=torch.float32)
+    with open(tmp_path / "pool.jsonl", "w") as f:
+        for i, (p, r) in enumerate(POOL):
+            f.write(json.dumps({"id": f"r{i}", "prompt": p, "response": r}) + "\n")
+    with open(tmp_path / "targets.jsonl", "w") as f:
+        for q, c, r in PAIRS:
+            f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
+
+    def argv(out, *extra):
+        return ["score", "--model", str(tmp_path / "model"), "--pool", str(tmp_path / "pool.jsonl"),
+                "--targets", str(tmp_path / "targets.jsonl"), "--out", str(tmp_path / out), "--dtype", "bfloat16",
+                "--device", "cpu", "--no-progress", "--batch-size", "4", "--max-length", "128", *extra]
+
+    assert main(argv("s32", "--precision", "split32")) == 0
+    rows = [json.loads(line) for line in (tmp_path / "s32" / "scores.jsonl").read_text().splitlines()]
+    assert len(rows) == len(POOL) and all(abs(r["score"]) < float("inf") for r in rows)
+    run = json.loads((tmp_path / "s32" / "run.json").read_text())
+    assert "split32" in json.dumps(run)
+    capsys.readouterr()
+    assert main(argv("fd", "--precision", "split32", "--scoring", "fast")) == 2
+    assert "precision" in capsys.readouterr().err
