@@ -59,6 +59,15 @@ def precision_policy(model, precision: str):
     return residual_fp32(model, precision == "residual32")
 
 
+def _upcast_embeddings(model):
+    """A hook handle: the token embeddings come out in float32, starting a float32 residual stream."""
+    embed = model.get_input_embeddings()
+    if embed is None:
+        raise ConfigError("precision", f"{type(model).__name__} has no input embeddings to upcast",
+                          "use --precision model")
+    return embed.register_forward_hook(lambda m, i, out: out.float())
+
+
 def _to_weight_dtype(module, args):
     x = args[0]
     if torch.is_tensor(x) and x.dtype != module.weight.dtype and x.is_floating_point():
@@ -78,11 +87,7 @@ def residual_fp32(model, enabled: bool = True):
     if not enabled or dtype not in HALF:
         yield model
         return
-    embed = model.get_input_embeddings()
-    if embed is None:
-        raise ConfigError("precision", f"{type(model).__name__} has no input embeddings to upcast",
-                          "use --precision model")
-    hooks = [embed.register_forward_hook(lambda m, i, out: out.float())]
+    hooks = [_upcast_embeddings(model)]
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
             hooks.append(m.register_forward_pre_hook(_to_weight_dtype))
@@ -338,15 +343,10 @@ def split32(model, enabled: bool = True):
     matmuls. A no-op for float32/float64 models or with ``enabled=False``. Layers whose
     ``forward`` is replaced later (the exact scorer's tracked layers) handle float32
     inputs themselves."""
-    dtype = next(model.parameters()).dtype
-    if not enabled or dtype not in HALF:
+    if not enabled or next(model.parameters()).dtype not in HALF:
         yield model
         return
-    embed = model.get_input_embeddings()
-    if embed is None:
-        raise ConfigError("precision", f"{type(model).__name__} has no input embeddings to upcast",
-                          "use --precision model")
-    hooks = [embed.register_forward_hook(lambda m, i, out: out.float()),
+    hooks = [_upcast_embeddings(model),
              model.register_forward_pre_hook(_forget_split), model.register_forward_hook(_forget_split)]
     patched, doubled = [], []
     for m in model.modules():
