@@ -43,7 +43,7 @@ from .data.tokenize import (
 )
 from .errors import CacheError, ConfigError, InputError, OutputError
 from .graphs import check_graph_mode
-from .precision import check_precision, check_precision_scoring
+from .precision import check_precision, check_precision_scoring, direction_policy
 from .io import (
     atomic_write_json,
     atomic_write_jsonl,
@@ -103,8 +103,9 @@ class ScoreSettings:
         residual32 carries the residual stream (token embeddings, residual additions,
         norms) in float32 while matmuls and attention stay in the model's dtype; split32
         computes every activation in float32, the linear layers as two half-precision
-        GEMMs on a hi/lo split of their input: float32-accurate scores on tensor cores
-        (prism_select/precision.py, docs/performance.md).
+        GEMMs on a hi/lo split of their input: float32-accurate scores on tensor cores;
+        it also computes the target direction and the curvature fit on the weights
+        upcast to float32 (prism_select/precision.py, docs/performance.md).
     """
 
     method: str = "prism"
@@ -278,12 +279,13 @@ class RunContext:
             cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
             fit = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
             phases: dict = {}
-            cur, directory, reused = load_or_fit_curvature(
-                self.lm.model, self.modules, fit, self.curvature_settings,
-                pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
-                pool_fingerprint=encoded_fingerprint(fit),
-                max_length=self.settings.max_length, progress=self.settings.progress,
-                cuda_graphs=self.settings.cuda_graphs, timings=phases)
+            with direction_policy(self.lm.model, self.settings.precision):
+                cur, directory, reused = load_or_fit_curvature(
+                    self.lm.model, self.modules, fit, self.curvature_settings,
+                    pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
+                    pool_fingerprint=encoded_fingerprint(fit),
+                    max_length=self.settings.max_length, progress=self.settings.progress,
+                    cuda_graphs=self.settings.cuda_graphs, timings=phases)
             self.timings["curvature_s"] = time.perf_counter() - t
             self.info["curvature"] = {"kind": cur.kind, "path": str(directory), "reused": reused,
                                       "damping": _summary(list(cur.damping.values())),
@@ -387,10 +389,11 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     if not ctx.inputs.pairs:
         raise ConfigError("targets", f"method {ctx.settings.method!r} needs target pairs", "pass --targets FILE")
     t = time.perf_counter()
-    pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
-                              method=ctx.settings.method, pad_id=ctx.pad_id,
-                              batch_size=ctx.settings.batch_size, progress=ctx.settings.progress,
-                              ids=[p.id for p in ctx.inputs.pairs])
+    with direction_policy(ctx.lm.model, ctx.settings.precision):
+        pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
+                                  method=ctx.settings.method, pad_id=ctx.pad_id,
+                                  batch_size=ctx.settings.batch_size, progress=ctx.settings.progress,
+                                  ids=[p.id for p in ctx.inputs.pairs])
     ctx.timings["preference_s"] = time.perf_counter() - t
     ctx.info["pi"] = _summary(pref.pi.tolist())
     pairs = [{"id": p.id, "pi": float(pref.pi[i]), "margin": float(pref.margin[i]),

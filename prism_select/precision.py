@@ -102,6 +102,34 @@ def residual_fp32(model, enabled: bool = True):
             h.remove()
 
 
+@contextmanager
+def float32_weights(model, enabled: bool = True):
+    """Within the block, the half-precision parameters of ``model`` are float32 (the same
+    values: bf16/fp16 -> float32 -> back is exact), so everything computed from them runs
+    in float32; afterwards each is its original dtype again, bit for bit. Buffers (e.g.
+    rotary tables) are left alone. Used under ``split32`` for the target direction and the
+    curvature fit, which are one-off costs next to scoring. Peak memory: the weights in
+    float32 (twice their bf16 size) while the block runs."""
+    params = [p for p in model.parameters() if p.dtype in HALF] if enabled else []
+    dtypes = [p.dtype for p in params]
+    for p in params:
+        p.data = p.data.float()
+    try:
+        yield model
+    finally:
+        for p, dt in zip(params, dtypes):
+            p.data = p.data.to(dt)
+
+
+def direction_policy(model, precision: str):
+    """What ``precision`` means for the target direction and the curvature fit: float32
+    weights under ``split32`` (float32-accurate ``v``), the model as loaded otherwise. On
+    the embedded model a ``v`` computed in bf16 moves the float32-exact ranking to
+    Spearman 0.993 (CPU, 128 GSM8K records; ``benchmarks/v_precision.py``)."""
+    check_precision(precision)
+    return float32_weights(model, precision == "split32")
+
+
 # ----------------------------------------------------------------------------- split32
 
 def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:

@@ -373,13 +373,70 @@ def test_cli_precision_option(tmp_path, capsys):
     def argv(out, *extra):
         return ["score", "--model", str(tmp_path / "model"), "--pool", str(tmp_path / "pool.jsonl"),
                 "--targets", str(tmp_path / "targets.jsonl"), "--out", str(tmp_path / out), "--dtype", "bfloat16",
-                "--device", "cpu", "--no-progress", "--batch-size", "4", "--max-length", "128", *extra]
+                "--device", "cpu", "--no-progress", "--batch-size", "4", "--max-length", "128",
+                "--cache-dir", str(tmp_path / "cache"), *extra]
 
+    def reused(out):
+        return json.loads((tmp_path / out / "run.json").read_text())["curvature"]["reused"]
+
+    assert main(argv("bf16")) == 0
     assert main(argv("s32", "--precision", "split32")) == 0
     rows = [json.loads(line) for line in (tmp_path / "s32" / "scores.jsonl").read_text().splitlines()]
     assert len(rows) == len(POOL) and all(abs(r["score"]) < float("inf") for r in rows)
     run = json.loads((tmp_path / "s32" / "run.json").read_text())
     assert "split32" in json.dumps(run)
+    # the float32 fit of split32 is cached apart from the bf16 one, and reused by itself
+    assert not reused("s32")
+    assert main(argv("s32-again", "--precision", "split32")) == 0
+    assert reused("s32-again")
     capsys.readouterr()
     assert main(argv("fd", "--precision", "split32", "--scoring", "fast")) == 2
     assert "precision" in capsys.readouterr().err
+
+
+#: the target direction under split32 against the same computation on a float32 copy
+#: (the same float32 arithmetic on the same values; only summation order may differ)
+DIRECTION_TOL = 1e-6
+
+
+def test_float32_weights_round_trip_is_exact():
+    from prism_select.precision import float32_weights
+    m, _, batch = _setup()
+    params = dict(m.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    buffers = {n: b.clone() for n, b in m.named_buffers()}
+    with float32_weights(m):
+        assert all(p.dtype == torch.float32 for p in m.parameters())
+        assert all(torch.equal(p.detach(), before[n].float()) for n, p in m.named_parameters())
+        with torch.no_grad():
+            assert m(input_ids=batch["input_ids"]).logits.dtype == torch.float32
+    after = dict(m.named_parameters())
+    assert all(after[n] is params[n] for n in params)  # the same Parameter objects, so module references hold
+    assert all(p.dtype == before[n].dtype and torch.equal(p.detach(), before[n]) for n, p in after.items())
+    assert all(b.dtype == buffers[n].dtype and torch.equal(b, buffers[n]) for n, b in m.named_buffers())
+
+
+def test_split32_direction_is_the_float32_direction():
+    from conftest import PAIRS
+
+    from prism_select.precision import direction_policy
+    from prism_select.preference import compute_preference
+    tok = tiny_tokenizer()
+    m, _, _ = _setup()
+    chosen = [encode(tok, q, c) for q, c, _ in PAIRS]
+    rejected = [encode(tok, q, r) for q, _, r in PAIRS]
+
+    def pref(model, precision="model"):
+        with direction_policy(model, precision):
+            return compute_preference(model, tracked_linear_modules(model), chosen, rejected,
+                                      pad_id=tok.pad_token_id, batch_size=2, progress=False)
+
+    ref = pref(copy.deepcopy(m).float())
+    mine, plain = pref(m, "split32"), pref(m)
+    for n, g in ref.direction.items():
+        assert mine.direction[n].dtype == torch.float32
+        assert float((mine.direction[n] - g).norm() / g.norm()) < DIRECTION_TOL
+    torch.testing.assert_close(mine.pi, ref.pi, rtol=DIRECTION_TOL, atol=0)
+    # and it is not what the model computes in bf16
+    worst = max(float((plain.direction[n].float() - g).norm() / g.norm()) for n, g in ref.direction.items())
+    assert worst > 100 * DIRECTION_TOL

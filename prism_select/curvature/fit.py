@@ -396,8 +396,10 @@ def _damping(settings: CurvatureSettings, eig: torch.Tensor) -> float:
 
 
 def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fingerprint: str,
-                  layers: list, max_length: int) -> dict:
-    """What a saved curvature must match to be reused."""
+                  layers: list, max_length: int, weights_dtype: str) -> dict:
+    """What a saved curvature must match to be reused. ``weights_dtype`` is the dtype the
+    weights had during the fit (float32 under ``--precision split32``, which upcasts a
+    half-precision model for it; the fingerprint records the dtype as loaded)."""
     s = settings_dict(settings)
     s.pop("batch_size")  # does not change the result
     return {
@@ -406,6 +408,7 @@ def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fing
         "pool_fingerprint": pool_fingerprint,
         "layers_key": sha256_json(layers),
         "max_length": max_length,
+        "weights_dtype": weights_dtype,
     }
 
 
@@ -421,7 +424,8 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
 
     from ..errors import CacheError
 
-    key = curvature_key(settings, model_fingerprint, pool_fingerprint, list(modules), max_length)
+    key = curvature_key(settings, model_fingerprint, pool_fingerprint, list(modules), max_length,
+                        str(next(model.parameters()).dtype))
     directory = Path(cache_root) / sha256_json(key)[:24]
     # Under torchrun the fit is collective: reuse only if every rank loads the saved copy
     # (a cache directory that is not shared by all nodes means fitting again).
