@@ -18,7 +18,9 @@ Policies (``ScoreSettings.precision``; a no-op on float32/float64 models):
 * ``split32`` (:func:`split32`): float32 activations everywhere (attention and loss
   included); every ``nn.Linear`` runs as :func:`split_linear`, two half-precision GEMMs
   on the float32 input split into ``hi + lo`` against the weights, which are exact in
-  their own dtype, with float32 results: float32-accurate forwards on tensor cores.
+  their own dtype, with float32 results: float32-accurate forwards on tensor cores. The
+  target direction and the curvature fit, computed once per run, run on the weights
+  upcast to float32 (:func:`direction_policy`, :func:`float32_weights`).
 
 The half-precision GEMMs with float32 accumulation and result (:func:`mm_acc`,
 :func:`mm_acc_into`) are shared with the curvature fit.
@@ -130,7 +132,7 @@ def direction_policy(model, precision: str):
     return float32_weights(model, precision == "split32")
 
 
-# ----------------------------------------------------------------------------- split32
+# ----------------------------------------------------------------------------- GEMMs with float32 results
 
 def mm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """``a @ b`` with the result (and accumulation) in ``acc``; half-precision operands
@@ -158,6 +160,8 @@ def mm_acc_into(M: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
             pass
     return M.add_(mm_acc(a, b, M.dtype))
 
+
+# ----------------------------------------------------------------------------- split32
 
 def split_half(x: torch.Tensor, dtype: torch.dtype):
     """``x`` (float32) as ``hi + lo`` with both terms in ``dtype`` (bf16/fp16): ``hi`` is
