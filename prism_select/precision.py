@@ -166,13 +166,8 @@ def mm_acc_into(M: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
 def split_half(x: torch.Tensor, dtype: torch.dtype):
     """``x`` (float32) as ``hi + lo`` with both terms in ``dtype`` (bf16/fp16): ``hi`` is
     ``x`` rounded, ``lo`` the rounding error rounded. ``hi + lo`` carries 16 of float32's
-    24 mantissa bits (bf16), against bf16's 8: a 256x smaller rounding error. For a
-    contiguous CUDA matrix both come from one fused kernel, as the two halves of one
-    ``(N, 2K)`` buffer (:func:`split_cat`)."""
-    if x.is_cuda and x.dim() == 2 and x.dtype == torch.float32:
-        buf = split_cat(x, dtype)
-        K = x.shape[1]
-        return buf[:, :K], buf[:, K:]
+    24 mantissa bits (bf16), against bf16's 8: a 256x smaller rounding error. The GEMMs
+    take both as the two halves of one ``(N, 2K)`` buffer (:func:`split_cat`)."""
     hi = x.to(dtype)
     return hi, (x - hi.to(x.dtype)).to(dtype)
 
@@ -211,11 +206,10 @@ def split_cat(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             BLOCK = 1024
             _get_split_kernel()[(triton_cdiv(N * K, BLOCK),)](x.contiguous(), out, N * K, K, BLOCK=BLOCK)
             return out
-        except ImportError:  # no Triton: the same split in three PyTorch kernels
+        except ImportError:  # no Triton: the same split in PyTorch kernels
             pass
-    hi = out[:, :K]
-    hi.copy_(x)
-    out[:, K:].copy_(x - hi)
+    hi, lo = split_half(x, dtype)
+    out[:, :K], out[:, K:] = hi, lo
     return out
 
 
@@ -235,30 +229,27 @@ SPLIT_GEMM = "two"
 SPLIT_BACKWARD = False
 
 
-def split_mm(a: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+def split_mm(a: torch.Tensor, B: torch.Tensor, split: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ B`` for a float32 matrix ``a`` and a half-precision ``B``: two
-    half-precision GEMMs on ``split_half(a)``, float32 accumulation and result."""
-    hi, lo = split_half(a, B.dtype)
-    y = mm_acc(hi, B, a.dtype)
-    return mm_acc_into(y, lo, B)
+    half-precision GEMMs on ``split_half(a)``, float32 accumulation and result.
+    ``split``: ``split_cat(a, B.dtype)`` when the caller has it already."""
+    K = a.shape[1]
+    split = split_cat(a, B.dtype) if split is None else split
+    return mm_acc_into(mm_acc(split[:, :K], B, a.dtype), split[:, K:], B)
 
 
 def split_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + b`` for float32 ``x`` and half-precision ``W`` (exact in its own
-    dtype), float32-accurate: :func:`split_mm` on tensor cores (``SPLIT_GEMM``). On CUDA
-    the split of the latest input is reused by the next layer reading the same tensor
+    dtype), float32-accurate: :func:`split_mm` on tensor cores (``SPLIT_GEMM``). The
+    split of the latest input is reused by the next layer reading the same tensor
     (q/k/v, gate/up, and the scorer's ``V`` products)."""
     shape = x.shape
-    K = shape[-1]
-    if x.is_cuda:
-        buf = _split_of(x, W.dtype)
-        W2 = getattr(W, "_split_w2", None)
-        if W2 is not None and SPLIT_GEMM == "kcat":
-            y = mm_acc(buf, W2.t(), x.dtype)
-        else:
-            y = mm_acc_into(mm_acc(buf[:, :K], W.t(), x.dtype), buf[:, K:], W.t())
+    split = _split_of(x, W.dtype)
+    W2 = getattr(W, "_split_w2", None)
+    if W2 is not None and SPLIT_GEMM == "kcat":
+        y = mm_acc(split, W2.t(), x.dtype)
     else:
-        y = split_mm(x.reshape(-1, K), W.t())
+        y = split_mm(x.reshape(-1, shape[-1]), W.t(), split)
     if b is not None:
         y = y.add_(b)
     return y.view(*shape[:-1], W.shape[0])

@@ -134,6 +134,11 @@ MIN_SPLIT_LOGITS_GAIN = 100.0
 #: gain on scores is smaller on this tiny model than on the real one (measured 3.8-7.0x
 #: over 6 seeds; 17x on the embedded model, docs/performance.md)
 MIN_SPLIT_SCORE_GAIN = 2.0
+#: gradients through split_linear: the cotangent (and, for W, the input) rounded to bf16
+BF16_GRAD_TOL = 1e-2
+#: graphed vs eager replays of the same split32 computation (kernel choice may differ by
+#: padding: float32 sums in another order)
+GPU_REPLAY_TOL = 1e-4
 
 
 def test_split_half_reconstructs_float32():
@@ -169,10 +174,6 @@ def test_split_linear_and_its_gradients_match_float64():
                       (Wr.grad, c64.reshape(-1, 40).t() @ x.double().reshape(-1, 48)),
                       (br.grad, c64.sum((0, 1)))):
         assert float((got.double() - want).norm() / want.norm()) < BF16_GRAD_TOL
-
-
-#: gradients through split_linear: the cotangent (and, for W, the input) rounded to bf16
-BF16_GRAD_TOL = 1e-2
 
 
 def _logits(model, policy, batch):
@@ -277,11 +278,6 @@ def test_split32_on_gpu_graphed_equals_eager_and_float64(monkeypatch, gemm):
     e_split = float((eager.cpu() - ref).norm() / ref.norm())
     e_plain = float((plain.cpu() - ref).norm() / ref.norm())
     assert e_split * MIN_SPLIT_SCORE_GAIN < e_plain, (e_plain, e_split)
-
-
-#: graphed vs eager replays of the same split32 computation (kernel choice may differ by
-#: padding: float32 sums in another order)
-GPU_REPLAY_TOL = 1e-4
 
 
 def test_split_backward_gives_float32_accurate_gradients(monkeypatch):
