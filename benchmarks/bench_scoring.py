@@ -373,18 +373,24 @@ def main():
 
     # -- curvature (also gives v for the embedded model); "fit" with the library default
     # (CUDA graphs on a GPU), "fit_eager" without graphs
-    for fit_name, graphs in (("fit", "auto"), ("fit_eager", "off")):
+    # (fit_s32: the fit as --precision split32 runs it; fit_f32w: on the weights upcast to
+    # float32, as split32 did before run 12)
+    from prism_select.precision import direction_policy, float32_weights
+    for fit_name, graphs, precision in (("fit", "auto", "model"), ("fit_eager", "off", "model"),
+                                        ("fit_s32", "auto", "split32"), ("fit_f32w", "auto", "f32w")):
         if fit_name not in routes or a.fit_n <= 0:
             continue
         fit_enc = (encoded * math.ceil(a.fit_n / len(encoded)))[:a.fit_n]
         try:
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            tm: dict = {"cuda_graphs": graphs}
+            tm: dict = {"cuda_graphs": graphs, "precision": precision}
             sync(dev)
             t = time.perf_counter()
-            c = fit_curvature(model, modules, fit_enc, CurvatureSettings(kind="ekfac", batch_size=a.batch),
-                              pad_id=pad_id, device=dev, progress=False, timings=tm, cuda_graphs=graphs)
+            with float32_weights(model, precision == "f32w"):
+                c = fit_curvature(model, modules, fit_enc, CurvatureSettings(kind="ekfac", batch_size=a.batch),
+                                  pad_id=pad_id, device=dev, progress=False, timings=tm, cuda_graphs=graphs,
+                                  precision="model" if precision == "f32w" else precision)
             sync(dev)
             tm["total_s"] = time.perf_counter() - t
             tm["examples"] = len(fit_enc)
@@ -404,6 +410,26 @@ def main():
             import traceback
             traceback.print_exc()
             R[fit_name] = {"error": f"{type(e).__name__}: {e}"}
+    # -- the target direction's cost, warm, as --precision model and split32 compute it
+    # (random configs: the first --targets examples against the next ones)
+    # (direction_f32w: on the weights upcast to float32, as split32 did before run 12)
+    for d_name, precision in (("direction", "model"), ("direction_s32", "split32"), ("direction_f32w", "f32w")):
+        if d_name not in routes:
+            continue
+        from prism_select.preference import compute_preference
+        ch, rj = (chosen, rejected) if a.config == "embedded" else \
+            (encoded[:a.targets], encoded[a.targets:2 * a.targets])
+        times = []
+        for _ in range(2):  # the first call warms up; the second is reported
+            sync(dev)
+            t = time.perf_counter()
+            with float32_weights(model, precision == "f32w"), \
+                    direction_policy(model, "model" if precision == "f32w" else precision):
+                compute_preference(model, modules, ch, rj, pad_id=pad_id, batch_size=a.batch, progress=False)
+            sync(dev)
+            times.append(time.perf_counter() - t)
+        R[d_name] = {"seconds": times[-1], "cold_seconds": times[0], "pairs": len(ch), "precision": precision}
+        log(f"  {d_name}: {len(ch)} pairs in {times[-1]:.3f}s warm ({times[0]:.3f}s cold)")
     if cur is not None and a.config == "embedded":
         V = cur.precondition(direction)
     else:
@@ -604,11 +630,11 @@ def main():
     for k, v in R.items():
         if isinstance(v, dict) and ("error" in v or "skipped" in v):
             log(f"| {k} | {v.get('error') or v.get('skipped')} |")
-    for fit_name in ("fit", "fit_eager"):
+    for fit_name in ("fit", "fit_eager", "fit_s32", "fit_f32w"):
         if fit_name not in R or "factors_s" not in R[fit_name]:
             continue
         f = R[fit_name]
-        log(f"{fit_name} EK-FAC ({f['examples']} ex, cuda_graphs {f['cuda_graphs']}): "
+        log(f"{fit_name} EK-FAC ({f['examples']} ex, cuda_graphs {f['cuda_graphs']}, {f['precision']}): "
             f"factors {f['factors_s']:.2f}s + lambda {f['lambda_s']:.2f}s = "
             f"{f.get('passes_over_epoch', float('nan')):.2f}x one fwd+bwd epoch; eigh {f['eigh_s']:.2f}s (fixed); "
             f"peak {f['peak_gib'] or 0:.2f} GiB, factors {f['factors_gib']:.2f} GiB")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call's worth of measurements (docs/performance.md, run 5): the CUDA-only tests,
 # then bench_scoring.py on the embedded model (GSM8K), the 0.3B and the 1B configs.
-#   bash benchmarks/gpu_suite.sh OUT_DIR GGUF|- [all|embedded|random|fit]
-#   ("fit": the curvature fit with and without CUDA graphs on all three models, run 6)
+#   bash benchmarks/gpu_suite.sh OUT_DIR GGUF|- [all|embedded|random|fit|vstage]
+#   ("fit": the curvature fit with and without CUDA graphs on all three models, run 6;
+#   "vstage": the direction and the fit as --precision model and split32 compute them, run 12)
 #   (GGUF: the embedded model's file; "-" skips the embedded model; the third argument
 #   splits the suite over two calls of at most 10 minutes each)
 set -uo pipefail
@@ -11,6 +12,23 @@ OUT="${1:?output folder}"; GGUF="${2:--}"; WHAT="${3:-all}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 [ -n "$GGUF" ] && export PRISM_SELECT_DEFAULT_GGUF="$GGUF"
+if [ "$WHAT" = vstage ]; then
+  # run 12: how --precision split32 computes v (g_KL and the fit on float32 weights): what it
+  # costs next to the bf16 stage, and which part of v's precision moves the ranking
+  python3 -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_graphs.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+  R=forward,fwd_bwd,fwd_bwd_graphs,direction,direction_s32,direction_f32w,fit,fit_s32,fit_f32w
+  [ -n "$GGUF" ] && python3 benchmarks/bench_scoring.py --config embedded --pool benchdata/gsm8k_1100.jsonl --n 1000 \
+     --targets 64 --batch 32 --fit-n 1000 --routes $R --json "$OUT/run12_embedded_vstage.json" 2>&1 | grep -A30 "^## "
+  [ -n "$GGUF" ] && python3 benchmarks/v_precision.py --pool benchdata/gsm8k_1100.jsonl --n 1000 --targets 64 \
+     --batch 32 --json "$OUT/run12_v_precision_n1000.json" 2>&1 | tail -3
+  [ -n "$GGUF" ] && python3 benchmarks/v_precision.py --pool benchdata/gsm8k_1100.jsonl --n 128 --targets 16 \
+     --batch 16 --json "$OUT/run12_v_precision_n128.json" 2>&1 | tail -3
+  python3 benchmarks/bench_scoring.py --config 0.3b --seq-len 512 --batch 16 --n 256 --fit-n 256 --targets 16 \
+     --routes $R --json "$OUT/run12_03b_vstage.json" 2>&1 | grep -A30 "^## "
+  python3 benchmarks/bench_scoring.py --config 1b --seq-len 512 --batch 16 --n 128 --fit-n 128 --targets 16 \
+     --routes forward,fwd_bwd,direction,direction_s32,fit,fit_s32 --json "$OUT/run12_1b_vstage.json" 2>&1 | grep -A30 "^## "
+  exit 0
+fi
 if [ "$WHAT" = fit ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_numerics.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
   R=forward,fwd_bwd,fwd_bwd_graphs,lib_exact,lib_exact_graphs,fit,fit_eager

@@ -57,7 +57,7 @@ def _add_score_args(p: argparse.ArgumentParser):
                    help="arithmetic of a bf16/fp16 model while scoring: model (as loaded); residual32 (residual "
                         "stream in float32, matmuls unchanged); split32 (float32 activations, each linear layer as "
                         "two half-precision GEMMs on a hi/lo split: float32-accurate scores on tensor cores; the "
-                        "target direction and curvature fit then run on float32-upcast weights)")
+                        "target direction and the curvature fit run in the same arithmetic)")
     c = p.add_argument_group("curvature")
     c.add_argument("--curvature", default="ekfac", choices=list(KINDS))
     c.add_argument("--damping", type=float, default=None,

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from .data.tokenize import collate, token_losses
 from .gradients import has_bias
-from .precision import cotangent_mm, split_linear, triton_cdiv
+from .precision import cotangent_mm, split_linear, split_of, triton_cdiv
 
 # ----------------------------------------------------------------------------- loss
 
@@ -105,8 +105,10 @@ class _FusedCE(torch.autograd.Function):
         losses = torch.zeros(B, dtype=acc, device=hidden.device)
         dh = torch.empty_like(h) if need_grad else None
         step = _ce_chunk_tokens(weight.shape[0])
+        mixed = h.dtype != weight.dtype  # split32: float32 activations, half-precision head
+        linear = split_linear if mixed else F.linear
         for c in range(0, h.shape[0], step):
-            logits = F.linear(h[c:c + step], weight, bias).to(acc)
+            logits = linear(h[c:c + step], weight, bias).to(acc)
             lse = torch.logsumexp(logits, dim=-1)
             yy = y[c:c + step]
             ce = lse - logits.gather(1, yy[:, None]).squeeze(1)
@@ -114,7 +116,7 @@ class _FusedCE(torch.autograd.Function):
             if need_grad:
                 p = torch.exp(logits.sub_(lse[:, None]))
                 p[torch.arange(p.shape[0], device=p.device), yy] -= 1
-                dh[c:c + step] = p.to(h.dtype) @ weight
+                dh[c:c + step] = cotangent_mm(p, weight) if mixed else p.to(h.dtype) @ weight
             del logits
         ctx.shape, ctx.dtype = hidden.shape, hidden.dtype
         if need_grad:
@@ -518,10 +520,23 @@ class Tap:
 
 
 class _TapLinear(torch.autograd.Function):
+    """A tracked layer under :func:`tap_linears`. Under ``--precision split32`` (float32
+    input, half-precision weights) the layer propagates float32-accurate activations and
+    cotangents (:func:`split_linear`, :func:`cotangent_mm`), while the taps receive both
+    rounded to the weights' dtype: statistics on tensor cores, from activations that
+    carry no accumulated half-precision drift."""
+
     @staticmethod
     def forward(ctx, x, anchor, tap: Tap):
         m = tap.module
-        out = F.linear(x, m.weight, m.bias)
+        ctx.split = x.dtype != m.weight.dtype
+        if ctx.split:
+            out = split_linear(x, m.weight, m.bias)
+            # the high half of the (shared, cached) split is x rounded to the weights'
+            # dtype; one tensor per input, so layers reading it share their statistics
+            x = split_of(x, m.weight.dtype)[:, :x.shape[-1]].unflatten(0, x.shape[:-1])
+        else:
+            out = F.linear(x, m.weight, m.bias)
         tap.on_forward(x)
         if tap.keep_input:
             ctx.save_for_backward(x)
@@ -533,9 +548,11 @@ class _TapLinear(torch.autograd.Function):
         tap = ctx.tap
         x = ctx.saved_tensors[0] if tap.keep_input else None
         g = g.contiguous()
-        tap.on_backward(x, g)
-        dx = g @ tap.module.weight if ctx.needs_input_grad[0] else None
-        return dx, None, None
+        W = tap.module.weight
+        tap.on_backward(x, g.to(W.dtype) if ctx.split else g)
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        return (cotangent_mm(g, W) if ctx.split else g @ W), None, None
 
 
 @contextmanager

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import NumericalError
+from .precision import GRAD32
 
 
 def has_bias(module: torch.nn.Linear) -> bool:
@@ -27,15 +28,22 @@ def layer_shape(module: torch.nn.Linear) -> tuple[int, int]:
     return module.out_features, module.in_features + int(has_bias(module))
 
 
+def _grad(p: torch.Tensor):
+    # the float32 accumulator of precision.float32_grads (--precision split32), else .grad
+    return getattr(p, GRAD32) if hasattr(p, GRAD32) else p.grad
+
+
 def weight_grad(module: torch.nn.Linear) -> torch.Tensor:
-    """The layer's accumulated ``.grad`` as one ``out x (in [+1])`` matrix."""
-    g = module.weight.grad
+    """The layer's accumulated gradient as one ``out x (in [+1])`` matrix: ``.grad``, or
+    float32 under :func:`prism_select.precision.float32_grads`."""
+    g = _grad(module.weight)
     if g is None:
         return torch.zeros(layer_shape(module), dtype=module.weight.dtype,
                            device=module.weight.device)
     if has_bias(module):
-        gb = module.bias.grad if module.bias.grad is not None else torch.zeros_like(module.bias)
-        g = torch.cat([g, gb[:, None]], dim=1)
+        gb = _grad(module.bias)
+        gb = gb if gb is not None else torch.zeros(module.bias.shape, dtype=g.dtype, device=g.device)
+        g = torch.cat([g, gb[:, None].to(g.dtype)], dim=1)
     return g
 
 

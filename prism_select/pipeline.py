@@ -104,8 +104,9 @@ class ScoreSettings:
         norms) in float32 while matmuls and attention stay in the model's dtype; split32
         computes every activation in float32, the linear layers as two half-precision
         GEMMs on a hi/lo split of their input: float32-accurate scores on tensor cores;
-        it also computes the target direction and the curvature fit on the weights
-        upcast to float32 (prism_select/precision.py, docs/performance.md).
+        it also computes the target direction on the weights upcast to float32, and the
+        curvature fit with the same split arithmetic as the scores
+        (prism_select/precision.py, docs/performance.md).
     """
 
     method: str = "prism"
@@ -279,13 +280,12 @@ class RunContext:
             cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
             fit = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
             phases: dict = {}
-            with direction_policy(self.lm.model, self.settings.precision):
-                cur, directory, reused = load_or_fit_curvature(
-                    self.lm.model, self.modules, fit, self.curvature_settings,
-                    pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
-                    pool_fingerprint=encoded_fingerprint(fit),
-                    max_length=self.settings.max_length, progress=self.settings.progress,
-                    cuda_graphs=self.settings.cuda_graphs, timings=phases)
+            cur, directory, reused = load_or_fit_curvature(
+                self.lm.model, self.modules, fit, self.curvature_settings,
+                pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
+                pool_fingerprint=encoded_fingerprint(fit),
+                max_length=self.settings.max_length, progress=self.settings.progress,
+                cuda_graphs=self.settings.cuda_graphs, timings=phases, precision=self.settings.precision)
             self.timings["curvature_s"] = time.perf_counter() - t
             self.info["curvature"] = {"kind": cur.kind, "path": str(directory), "reused": reused,
                                       "damping": _summary(list(cur.damping.values())),

@@ -19,8 +19,9 @@ Policies (``ScoreSettings.precision``; a no-op on float32/float64 models):
   included); every ``nn.Linear`` runs as :func:`split_linear`, two half-precision GEMMs
   on the float32 input split into ``hi + lo`` against the weights, which are exact in
   their own dtype, with float32 results: float32-accurate forwards on tensor cores. The
-  target direction and the curvature fit, computed once per run, run on the weights
-  upcast to float32 (:func:`direction_policy`, :func:`float32_weights`).
+  target direction runs on the weights upcast to float32 (:func:`direction_policy`,
+  :func:`float32_weights`; a few pairs, cheap); the curvature fit under ``split32``
+  itself (:func:`fit_policy`), its statistics formed on tensor cores.
 
 The half-precision GEMMs with float32 accumulation and result (:func:`mm_acc`,
 :func:`mm_acc_into`) are shared with the curvature fit.
@@ -123,13 +124,69 @@ def float32_weights(model, enabled: bool = True):
             p.data = p.data.to(dt)
 
 
+@contextmanager
 def direction_policy(model, precision: str):
-    """What ``precision`` means for the target direction and the curvature fit: float32
-    weights under ``split32`` (float32-accurate ``v``), the model as loaded otherwise. On
-    the embedded model a ``v`` computed in bf16 moves the float32-exact ranking to
-    Spearman 0.993 (CPU, 128 GSM8K records; ``benchmarks/v_precision.py``)."""
+    """What ``precision`` means for the target direction: under ``split32`` the direction's
+    forwards run as the scores' do (:func:`split32`), its backwards with the cotangent
+    split too (``SPLIT_BACKWARD``), and the weight gradients of the half-precision linear
+    layers are formed from split products and accumulated in float32
+    (:func:`float32_grads`): a float32-accurate ``g_KL`` (1.5e-5 from a float32 copy's,
+    tests/test_precision.py) without a float32 copy of the weights. Elsewhere the model
+    as loaded."""
     check_precision(precision)
-    return float32_weights(model, precision == "split32")
+    on = precision == "split32"
+    global SPLIT_BACKWARD
+    before = SPLIT_BACKWARD
+    SPLIT_BACKWARD = before or on  # a few target pairs: the split cotangent costs little here
+    try:
+        with split32(model, on), float32_grads(model, on):
+            yield model
+    finally:
+        SPLIT_BACKWARD = before
+
+
+#: the float32 gradient accumulator of a half-precision weight under float32_grads
+GRAD32 = "_prism_grad32"
+
+
+@contextmanager
+def float32_grads(model, enabled: bool = True):
+    """Within the block, the weight (and bias) gradients of ``model``'s half-precision
+    ``nn.Linear`` layers running as :func:`split_linear` are accumulated in float32, in an
+    attribute ``GRAD32`` of each parameter, instead of its half-precision ``.grad``
+    (:func:`prism_select.gradients.weight_grad` reads it). Removed on exit."""
+    params = [p for m in model.modules() if isinstance(m, nn.Linear)
+              for p in (m.weight, m.bias) if p is not None and p.dtype in HALF] if enabled else []
+    for p in params:
+        setattr(p, GRAD32, None)
+    try:
+        yield model
+    finally:
+        for p in params:
+            delattr(p, GRAD32)
+
+
+def _accumulate32(p: torch.Tensor, g: torch.Tensor) -> None:
+    acc = getattr(p, GRAD32)
+    setattr(p, GRAD32, g if acc is None else acc.add_(g))
+
+
+def fit_policy(model, precision: str):
+    """What ``precision`` means for the curvature fit: under ``split32`` the fit's
+    forwards and backwards run as the scores' do (:func:`split32`: float32 activations
+    and cotangents, split GEMMs), and its statistics are formed from them rounded to the
+    weights' dtype, on tensor cores (``fast._TapLinear``). Fitting on float32 weights
+    instead cost 5.4x the bf16 fit at 0.3B (docs/performance.md, run 12)."""
+    check_precision(precision)
+    return split32(model, precision == "split32")
+
+
+def fit_arithmetic(model, precision: str) -> str:
+    """The arithmetic a fit under ``precision`` uses, for the curvature cache key: the
+    weights' dtype, and ``+split32`` where that policy is active."""
+    check_precision(precision)
+    dtype = next(model.parameters()).dtype
+    return str(dtype) + ("+split32" if precision == "split32" and dtype in HALF else "")
 
 
 # ----------------------------------------------------------------------------- GEMMs with float32 results
@@ -244,7 +301,7 @@ def split_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None
     split of the latest input is reused by the next layer reading the same tensor
     (q/k/v, gate/up, and the scorer's ``V`` products)."""
     shape = x.shape
-    split = _split_of(x, W.dtype)
+    split = split_of(x, W.dtype)
     W2 = getattr(W, "_split_w2", None)
     if W2 is not None and SPLIT_GEMM == "kcat":
         y = mm_acc(split, W2.t(), x.dtype)
@@ -266,7 +323,8 @@ def _forget_split(*_):
     _last_split[:] = [None, -1, None]
 
 
-def _split_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def split_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``split_cat`` of ``x`` as a matrix, reused while ``x`` is the latest input split."""
     try:
         version = x._version
     except RuntimeError:  # inference-mode tensors keep no version counter: no reuse
@@ -293,7 +351,7 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, W, b):
         ctx.save_for_backward(x if W.requires_grad else None, W)
-        ctx.has_b = b is not None
+        ctx.has_b, ctx.bias = b is not None, b
         return split_linear(x, W, b)
 
     @staticmethod
@@ -302,10 +360,20 @@ class _SplitLinear(torch.autograd.Function):
         gx = cotangent_mm(g, W) if ctx.needs_input_grad[0] else None
         gW = gb = None
         g2 = g.reshape(-1, g.shape[-1])
-        if ctx.needs_input_grad[1]:  # half-precision weight gradients, float32 accumulation
-            gW = mm_acc(g2.t().to(W.dtype), x.reshape(-1, x.shape[-1]).to(W.dtype), torch.float32).to(W.dtype)
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])
+            if hasattr(W, GRAD32):  # float32_grads: g^T (x_hi + x_lo), g split too
+                K = x2.shape[1]
+                both = split_mm(g2.t(), split_of(x, W.dtype))
+                _accumulate32(W, both[:, :K].add_(both[:, K:]))
+            else:  # half-precision weight gradients, float32 accumulation
+                gW = mm_acc(g2.t().to(W.dtype), x2.to(W.dtype), torch.float32).to(W.dtype)
         if ctx.has_b and ctx.needs_input_grad[2]:
-            gb = g2.sum(0).to(W.dtype)
+            b = ctx.bias
+            if hasattr(b, GRAD32):
+                _accumulate32(b, g2.sum(0))
+            else:
+                gb = g2.sum(0).to(W.dtype)
         return gx, gW, gb
 
 

@@ -390,9 +390,12 @@ def test_cli_precision_option(tmp_path, capsys):
     assert "precision" in capsys.readouterr().err
 
 
-#: the target direction under split32 against the same computation on a float32 copy
-#: (the same float32 arithmetic on the same values; only summation order may differ)
-DIRECTION_TOL = 1e-6
+#: the target direction under split32 (split forwards, split cotangents, float32 weight
+#: gradients from split products) against the same computation on a float32 copy, per
+#: layer (measured on _setup, seeds 0-3: 1.3e-5 - 1.9e-5; the bf16 direction: 1.9e-2 - 2.5e-2)
+SPLIT_DIRECTION_TOL = 1e-4
+#: the preference pi: the forward alone, float32-accurate (measured 3.6e-7 - 5.9e-7)
+SPLIT_PI_TOL = 1e-5
 
 
 def test_float32_weights_round_trip_is_exact():
@@ -413,9 +416,11 @@ def test_float32_weights_round_trip_is_exact():
 
 
 def test_split32_direction_is_the_float32_direction():
+    """Under split32 the target direction is float32-accurate with the weights left in
+    bf16 (no float32 copy), accumulated in float32, and nothing is left on the model."""
     from conftest import PAIRS
 
-    from prism_select.precision import direction_policy
+    from prism_select.precision import GRAD32, SPLIT_BACKWARD, direction_policy
     from prism_select.preference import compute_preference
     tok = tiny_tokenizer()
     m, _, _ = _setup()
@@ -424,6 +429,8 @@ def test_split32_direction_is_the_float32_direction():
 
     def pref(model, precision="model"):
         with direction_policy(model, precision):
+            if precision == "split32":
+                assert all(p.dtype == torch.bfloat16 for p in model.parameters())
             return compute_preference(model, tracked_linear_modules(model), chosen, rejected,
                                       pad_id=tok.pad_token_id, batch_size=2, progress=False)
 
@@ -431,8 +438,83 @@ def test_split32_direction_is_the_float32_direction():
     mine, plain = pref(m, "split32"), pref(m)
     for n, g in ref.direction.items():
         assert mine.direction[n].dtype == torch.float32
-        assert float((mine.direction[n] - g).norm() / g.norm()) < DIRECTION_TOL
-    torch.testing.assert_close(mine.pi, ref.pi, rtol=DIRECTION_TOL, atol=0)
+        assert float((mine.direction[n] - g).norm() / g.norm()) < SPLIT_DIRECTION_TOL, n
+    torch.testing.assert_close(mine.pi, ref.pi, rtol=SPLIT_PI_TOL, atol=0)
     # and it is not what the model computes in bf16
     worst = max(float((plain.direction[n].float() - g).norm() / g.norm()) for n, g in ref.direction.items())
-    assert worst > 100 * DIRECTION_TOL
+    assert worst > 100 * SPLIT_DIRECTION_TOL
+    from prism_select import precision
+    assert precision.SPLIT_BACKWARD is SPLIT_BACKWARD is False
+    assert not any(hasattr(p, GRAD32) or p.grad is not None for p in m.parameters())
+    assert not any("forward" in mod.__dict__ for mod in m.modules())
+
+
+#: the curvature fit under split32 against the fit of a float32 copy, measured on the
+#: preconditioned direction: at least this much closer than the bf16 fit (measured on
+#: _setup, seeds 0-2: 2.9-3.3x; what remains is the statistics' bf16 rounding)
+MIN_SPLIT_FIT_GAIN = 2.0
+#: the split32 fit graphed vs eager, on a preconditioned direction: the statistics are
+#: formed from bf16 roundings, and a replay's float32 activations (padded shapes, other
+#: kernels) may round a few elements the other way
+SPLIT_FIT_REPLAY_TOL = 1e-3
+
+
+def _fit_err(seed, device="cpu", cuda_graphs="off"):
+    from prism_select.curvature import CurvatureSettings, fit_curvature
+    tok = tiny_tokenizer()
+    m, V, _ = _setup(seed=seed)
+    m = m.to(device)
+    enc = [encode(tok, p, r) for p, r in POOL]
+    V = {n: t.float().to(device) for n, t in V.items()}
+
+    def fit(model, precision="model", graphs="off"):
+        return fit_curvature(model, tracked_linear_modules(model), enc, CurvatureSettings(kind="ekfac", batch_size=4),
+                             pad_id=tok.pad_token_id, progress=False, cuda_graphs=graphs, precision=precision)
+
+    ref = fit(copy.deepcopy(m).float()).precondition(V)
+
+    def err(c):
+        out = c.precondition(V)
+        return (sum(float((out[n].float() - ref[n]).norm() ** 2) for n in ref)
+                / sum(float(ref[n].norm() ** 2) for n in ref)) ** 0.5
+
+    return err(fit(m)), err(fit(m, "split32", cuda_graphs)), fit, m
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_split32_fit_is_closer_to_the_float32_fit(seed):
+    """The fit under split32 (float32 activations and cotangents, statistics from their
+    bf16 rounding) preconditions like the fit of a float32 copy, much more closely than
+    the bf16 fit; the model is left as it was."""
+    e_plain, e_split, _, m = _fit_err(seed)
+    assert e_split * MIN_SPLIT_FIT_GAIN < e_plain, (e_plain, e_split)
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+    assert not any("forward" in mod.__dict__ for mod in m.modules())
+
+
+def test_fit_arithmetic_names_the_split():
+    from prism_select.precision import fit_arithmetic
+    m, _, _ = _setup()
+    assert fit_arithmetic(m, "split32") == "torch.bfloat16+split32"
+    assert fit_arithmetic(m, "residual32") == fit_arithmetic(m, "model") == "torch.bfloat16"
+    assert fit_arithmetic(m.double(), "split32") == "torch.float64"
+    with pytest.raises(ConfigError):
+        fit_arithmetic(m, "float16")
+
+
+@needs_cuda
+def test_split32_fit_on_gpu_graphed_matches_eager_and_float32(caplog):
+    """On the GPU, the split32 fit captured in CUDA graphs (not the eager fallback)
+    equals the eager one, and is closer to the float32 fit than the bf16 fit is."""
+    import logging
+    with caplog.at_level(logging.WARNING, logger="prism_select.graphs"):
+        e_plain, e_graphed, fit, m = _fit_err(0, "cuda", cuda_graphs="on")
+    assert "capture failed" not in caplog.text, caplog.text
+    assert e_graphed * MIN_SPLIT_FIT_GAIN < e_plain, (e_plain, e_graphed)
+    eager, graphed = fit(m, "split32", "off"), fit(m, "split32", "on")
+    mods = tracked_linear_modules(m)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    g = {n: torch.randn(mm.weight.shape, device="cuda", generator=gen) for n, mm in mods.items()}
+    a, b = eager.precondition(g), graphed.precondition(g)
+    worst = max(float((b[n] - a[n]).norm() / a[n].norm()) for n in a)
+    assert worst < SPLIT_FIT_REPLAY_TOL, worst

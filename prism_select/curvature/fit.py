@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from .. import distributed
 from ..data.tokenize import token_losses
 from ..fast import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears
-from ..precision import mm_acc, mm_acc_into
+from ..precision import fit_arithmetic, fit_policy, mm_acc, mm_acc_into
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
 from ..gradients import check_finite, has_bias, layer_shape
 from ..io import sha256_json
@@ -243,7 +243,7 @@ def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, 
 
 def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettings,
                   *, pad_id: int, device=None, progress: bool = True, timings: dict | None = None,
-                  cuda_graphs: str = "auto") -> Curvature:
+                  cuda_graphs: str = "auto", precision: str = "model") -> Curvature:
     """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples.
 
     Under ``torchrun`` (an initialised process group), each rank runs its share of the
@@ -253,8 +253,15 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     Fisher only; ``auto``: CUDA devices, models below ``graphs.AUTO_MAX_PARAMS``, and
     passes that replay each shape FIT_GRAPH_MIN_REPLAYS times) captures each padded
     fit-batch shape once and replays it (:mod:`prism_select.graphs`); the statistics are
-    the same sums.
+    the same sums. ``precision`` (``ScoreSettings.precision``): under ``split32`` the fit
+    computes as the scores do (:func:`prism_select.precision.fit_policy`).
     """
+    with fit_policy(model, precision):
+        return _fit(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
+                    timings=timings, cuda_graphs=cuda_graphs)
+
+
+def _fit(model, modules, encoded, settings, *, pad_id, device, progress, timings, cuda_graphs):
     import time
 
     device = device or next(model.parameters()).device
@@ -396,10 +403,10 @@ def _damping(settings: CurvatureSettings, eig: torch.Tensor) -> float:
 
 
 def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fingerprint: str,
-                  layers: list, max_length: int, weights_dtype: str) -> dict:
-    """What a saved curvature must match to be reused. ``weights_dtype`` is the dtype the
-    weights had during the fit (float32 under ``--precision split32``, which upcasts a
-    half-precision model for it; the fingerprint records the dtype as loaded)."""
+                  layers: list, max_length: int, arithmetic: str) -> dict:
+    """What a saved curvature must match to be reused. ``arithmetic`` is how the fit
+    computed (:func:`prism_select.precision.fit_arithmetic`: the weights' dtype, and
+    whether ``--precision split32`` was active)."""
     s = settings_dict(settings)
     s.pop("batch_size")  # does not change the result
     return {
@@ -408,15 +415,15 @@ def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fing
         "pool_fingerprint": pool_fingerprint,
         "layers_key": sha256_json(layers),
         "max_length": max_length,
-        "weights_dtype": weights_dtype,
+        "arithmetic": arithmetic,
     }
 
 
 def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_root,
                           model_fingerprint, pool_fingerprint, max_length, device=None, progress=True,
-                          cuda_graphs: str = "auto", timings: dict | None = None):
-    """Reuse a saved curvature whose settings and fingerprints match, else fit and save
-    (``timings``, if given, receives the fit's phases as in :func:`fit_curvature`).
+                          cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model"):
+    """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
+    and save (``timings`` and ``precision`` as in :func:`fit_curvature`).
 
     Returns ``(curvature, directory, reused)``.
     """
@@ -425,7 +432,7 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
     from ..errors import CacheError
 
     key = curvature_key(settings, model_fingerprint, pool_fingerprint, list(modules), max_length,
-                        str(next(model.parameters()).dtype))
+                        fit_arithmetic(model, precision))
     directory = Path(cache_root) / sha256_json(key)[:24]
     # Under torchrun the fit is collective: reuse only if every rank loads the saved copy
     # (a cache directory that is not shared by all nodes means fitting again).
@@ -439,7 +446,7 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
         log.info("reusing curvature from %s", directory)
         return cur, directory, True
     cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
-                        cuda_graphs=cuda_graphs, timings=timings)
+                        cuda_graphs=cuda_graphs, timings=timings, precision=precision)
     if settings.kind != "identity":
         cur.save(directory, key)  # collective under torchrun: each rank writes a share
     return cur, directory, False
