@@ -110,9 +110,11 @@ def float32_weights(model, enabled: bool = True):
     """Within the block, the half-precision parameters of ``model`` are float32 (the same
     values: bf16/fp16 -> float32 -> back is exact), so everything computed from them runs
     in float32; afterwards each is its original dtype again, bit for bit. Buffers (e.g.
-    rotary tables) are left alone. Used under ``split32`` for the target direction and the
-    curvature fit, which are one-off costs next to scoring. Peak memory: the weights in
-    float32 (twice their bf16 size) while the block runs."""
+    rotary tables) are left alone. Peak memory: the weights in float32 (twice their bf16
+    size) while the block runs. A reference for ``split32``'s direction and fit, which
+    session 4 ran this way (benchmarks' ``*_f32w`` routes); they now run in split
+    arithmetic instead (:func:`direction_policy`, :func:`fit_policy`), since float32
+    GEMMs have no tensor cores and the copy did not fit at 1.1B (docs/performance.md, run 12)."""
     params = [p for p in model.parameters() if p.dtype in HALF] if enabled else []
     dtypes = [p.dtype for p in params]
     for p in params:
