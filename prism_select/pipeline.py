@@ -104,9 +104,8 @@ class ScoreSettings:
         norms) in float32 while matmuls and attention stay in the model's dtype; split32
         computes every activation in float32, the linear layers as two half-precision
         GEMMs on a hi/lo split of their input: float32-accurate scores on tensor cores;
-        it also computes the target direction on the weights upcast to float32, and the
-        curvature fit with the same split arithmetic as the scores
-        (prism_select/precision.py, docs/performance.md).
+        the target direction and the curvature fit then run in the same arithmetic
+        (prism_select/precision.py, docs/performance.md, runs 11-12).
     """
 
     method: str = "prism"

@@ -19,9 +19,9 @@ Policies (``ScoreSettings.precision``; a no-op on float32/float64 models):
   included); every ``nn.Linear`` runs as :func:`split_linear`, two half-precision GEMMs
   on the float32 input split into ``hi + lo`` against the weights, which are exact in
   their own dtype, with float32 results: float32-accurate forwards on tensor cores. The
-  target direction runs on the weights upcast to float32 (:func:`direction_policy`,
-  :func:`float32_weights`; a few pairs, cheap); the curvature fit under ``split32``
-  itself (:func:`fit_policy`), its statistics formed on tensor cores.
+  target direction and the curvature fit run in the same arithmetic: the direction with
+  split cotangents and float32 weight gradients (:func:`direction_policy`), the fit with
+  its statistics formed on tensor cores (:func:`fit_policy`).
 
 The half-precision GEMMs with float32 accumulation and result (:func:`mm_acc`,
 :func:`mm_acc_into`) are shared with the curvature fit.
@@ -178,7 +178,7 @@ def fit_policy(model, precision: str):
     forwards and backwards run as the scores' do (:func:`split32`: float32 activations
     and cotangents, split GEMMs), and its statistics are formed from them rounded to the
     weights' dtype, on tensor cores (``fast._TapLinear``). Fitting on float32 weights
-    instead cost 5.4x the bf16 fit at 0.3B (docs/performance.md, run 12)."""
+    instead cost 5.5x the bf16 fit at 0.3B (docs/performance.md, run 12)."""
     check_precision(precision)
     return split32(model, precision == "split32")
 
@@ -353,7 +353,7 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, W, b):
         ctx.save_for_backward(x if W.requires_grad else None, W)
-        ctx.has_b, ctx.bias = b is not None, b
+        ctx.bias = b
         return split_linear(x, W, b)
 
     @staticmethod
@@ -370,8 +370,8 @@ class _SplitLinear(torch.autograd.Function):
                 _accumulate32(W, both[:, :K].add_(both[:, K:]))
             else:  # half-precision weight gradients, float32 accumulation
                 gW = mm_acc(g2.t().to(W.dtype), x2.to(W.dtype), torch.float32).to(W.dtype)
-        if ctx.has_b and ctx.needs_input_grad[2]:
-            b = ctx.bias
+        b = ctx.bias
+        if b is not None and ctx.needs_input_grad[2]:
             if hasattr(b, GRAD32):
                 _accumulate32(b, g2.sum(0))
             else:

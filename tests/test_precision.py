@@ -518,3 +518,28 @@ def test_split32_fit_on_gpu_graphed_matches_eager_and_float32(caplog):
     a, b = eager.precondition(g), graphed.precondition(g)
     worst = max(float((b[n] - a[n]).norm() / a[n].norm()) for n in a)
     assert worst < SPLIT_FIT_REPLAY_TOL, worst
+
+
+def test_float32_grads_accumulate_split_weight_and_bias_gradients():
+    """Under float32_grads a split linear layer's weight and bias gradients are formed
+    from split products and summed in float32 across backward passes (never in the bf16
+    ``.grad``), float32-accurate against float64."""
+    from torch import nn
+
+    from prism_select.gradients import weight_grad
+    from prism_select.precision import GRAD32, _SplitLinear, float32_grads
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(24, 16, bias=True).to(torch.bfloat16)
+    xs = [torch.randn(3, 7, 24, generator=g) for _ in range(2)]
+    ws = [torch.randn(3, 7, 16, generator=g) for _ in range(2)]
+    lin.requires_grad_(True)
+    with float32_grads(lin):
+        for x, w in zip(xs, ws):
+            (_SplitLinear.apply(x, lin.weight, lin.bias) * w).sum().backward()
+        got = weight_grad(lin)
+        assert got.dtype == torch.float32 and lin.weight.grad is None and lin.bias.grad is None
+    assert not hasattr(lin.weight, GRAD32) and not hasattr(lin.bias, GRAD32)
+    ref_w = sum(w.double().reshape(-1, 16).T @ x.double().reshape(-1, 24) for x, w in zip(xs, ws))
+    ref_b = sum(w.double().reshape(-1, 16).sum(0) for w in ws)
+    ref = torch.cat([ref_w, ref_b[:, None]], 1)
+    assert float((got.double() - ref).norm() / ref.norm()) < SPLIT_LINEAR_TOL
