@@ -2,17 +2,16 @@
 
 ``--precision split32`` makes the *scores* float32-accurate for a given ``v``. This script
 computes ``v = H^-1 g_KL`` on the embedded model from the bf16 weights in bf16 arithmetic
-(``--precision model``) and from the same weights in float32, and mixes the parts: each
-``v`` (bf16 or float32 ``g_KL``, bf16 or float32 EK-FAC fit, and ``g_KL`` from one batch,
-which removes the accumulation across batches in bf16 ``.grad``) scores the pool with
+(``--precision model``), in split32's arithmetic, and from the same weights in float32, and
+mixes the parts: each ``v`` (bf16, split32 or float32 ``g_KL`` and EK-FAC fit, and ``g_KL``
+from one batch, which removes the accumulation across batches in bf16 ``.grad``) scores the pool with
 float32 exact scoring and is compared with the all-float32 ``v``:
 
     python benchmarks/v_precision.py --pool benchdata/gsm8k_1100.jsonl --n 128 --targets 16 --json out.json
 
 Prints the relative errors of ``g_KL`` and ``v``, Spearman / top-5% overlap / relative
 error of each ranking, and the default pipeline (bf16 ``v``, bf16 scores) and the
-``--precision split32`` one (float32 ``g_KL``, split32 fit and scores) against the
-all-float32 one.
+``--precision split32`` one (its ``g_KL``, fit and scores) against the all-float32 one.
 """
 
 from __future__ import annotations
@@ -27,11 +26,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scoring import accuracy, batches_of, gsm8k_targets, load_embedded, read_gsm8k  # noqa: E402
+from bench_scoring import accuracy, gsm8k_targets, load_embedded, read_gsm8k  # noqa: E402
 
 from prism_select.curvature import CurvatureSettings, fit_curvature  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
-from prism_select.fast import ExactScorer, collate_to  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.precision import direction_policy  # noqa: E402
 from prism_select.preference import compute_preference  # noqa: E402
@@ -56,13 +54,11 @@ def rel_err(a: dict, ref: dict) -> float:
     return (num / sum(float(ref[n].double().norm() ** 2) for n in ref)) ** 0.5
 
 
-def exact_scores(model, V, enc, pad_id, batch, dev):
-    mods = tracked_linear_modules(model)
-    out = torch.full((len(enc),), float("nan"), dtype=torch.float64)
-    with ExactScorer(model, mods, {n: t.to(dev) for n, t in V.items()}) as sc:
-        for b in batches_of(enc, batch):
-            out[b] = sc.score(collate_to([enc[i] for i in b], pad_id, dev)).double().cpu()
-    return out
+def exact_scores(model, V, enc, pad_id, batch, dev, precision="model"):
+    """The library's exact scores (input order, float64) under ``precision``."""
+    return score_encoded(model, tracked_linear_modules(model), enc, {n: t.to(dev) for n, t in V.items()},
+                         pad_id=pad_id, batch_size=batch, progress=False, cuda_graphs="off",
+                         precision=precision).double().cpu()
 
 
 def main():
@@ -109,9 +105,7 @@ def main():
     s_default = exact_scores(model, vs["bf16 g_KL, bf16 fit (pipeline, --precision model)"], enc, pad_id, a.batch, dev)
     res["default_pipeline_vs_all_float32"] = accuracy(s_v32, s_default)
     v_split = vs["split32 g_KL and fit (--precision split32)"]
-    s_split = score_encoded(model, tracked_linear_modules(model), enc, {n: t.to(dev) for n, t in v_split.items()},
-                            pad_id=pad_id, batch_size=a.batch, progress=False, cuda_graphs="off",
-                            precision="split32").double().cpu()
+    s_split = exact_scores(model, v_split, enc, pad_id, a.batch, dev, "split32")
     res["split32_pipeline_vs_all_float32"] = accuracy(s_v32, s_split)
     res["seconds"] = time.perf_counter() - t
     print(json.dumps(res, indent=1))
