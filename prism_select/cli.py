@@ -58,6 +58,12 @@ def _add_score_args(p: argparse.ArgumentParser):
                         "stream in float32, matmuls unchanged); split32 (float32 activations, each linear layer as "
                         "two half-precision GEMMs on a hi/lo split: float32-accurate scores on tensor cores; the "
                         "target direction and the curvature fit run in the same arithmetic)")
+    g.add_argument("--max-gpu-memory", default=None, metavar="SIZE",
+                   help="cap on the GPU memory the run plans to use, e.g. 70GiB (default: the device's); "
+                        "the memory plan groups the curvature fit and lowers batch sizes to fit it")
+    g.add_argument("--cache-max-gb", type=float, default=None, metavar="GB",
+                   help="bound on the cache directory (least recently used entries are evicted; a larger "
+                        "artifact is used from memory, not cached); default: the free disk space")
     c = p.add_argument_group("curvature")
     c.add_argument("--curvature", default="ekfac", choices=list(KINDS))
     c.add_argument("--damping", type=float, default=None,
@@ -101,12 +107,15 @@ def _options(pairs: list) -> dict:
 def _score_settings(a):
     from .curvature import CurvatureSettings
     from .pipeline import ScoreSettings
+    from .plan import parse_bytes
     s = ScoreSettings(method=a.method, max_length=a.max_length, batch_size=a.batch_size, modules=a.modules,
                       skip_invalid=a.skip_invalid, chunk_size=a.chunk_size, overwrite=a.overwrite,
                       progress=not a.no_progress, seed=a.seed, method_options=_options(a.option),
                       scoring=getattr(a, "scoring", "exact"), stream=getattr(a, "stream", False),
                       cuda_graphs=getattr(a, "cuda_graphs", "auto"),
                       precision=getattr(a, "precision", "model"),
+                      max_gpu_memory=parse_bytes(getattr(a, "max_gpu_memory", None)),
+                      cache_max_gb=getattr(a, "cache_max_gb", None),
                       **({"fd_eps": a.fd_eps} if getattr(a, "fd_eps", None) is not None else {}),
                       **({"stream_window": a.stream_window} if getattr(a, "stream_window", None) is not None else {}))
     c = CurvatureSettings(kind=a.curvature, damping=a.damping, fisher=a.fisher, fit_examples=a.fit_examples,
@@ -317,7 +326,43 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(de)
     de.set_defaults(func=cmd_demo)
     _add_evaluation_parsers(sub)
+    _add_cache_parser(sub)
     return p
+
+
+def _add_cache_parser(sub):
+    ca = sub.add_parser("cache", help="list, prune or clear the cache (converted models, fitted curvature, ...)",
+                        epilog="example: prism-select cache prune --max-gb 50")
+    ca.add_argument("action", choices=["list", "prune", "clear"],
+                    help="list: every entry, least recently used first; prune: remove incomplete entries and "
+                         "the least recently used until --max-gb holds; clear: remove every entry (of --kind)")
+    ca.add_argument("--cache-dir", default=None, help="the cache (default $PRISM_SELECT_CACHE or ~/.cache/prism-select)")
+    ca.add_argument("--max-gb", type=float, default=None, help="prune: the size to bring the cache under")
+    ca.add_argument("--kind", default=None, help="clear: only this kind (curvature, models, less)")
+    ca.set_defaults(func=cmd_cache)
+
+
+def cmd_cache(a):
+    from . import cache
+    from .errors import ConfigError
+    from .model import ModelSettings
+    root = ModelSettings(cache_dir=a.cache_dir).resolved_cache_dir()
+    if a.action == "list":
+        es = cache.entries(root)
+        for e in es:
+            print(f"{e.kind:<10} {cache.format_size(e.size):>10}  {e.to_json()['last_used']}  "
+                  f"{'' if e.complete else '(incomplete) '}{e.path}")
+        print(f"{len(es)} entries, {cache.format_size(sum(e.size for e in es))} in {root}")
+        return
+    if a.action == "prune":
+        if a.max_gb is not None and not a.max_gb >= 0:
+            raise ConfigError("max_gb", f"must be >= 0, got {a.max_gb}")
+        gone = cache.prune(root, None if a.max_gb is None else int(a.max_gb * (1 << 30)))
+    else:
+        gone = cache.clear(root, a.kind)
+    left = cache.entries(root)
+    print(f"removed {len(gone)} entries ({cache.format_size(sum(e.size for e in gone))}); "
+          f"{len(left)} left ({cache.format_size(sum(e.size for e in left))}) in {root}")
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -52,6 +53,7 @@ from .io import (
     sha256_json,
 )
 from .model import LoadedModel, ModelSettings, load_model, tracked_linear_modules
+from .plan import MemoryPlan, make_plan, measure_example_bytes
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
 from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS, score_encoded, score_stream
@@ -105,7 +107,12 @@ class ScoreSettings:
         computes every activation in float32, the linear layers as two half-precision
         GEMMs on a hi/lo split of their input: float32-accurate scores on tensor cores;
         the target direction and the curvature fit then run in the same arithmetic
-        (prism_select/precision.py, docs/performance.md, runs 11-12).
+        (prism_select/precision.py, docs/performance.md).
+    max_gpu_memory: cap on the device memory the run plans to use, in bytes (None: what the
+        device has); see :mod:`prism_select.plan`. Does not change the scores.
+    cache_max_gb: bound on the cache directory's size; least recently used entries are
+        evicted to make room, and an artifact larger than the bound is not cached (None:
+        bounded by the free disk space only). Does not change the scores.
     """
 
     method: str = "prism"
@@ -124,6 +131,8 @@ class ScoreSettings:
     stream_window: int = DEFAULT_STREAM_WINDOW
     cuda_graphs: str = "auto"
     precision: str = "model"
+    max_gpu_memory: int | None = None
+    cache_max_gb: float | None = None
 
     def __post_init__(self):
         if self.scoring not in SCORINGS:
@@ -144,6 +153,12 @@ class ScoreSettings:
             raise ConfigError("method", f"unknown method {self.method!r}", f"use one of {', '.join(sorted(known))}")
         if self.stream_window < 1:
             raise ConfigError("stream_window", f"must be >= 1, got {self.stream_window}")
+        if self.max_gpu_memory is not None and not self.max_gpu_memory > 0:
+            raise ConfigError("max_gpu_memory", f"must be > 0 bytes, got {self.max_gpu_memory}",
+                              "pass e.g. --max-gpu-memory 70GiB, or leave it out")
+        if self.cache_max_gb is not None and not (self.cache_max_gb >= 0 and self.cache_max_gb < float("inf")):
+            raise ConfigError("cache_max_gb", f"must be a finite number >= 0, got {self.cache_max_gb}",
+                              "pass e.g. --cache-max-gb 50, or leave it out")
         if self.stream and self.method not in DIRECTION_METHODS:
             raise ConfigError("stream", f"method {self.method!r} needs the whole pool in memory; streaming "
                               f"scores only {', '.join(DIRECTION_METHODS)}",
@@ -266,31 +281,96 @@ class RunContext:
     timings: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     streamed: dict | None = None  # under stream: what score_stream returned, and the file it wrote
+    plan: MemoryPlan | None = None  # where each stage keeps what (prism_select.plan)
     _curvature: Curvature | None = None
 
     @property
     def pad_id(self) -> int:
         return self.lm.tokenizer.pad_token_id
 
-    def curvature(self) -> Curvature:
-        """The run's one curvature object, fitted (or loaded from cache) on first use."""
-        if self._curvature is None:
+    def curvature(self, on_group=None, groups: list | None = None) -> Curvature:
+        """The run's one curvature object, fitted (or loaded from cache) on first use, as
+        the memory plan says (groups of layers, where the fitted tensors are kept).
+        ``on_group(layers, part)`` sees each finished group; ``groups`` restricts a
+        transient fit to these groups (the others were finished before a resume)."""
+        if self._curvature is None or on_group is not None:
             t = time.perf_counter()
             cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
             fit = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
             phases: dict = {}
+            plan = self.plan
+            cs = self.curvature_settings
+            if plan is not None and plan.fit.get("batch_size"):
+                cs = replace(cs, batch_size=plan.fit["batch_size"])
+            store = plan.curvature_store if plan is not None else "device"
+            if groups is None:
+                groups = plan.fit_groups if plan is not None and plan.fit_groups else None
+            modules = self.modules
+            if groups is not None and store == "transient":
+                modules = {n: self.modules[n] for g in groups for n in g}
+            st = self.settings
+            max_bytes = None if st.cache_max_gb is None else int(st.cache_max_gb * (1 << 30))
             cur, directory, reused = load_or_fit_curvature(
-                self.lm.model, self.modules, fit, self.curvature_settings,
+                self.lm.model, modules, fit, cs,
                 pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
                 pool_fingerprint=encoded_fingerprint(fit),
-                max_length=self.settings.max_length, progress=self.settings.progress,
-                cuda_graphs=self.settings.cuda_graphs, timings=phases, precision=self.settings.precision)
-            self.timings["curvature_s"] = time.perf_counter() - t
-            self.info["curvature"] = {"kind": cur.kind, "path": str(directory), "reused": reused,
-                                      "damping": _summary(list(cur.damping.values())),
-                                      "phases_s": phases}  # factors / eigendecompositions / eigenvalues
+                max_length=st.max_length, progress=st.progress,
+                cuda_graphs=st.cuda_graphs, timings=phases, precision=st.precision,
+                groups=groups, store=store, on_group=on_group, cache_max_bytes=max_bytes)
+            dt = time.perf_counter() - t
+            self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
+            info = self.info.get("curvature", {})
+            merged = {k: phases.get(k, 0) + info.get("phases_s", {}).get(k, 0) for k in phases}
+            damping = list(cur.damping.values())
+            self.info["curvature"] = {"kind": cur.kind, "path": str(directory) if directory else None,
+                                      "reused": reused, "damping": _summary(damping), "store": store,
+                                      "groups": len(groups) if groups else 1,
+                                      "phases_s": merged}  # factors / eigendecompositions / eigenvalues
+            if on_group is not None:
+                return cur
             self._curvature = cur
         return self._curvature
+
+    def precondition(self, direction: dict, tag: str = "scores") -> dict:
+        """``v = H^-1 direction`` in the dtype the scores use (the model's), layer by layer on
+        the model's device. Under a ``transient`` memory plan each group of layers is
+        preconditioned as soon as its curvature is fitted and saved in ``.partial`` (a
+        resumed run fits only the groups not done)."""
+        dev = self.lm.device
+        vdt = self.lm.dtype
+
+        def finish(v: dict) -> dict:
+            return {n: t.to(dtype=vdt) for n, t in v.items()}
+
+        if self.plan is None or self.plan.curvature_store != "transient" or not self.plan.fit_groups:
+            return finish(self.curvature().precondition(direction, device=dev))
+        partial = self.out_dir / ".partial"
+        groups = self.plan.fit_groups
+        v: dict = {}
+        todo = []
+        for k, g in enumerate(groups):
+            f = partial / f"{tag}_v_group{k:04d}.safetensors"
+            if f.exists():
+                v.update(load_file(str(f)))
+            else:
+                todo.append(k)
+
+        def on_group(layers, part):
+            k = next(i for i in todo if groups[i] == list(layers))
+            got = finish(part.precondition({n: direction[n] for n in layers}, device=dev))
+            got = {n: t.to("cpu") for n, t in got.items()}
+            if distributed.is_main():
+                partial.mkdir(parents=True, exist_ok=True)
+                tmp = partial / f".{tag}_v_group{k:04d}.tmp"
+                save_file({n: t.contiguous() for n, t in got.items()}, str(tmp))
+                tmp.replace(partial / f"{tag}_v_group{k:04d}.safetensors")
+            v.update(got)
+
+        if todo:
+            self.curvature(on_group=on_group, groups=[groups[k] for k in todo])
+        if len(todo) < len(groups):
+            self.info.setdefault("curvature", {})["resumed_groups"] = len(groups) - len(todo)
+        return {n: v[n] for n in self.modules}
 
     def check_fast(self, v: dict, n: int = FAST_CHECK_EXAMPLES) -> dict:
         """Score a few pool examples (the curvature's fit examples under ``stream``) with
@@ -334,19 +414,22 @@ class RunContext:
             if "curvature" not in self.info and info_path.exists():
                 self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
         else:
-            v = self.curvature().precondition(direction)
+            v = self.precondition(direction, tag)
             if distributed.is_main():
                 partial.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(info_path, self.info["curvature"])
                 tmp = partial / f".{tag}_v.tmp"
                 save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
                 tmp.replace(v_path)
+                for f in partial.glob(f"{tag}_v_group*.safetensors"):
+                    f.unlink()
         st = self.settings
         if st.scoring != "exact" and tag not in self.info.get("fast_check", {}):
             self.info.setdefault("fast_check", {})[tag] = self.check_fast(v)
         t = time.perf_counter()
         stats: dict = {}
-        common = {"batch_size": st.batch_size, "chunk_size": st.chunk_size, "partial_dir": partial / tag,
+        batch = self.plan.scoring["batch_size"] if self.plan is not None and self.plan.scoring else st.batch_size
+        common = {"batch_size": batch, "chunk_size": st.chunk_size, "partial_dir": partial / tag,
                   "run_key": self.info.get("run_key"), "progress": st.progress, "scoring": st.scoring,
                   "fd_eps": st.fd_eps, "cuda_graphs": st.cuda_graphs, "precision": st.precision}
         if st.stream:
@@ -388,11 +471,15 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     if not ctx.inputs.pairs:
         raise ConfigError("targets", f"method {ctx.settings.method!r} needs target pairs", "pass --targets FILE")
     t = time.perf_counter()
+    d = ctx.plan.direction if ctx.plan is not None and ctx.plan.direction else {}
+    # split32 accumulates its float32 gradients itself (precision.float32_grads)
+    accumulate = d.get("accumulate", "device") if ctx.settings.precision != "split32" else "device"
     with direction_policy(ctx.lm.model, ctx.settings.precision):
         pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
                                   method=ctx.settings.method, pad_id=ctx.pad_id,
-                                  batch_size=ctx.settings.batch_size, progress=ctx.settings.progress,
-                                  ids=[p.id for p in ctx.inputs.pairs])
+                                  batch_size=d.get("batch_size", ctx.settings.batch_size),
+                                  progress=ctx.settings.progress, ids=[p.id for p in ctx.inputs.pairs],
+                                  accumulate=accumulate, store=d.get("store", "device"))
     ctx.timings["preference_s"] = time.perf_counter() - t
     ctx.info["pi"] = _summary(pref.pi.tolist())
     pairs = [{"id": p.id, "pi": float(pref.pi[i]), "margin": float(pref.margin[i]),
@@ -442,6 +529,28 @@ def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool):
         atomic_write_json(state, run_key)
 
 
+def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSettings,
+             curvature: CurvatureSettings) -> MemoryPlan:
+    """The run's memory plan (:mod:`prism_select.plan`), from one measured example of the
+    longest length among the pool, the fit sample and the target pairs; logged."""
+    examples = list(inputs.encoded) + list(inputs.fit_encoded or []) + list(inputs.chosen) + list(inputs.rejected)
+    longest = max(examples, key=lambda e: len(e.input_ids)) if examples else None
+    nbytes = 0
+    if longest is not None and lm.device.type == "cuda":
+        nbytes = measure_example_bytes(lm.model, longest, lm.tokenizer.pad_token_id, lm.device)
+    head = lm.model.get_output_embeddings() if hasattr(lm.model, "get_output_embeddings") else None
+    vocab = head.out_features if isinstance(head, torch.nn.Linear) else len(lm.tokenizer)
+    plan = make_plan(lm.model, modules, kind=curvature.kind, device=lm.device, batch_size=settings.batch_size,
+                     fit_batch_size=curvature.batch_size, example_bytes=nbytes,
+                     longest=len(longest.input_ids) if longest is not None else 1, vocab=vocab,
+                     max_gpu_memory=settings.max_gpu_memory)
+    if distributed.is_main():
+        log.info("%s", plan.describe())
+        if settings.progress and (plan.bounded and (len(plan.fit_groups) > 1 or plan.notes)):
+            print(plan.describe(), file=sys.stderr)
+    return plan
+
+
 def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_dir, settings: ScoreSettings | None = None,
                curvature: CurvatureSettings | None = None) -> dict:
     """Score every pool example and write ``scores.jsonl``, ``pairs.jsonl`` and ``run.json``.
@@ -475,14 +584,16 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     modules = tracked_linear_modules(lm.model, settings.modules)
     fingerprints = {"model": lm.fingerprint, "pool": inputs.pool_fingerprint,
                     "targets": encoded_fingerprint(inputs.chosen + inputs.rejected)}
-    run_key = {"settings": {k: v for k, v in asdict(settings).items() if k not in ("overwrite", "progress", "batch_size")},
+    plan = plan_run(lm, modules, inputs, settings, curvature)
+    run_key = {"settings": {k: v for k, v in asdict(settings).items()
+                            if k not in ("overwrite", "progress", "batch_size", "max_gpu_memory", "cache_max_gb")},
                "curvature": asdict(curvature), "fingerprints": fingerprints,
                "dtype": str(lm.dtype), "modules": sha256_json(list(modules))}
     if distributed.is_main():
         _prepare_out_dir(out_dir, run_key, settings.overwrite)
     distributed.barrier()
     ctx = RunContext(lm, modules, inputs, settings, curvature, out_dir, timings,
-                     info={"run_key": run_key})
+                     info={"run_key": run_key, "memory_plan": plan.to_json()}, plan=plan)
     scores, pairs = _method_fn(settings.method)(ctx)
     main = distributed.is_main()  # every rank holds the gathered scores; rank 0 writes them
     if ctx.streamed is None:

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from .data.tokenize import collate, token_losses
 from .errors import ConfigError
-from .gradients import check_finite, tracked_param_grad_mode, weight_grad
+from .gradients import check_finite, has_bias, tracked_param_grad_mode, weight_grad
 
 METHODS = ("prism", "equal", "unpaired")
 
@@ -54,12 +54,21 @@ def _mean_losses(model, encoded: list, pad_id: int, device) -> tuple[torch.Tenso
 
 def compute_preference(model, modules: dict, chosen: list, rejected: list, *, method: str = "prism",
                        pad_id: int, batch_size: int = 8, device=None, progress: bool = True,
-                       ids=None) -> Preference:
+                       ids=None, accumulate: str = "device", store: str = "device") -> Preference:
     """Margins, ``pi`` and the target direction for encoded pairs.
 
     ``chosen[i]`` / ``rejected[i]`` are the :class:`~prism_select.data.tokenize.Encoded`
-    ``(q, y+)`` and ``(q, y-)`` of pair ``i``. Gradients are accumulated over batches
-    of pairs, so memory is bounded by ``batch_size``.
+    ``(q, y+)`` and ``(q, y-)`` of pair ``i``. Per batch of pairs, the rejected responses'
+    losses are first computed without a graph (for the weights), then the chosen and the
+    rejected half are each differentiated on their own, so one forward's activations are
+    alive at a time; memory is bounded by ``batch_size``.
+
+    ``accumulate`` (the memory plan, :mod:`prism_select.plan`): ``device`` sums the
+    gradients in the tracked layers' ``.grad``; ``host`` moves each layer's gradient into a
+    float32 host accumulator as soon as autograd has formed it (one layer's gradient on
+    the device at a time). ``store``: where the finished direction is kept (``device``:
+    the model's device, ``host``), float32 for half-precision models, one layer at a time
+    taken out of ``.grad`` (no full copy next to the gradients).
     """
     if method not in METHODS:
         raise ConfigError("method", f"unknown target direction {method!r}", f"use one of {', '.join(METHODS)}")
@@ -68,19 +77,17 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
     device = device or next(model.parameters()).device
     Q = len(chosen)
     margins, pis, lcs, lrs, ws = [], [], [], [], []
-    with tracked_param_grad_mode(model, modules):
+    with tracked_param_grad_mode(model, modules), _HostAccumulator(modules, accumulate == "host") as host:
         starts = range(0, Q, batch_size)
         for s in tqdm(starts, desc=f"target direction ({method})", unit="batch", leave=False,
                       disable=not progress):
-            lc, _ = _mean_losses(model, chosen[s:s + batch_size], pad_id, device)
-            if method == "unpaired":  # y- is only reported (pi, margin), not differentiated
-                with torch.no_grad():
-                    lr, _ = _mean_losses(model, rejected[s:s + batch_size], pad_id, device)
-            else:
-                lr, _ = _mean_losses(model, rejected[s:s + batch_size], pad_id, device)
+            ch, rj = chosen[s:s + batch_size], rejected[s:s + batch_size]
             batch_ids = None if ids is None else ids[s:s + batch_size]
+            with torch.no_grad():
+                lr, _ = _mean_losses(model, rj, pad_id, device)
+            check_finite(lr, "the target loss (rejected)", record=batch_ids)
+            lc, _ = _mean_losses(model, ch, pad_id, device)
             check_finite(lc.detach(), "the target loss (chosen)", record=batch_ids)
-            check_finite(lr.detach(), "the target loss (rejected)", record=batch_ids)
             with torch.no_grad():
                 margin = (lr - lc).double()
                 pi = torch.sigmoid(margin)
@@ -91,17 +98,78 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
                 else:
                     w = torch.exp(-lc.double())
             # The direction is the gradient of sum_q w_q (lbar+ - lbar-) / |Q| with the
-            # weights held constant (for unpaired, of sum_q w_q lbar+ / |Q|).
-            diff = lc if method == "unpaired" else lc - lr
-            obj = (w.to(lc.dtype) * diff).sum() / Q
-            obj.backward()
+            # weights held constant (for unpaired, of sum_q w_q lbar+ / |Q|): the chosen
+            # half, then the rejected half, each with its own forward.
+            (w.to(lc.dtype) * lc).sum().div(Q).backward()
+            lc = lc.detach()
+            if method != "unpaired":  # y- is only reported (pi, margin), not differentiated
+                lr_g, _ = _mean_losses(model, rj, pad_id, device)
+                (w.to(lr_g.dtype) * lr_g).sum().div(-Q).backward()
+                del lr_g
             margins.append(margin)
             pis.append(pi)
-            lcs.append(lc.detach().double())
-            lrs.append(lr.detach().double())
+            lcs.append(lc.double())
+            lrs.append(lr.double())
             ws.append(w)
-        direction = {n: weight_grad(m).detach().clone() for n, m in modules.items()}
+        direction = host.result() if host.active else _take_grads(modules, store)
     for n, g in direction.items():
         check_finite(g, "the target direction", layer=n)
     cat = lambda xs: torch.cat([x.cpu() for x in xs])
     return Preference(cat(margins), cat(pis), cat(lcs), cat(lrs), cat(ws), direction, method)
+
+
+def _store_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _take_grads(modules: dict, store: str) -> dict:
+    """Each layer's gradient as one float32 (float64) matrix on the direction's store, taken
+    out of ``.grad`` layer by layer (the ``.grad`` is released as soon as it is copied)."""
+    out = {}
+    for n, m in modules.items():
+        g = weight_grad(m).detach()
+        dev = "cpu" if store == "host" else g.device
+        out[n] = g.to(device=dev, dtype=_store_dtype(g), copy=True)
+        del g
+        m.weight.grad = None
+        if has_bias(m):
+            m.bias.grad = None
+    return out
+
+
+class _HostAccumulator:
+    """Moves each tracked weight's (and bias's) gradient into a float32 host accumulator as
+    soon as autograd has accumulated it (``register_post_accumulate_grad_hook``), then
+    releases the device copy: one layer's gradient on the device at a time."""
+
+    def __init__(self, modules: dict, active: bool):
+        self.modules, self.active = modules, active
+        self.acc: dict = {}
+        self.handles: list = []
+
+    def __enter__(self):
+        if not self.active:
+            return self
+        for n, m in self.modules.items():
+            for p in (m.weight, m.bias) if has_bias(m) else (m.weight,):
+                self.acc[id(p)] = torch.zeros(p.shape, dtype=_store_dtype(p), device="cpu")
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook))
+        return self
+
+    def _hook(self, p):
+        self.acc[id(p)] += p.grad.to("cpu", dtype=self.acc[id(p)].dtype)
+        p.grad = None
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def result(self) -> dict:
+        out = {}
+        for n, m in self.modules.items():
+            g = self.acc.pop(id(m.weight))
+            if has_bias(m):
+                g = torch.cat([g, self.acc.pop(id(m.bias))[:, None]], dim=1)
+            out[n] = g
+        return out

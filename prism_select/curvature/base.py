@@ -86,27 +86,36 @@ class Curvature:
             return t[f"{name}::D"]
         raise ConfigError("curvature", "identity has no eigenvalues")
 
-    def precondition(self, grads: dict) -> dict:
-        """``H^-1 g`` layer by layer; ``grads[name]`` is an ``out x in'`` matrix."""
+    def precondition(self, grads: dict, device=None) -> dict:
+        """``H^-1 g`` layer by layer; ``grads[name]`` is an ``out x in'`` matrix. Each
+        layer is computed on ``device`` (default: where its gradient is; e.g. the GPU for
+        a direction or factors kept in host memory) and returned where its gradient was."""
         out = {}
         for name in self.layers:
             g = grads[name]
             if self.kind == "identity":
                 out[name] = g.clone()
                 continue
+            if self.kind == "diagonal" and f"{name}::D" not in self.tensors or \
+                    self.kind != "diagonal" and f"{name}::QA" not in self.tensors:
+                raise ConfigError("curvature", f"the fitted curvature of layer {name!r} was not kept "
+                                  "(a transient memory plan preconditions while it fits)",
+                                  "precondition through the run's context, or give the run more memory")
             lam = self.damping[name]
             t = self.tensors
+            dev = torch.device(device) if device is not None else g.device
             dt = torch.float64 if g.dtype == torch.float64 else torch.float32
-            gd = g.to(dt)
+            gd = g.to(device=dev, dtype=dt)
             if self.kind == "diagonal":
-                d = t[f"{name}::D"].to(device=g.device, dtype=dt)
-                out[name] = (gd / (d + lam)).to(g.dtype)
+                d = t[f"{name}::D"].to(device=dev, dtype=dt)
+                out[name] = (gd / (d + lam)).to(device=g.device, dtype=g.dtype)
                 continue
-            QA = t[f"{name}::QA"].to(device=g.device, dtype=dt)
-            QS = t[f"{name}::QS"].to(device=g.device, dtype=dt)
-            eig = self.eigenvalues(name).to(device=g.device, dtype=dt)
+            QA = t[f"{name}::QA"].to(device=dev, dtype=dt)
+            QS = t[f"{name}::QS"].to(device=dev, dtype=dt)
+            eig = self.eigenvalues(name).to(device=dev, dtype=dt)
             rot = QS.T @ gd @ QA
-            out[name] = (QS @ (rot / (eig + lam)) @ QA.T).to(g.dtype)
+            out[name] = (QS @ (rot / (eig + lam)) @ QA.T).to(device=g.device, dtype=g.dtype)
+            del QA, QS, eig, rot, gd
         return out
 
     # -- persistence ---------------------------------------------------------------
@@ -146,9 +155,10 @@ class Curvature:
         self.meta = full
 
     @classmethod
-    def load(cls, directory, expect: dict | None = None) -> "Curvature":
-        """Load a saved curvature; with ``expect``, refuse (CacheError) unless every
-        key of ``expect`` equals the saved metadata (settings and fingerprints)."""
+    def load(cls, directory, expect: dict | None = None, device=None) -> "Curvature":
+        """Load a saved curvature (onto ``device``, default the host); with ``expect``,
+        refuse (CacheError) unless every key of ``expect`` equals the saved metadata
+        (settings and fingerprints)."""
         d = Path(directory)
         meta_path = d / "curvature.json"
         if not meta_path.exists():
@@ -166,7 +176,7 @@ class Curvature:
                     "refusing to reuse it (fit again, or pass the matching model/pool/settings)")
         tensors: dict = {}
         for f in files:
-            tensors.update(load_file(str(d / f)))
+            tensors.update(load_file(str(d / f), device=str(device) if device is not None else "cpu"))
         return cls(meta["kind"], meta["layers"], tensors, meta["damping"], meta)
 
 

@@ -243,36 +243,73 @@ def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, 
 
 def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettings,
                   *, pad_id: int, device=None, progress: bool = True, timings: dict | None = None,
-                  cuda_graphs: str = "auto", precision: str = "model") -> Curvature:
+                  cuda_graphs: str = "auto", precision: str = "model", groups: list | None = None,
+                  store: str = "device", on_group=None) -> Curvature:
     """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples.
+
+    ``groups`` (lists of layer names covering ``modules``, from the memory plan,
+    :mod:`prism_select.plan`): the fit runs group by group, each with its own passes over
+    the fit batches, so only one group's factors are on the device at a time; the result
+    is the same as one group's (every factor of a layer depends only on that layer's
+    inputs and output gradients). ``store``: where each finished group's tensors go:
+    ``device`` (kept where they were computed), ``host`` (moved to host memory), or
+    ``transient`` (dropped after ``on_group``: the returned curvature holds only the
+    damping). ``on_group(layers, part)`` is called with each finished group as a
+    :class:`Curvature` of its layers (e.g. to precondition a direction with it).
 
     Under ``torchrun`` (an initialised process group), each rank runs its share of the
     fit batches and the statistics are summed across ranks (all-reduce) before each
     eigendecomposition, so every rank ends with the same curvature. ``timings``, if
-    given, receives ``factors_s``, ``eigh_s`` and ``lambda_s``. ``cuda_graphs`` (empirical
-    Fisher only; ``auto``: CUDA devices, models below ``graphs.AUTO_MAX_PARAMS``, and
-    passes that replay each shape FIT_GRAPH_MIN_REPLAYS times) captures each padded
-    fit-batch shape once and replays it (:mod:`prism_select.graphs`); the statistics are
-    the same sums. ``precision`` (``ScoreSettings.precision``): under ``split32`` the fit
-    computes as the scores do (:func:`prism_select.precision.fit_policy`).
+    given, receives ``factors_s``, ``eigh_s`` and ``lambda_s`` (summed over groups).
+    ``cuda_graphs`` (empirical Fisher only; ``auto``: CUDA devices, models below
+    ``graphs.AUTO_MAX_PARAMS``, and passes that replay each shape FIT_GRAPH_MIN_REPLAYS
+    times) captures each padded fit-batch shape once and replays it
+    (:mod:`prism_select.graphs`); the statistics are the same sums. ``precision``
+    (``ScoreSettings.precision``): under ``split32`` the fit computes as the scores do
+    (:func:`prism_select.precision.fit_policy`).
     """
-    with fit_policy(model, precision):
-        return _fit(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
-                    timings=timings, cuda_graphs=cuda_graphs)
-
-
-def _fit(model, modules, encoded, settings, *, pad_id, device, progress, timings, cuda_graphs):
-    import time
-
-    device = device or next(model.parameters()).device
+    if store not in ("device", "host", "transient"):
+        raise ValueError(f"unknown curvature store {store!r}")
     layers = list(modules)
+    groups = [list(g) for g in groups] if groups else [layers]
+    if sorted(n for g in groups for n in g) != sorted(layers):
+        raise ValueError("the fit groups must cover the tracked layers exactly once")
     timings = timings if timings is not None else {}
+    for k in ("factors_s", "eigh_s", "lambda_s"):
+        timings.setdefault(k, 0.0)
     if settings.kind == "identity":
-        return Curvature("identity", layers, {}, {n: 0.0 for n in layers})
+        cur = Curvature("identity", layers, {}, {n: 0.0 for n in layers})
+        if on_group is not None:
+            on_group(layers, cur)
+        return cur
+    device = device or next(model.parameters()).device
     idx = fit_indices(len(encoded), settings)
     batches = length_batches(encoded, idx, settings.batch_size)
+    tensors, damping = {}, {}
+    with fit_policy(model, precision):
+        for k, group in enumerate(groups):
+            tag = f" (group {k + 1}/{len(groups)})" if len(groups) > 1 else ""
+            sub = {n: modules[n] for n in group}
+            t, d = _fit_group(model, sub, encoded, batches, len(idx), settings, pad_id=pad_id, device=device,
+                              progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag)
+            if store == "host":
+                t = {name: x.to("cpu") for name, x in t.items()}
+            if on_group is not None:
+                on_group(group, Curvature(settings.kind, group, t, d))
+            damping.update(d)
+            if store != "transient":
+                tensors.update(t)
+            del t
+    return Curvature(settings.kind, layers, tensors, damping, meta={"store": store, "groups": len(groups)})
+
+
+def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id, device, progress, timings,
+               cuda_graphs, tag=""):
+    """The fit of one group of layers: ``(tensors, damping)`` as :class:`Curvature` holds them."""
+    import time
+
+    layers = list(modules)
     compute = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
-    n_examples = len(idx)
     tensors: dict = {}
     stats = _Stats(compute)
 
@@ -284,16 +321,18 @@ def _fit(model, modules, encoded, settings, *, pad_id, device, progress, timings
             torch.cuda.synchronize(device)
 
     if settings.kind == "diagonal":
+        t0 = time.perf_counter()
         D = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
         taps = {n: _DiagTap(m, stats, D[n]) for n, m in modules.items()}
         _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-                "curvature (diagonal)", progress, cuda_graphs, settings.batch_size)
+                "curvature (diagonal)" + tag, progress, cuda_graphs, settings.batch_size)
         distributed.all_reduce_sum(list(D.values()))
         for n in layers:
             tensors[f"{n}::D"] = D[n] / n_examples
             check_finite(tensors[f"{n}::D"], "the diagonal curvature", layer=n)
-        damping = {n: _damping(settings, tensors[f"{n}::D"]) for n in layers}
-        return Curvature("diagonal", layers, tensors, damping)
+        sync()
+        timings["factors_s"] += time.perf_counter() - t0
+        return tensors, {n: _damping(settings, tensors[f"{n}::D"]) for n in layers}
 
     # Pass 1: Kronecker factors.
     t0 = time.perf_counter()
@@ -301,13 +340,14 @@ def _fit(model, modules, encoded, settings, *, pad_id, device, progress, timings
     S = {n: zeros(layer_shape(m)[0], layer_shape(m)[0]) for n, m in modules.items()}
     taps = {n: _CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-            "curvature factors", progress, cuda_graphs, settings.batch_size)
+            "curvature factors" + tag, progress, cuda_graphs, settings.batch_size)
+    del taps
     n_tok = stats.n_tokens if stats.n_tokens is not None else torch.zeros((), device=device)
     n_tok = n_tok.to(compute).reshape(1)
     distributed.all_reduce_sum(list(A.values()) + list(S.values()) + [n_tok])
     n_tokens = int(round(float(n_tok)))
     sync()
-    timings["factors_s"] = time.perf_counter() - t0
+    timings["factors_s"] += time.perf_counter() - t0
     t0 = time.perf_counter()
     # Layers reading the same input have bitwise-identical A (one product per input in
     # the pass): group them by a fingerprint (one host sync), confirm with torch.equal,
@@ -328,19 +368,25 @@ def _fit(model, modules, encoded, settings, *, pad_id, device, progress, timings
         S[n] /= n_examples
         check_finite(A[n], "the activation covariance", layer=n)
         check_finite(S[n], "the gradient covariance", layer=n)
+    for n in layers:  # the duplicates' accumulators are not needed any more
+        if n != reps[group_of[n]]:
+            A[n] = None
     # Tasks: one eigh per distinct A and one per layer's S. Under torchrun they are
     # spread over the ranks by cost (~size^3, largest first), and each result is then
-    # broadcast by the rank that computed it.
+    # broadcast by the rank that computed it. Each factor is freed once decomposed.
     tasks = [("A", r) for r in reps] + [("S", n) for n in layers]
     where = distributed.balance([(A[n] if k == "A" else S[n]).shape[0] ** 3 for k, n in tasks])
     results, owners = {}, []
-    for (k, n), r in zip(tasks, where):
+    for (k, n), r in zip(tqdm(tasks, desc="eigendecompositions" + tag, unit="factor", leave=False,
+                              disable=not progress or not distributed.is_main()), where):
         M = A[n] if k == "A" else S[n]
         if r == distributed.rank():
             lam, Q = _eigh(M)
             lam, Q = lam.clamp(min=0).to(compute), Q.to(compute)
         else:
             lam, Q = M.new_empty(M.shape[0]), torch.empty_like(M)
+        (A if k == "A" else S)[n] = None
+        del M
         results[(k, n)] = (lam, Q)
         owners += [r, r]
     distributed.share_from_owners([t for kn in tasks for t in results[kn]], owners)
@@ -353,12 +399,11 @@ def _fit(model, modules, encoded, settings, *, pad_id, device, progress, timings
         tensors[f"{n}::lamS"], tensors[f"{n}::QS"] = results[("S", n)]
     del A, S, results
     sync()
-    timings["eigh_s"] = time.perf_counter() - t0
+    timings["eigh_s"] += time.perf_counter() - t0
 
     if settings.kind == "kfac":
         cur = Curvature("kfac", layers, tensors, {})
-        cur.damping = {n: _damping(settings, cur.eigenvalues(n)) for n in layers}
-        return cur
+        return tensors, {n: _damping(settings, cur.eigenvalues(n)) for n in layers}
 
     # Pass 2 (EK-FAC): eigenvalues corrected with per-example gradients in the eigenbasis.
     t0 = time.perf_counter()
@@ -366,18 +411,18 @@ def _fit(model, modules, encoded, settings, *, pad_id, device, progress, timings
     taps = {n: _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], group_of[n])
             for n, m in modules.items()}
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-            "curvature eigenvalues", progress, cuda_graphs, settings.batch_size)
+            "curvature eigenvalues" + tag, progress, cuda_graphs, settings.batch_size)
     del taps
     distributed.all_reduce_sum(list(Lam.values()))
     for n in layers:
         tensors[f"{n}::Lambda"] = Lam[n] / n_examples
         check_finite(tensors[f"{n}::Lambda"], "the EK-FAC eigenvalues", layer=n)
         del tensors[f"{n}::lamA"], tensors[f"{n}::lamS"]
+    del Lam
     sync()
-    timings["lambda_s"] = time.perf_counter() - t0
+    timings["lambda_s"] += time.perf_counter() - t0
     cur = Curvature("ekfac", layers, tensors, {})
-    cur.damping = {n: _damping(settings, cur.eigenvalues(n)) for n in layers}
-    return cur
+    return tensors, {n: _damping(settings, cur.eigenvalues(n)) for n in layers}
 
 
 def _eigh(M: torch.Tensor):
@@ -404,11 +449,14 @@ def _damping(settings: CurvatureSettings, eig: torch.Tensor) -> float:
 
 def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fingerprint: str,
                   layers: list, max_length: int, arithmetic: str) -> dict:
-    """What a saved curvature must match to be reused. ``arithmetic`` is how the fit
-    computed (:func:`prism_select.precision.fit_arithmetic`: the weights' dtype, and
-    whether ``--precision split32`` was active)."""
+    """What a saved curvature must match to be reused: exactly what determines the fitted
+    factors. The damping is applied when preconditioning (:func:`apply_damping`), so a new
+    ``--damping`` reuses the fit; the batch size does not change the sums. ``arithmetic``
+    is how the fit computed (:func:`prism_select.precision.fit_arithmetic`: the weights'
+    dtype, and whether ``--precision split32`` was active)."""
     s = settings_dict(settings)
-    s.pop("batch_size")  # does not change the result
+    for k in ("batch_size", "damping", "damping_factor"):
+        s.pop(k)
     return {
         "settings": s,
         "model_fingerprint": model_fingerprint,
@@ -419,16 +467,31 @@ def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fing
     }
 
 
+def apply_damping(cur: Curvature, settings: CurvatureSettings) -> Curvature:
+    """Set each layer's damping from ``settings`` (explicit, or the heuristic on the
+    layer's eigenvalues)."""
+    if cur.kind != "identity" and cur.tensors:
+        cur.damping = {n: _damping(settings, cur.eigenvalues(n)) for n in cur.layers}
+    return cur
+
+
 def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_root,
                           model_fingerprint, pool_fingerprint, max_length, device=None, progress=True,
-                          cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model"):
+                          cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model",
+                          groups: list | None = None, store: str = "device", on_group=None,
+                          cache_max_bytes: int | None = None):
     """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
-    and save (``timings`` and ``precision`` as in :func:`fit_curvature`).
+    and save it (``timings``, ``precision``, ``groups``, ``store`` and ``on_group`` as in
+    :func:`fit_curvature`; a reused curvature is handed to ``on_group`` whole).
 
+    The cache (:mod:`prism_select.cache`) is bounded by ``cache_max_bytes``: older entries
+    are evicted to make room, and a curvature larger than the bound, a ``transient`` one,
+    or one whose write fails (disk full) is not kept: the run goes on with it in memory.
     Returns ``(curvature, directory, reused)``.
     """
     from pathlib import Path
 
+    from .. import cache
     from ..errors import CacheError
 
     key = curvature_key(settings, model_fingerprint, pool_fingerprint, list(modules), max_length,
@@ -439,14 +502,33 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
     cur = None
     if settings.kind != "identity" and distributed.all_or_nothing((directory / "curvature.json").exists()):
         try:
-            cur = Curvature.load(directory, expect=key)
+            cur = Curvature.load(directory, expect=key, device="cpu" if store != "device" else device)
         except CacheError as exc:
             log.warning("%s; fitting again", exc)
     if distributed.all_or_nothing(cur is not None):
         log.info("reusing curvature from %s", directory)
+        cache.touch(directory)
+        apply_damping(cur, settings)
+        if on_group is not None:
+            on_group(list(cur.layers), cur)
         return cur, directory, True
     cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
-                        cuda_graphs=cuda_graphs, timings=timings, precision=precision)
-    if settings.kind != "identity":
-        cur.save(directory, key)  # collective under torchrun: each rank writes a share
-    return cur, directory, False
+                        cuda_graphs=cuda_graphs, timings=timings, precision=precision, groups=groups,
+                        store=store, on_group=on_group)
+    if settings.kind == "identity":
+        return cur, directory, False
+    if store == "transient":
+        log.info("the curvature was not kept (transient memory plan), so it is not cached")
+        return cur, None, False
+    size = sum(t.numel() * t.element_size() for t in cur.tensors.values())
+    root = Path(cache_root).parent
+    room = True
+    if distributed.is_main():
+        room = cache.make_room(root, size, cache_max_bytes, keep=[directory])
+        if not room:
+            log.warning("the fitted curvature (%s) does not fit the cache (--cache-max-gb, or the free disk "
+                        "space under %s): it is used from memory and not saved", cache.format_size(size), root)
+    if distributed.all_or_nothing(room):
+        saved = cache.guarded_write(directory, lambda: cur.save(directory, key), "the fitted curvature")
+        return cur, directory if saved else None, False
+    return cur, None, False

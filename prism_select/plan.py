@@ -1,0 +1,393 @@
+"""The memory plan: where each stage of a run keeps what, decided before any work.
+
+A run holds on its device, besides the model's weights ``W``:
+
+=============  ==========================================================================
+stage          what it adds
+=============  ==========================================================================
+direction      the tracked layers' gradients (model dtype), one batch of target pairs'
+               activations and logits; the finished direction (float32) goes layer by
+               layer to the *direction store* (the device, or host memory)
+fit, pass 1    the float32 factors ``A`` (in' x in') and ``S`` (out x out) of one *group*
+               of layers, one fit batch's activations
+eigh           the largest factor's eigendecomposition workspace
+fit, pass 2    (EK-FAC) ``Q_A``, ``Q_S`` in the model's dtype and ``Lambda`` (float32,
+               out x in') of the group, and one batch of rotated per-example gradients
+scoring        ``V`` (the preconditioned direction, model dtype) and one batch
+=============  ==========================================================================
+
+Activations are *measured*: one forward and activation backward of the longest example
+(batch of one), scaled by the batch size. The plan then
+
+- splits the tracked layers into contiguous groups (whole decoder blocks where they fit)
+  whose pass-1 factors fit next to the weights: the fit runs group by group, two passes
+  over the fit sample per group (:func:`prism_select.curvature.fit.fit_curvature`);
+- chooses where the fitted curvature lives (``curvature_store``): ``device`` when every
+  group's factors fit there at once (one group, as without a plan), ``host`` when they fit
+  in ``HOST_FRACTION`` of the host's available memory (moved there group by group and
+  brought back a layer at a time to precondition), else ``transient``: each group's
+  factors precondition the run's direction as soon as they are fitted and are dropped
+  (``v`` is kept; nothing is cached, and a second direction means a second fit);
+- chooses where the target direction accumulates (``device`` ``.grad``, or ``host``:
+  each layer's gradient is moved to a float32 host accumulator as soon as autograd
+  finishes it) and where the finished direction is kept;
+- lowers a stage's batch size when one batch does not fit, and records it;
+- raises :class:`PlanError` in seconds, before the first pass, when even one layer per
+  group or one example per batch does not fit, saying what would.
+
+On the CPU nothing is bounded (one group, everything in host memory); the plan still
+records the estimates. ``max_gpu_memory`` caps the usable device memory below what the
+device has free (for a GPU shared with other work).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .errors import PrismError
+from .gradients import layer_shape
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+#: device memory kept free for the CUDA context, allocator fragmentation and library
+#: workspaces (cuBLAS, cuSOLVER) that the estimates do not count
+HEADROOM_BYTES = 3 * GiB
+#: measured activation bytes are scaled by this before planning (length-bucketed
+#: padding and allocator rounding make real batches a little larger than the probe)
+ACTIVATION_SAFETY = 1.25
+#: float32 ``n x n`` buffers alive during one eigendecomposition (input, eigenvectors,
+#: solver workspace)
+EIGH_BUFFERS = 4
+#: share of the host's available memory the fitted curvature may take under ``host``
+HOST_FRACTION = 0.6
+STORES = ("device", "host", "transient")
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+class PlanError(PrismError):
+    """The run cannot fit the device's memory as configured; the message says what would."""
+
+
+def _gib(b: float) -> str:
+    from .cache import format_size
+    return format_size(b)
+
+
+def parse_bytes(text, what: str = "max_gpu_memory") -> int | None:
+    """``"70GiB"``, ``"70GB"``, ``"70G"`` or a plain number of GiB -> bytes (None -> None)."""
+    from .errors import ConfigError
+    if text is None:
+        return None
+    if isinstance(text, (int, float)):
+        value = float(text) * GiB
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(gib|gb|g|mib|mb|m)?\s*", str(text).lower())
+        if not m:
+            raise ConfigError(what, f"cannot read {text!r} as a memory size", "write e.g. 70GiB, 70GB or 70")
+        unit = m.group(2) or "gib"
+        scale = {"gib": GiB, "g": GiB, "gb": 10 ** 9, "mib": 1 << 20, "m": 1 << 20, "mb": 10 ** 6}[unit]
+        value = float(m.group(1)) * scale
+    if not value > 0:
+        raise ConfigError(what, f"must be > 0, got {text!r}")
+    return int(value)
+
+
+def host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else the physical memory size."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+# ----------------------------------------------------------------------------- sizes
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def pass1_bytes(out: int, inp: int, acc: int = 4) -> int:
+    """Float32 (or float64) factors ``A`` and ``S`` of one layer."""
+    return acc * (out * out + inp * inp)
+
+
+def pass2_bytes(out: int, inp: int, half: int, acc: int = 4) -> int:
+    """Pass 2 (EK-FAC): ``Q_A``, ``Q_S`` in the model's dtype and ``Lambda``."""
+    return half * (out * out + inp * inp) + acc * out * inp
+
+
+def stored_bytes(kind: str, out: int, inp: int, acc: int = 4) -> int:
+    """The fitted tensors of one layer as kept after the fit."""
+    if kind == "ekfac":
+        return acc * (out * out + inp * inp + out * inp)
+    if kind == "kfac":
+        return acc * (out * out + inp * inp + out + inp)
+    if kind == "diagonal":
+        return acc * out * inp
+    return 0
+
+
+def units(names: list) -> list:
+    """Consecutive tracked layers of one decoder block (``...layers.7.``) as one unit, so a
+    group boundary falls between blocks and layers reading one input stay together."""
+    out, key = [], None
+    for n in names:
+        m = _BLOCK.match(n)
+        k = m.group(1) if m else n
+        if out and k == key:
+            out[-1].append(n)
+        else:
+            out.append([n])
+            key = k
+    return out
+
+
+def make_groups(names: list, cost: dict, budget: int) -> list | None:
+    """Contiguous groups of ``names`` whose summed ``cost`` stays within ``budget`` (whole
+    units where one fits, single layers otherwise); None if one layer alone does not fit."""
+    groups, cur, used = [], [], 0
+    for unit in units(names):
+        c = sum(cost[n] for n in unit)
+        pieces = [unit] if c <= budget else [[n] for n in unit]
+        for piece in pieces:
+            pc = sum(cost[n] for n in piece)
+            if pc > budget:
+                return None
+            if cur and used + pc > budget:
+                groups.append(cur)
+                cur, used = [], 0
+            cur = cur + piece
+            used += pc
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+# ----------------------------------------------------------------------------- probe
+
+def measure_example_bytes(model, example, pad_id: int, device) -> int:
+    """Peak device memory of one forward + activation backward of ``example`` (batch of
+    one) above what was allocated before, as the fit and the scores run it."""
+    from .fast import batch_losses, causal_only, collate_to, split_causal_lm
+    from .gradients import activation_grad_mode
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return 0
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    b = collate_to([example], pad_id, dev)
+    with activation_grad_mode(model), torch.enable_grad():
+        losses, _ = batch_losses(model, causal_only(b), split=split_causal_lm(model))
+        losses.sum().backward()
+    del losses, b
+    torch.cuda.synchronize(dev)
+    return max(torch.cuda.max_memory_allocated(dev) - base, 0)
+
+
+# ----------------------------------------------------------------------------- plan
+
+@dataclass
+class MemoryPlan:
+    """Where a run keeps what (see the module docstring). Sizes in bytes."""
+
+    device: str
+    bounded: bool  # False on the CPU: nothing is limited, the sizes are estimates
+    usable: int | None  # device bytes the run may use (after HEADROOM_BYTES)
+    weights: int  # device bytes allocated when planning (the model)
+    example_activations: int  # measured: one example of the longest length
+    direction: dict = field(default_factory=dict)  # accumulate, store, batch_size, peak
+    fit: dict = field(default_factory=dict)  # groups, batch_size, peak, factor bytes
+    curvature_store: str = "device"
+    scoring: dict = field(default_factory=dict)  # batch_size, peak
+    peak: int = 0
+    notes: list = field(default_factory=list)
+
+    @property
+    def fit_groups(self) -> list:
+        return self.fit.get("groups") or []
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["fit"] = {k: v for k, v in d["fit"].items() if k != "groups"}
+        d["fit"]["group_sizes"] = [len(g) for g in self.fit_groups]
+        d["fit"]["groups"] = [[g[0], g[-1]] for g in self.fit_groups]  # first and last layer
+        return d
+
+    def describe(self) -> str:
+        """A few lines for the console."""
+        cap = _gib(self.usable) if self.usable is not None else "unbounded"
+        lines = [f"memory plan on {self.device} (usable {cap}; weights {_gib(self.weights)}; "
+                 f"expected peak {_gib(self.peak)})"]
+        d, f, s = self.direction, self.fit, self.scoring
+        if d:
+            lines.append(f"  direction: gradients accumulate on the {d['accumulate']}, kept on the "
+                         f"{d['store']}, batch {d['batch_size']}, peak {_gib(d['peak'])}")
+        if f.get("groups"):
+            lines.append(f"  fit: {len(f['groups'])} group(s) of layers, batch {f['batch_size']}, "
+                         f"peak {_gib(f['peak'])}; curvature ({_gib(f['stored_bytes'])}) kept on the "
+                         f"{self.curvature_store}")
+        if s:
+            lines.append(f"  scoring: batch {s['batch_size']}, peak {_gib(s['peak'])}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _suggestions(n_layers: int, what: str) -> str:
+    return ("what would fit: a PEFT adapter (--adapter; its LoRA matrices are then the tracked layers), "
+            f"fewer tracked layers (--modules REGEX ...; now {n_layers}), a smaller --batch-size or "
+            f"--max-length, or a GPU with more memory ({what})")
+
+
+def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_batch_size: int,
+              example_bytes: int, longest: int, vocab: int, max_gpu_memory: int | None = None,
+              gpu_total: int | None = None, host_available: int | None = None,
+              weights: int | None = None) -> MemoryPlan:
+    """The plan for one run; :class:`PlanError` if it cannot fit.
+
+    ``example_bytes``: measured activation bytes of one example of ``longest`` tokens
+    (:func:`measure_example_bytes`); ``gpu_total``: the device's memory (default: asked
+    from CUDA); ``host_available``: host bytes free (default: /proc/meminfo); ``weights``:
+    device bytes already taken (default: what CUDA has allocated, i.e. the model).
+    """
+    dev = torch.device(device)
+    names = list(modules)
+    shapes = {n: layer_shape(m) for n, m in modules.items()}
+    p0 = next(model.parameters())
+    half = _elem(p0.dtype)
+    acc = 8 if p0.dtype == torch.float64 else 4
+    tracked = sum(o * i for o, i in shapes.values())
+    largest = max(o * i for o, i in shapes.values())
+    p1 = {n: pass1_bytes(o, i, acc) for n, (o, i) in shapes.items()}
+    p2 = {n: pass2_bytes(o, i, half, acc) for n, (o, i) in shapes.items()}
+    stored = {n: stored_bytes(kind, o, i, acc) for n, (o, i) in shapes.items()}
+    max_dim = max(max(o, i) for o, i in shapes.values())
+    host_available = host_available if host_available is not None else host_available_bytes()
+    bounded = dev.type == "cuda"
+    if bounded:
+        weights = weights if weights is not None else torch.cuda.memory_allocated(dev)
+        total = gpu_total if gpu_total is not None else torch.cuda.get_device_properties(dev).total_memory
+        cap = min(total, max_gpu_memory) if max_gpu_memory else total
+        usable = cap - HEADROOM_BYTES
+    else:
+        weights = weights if weights is not None else sum(p.numel() * p.element_size() for p in model.parameters())
+        usable = None
+    act1 = int(example_bytes * ACTIVATION_SAFETY)
+
+    def fits(b: int) -> bool:
+        return usable is None or b <= usable
+
+    def act(bs: int) -> int:
+        return act1 * bs
+
+    def largest_batch(need, start: int) -> int | None:
+        bs = start
+        while bs >= 1:
+            if fits(need(bs)):
+                return bs
+            bs //= 2
+        return None
+
+    plan = MemoryPlan(device=str(dev), bounded=bounded, usable=usable, weights=weights,
+                      example_activations=example_bytes)
+
+    # direction: the gradients of the tracked layers, one batch of pairs (activations +
+    # full logits in the model's dtype and float32), then one layer converted to float32
+    logits = lambda bs: bs * longest * vocab * (half + 2 * acc)  # noqa: E731
+    grads_dev = tracked * half
+    for accumulate, grads in (("device", grads_dev), ("host", 2 * largest * acc)):
+        need = lambda bs, g=grads: weights + g + act(bs) + logits(bs) + largest * acc  # noqa: E731
+        bs = largest_batch(need, batch_size)
+        if bs is not None:
+            break
+    else:
+        raise PlanError(f"the target direction does not fit on {dev}: the weights take {_gib(weights)} of "
+                        f"{_gib(usable)} usable and one pair of {longest} tokens needs {_gib(need(1) - weights)} "
+                        f"more; " + _suggestions(len(names), "or --max-gpu-memory if it caps below the device"))
+    dir_store = "device" if fits(weights + tracked * acc + act(1)) and accumulate == "device" else "host"
+    if not bounded:
+        dir_store = "device"
+    plan.direction = {"accumulate": accumulate, "store": dir_store, "batch_size": bs, "peak": need(bs)}
+    if bs < batch_size:
+        plan.notes.append(f"target pairs in batches of {bs} (not {batch_size}) to fit the device")
+
+    # scoring: V in the model's dtype next to the weights
+    v_bytes = tracked * half
+    need_s = lambda bs: weights + v_bytes + act(bs)  # noqa: E731
+    sbs = largest_batch(need_s, batch_size)
+    if sbs is None:
+        raise PlanError(f"scoring does not fit on {dev}: the weights ({_gib(weights)}) and the preconditioned "
+                        f"direction ({_gib(v_bytes)}) leave no room for one example of {longest} tokens within "
+                        f"{_gib(usable)}; " + _suggestions(len(names), "the preconditioned direction is as large "
+                                                          "as the tracked weights"))
+    plan.scoring = {"batch_size": sbs, "peak": need_s(sbs), "v_bytes": v_bytes}
+    if sbs < batch_size:
+        plan.notes.append(f"scoring in batches of {sbs} (not {batch_size}) to fit the device")
+
+    # curvature fit
+    if kind == "identity":
+        plan.curvature_store = "device"
+        plan.fit = {"groups": [], "batch_size": fit_batch_size, "peak": 0, "stored_bytes": 0}
+    else:
+        total_stored = sum(stored.values())
+        eigh = EIGH_BUFFERS * acc * max_dim * max_dim if kind in ("ekfac", "kfac") else 0
+        rot = lambda bs: bs * largest * (half + acc) if kind in ("ekfac", "diagonal") else 0  # noqa: E731
+        cost = {n: max(p1[n], p2[n]) if kind == "ekfac" else (stored[n] if kind == "diagonal" else p1[n])
+                for n in names}
+        fbs, groups = fit_batch_size, None
+        while fbs >= 1:
+            room = None if usable is None else usable - weights - act(fbs) - max(eigh, rot(fbs))
+            if room is None:
+                groups = [names]
+                break
+            if room > 0:
+                # everything at once (and kept there), as without a plan
+                if sum(cost.values()) + total_stored <= room and fits(weights + total_stored + v_bytes + act(sbs)):
+                    groups = [names]
+                    break
+                groups = make_groups(names, cost, room)
+                if groups is not None:
+                    break
+            fbs //= 2
+        if groups is None:
+            worst = max(names, key=lambda n: cost[n])
+            raise PlanError(f"the curvature fit does not fit on {dev}: layer {worst!r} alone needs "
+                            f"{_gib(cost[worst])} of factors next to the weights ({_gib(weights)}) within "
+                            f"{_gib(usable)}; " + _suggestions(len(names), "or --curvature diagonal / identity"))
+        if len(groups) == 1 and bounded and fits(weights + total_stored + v_bytes + act(sbs)):
+            store = "device"
+        elif not bounded:
+            store = "device"
+        elif total_stored <= HOST_FRACTION * host_available:
+            store = "host"
+        else:
+            store = "transient"
+            plan.notes.append(f"the fitted curvature ({_gib(total_stored)}) fits neither the device nor "
+                              f"{HOST_FRACTION:.0%} of the host's {_gib(host_available)} available: each group "
+                              "preconditions the direction and is dropped (not cached)")
+        plan.curvature_store = store
+        gpeak = max(sum(cost[n] for n in g) for g in groups)
+        fit_peak = weights + act(fbs) + gpeak + max(eigh, rot(fbs)) + (total_stored if store == "device" else 0)
+        plan.fit = {"groups": groups, "batch_size": fbs, "peak": fit_peak, "stored_bytes": total_stored,
+                    "largest_factor": max_dim}
+        if fbs < fit_batch_size:
+            plan.notes.append(f"curvature fit in batches of {fbs} (not {fit_batch_size}) to fit the device")
+        if len(groups) > 1:
+            plan.notes.append(f"the fit runs in {len(groups)} groups of layers: two passes over the fit "
+                              "sample per group")
+    plan.peak = max(plan.direction["peak"], plan.scoring["peak"], plan.fit.get("peak", 0))
+    return plan

@@ -1,0 +1,257 @@
+"""Running at scale: the memory plan, the grouped curvature fit, the target direction
+accumulated in host memory, the transient (precondition-as-you-fit) route, and the cache.
+
+Every route is checked against the ungrouped, on-device computation in float64 on a
+tiny Llama (the float64 references of test_numerics.py check that one)."""
+
+import errno
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from prism_select import cache
+from prism_select.curvature import CurvatureSettings, fit_curvature
+from prism_select.data.tokenize import encode
+from prism_select.plan import GiB, PlanError, make_groups, make_plan, parse_bytes, units
+from prism_select.preference import compute_preference
+
+GROUP_TOL = 1e-10  # float64: a grouped fit sums the same statistics in the same order
+HOST_TOL = 1e-12  # float64: host and device accumulation differ only in summation order
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture
+def encoded_pool(tok, pool_examples):
+    return [encode(tok, p, r) for p, r in pool_examples]
+
+
+@pytest.fixture
+def encoded_pairs(tok, pair_examples):
+    return ([encode(tok, q, c) for q, c, _ in pair_examples], [encode(tok, q, r) for q, _, r in pair_examples])
+
+
+def _three_groups(modules):
+    names = list(modules)
+    return [names[:3], names[3:9], names[9:]]
+
+
+@pytest.mark.parametrize("kind", ["ekfac", "kfac", "diagonal"])
+@pytest.mark.parametrize("store", ["device", "host"])
+def test_grouped_fit_equals_one_group(model, modules, tok, encoded_pool, kind, store):
+    s = CurvatureSettings(kind=kind, batch_size=3)
+    one = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False)
+    grouped = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False,
+                            groups=_three_groups(modules), store=store)
+    assert set(grouped.tensors) == set(one.tensors)
+    for k, t in one.tensors.items():
+        if k.endswith("::QA") or k.endswith("::QS"):  # eigenvectors up to sign: compare projectors
+            g = grouped.tensors[k]
+            assert rel_err(g @ g.T, t @ t.T) <= GROUP_TOL, k
+        else:
+            assert rel_err(grouped.tensors[k], t) <= GROUP_TOL, k
+        assert grouped.tensors[k].device.type == "cpu"
+    assert grouped.damping == pytest.approx(one.damping, rel=GROUP_TOL)
+    g = {n: torch.randn(*one.eigenvalues(n).shape, dtype=torch.float64) for n in modules}
+    a, b = one.precondition(g), grouped.precondition(g)
+    for n in modules:
+        assert rel_err(b[n], a[n]) <= GROUP_TOL
+
+
+def test_transient_fit_preconditions_group_by_group(model, modules, tok, encoded_pool):
+    s = CurvatureSettings(kind="ekfac", batch_size=4)
+    one = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False)
+    g = {n: torch.randn(*one.eigenvalues(n).shape, dtype=torch.float64) for n in modules}
+    seen, v = [], {}
+
+    def on_group(layers, part):
+        seen.append(list(layers))
+        v.update(part.precondition({n: g[n] for n in layers}))
+
+    cur = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False,
+                        groups=_three_groups(modules), store="transient", on_group=on_group)
+    assert seen == _three_groups(modules)
+    assert cur.tensors == {} and set(cur.damping) == set(modules)
+    ref = one.precondition(g)
+    for n in modules:
+        assert rel_err(v[n], ref[n]) <= GROUP_TOL
+    with pytest.raises(Exception, match="not kept"):
+        cur.precondition(g)
+
+
+def test_fit_groups_must_cover_the_layers(model, modules, tok, encoded_pool):
+    names = list(modules)
+    with pytest.raises(ValueError, match="cover"):
+        fit_curvature(model, modules, encoded_pool, CurvatureSettings(), pad_id=tok.pad_token_id,
+                      progress=False, groups=[names[:2]])
+
+
+@pytest.mark.parametrize("method", ["prism", "equal", "unpaired"])
+def test_direction_accumulated_in_host_memory(model, modules, tok, encoded_pairs, method):
+    chosen, rejected = encoded_pairs
+    dev = compute_preference(model, modules, chosen, rejected, pad_id=tok.pad_token_id, batch_size=2,
+                             method=method)
+    host = compute_preference(model, modules, chosen, rejected, pad_id=tok.pad_token_id, batch_size=2,
+                              method=method, accumulate="host", store="host")
+    for n in modules:
+        assert host.direction[n].device.type == "cpu"
+        assert rel_err(host.direction[n], dev.direction[n]) <= HOST_TOL
+    assert torch.equal(host.pi, dev.pi)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_direction_with_bias_in_host_memory(tok, encoded_pairs):
+    from tiny import tiny_llama
+    m = tiny_llama(len(tok))
+    m.config.attention_bias = True
+    for layer in m.model.layers:  # give the attention projections a bias
+        for name in ("q_proj", "k_proj", "v_proj"):
+            lin = getattr(layer.self_attn, name)
+            lin.bias = torch.nn.Parameter(torch.randn(lin.out_features, dtype=torch.float64))
+    mods = {n: x for n, x in m.named_modules() if isinstance(x, torch.nn.Linear) and ".layers." in n}
+    chosen, rejected = encoded_pairs
+    a = compute_preference(m, mods, chosen, rejected, pad_id=tok.pad_token_id, batch_size=2)
+    b = compute_preference(m, mods, chosen, rejected, pad_id=tok.pad_token_id, batch_size=2, accumulate="host")
+    for n in mods:
+        assert b.direction[n].shape == a.direction[n].shape
+        assert rel_err(b.direction[n], a.direction[n]) <= HOST_TOL
+
+
+# ----------------------------------------------------------------------------- plan
+
+def test_units_keep_decoder_blocks_together():
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj",
+             "model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"]
+    assert units(names) == [names[:2], names[2:4], names[4:]]
+    cost = {n: 1 for n in names}
+    assert make_groups(names, cost, 4) == [names[:4], names[4:]]
+    assert make_groups(names, cost, 2) == [names[:2], names[2:4], names[4:]]
+    assert make_groups(names, cost, 1) == [[n] for n in names]  # blocks split when one does not fit
+    assert make_groups(names, {**cost, "lm_head": 5}, 4) is None
+
+
+def test_parse_bytes():
+    assert parse_bytes("70GiB") == 70 * GiB
+    assert parse_bytes("1.5g") == int(1.5 * GiB)
+    assert parse_bytes("80GB") == 80 * 10 ** 9
+    assert parse_bytes(2) == 2 * GiB
+    assert parse_bytes(None) is None
+    with pytest.raises(Exception, match="max_gpu_memory"):
+        parse_bytes("lots")
+
+
+def _plan(model, modules, total_gib, weights_gib=0.0, example=1 << 20, host_gib=1000, **kw):
+    return make_plan(model, modules, kind=kw.pop("kind", "ekfac"), device="cuda", batch_size=8,
+                     fit_batch_size=8, example_bytes=example, longest=64, vocab=100,
+                     gpu_total=int(total_gib * GiB), weights=int(weights_gib * GiB),
+                     host_available=int(host_gib * GiB), **kw)
+
+
+def test_plan_groups_the_fit_only_when_needed(model, modules):
+    roomy = _plan(model, modules, 100)
+    assert roomy.fit_groups == [list(modules)] and roomy.curvature_store == "device"
+    assert roomy.direction["accumulate"] == "device" and roomy.scoring["batch_size"] == 8
+    # a device whose usable memory holds about 60% of the (tiny) factors next to 8 examples
+    from prism_select.gradients import layer_shape
+    from prism_select.plan import ACTIVATION_SAFETY, EIGH_BUFFERS, HEADROOM_BYTES, pass1_bytes, pass2_bytes
+    shapes = [layer_shape(m) for m in modules.values()]
+    factors = sum(max(pass1_bytes(o, i, 8), pass2_bytes(o, i, 8, 8)) for o, i in shapes)
+    work = max(EIGH_BUFFERS * 8 * max(max(s) for s in shapes) ** 2, 8 * max(o * i for o, i in shapes) * 16)
+    usable = int(HEADROOM_BYTES + 8 * (1 << 10) * ACTIVATION_SAFETY + work + 0.6 * factors)
+    tight = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
+                      example_bytes=1 << 10, longest=1, vocab=1, gpu_total=usable, weights=0,
+                      host_available=1 << 40)
+    assert len(tight.fit_groups) == 2 and sum(tight.fit_groups, []) == list(modules)
+    assert tight.curvature_store == "host"
+    small_host = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
+                           example_bytes=1 << 10, longest=1, vocab=1, gpu_total=usable, weights=0,
+                           host_available=1)
+    assert small_host.curvature_store == "transient"
+    assert small_host.fit_groups == tight.fit_groups
+    assert any("precondition" in n for n in small_host.notes)
+    json.dumps(small_host.to_json())  # recorded in run.json
+
+
+def test_plan_lowers_batch_sizes_then_fails_with_what_would_fit(model, modules):
+    from prism_select.plan import HEADROOM_BYTES
+    example = 1 << 26  # 64 MiB of activations per example: 8 of them do not fit below
+    plan = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
+                     example_bytes=example, longest=64, vocab=100,
+                     gpu_total=HEADROOM_BYTES + int(3.5 * example * 1.25), weights=0, host_available=1 << 40)
+    assert plan.scoring["batch_size"] == 2 and plan.fit["batch_size"] <= 2
+    assert any("batches of 2" in n for n in plan.notes)
+    with pytest.raises(PlanError, match="what would fit: a PEFT adapter"):
+        _plan(model, modules, 1, weights_gib=5)
+    with pytest.raises(PlanError, match=r"does not fit on cuda.*--modules REGEX \.\.\.; now 14"):
+        make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
+                  example_bytes=1 << 10, longest=1, vocab=1, gpu_total=HEADROOM_BYTES + 30_000,
+                  weights=0, host_available=1 << 40)
+
+
+def test_cpu_plan_is_unbounded(model, modules):
+    plan = make_plan(model, modules, kind="ekfac", device="cpu", batch_size=8, fit_batch_size=8,
+                     example_bytes=0, longest=64, vocab=100)
+    assert not plan.bounded and plan.curvature_store == "device" and plan.fit_groups == [list(modules)]
+    assert "memory plan on cpu" in plan.describe()
+
+
+# ----------------------------------------------------------------------------- cache
+
+def _entry(root, kind, name, size, age):
+    d = root / kind / name
+    d.mkdir(parents=True)
+    (d / "data.bin").write_bytes(b"x" * size)
+    marker = d / cache.MARKERS[kind]
+    marker.write_text("{}")
+    t = time.time() - age
+    os.utime(marker, (t, t))
+    return d
+
+
+def test_cache_lists_and_prunes_least_recently_used(tmp_path):
+    old = _entry(tmp_path, "curvature", "a", 1000, age=300)
+    mid = _entry(tmp_path, "models", "b", 1000, age=200)
+    new = _entry(tmp_path, "curvature", "c", 1000, age=100)
+    broken = tmp_path / "less" / "d"
+    broken.mkdir(parents=True)
+    (broken / "x").write_bytes(b"y" * 10)
+    os.utime(broken, (time.time() - 7200, time.time() - 7200))
+    es = cache.entries(tmp_path)
+    assert [e.path for e in es] == [broken, old, mid, new]
+    assert [e.complete for e in es] == [False, True, True, True]
+    cache.touch(old)  # reading an entry makes it the most recently used
+    gone = cache.prune(tmp_path, max_bytes=2100)
+    assert {e.path for e in gone} == {broken, mid}
+    assert old.exists() and new.exists()
+    assert cache.clear(tmp_path, "curvature") and cache.entries(tmp_path) == []
+
+
+def test_make_room_refuses_an_entry_larger_than_the_bound(tmp_path):
+    _entry(tmp_path, "curvature", "a", 1000, age=10)
+    assert not cache.make_room(tmp_path, 5000, max_bytes=4000)
+    assert cache.make_room(tmp_path, 3500, max_bytes=4000)
+    assert cache.entries(tmp_path) == []  # evicted to make room
+
+
+def test_failed_cache_write_warns_and_keeps_the_run_going(tmp_path, caplog):
+    d = tmp_path / "curvature" / "k"
+
+    def write():
+        d.mkdir(parents=True)
+        (d / "factors.safetensors.tmp").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    assert cache.guarded_write(d, write, "the fitted curvature") is False
+    assert not d.exists()
+    assert "could not save the fitted curvature" in caplog.text
+
+    def bug():
+        raise KeyError("a programming error is not swallowed")
+
+    with pytest.raises(KeyError):
+        cache.guarded_write(d, bug, "x")
