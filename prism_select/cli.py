@@ -366,6 +366,9 @@ def cmd_cache(a):
 
 
 def main(argv=None) -> int:
+    # large models fragment the CUDA allocator's fixed segments; must be set before CUDA starts
+    import os
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     p = build_parser()
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,

@@ -481,6 +481,8 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
                                   progress=ctx.settings.progress, ids=[p.id for p in ctx.inputs.pairs],
                                   accumulate=accumulate, store=d.get("store", "device"))
     ctx.timings["preference_s"] = time.perf_counter() - t
+    log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
+             ctx.timings["preference_s"])
     ctx.info["pi"] = _summary(pref.pi.tolist())
     pairs = [{"id": p.id, "pi": float(pref.pi[i]), "margin": float(pref.margin[i]),
               "weight": float(pref.weights[i]), "loss_chosen": float(pref.loss_chosen[i]),
@@ -505,6 +507,16 @@ def ranks(scores: torch.Tensor) -> list:
     return r
 
 
+def _differences(a, b, prefix: str = "") -> list:
+    """Dotted names of the entries where two JSON-like dicts differ."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return [prefix or "(value)"] if a != b else []
+    out = []
+    for k in sorted(set(a) | set(b)):
+        out += _differences(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
+    return out
+
+
 def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool):
     check_writable_dir(out_dir)
     run_json = out_dir / "run.json"
@@ -520,8 +532,10 @@ def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool):
     state = partial / "key.json"
     if state.exists():
         import json
-        if json.loads(state.read_text()) != run_key:
-            raise CacheError(f"{out_dir} holds an unfinished run with other settings or inputs; "
+        old = json.loads(state.read_text())
+        if old != run_key:
+            raise CacheError(f"{out_dir} holds an unfinished run with other settings or inputs (differs in: "
+                             f"{', '.join(_differences(old, json.loads(json.dumps(run_key)))) or 'types'}); "
                              "rerun its own command to resume it, or pass --overwrite")
         log.info("resuming the unfinished run in %s", out_dir)
     else:
@@ -536,6 +550,9 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
     examples = list(inputs.encoded) + list(inputs.fit_encoded or []) + list(inputs.chosen) + list(inputs.rejected)
     longest = max(examples, key=lambda e: len(e.input_ids)) if examples else None
     nbytes = 0
+    if settings.max_gpu_memory and lm.device.type == "cuda":  # enforce the cap, not only plan for it
+        total = torch.cuda.get_device_properties(lm.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, settings.max_gpu_memory / total), lm.device)
     if longest is not None and lm.device.type == "cuda":
         nbytes = measure_example_bytes(lm.model, longest, lm.tokenizer.pad_token_id, lm.device)
     head = lm.model.get_output_embeddings() if hasattr(lm.model, "get_output_embeddings") else None
@@ -635,6 +652,8 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     }
     if settings.stream:
         summary["fit_sample"] = {**inputs.fit_sample, "default_size": fit_default}
+    if lm.device.type == "cuda":  # measured, beside the plan's expected peak
+        summary["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(lm.device)
     if distributed.active():
         summary["distributed"] = {"world_size": distributed.world()}
     if main:

@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import PrismError
+from .curvature.fit import RECENT_INPUTS
 from .gradients import layer_shape
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ ACTIVATION_SAFETY = 1.25
 EIGH_BUFFERS = 4
 #: share of the host's available memory the fitted curvature may take under ``host``
 HOST_FRACTION = 0.6
+#: the finished target direction stays on the device only below this share of the usable
+#: memory (it is alive through the fit and the scoring)
+DIRECTION_ON_DEVICE = 0.05
 STORES = ("device", "host", "transient")
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
@@ -238,9 +242,10 @@ class MemoryPlan:
             lines.append(f"  direction: gradients accumulate on the {d['accumulate']}, kept on the "
                          f"{d['store']}, batch {d['batch_size']}, peak {_gib(d['peak'])}")
         if f.get("groups"):
+            kept = (f"kept on the {self.curvature_store}" if self.curvature_store != "transient"
+                    else "not kept: each group preconditions the direction")
             lines.append(f"  fit: {len(f['groups'])} group(s) of layers, batch {f['batch_size']}, "
-                         f"peak {_gib(f['peak'])}; curvature ({_gib(f['stored_bytes'])}) kept on the "
-                         f"{self.curvature_store}")
+                         f"peak {_gib(f['peak'])}; curvature ({_gib(f['stored_bytes'])}) {kept}")
         if s:
             lines.append(f"  scoring: batch {s['batch_size']}, peak {_gib(s['peak'])}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -318,16 +323,19 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
         raise PlanError(f"the target direction does not fit on {dev}: the weights take {_gib(weights)} of "
                         f"{_gib(usable)} usable and one pair of {longest} tokens needs {_gib(need(1) - weights)} "
                         f"more; " + _suggestions(len(names), "or --max-gpu-memory if it caps below the device"))
-    dir_store = "device" if fits(weights + tracked * acc + act(1)) and accumulate == "device" else "host"
-    if not bounded:
-        dir_store = "device"
+    # the finished direction (float32) stays alive through the fit and the scoring: on the
+    # device only while it is small next to what those stages need
+    dir_bytes = tracked * acc
+    dir_store = "device" if not bounded or (accumulate == "device" and dir_bytes <= DIRECTION_ON_DEVICE * usable) \
+        else "host"
+    held = dir_bytes if dir_store == "device" and bounded else 0
     plan.direction = {"accumulate": accumulate, "store": dir_store, "batch_size": bs, "peak": need(bs)}
     if bs < batch_size:
         plan.notes.append(f"target pairs in batches of {bs} (not {batch_size}) to fit the device")
 
     # scoring: V in the model's dtype next to the weights
     v_bytes = tracked * half
-    need_s = lambda bs: weights + v_bytes + act(bs)  # noqa: E731
+    need_s = lambda bs: weights + held + v_bytes + act(bs)  # noqa: E731
     sbs = largest_batch(need_s, batch_size)
     if sbs is None:
         raise PlanError(f"scoring does not fit on {dev}: the weights ({_gib(weights)}) and the preconditioned "
@@ -346,11 +354,16 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
         total_stored = sum(stored.values())
         eigh = EIGH_BUFFERS * acc * max_dim * max_dim if kind in ("ekfac", "kfac") else 0
         rot = lambda bs: bs * largest * (half + acc) if kind in ("ekfac", "diagonal") else 0  # noqa: E731
+        max_in = max(i for _, i in shapes.values())
+        # pass 1's per-batch products: RECENT_INPUTS in' x in' products kept for the layers
+        # sharing an input, and one float32 copy of a batch's inputs
+        taps = lambda bs: acc * (RECENT_INPUTS * max_in * max_in + bs * longest * max_in)  # noqa: E731
+        work = lambda bs: max(eigh, rot(bs), taps(bs))  # noqa: E731
         cost = {n: max(p1[n], p2[n]) if kind == "ekfac" else (stored[n] if kind == "diagonal" else p1[n])
                 for n in names}
         fbs, groups = fit_batch_size, None
         while fbs >= 1:
-            room = None if usable is None else usable - weights - act(fbs) - max(eigh, rot(fbs))
+            room = None if usable is None else usable - weights - held - act(fbs) - work(fbs)
             if room is None:
                 groups = [names]
                 break
@@ -381,7 +394,7 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
                               "preconditions the direction and is dropped (not cached)")
         plan.curvature_store = store
         gpeak = max(sum(cost[n] for n in g) for g in groups)
-        fit_peak = weights + act(fbs) + gpeak + max(eigh, rot(fbs)) + (total_stored if store == "device" else 0)
+        fit_peak = weights + held + act(fbs) + gpeak + work(fbs) + (total_stored if store == "device" else 0)
         plan.fit = {"groups": groups, "batch_size": fbs, "peak": fit_peak, "stored_bytes": total_stored,
                     "largest_factor": max_dim}
         if fbs < fit_batch_size:

@@ -158,10 +158,13 @@ def test_plan_groups_the_fit_only_when_needed(model, modules):
     assert roomy.direction["accumulate"] == "device" and roomy.scoring["batch_size"] == 8
     # a device whose usable memory holds about 60% of the (tiny) factors next to 8 examples
     from prism_select.gradients import layer_shape
-    from prism_select.plan import ACTIVATION_SAFETY, EIGH_BUFFERS, HEADROOM_BYTES, pass1_bytes, pass2_bytes
+    from prism_select.plan import (ACTIVATION_SAFETY, EIGH_BUFFERS, HEADROOM_BYTES, RECENT_INPUTS, pass1_bytes,
+                                   pass2_bytes)
     shapes = [layer_shape(m) for m in modules.values()]
     factors = sum(max(pass1_bytes(o, i, 8), pass2_bytes(o, i, 8, 8)) for o, i in shapes)
-    work = max(EIGH_BUFFERS * 8 * max(max(s) for s in shapes) ** 2, 8 * max(o * i for o, i in shapes) * 16)
+    max_in = max(i for _, i in shapes)
+    work = max(EIGH_BUFFERS * 8 * max(max(s) for s in shapes) ** 2, 8 * max(o * i for o, i in shapes) * 16,
+               8 * (RECENT_INPUTS * max_in ** 2 + 8 * max_in))
     usable = int(HEADROOM_BYTES + 8 * (1 << 10) * ACTIVATION_SAFETY + work + 0.6 * factors)
     tight = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
                       example_bytes=1 << 10, longest=1, vocab=1, gpu_total=usable, weights=0,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import OrderedDict
 
 import torch
 from tqdm.auto import tqdm
@@ -58,13 +59,28 @@ def _sampled_labels(logits: torch.Tensor, labels: torch.Tensor, gen: torch.Gener
     return new
 
 
+class _Recent(OrderedDict):
+    """The last few per-input products of a batch (layers reading one input, e.g. q/k/v or
+    gate/up, run one after the other and share them); older entries are dropped, so the
+    cache holds at most ``RECENT_INPUTS`` products however many layers are tapped."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        while len(self) > RECENT_INPUTS:
+            self.popitem(last=False)
+
+
+#: per-input products a fit tap keeps for the next layers reading the same input
+RECENT_INPUTS = 4
+
+
 class _Stats:
     """Per-batch bookkeeping shared by the fit taps."""
 
     def __init__(self, acc):
         self.acc = acc
         self.sel = None  # (B, T) bool: real tokens of the batch
-        self.cache: dict = {}
+        self.cache: dict = _Recent()
         self.n_tokens = None
         self.bad: list = []
 
@@ -290,8 +306,12 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
         for k, group in enumerate(groups):
             tag = f" (group {k + 1}/{len(groups)})" if len(groups) > 1 else ""
             sub = {n: modules[n] for n in group}
+            before = dict(timings)
             t, d = _fit_group(model, sub, encoded, batches, len(idx), settings, pad_id=pad_id, device=device,
-                              progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag)
+                              progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag,
+                              offload=store != "device")
+            log.info("curvature%s: %d layers, factors %.1f s, eigendecompositions %.1f s, eigenvalues %.1f s",
+                     tag, len(group), *(timings[k] - before[k] for k in ("factors_s", "eigh_s", "lambda_s")))
             if store == "host":
                 t = {name: x.to("cpu") for name, x in t.items()}
             if on_group is not None:
@@ -304,8 +324,10 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
 
 
 def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id, device, progress, timings,
-               cuda_graphs, tag=""):
-    """The fit of one group of layers: ``(tensors, damping)`` as :class:`Curvature` holds them."""
+               cuda_graphs, tag="", offload=False):
+    """The fit of one group of layers: ``(tensors, damping)`` as :class:`Curvature` holds them.
+    ``offload``: the finished tensors go to host memory as soon as the device copies that
+    the eigenvalue pass needs are made (the pass then holds only those)."""
     import time
 
     layers = list(modules)
@@ -410,6 +432,9 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     Lam = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
     taps = {n: _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], group_of[n])
             for n, m in modules.items()}
+    if offload:  # the taps hold the eigenbases in the model's dtype; the float32 ones wait on the host
+        for k in list(tensors):
+            tensors[k] = tensors[k].to("cpu")
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
             "curvature eigenvalues" + tag, progress, cuda_graphs, settings.batch_size)
     del taps
