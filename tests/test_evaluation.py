@@ -501,12 +501,15 @@ def test_select_protocol_end_to_end(tmp_path, tiny_dir, gsm8k, bbh_dir):
     assert "table-accuracy" in (out / "report.html").read_text()
 
 
-def test_report_html_for_experiment_and_score_run(tmp_path, tiny_dir, gsm8k):
+def test_report_html_for_experiment_and_score_run(tmp_path, tiny_dir):
     from prism_select.cli import main
     from prism_select.evaluation.report import write_report
+    # markup in every prompt: the page must show it as text
+    rows = [{**r, "question": "<b>Q</b> " + r["question"]} for r in gsm8k_rows(40, 0)]
+    train = write_gsm8k(tmp_path / "train.jsonl", rows)
     exp = tmp_path / "exp"
     run_experiment("ranking", _common(
-        tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 8},
+        tiny_dir, data={"gsm8k_train": str(train), "pool_size": 8},
         targets=[{"n_counterfactual": 2, "n_distractors": 1}], harmful_ratios=[0.25], methods=["prism", "random"],
         report=False), exp)
     assert main(["report", "--run", str(exp)]) == 0
@@ -515,8 +518,8 @@ def test_report_html_for_experiment_and_score_run(tmp_path, tiny_dir, gsm8k):
     assert html.count('<img src="data:image/png;base64,') >= 3  # pi, ROC, histograms
     assert "http://" not in html and "https://" not in html and "<script" not in html
     assert len(list(exp.glob("report-*.png"))) >= 3
-    # prompts and responses are escaped
-    assert "&lt;" not in html or "<<" not in html
+    # prompts are escaped: the pool's examples are on the page, their markup as text
+    assert "&lt;b&gt;Q&lt;/b&gt;" in html and "<b>Q</b>" not in html
     # a plain score run directory
     run_dir = exp / "runs" / "r25" / "seed0" / "counterfactual" / "scores" / "prism"
     page = write_report(run_dir)
