@@ -524,10 +524,12 @@ def _validate(cfg, protocol: str):
 
 
 def config_to_dict(cfg) -> dict:
+    """A config as plain JSON values (what experiment.json and results.json record)."""
     return json.loads(json.dumps(asdict(cfg), default=str))
 
 
 def score_settings(cfg, method: str, seed: int):
+    """The :class:`~prism_select.pipeline.ScoreSettings` of ``method`` in a protocol run."""
     from ..pipeline import ScoreSettings
     s = cfg.score
     return ScoreSettings(method=method, max_length=s.max_length, batch_size=s.batch_size, modules=s.modules,
@@ -536,6 +538,8 @@ def score_settings(cfg, method: str, seed: int):
 
 
 def finetune_settings(ft: FinetuneConfig, seed: int):
+    """The :class:`~prism_select.evaluation.finetune.FinetuneSettings` of ``ft`` (the
+    run's ``seed`` unless the overrides set one; no progress bar)."""
     from .finetune import FinetuneSettings
     over = dict(ft.overrides)
     over.setdefault("seed", seed)

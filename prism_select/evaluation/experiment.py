@@ -155,6 +155,7 @@ def write_if_changed(path: Path, records: list) -> str:
 
 
 def available_methods() -> list:
+    """PRISM, its ablations and every registered baseline, by ``--method`` name."""
     from ..preference import METHODS
     try:
         from ..baselines import REGISTRY
@@ -165,6 +166,7 @@ def available_methods() -> list:
 
 
 def resolve_methods(methods) -> list:
+    """A config's ``methods`` (``all`` or a list) as a list of known names, in order."""
     known = available_methods()
     if methods == "all":
         return known
@@ -174,8 +176,8 @@ def resolve_methods(methods) -> list:
     return list(dict.fromkeys(methods))
 
 
-def score_methods(exp: Experiment, lm, pool_path: Path, targets_path: Path | None, run_dir: Path, methods: list,
-                   seed: int, label: str = "harmful") -> dict:
+def score_methods(exp: Experiment, lm, pool_path: Path, targets_path: Path | None, run_dir: Path,
+                  methods: list, seed: int, label: str = "harmful") -> dict:
     """Score the pool with each method (reusing finished runs); metrics from the files."""
     from ..pipeline import score_pool
     cfg = exp.cfg
@@ -288,6 +290,7 @@ def respond(exp: Experiment, lm_or_adapter, probes_path: Path, out_dir: Path, ch
 
 
 def error_rate(responses_path) -> dict:
+    """Fraction of the judged responses that are wrong (NaN for none), with counts."""
     rows = read_jsonl(responses_path)
     n = len(rows)
     wrong = sum(1 for r in rows if not r["correct"])
@@ -295,6 +298,7 @@ def error_rate(responses_path) -> dict:
 
 
 def accuracy_by_task(responses_path) -> dict:
+    """Accuracy of the judged responses per ``task`` (``all`` without one) and their mean."""
     by: dict = {}
     for r in read_jsonl(responses_path):
         by.setdefault(r.get("task") or "all", []).append(bool(r["correct"]))
@@ -304,12 +308,13 @@ def accuracy_by_task(responses_path) -> dict:
 
 
 def pct(r: float) -> str:
+    """A fraction as a percentage without trailing zeros (0.1 -> "10")."""
     s = f"{r * 100:.6g}"
     return s
 
 
 def mean_table(name: str, title: str, runs: list, row_keys: list, value, *, lower_is_better: bool = False,
-           note: str = "") -> dict:
+               note: str = "") -> dict:
     """Aggregate ``value(run, row, setting) -> float | None`` over the runs (seeds) of
     each setting, for each row."""
     settings = list(dict.fromkeys(r["setting"] for r in runs))
@@ -322,6 +327,7 @@ def mean_table(name: str, title: str, runs: list, row_keys: list, value, *, lowe
 
 
 def finish_experiment(exp: Experiment, results: dict) -> dict:
+    """Write results.json (with the step timings) and, if the config asks, report.html."""
     results["timings"] = {k: round(v, 3) for k, v in exp.timings.items()}
     atomic_write_json(exp.out / "results.json", results)
     if exp.cfg.report:

@@ -49,7 +49,7 @@ def ranking(config: RankingConfig, out_dir, *, overwrite: bool = False) -> dict:
     tables = [
         mean_table("auroc", "Ranking AUROC of the harmful flag (higher is better)", runs, row_keys, metric("auroc")),
         mean_table("auprc", "Ranking AUPRC of the harmful flag (chance = harmful ratio)", runs, row_keys,
-               metric("auprc")),
+                   metric("auprc")),
     ]
     results = {"protocol": "ranking", "config": config_to_dict(cfg), "methods": row_keys,
                "settings": tables[0]["columns"], "seeds": cfg.seeds, "runs": runs, "tables": tables,

@@ -154,13 +154,13 @@ def repair(config: RepairConfig, out_dir, *, overwrite: bool = False) -> dict:
 
     tables = [
         mean_table("auroc", f"Ranking AUROC of the harmful flag, pairs from {cfg.pair_selection} probes"
-               + (f" (else {cfg.fallback_pair_selection})" if cfg.fallback_pair_selection else "")
-               + f", scored at the {cfg.score_at} model", runs, method_rows, auroc_of),
+                   + (f" (else {cfg.fallback_pair_selection})" if cfg.fallback_pair_selection else "")
+                   + f", scored at the {cfg.score_at} model", runs, method_rows, auroc_of),
         mean_table("error_rate", "Probe error rate after filtering and retraining (lower is better)", runs,
-               err_rows, err_of, lower_is_better=True,
-               note="Start: the start model; Mixed: SFT on the unfiltered pool"),
+                   err_rows, err_of, lower_is_better=True,
+                   note="Start: the start model; Mixed: SFT on the unfiltered pool"),
         mean_table("harmful_removed", "Recall of the removal: harmful records removed / all harmful records",
-               runs, method_rows + (["Oracle"] if cfg.oracle else []), removed_of),
+                   runs, method_rows + (["Oracle"] if cfg.oracle else []), removed_of),
     ]
     results = {"protocol": "repair", "config": config_to_dict(cfg), "methods": method_rows,
                "settings": tables[0]["columns"], "seeds": cfg.seeds, "runs": runs, "tables": tables,
