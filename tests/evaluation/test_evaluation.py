@@ -563,7 +563,7 @@ def test_cli_build_data(tmp_path, gsm8k, bbh_dir):
 
 
 def test_shipped_experiment_config_is_valid(tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     path = root / "experiments" / "gsm8k_mistake_math.yaml"
     for proto in ("ranking", "repair"):
         cfg = load_config(path, proto, data_root=str(tmp_path))
