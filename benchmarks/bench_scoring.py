@@ -1,7 +1,7 @@
 """One-process benchmark of every route, side by side on the same model, batch and length.
 
 Measures, in this order: plain forward (inference), forward+backward (a training step,
-HF loss), exact scoring (the fused route and the original hook route), fast scoring
+HF loss), exact scoring (the fused route and the hook-based route, ``impl="hooks"``), fast scoring
 (central finite differences ``fd``, ``fd-hp``, forward-mode ``jvp``), the EK-FAC fit
 (factors pass, eigendecompositions, eigenvalue pass) and, if importable, kronfluence's
 EK-FAC. Prints a table (ex/s, real tokens/s, ratios, peak GPU memory) and writes JSON.
@@ -374,7 +374,7 @@ def main():
     # -- curvature (also gives v for the embedded model); "fit" with the library default
     # (CUDA graphs on a GPU), "fit_eager" without graphs
     # (fit_s32: the fit as --precision split32 runs it; fit_f32w: on the weights upcast to
-    # float32, as split32 did before run 12)
+    # float32, a comparison route: float32 GEMMs without tensor cores)
     from prism_select.precision import direction_policy, float32_weights
     for fit_name, graphs, precision in (("fit", "auto", "model"), ("fit_eager", "off", "model"),
                                         ("fit_s32", "auto", "split32"), ("fit_f32w", "auto", "f32w")):
@@ -412,7 +412,7 @@ def main():
             R[fit_name] = {"error": f"{type(e).__name__}: {e}"}
     # -- the target direction's cost, warm, as --precision model and split32 compute it
     # (random configs: the first --targets examples against the next ones)
-    # (direction_f32w: on the weights upcast to float32, as split32 did before run 12)
+    # (direction_f32w: on the weights upcast to float32, a comparison route)
     for d_name, precision in (("direction", "model"), ("direction_s32", "split32"), ("direction_f32w", "f32w")):
         if d_name not in routes:
             continue

@@ -13,8 +13,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 [ -n "$GGUF" ] && export PRISM_SELECT_DEFAULT_GGUF="$GGUF"
 if [ "$WHAT" = vstage ]; then
-  # run 12: how --precision split32 computes v (g_KL and the fit on float32 weights): what it
-  # costs next to the bf16 stage, and which part of v's precision moves the ranking
+  # docs/performance.md, run 12: the direction and the fit as --precision model and split32
+  # compute them (and on float32-upcast weights, for comparison): what each costs, and
+  # which part of v's precision moves the ranking
   python3 -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_graphs.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
   R=forward,fwd_bwd,fwd_bwd_graphs,direction,direction_s32,direction_f32w,fit,fit_s32,fit_f32w
   [ -n "$GGUF" ] && python3 benchmarks/bench_scoring.py --config embedded --pool benchdata/gsm8k_1100.jsonl --n 1000 \

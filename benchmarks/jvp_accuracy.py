@@ -16,7 +16,7 @@ the pool with:
     jvp fp32 [emu=K1+K2]  MixedJVPScorer on the float32 copy with only the GEMM operands
                  of kinds K (linear, attn, head) and/or the stored residual stream
                  (residual) rounded to bf16: which roundings of the *primal* matter
-    torch.func   fast.JVPScorer on the bf16 model (the old route), with --torch-func
+    torch.func   fast.JVPScorer (``torch.func.jvp``) on the bf16 model, with --torch-func
 
 and prints Spearman, Pearson, relative error and top-5% / top-10% overlap against
 exact fp32 (and Spearman against exact bf16), then (``--timing``) times one batch.

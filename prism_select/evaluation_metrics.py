@@ -1,17 +1,80 @@
-"""Ranking metrics of scores against a boolean label field of the pool."""
+"""Ranking metrics of scores against boolean labels: AUROC, AUPRC and ROC points
+(scikit-learn's), Spearman's rank correlation, and their forms read from a scores file
+and a pool's label field.
+
+AUROC is undefined when a class is empty (no positive or no negative label), AUPRC
+without a positive label; either is then NaN, whatever the installed scikit-learn
+would do (raise, or warn), so an experiment whose pool has no harmful record (harmful
+ratio 0) records NaN instead of stopping, and a table's mean over seeds leaves it out.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from .data.readers import iter_records, record_id
-from .errors import InputError
+from .errors import InputError, PrismError
 from .selection import read_scores
+
+INSTALL_EVAL = "pip install 'prism-select[eval]'"
+
+
+class MissingDependencyError(PrismError, ImportError):
+    """An optional package a metric needs is not installed (an ImportError too, so a
+    caller that treats a missing plotting or metrics package as optional still can)."""
+
+
+def _sklearn_metrics():
+    try:
+        from sklearn import metrics
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"ranking metrics need scikit-learn, which is not installed; install it with: {INSTALL_EVAL}") from e
+    return metrics
+
+
+def _both_classes(labels: list) -> bool:
+    pos = sum(1 for y in labels if y)
+    return 0 < pos < len(labels)
 
 
 def auroc(scores: list, labels: list) -> float:
-    """Area under the ROC curve of ``scores`` for ``labels`` (True = positive);
-    ties count one half (the Mann-Whitney statistic)."""
-    from sklearn.metrics import roc_auc_score
-    return float(roc_auc_score([bool(x) for x in labels], scores))
+    """Area under the ROC curve of ``scores`` for ``labels`` (True = positive), as
+    scikit-learn's ``roc_auc_score``: tied scores count one half (the Mann-Whitney
+    statistic). NaN when a class is empty."""
+    labels = [bool(x) for x in labels]
+    if not _both_classes(labels):
+        return float("nan")
+    return float(_sklearn_metrics().roc_auc_score(labels, [float(s) for s in scores]))
+
+
+def auprc(scores: list, labels: list) -> float:
+    """Area under the precision-recall curve of ``scores`` for ``labels`` (True =
+    positive), as scikit-learn's ``average_precision_score`` (step-wise, tied scores
+    one threshold, no interpolation); chance level is the positive fraction. NaN
+    without a positive label."""
+    labels = [bool(x) for x in labels]
+    if not any(labels):
+        return float("nan")
+    return float(_sklearn_metrics().average_precision_score(labels, [float(s) for s in scores]))
+
+
+def roc_points(scores: list, labels: list) -> tuple[list, list]:
+    """The ROC curve as (false positive rates, true positive rates): (0, 0), then one
+    point per distinct score from high to low (scikit-learn's ``roc_curve`` with every
+    threshold kept). The rate of an empty class is 0 at every point."""
+    labels = [bool(x) for x in labels]
+    scores = [float(s) for s in scores]
+    if not _both_classes(labels):  # roc_curve would divide by zero (and warn)
+        counts = Counter(scores)
+        rates, seen = [0.0], 0
+        for s in sorted(counts, reverse=True):
+            seen += counts[s]
+            rates.append(seen / len(scores))
+        zeros = [0.0] * len(rates)
+        return (zeros, rates) if any(labels) else (rates, zeros)
+    fpr, tpr, _ = _sklearn_metrics().roc_curve(labels, scores, drop_intermediate=False)
+    return [float(x) for x in fpr], [float(x) for x in tpr]
 
 
 def spearman(a: list, b: list) -> float:
@@ -29,14 +92,6 @@ def spearman(a: list, b: list) -> float:
         return float("nan")
     ra, rb = ranks(a), ranks(b)
     return float((ra @ rb) / (ra.norm() * rb.norm()))
-
-
-def auprc(scores: list, labels: list) -> float:
-    """Area under the precision-recall curve of ``scores`` for ``labels`` (True =
-    positive), as sklearn's average precision (step-wise, no interpolation); chance
-    level is the positive fraction."""
-    from sklearn.metrics import average_precision_score
-    return float(average_precision_score([bool(x) for x in labels], scores))
 
 
 def as_bool(value, path=None, row=None, field=None) -> bool:

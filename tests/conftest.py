@@ -8,6 +8,29 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
+# The reason of the local `needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+# reason="needs CUDA")` markers that some test files still define; a test carrying one
+# is treated as marked `gpu` so that `pytest -m gpu` selects it too.
+NEEDS_CUDA_REASON = "needs CUDA"
+
+
+def _needs_cuda(item) -> bool:
+    return item.get_closest_marker("gpu") is not None or any(
+        m.kwargs.get("reason") == NEEDS_CUDA_REASON for m in item.iter_markers("skipif"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` (``@pytest.mark.gpu``: they need a CUDA device) are
+    skipped where CUDA is unavailable; ``pytest -m gpu`` runs only them."""
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device")
+    for item in items:
+        if _needs_cuda(item):
+            if item.get_closest_marker("gpu") is None:
+                item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(skip)
+
 
 @pytest.fixture
 def tok():

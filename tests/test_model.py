@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import time
 import warnings
@@ -118,7 +119,12 @@ def test_load_hf_dir_each_dtype(tiny_dir, dtype, expected):
     assert lm.dtype == expected and lm.device.type == "cpu"
     assert lm.tokenizer.padding_side == "right"
     assert lm.tokenizer.pad_token == "<pad>"
-    assert len(lm.fingerprint) == 64 and int(lm.fingerprint, 16) >= 0
+    assert re.fullmatch(r"[0-9a-f]{64}", lm.fingerprint), lm.fingerprint  # sha256, lowercase hex
+    assert model_fingerprint(lm.model) == lm.fingerprint
+    with torch.no_grad():  # one changed weight: another fingerprint
+        w = lm.model.model.layers[0].mlp.up_proj.weight
+        w[0, 0] += 1.0
+    assert model_fingerprint(lm.model) != lm.fingerprint
     assert lm.source["kind"] == "hf_dir" and lm.source["path"] == str(tiny_dir.resolve())
     assert lm.source["versions"]["torch"] and lm.source["dtype"] == str(expected).split(".")[-1]
     with torch.no_grad():
@@ -566,7 +572,6 @@ def test_unavailable_attention_is_config_error(tiny_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_load_dtype_and_device_independent_fingerprint(tiny_dir):
     lm = load_model(ModelSettings(str(tiny_dir)))  # auto device, auto dtype
     assert lm.device.type == "cuda"

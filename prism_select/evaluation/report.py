@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 
 from ..errors import InputError
+from ..evaluation_metrics import auprc, auroc, roc_points
 from ..io import atomic_write_bytes, atomic_write_text
 
 CSS = """
@@ -114,7 +115,6 @@ class _Plots:
         return f'<img src="data:image/png;base64,{b64}" alt="{_esc(alt)}" title="{_esc(fname)}">'
 
     def roc(self, curves: dict, title: str, name: str) -> str:
-        from .protocols import auroc, roc_points
         fig, ax = self.plt.subplots(figsize=(5.2, 4.6))
         for m, (s, y) in curves.items():
             fpr, tpr = roc_points(s, y)
@@ -374,7 +374,6 @@ def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
     rows = _read_jsonl(base / "scores.jsonl")
     s = [float(r["score"]) for r in rows]
     if labels is not None:
-        from .protocols import auprc, auroc
         y = [labels[r["id"]] for r in rows]
         body.append("<h2>Ranking</h2><table class=results id=table-ranking><tr><th class=l>method</th><th>AUROC</th>"
                     f"<th>AUPRC</th><th>positives</th></tr><tr><td class=l>{_esc(run.get('method'))}</td>"

@@ -3,7 +3,8 @@
 PRISM in kronfluence: the query measurement is ``-(1/|Q|) sum_q softplus(m_q)``
 (its gradient is g_KL) with ``aggregate_query_gradients=True``; empirical Fisher,
 heuristic damping (0.1 x mean eigenvalue, both libraries), the same tracked
-modules, every non-padding token in the activation covariance.
+modules, every non-padding token in the activation covariance. Compared: the score
+values (relative to the largest) and their ranks.
 """
 
 import pytest
@@ -24,6 +25,14 @@ from prism_select.scoring import score_encoded  # noqa: E402
 from test_theorem import POOL  # noqa: E402
 
 MIN_SPEARMAN = 0.99
+# Every score within this fraction of the largest |score| of kronfluence's: both run in
+# float64, so only summation order and the eigensolver differ. Measured 6.9e-15 on this
+# test's 24 candidates (x86 CPU, torch's float64 eigh); about 7x that.
+KRONFLUENCE_SCORE_REL_TOL = 5e-14
+
+# More candidates than the theorem test's 12: arithmetic with right and wrong answers.
+EXTRA_POOL = [(f"What is {a}+{b}?", f"{a}+{b}={a + b + (k % 3 == 0)}. The answer is {a + b + (k % 3 == 0)}.")
+              for k, (a, b) in enumerate((a, b) for a in range(2, 6) for b in range(1, 4))]
 
 
 def spearman(a, b):
@@ -71,7 +80,7 @@ class ListDataset(torch.utils.data.Dataset):
 
 
 def test_ekfac_scores_agree_with_kronfluence(model, modules, tok, pair_examples, tmp_path):
-    pool = [encode(tok, p, r) for p, r in POOL]
+    pool = [encode(tok, p, r) for p, r in POOL + EXTRA_POOL]
     chosen = [encode(tok, q, c) for q, c, _ in pair_examples]
     rejected = [encode(tok, q, r) for q, _, r in pair_examples]
     pad = tok.pad_token_id
@@ -107,6 +116,10 @@ def test_ekfac_scores_agree_with_kronfluence(model, modules, tok, pair_examples,
                                      per_device_query_batch_size=n_pairs, per_device_train_batch_size=4,
                                      score_args=score_args, overwrite_output_dir=True)
     theirs = analyzer.load_pairwise_scores("s")["all_modules"].reshape(-1)
+    assert ours.shape == theirs.shape == (len(pool),)
+    rel = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     rho = spearman(ours.numpy(), theirs.numpy())
-    print(f"spearman vs kronfluence EK-FAC: {rho:.6f}")
+    print(f"vs kronfluence EK-FAC, {len(pool)} candidates: max |ours - theirs| / max |theirs| = {rel:.2e}, "
+          f"Spearman {rho:.6f}")
+    assert rel <= KRONFLUENCE_SCORE_REL_TOL, (rel, ours, theirs)
     assert rho >= MIN_SPEARMAN, (rho, ours, theirs)

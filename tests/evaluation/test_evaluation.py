@@ -9,8 +9,13 @@ import pytest
 
 from prism_select.errors import ConfigError, InputError
 from prism_select.evaluation import builders, probes
-from prism_select.evaluation.protocols import (auprc, auroc, load_config, mean_std, ranking, repair,
-                                               run_experiment, select)
+from prism_select.evaluation.config import load_config
+from prism_select.evaluation.experiment import mean_std
+from prism_select.evaluation.general_selection import select
+from prism_select.evaluation.protocols import run_experiment
+from prism_select.evaluation.ranking import ranking
+from prism_select.evaluation.repair import repair
+from prism_select.evaluation_metrics import MissingDependencyError, auprc, auroc, roc_points
 
 from tiny import save_tiny
 
@@ -222,8 +227,26 @@ def test_generate_left_pads_and_is_deterministic(tiny_dir):
 
 # --------------------------------------------------------------------------- metrics
 
-def test_auroc_auprc_match_sklearn():
-    from sklearn.metrics import average_precision_score, roc_auc_score
+def _mann_whitney(s, y):
+    """AUROC by brute force over (positive, negative) pairs: 1 if the positive scores
+    higher, 1/2 on a tie."""
+    pos = [a for a, t in zip(s, y) if t]
+    neg = [a for a, t in zip(s, y) if not t]
+    return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+
+
+def _average_precision(s, y):
+    """Precision at each distinct threshold (high to low) weighted by the recall it adds."""
+    ap, prev_recall = 0.0, 0.0
+    for t in sorted(set(s), reverse=True):
+        top = [lab for a, lab in zip(s, y) if a >= t]
+        recall = sum(top) / sum(y)
+        ap += (recall - prev_recall) * sum(top) / len(top)
+        prev_recall = recall
+    return ap
+
+
+def test_auroc_auprc_roc_points_against_brute_force():
     rng = random.Random(0)
     for _ in range(20):
         n = rng.randint(5, 40)
@@ -231,11 +254,40 @@ def test_auroc_auprc_match_sklearn():
         if all(y) or not any(y):
             y[0] = not y[0]
         s = [round(rng.random(), 1) for _ in range(n)]  # ties
-        assert auroc(s, y) == pytest.approx(roc_auc_score(y, s))
-        assert auprc(s, y) == pytest.approx(average_precision_score(y, s))
+        assert auroc(s, y) == pytest.approx(_mann_whitney(s, y), abs=1e-12)
+        assert auprc(s, y) == pytest.approx(_average_precision(s, y), abs=1e-12)
+        fpr, tpr = roc_points(s, y)
+        thresholds = sorted(set(s), reverse=True)
+        assert len(fpr) == len(tpr) == len(thresholds) + 1 and fpr[0] == tpr[0] == 0.0
+        for k, t in enumerate(thresholds, start=1):
+            assert tpr[k] == pytest.approx(sum(a >= t for a, lab in zip(s, y) if lab) / sum(y))
+            assert fpr[k] == pytest.approx(sum(a >= t for a, lab in zip(s, y) if not lab) / (n - sum(y)))
+    # labels may be any truthy values; integers count as booleans
+    assert auroc([0.1, 0.9, 0.5], [0, 1, 0]) == 1.0
     m = mean_std([0.5, 0.7])
     assert m["mean"] == pytest.approx(0.6) and m["std"] == pytest.approx(0.1414213, rel=1e-5)
     assert mean_std([0.5])["std"] is None
+    assert mean_std([float("nan"), 0.5])["values"] == [0.5]
+
+
+def test_metrics_with_one_class_are_nan():
+    import math
+    assert math.isnan(auroc([0.1, 0.2], [False, False])) and math.isnan(auroc([0.1, 0.2], [True, True]))
+    assert math.isnan(auroc([], []))
+    assert math.isnan(auprc([0.1, 0.2], [False, False]))
+    assert auprc([0.1, 0.2], [True, True]) == 1.0  # every threshold has precision 1
+    assert roc_points([0.1, 0.2, 0.2], [False] * 3) == ([0.0, 2 / 3, 1.0], [0.0, 0.0, 0.0])
+    assert roc_points([0.1, 0.2, 0.2], [True] * 3) == ([0.0, 0.0, 0.0], [0.0, 2 / 3, 1.0])
+
+
+def test_metrics_without_sklearn_name_the_install(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # `import sklearn` now raises ImportError
+    for f in (auroc, auprc, roc_points):
+        with pytest.raises(MissingDependencyError, match=r"pip install 'prism-select\[eval\]'"):
+            f([0.1, 0.2], [False, True])
+    with pytest.raises(ImportError):  # callers that treat a missing optional package as ImportError
+        auroc([0.1, 0.2], [False, True])
 
 
 # --------------------------------------------------------------------------- configs
@@ -408,16 +460,16 @@ def test_repair_without_pairs_is_reported(tmp_path, tiny_dir, gsm8k):
 
 
 def test_pair_selection_modes():
-    from prism_select.evaluation.protocols import _pairs_from_responses
+    from prism_select.evaluation.repair import pairs_from_responses
     probes_ = [{"id": i, "prompt": f"q{i}"} for i in range(4)]
     pre = [{"id": 0, "response": "a", "correct": True}, {"id": 1, "response": "b", "correct": False},
            {"id": 2, "response": "c", "correct": True}, {"id": 3, "response": "d", "correct": False}]
     post = [{"id": 0, "response": "A", "correct": False}, {"id": 1, "response": "B", "correct": False},
             {"id": 2, "response": "C", "correct": True}, {"id": 3, "response": "d", "correct": False}]
-    assert [p["id"] for p in _pairs_from_responses(probes_, pre, post, "worsened")] == [0]
-    assert [p["id"] for p in _pairs_from_responses(probes_, pre, post, "wrong_after")] == [0, 1]
-    assert [p["id"] for p in _pairs_from_responses(probes_, pre, post, "all")] == [0, 1, 2]  # 3: same text
-    p0 = _pairs_from_responses(probes_, pre, post, "worsened")[0]
+    assert [p["id"] for p in pairs_from_responses(probes_, pre, post, "worsened")] == [0]
+    assert [p["id"] for p in pairs_from_responses(probes_, pre, post, "wrong_after")] == [0, 1]
+    assert [p["id"] for p in pairs_from_responses(probes_, pre, post, "all")] == [0, 1, 2]  # 3: same text
+    p0 = pairs_from_responses(probes_, pre, post, "worsened")[0]
     assert (p0["chosen"], p0["rejected"], p0["prompt"]) == ("A", "a", "q0")
 
 
@@ -449,12 +501,15 @@ def test_select_protocol_end_to_end(tmp_path, tiny_dir, gsm8k, bbh_dir):
     assert "table-accuracy" in (out / "report.html").read_text()
 
 
-def test_report_html_for_experiment_and_score_run(tmp_path, tiny_dir, gsm8k):
+def test_report_html_for_experiment_and_score_run(tmp_path, tiny_dir):
     from prism_select.cli import main
     from prism_select.evaluation.report import write_report
+    # markup in every prompt: the page must show it as text
+    rows = [{**r, "question": "<b>Q</b> " + r["question"]} for r in gsm8k_rows(40, 0)]
+    train = write_gsm8k(tmp_path / "train.jsonl", rows)
     exp = tmp_path / "exp"
     run_experiment("ranking", _common(
-        tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 8},
+        tiny_dir, data={"gsm8k_train": str(train), "pool_size": 8},
         targets=[{"n_counterfactual": 2, "n_distractors": 1}], harmful_ratios=[0.25], methods=["prism", "random"],
         report=False), exp)
     assert main(["report", "--run", str(exp)]) == 0
@@ -463,8 +518,8 @@ def test_report_html_for_experiment_and_score_run(tmp_path, tiny_dir, gsm8k):
     assert html.count('<img src="data:image/png;base64,') >= 3  # pi, ROC, histograms
     assert "http://" not in html and "https://" not in html and "<script" not in html
     assert len(list(exp.glob("report-*.png"))) >= 3
-    # prompts and responses are escaped
-    assert "&lt;" not in html or "<<" not in html
+    # prompts are escaped: the pool's examples are on the page, their markup as text
+    assert "&lt;b&gt;Q&lt;/b&gt;" in html and "<b>Q</b>" not in html
     # a plain score run directory
     run_dir = exp / "runs" / "r25" / "seed0" / "counterfactual" / "scores" / "prism"
     page = write_report(run_dir)
@@ -508,7 +563,7 @@ def test_cli_build_data(tmp_path, gsm8k, bbh_dir):
 
 
 def test_shipped_experiment_config_is_valid(tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     path = root / "experiments" / "gsm8k_mistake_math.yaml"
     for proto in ("ranking", "repair"):
         cfg = load_config(path, proto, data_root=str(tmp_path))

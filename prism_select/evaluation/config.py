@@ -1,0 +1,547 @@
+"""Configs of the evaluation protocols: one dataclass per section, a loader that
+validates a YAML or JSON file (or a mapping) into them, and the settings objects of
+scoring and fine-tuning built from a config.
+
+Every error is a :class:`~prism_select.errors.ConfigError` naming the field
+(``a.b.c``) and the fix. See :func:`load_config` for the file layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import typing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..curvature import CurvatureSettings
+from ..data.tokenize import DEFAULT_MAX_LENGTH
+from ..errors import ConfigError
+from ..model import ModelSettings
+from ..scoring import DEFAULT_CHUNK_SIZE
+
+PROTOCOLS = ("ranking", "repair", "select")
+PAIR_SELECTIONS = ("worsened", "wrong_after", "all")
+DATA_ROOT_ENV = "PRISM_DATA_ROOT"
+
+
+@dataclass
+class ScoreConfig:
+    """Scoring settings shared by every method (see :class:`prism_select.pipeline.ScoreSettings`).
+
+    Any other field of ``ScoreSettings`` (e.g. ``skip_invalid``, ``scoring``) may be
+    given here too; it is passed through (``extra``). ``method``, ``method_options``,
+    ``seed`` and ``overwrite`` are set by the protocol."""
+
+    max_length: int = DEFAULT_MAX_LENGTH
+    batch_size: int = 8
+    modules: list | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    progress: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+_SCORE_RESERVED = {"method", "method_options", "seed", "overwrite"}
+
+
+def _score_passthrough() -> set:
+    from ..pipeline import ScoreSettings
+    return {f.name for f in dataclasses.fields(ScoreSettings)} - _SCORE_RESERVED - \
+        {f.name for f in dataclasses.fields(ScoreConfig)}
+
+
+@dataclass
+class GenerationConfig:
+    """Greedy generation on probes (see :func:`.probes.generate`)."""
+
+    max_new_tokens: int = 256
+    batch_size: int = 32
+    max_prompt_tokens: int | None = None
+    stop: list | None = None
+
+
+@dataclass
+class FinetuneConfig:
+    """A :class:`~prism_select.evaluation.finetune.FinetuneSettings` preset plus
+    overrides of single fields (e.g. ``{epochs: 2, max_length: 512}``). The seed is the
+    run's seed unless ``overrides`` sets one."""
+
+    preset: str = "repair"
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class MistakeMathConfig:
+    """A GSM8K mistake-math pool (see :func:`.builders.mistake_math_pool`)."""
+
+    gsm8k_train: str = ""
+    pool_size: int = 300
+    keep_annotations: bool = False
+
+
+@dataclass
+class TargetVariant:
+    """A target set for the ranking protocol: ``n_counterfactual`` pairs (chosen =
+    corrupted solution, rejected = correct) plus ``n_distractors`` pairs (chosen = the
+    correct solution's words shuffled). ``methods``: only these methods (default: all
+    of the config's)."""
+
+    name: str = "counterfactual"
+    n_counterfactual: int = 24
+    n_distractors: int = 0
+    methods: list | None = None
+
+
+@dataclass
+class ProbeConfig:
+    """GSM8K test problems as probes and the checker that judges a response."""
+
+    gsm8k_test: str = ""
+    n: int = 48
+    checker: Any = "numeric_final_answer"
+
+
+@dataclass
+class BBHConfig:
+    """Per-task targets and held-out probes from a BIG-Bench-Hard folder."""
+
+    dir: str = ""
+    n_targets_per_task: int = 3
+    tasks: list | None = None
+    n_heldout_per_task: int | None = None
+
+
+@dataclass
+class CommonConfig:
+    """Fields every protocol has.
+
+    model: a :class:`~prism_select.model.ModelSettings` mapping, or just the model
+        (``default``, a model directory, a ``.gguf`` file).
+    seeds: one run per seed (pools, targets, random baselines, fine-tuning all seeded).
+    methods: ``all`` (PRISM, its ablations and every registered baseline) or a list.
+    method_options: method name -> its options (``ScoreSettings.method_options``).
+    score, curvature: scoring and curvature settings shared by every method.
+    on_method_error: ``raise`` (stop) or ``record`` (note the error in results.json,
+        show the method as missing, go on with the others).
+    data_root: where relative data paths point (see :func:`load_config`).
+    report: write report.html at the end (needs matplotlib; skipped with a warning
+        when it is missing -- render it later with ``prism-select report``).
+    """
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    seeds: list = field(default_factory=lambda: [0])
+    methods: Any = field(default_factory=lambda: ["prism", "equal", "unpaired", "random"])
+    method_options: dict = field(default_factory=dict)
+    score: ScoreConfig = field(default_factory=ScoreConfig)
+    curvature: CurvatureSettings = field(default_factory=CurvatureSettings)
+    on_method_error: str = "raise"
+    data_root: str | None = None
+    report: bool = True
+
+
+@dataclass
+class RankingConfig(CommonConfig):
+    """data: the mistake-math pool; targets: one or more :class:`TargetVariant`;
+    harmful_ratios: fractions of corrupted records (0.01, 0.1, 0.2, 0.5, ...)."""
+
+    data: MistakeMathConfig = field(default_factory=MistakeMathConfig)
+    targets: list = field(default_factory=lambda: [TargetVariant()])
+    harmful_ratios: list = field(default_factory=lambda: [0.1])
+
+
+@dataclass
+class RepairConfig(CommonConfig):
+    """data, harmful_ratios: the pools; probes: GSM8K test problems and their checker;
+    finetune: the SFT (``repair`` preset); generation: greedy decoding on the probes.
+
+    pair_selection: which probes give target pairs ``(probe, post, pre)``:
+        ``worsened`` (correct before SFT, wrong after: the paper's "behaviour got
+        worse"), ``wrong_after`` (wrong after SFT, whatever before) or ``all`` (every
+        probe). A probe whose two responses are equal never gives a pair.
+    min_pairs, fallback_pair_selection: with fewer than ``min_pairs`` pairs, use the
+        fallback selection instead (recorded in the run's ``pair_selection`` and note).
+    score_at: score the pool at the ``start`` model or the ``post``-SFT model (its LoRA
+        matrices are then the tracked layers).
+    remove_fraction: fraction of the pool removed before retraining (default: the
+        harmful ratio of the setting).
+    retrain: retrain and measure the error rate after each removal.
+    oracle: also remove exactly the harmful records (an upper reference row).
+    """
+
+    data: MistakeMathConfig = field(default_factory=MistakeMathConfig)
+    probes: ProbeConfig = field(default_factory=ProbeConfig)
+    harmful_ratios: list = field(default_factory=lambda: [0.1])
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    pair_selection: str = "worsened"
+    min_pairs: int = 1
+    fallback_pair_selection: str | None = None
+    score_at: str = "start"
+    remove_fraction: float | None = None
+    retrain: bool = True
+    oracle: bool = False
+
+
+@dataclass
+class SelectConfig(CommonConfig):
+    """pool: the candidate pool (any format prism-select reads); targets + heldout:
+    target pairs (with ``task``) and held-out probes (``prompt``, ``reference``,
+    ``task``), or ``bbh`` to build both from a BIG-Bench-Hard folder; fraction: the
+    budget kept by each method (0.05 = the paper's 5%); finetune: the SFT
+    (``general`` preset); checker: judges held-out responses; full_data/start_row: add
+    the rows "Full data" (SFT on the whole pool) and "Start" (no SFT)."""
+
+    pool: str = ""
+    bbh: BBHConfig | None = None
+    targets: str | None = None
+    heldout: str | None = None
+    fraction: float = 0.05
+    finetune: FinetuneConfig = field(default_factory=lambda: FinetuneConfig(preset="general"))
+    generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_new_tokens=64))
+    checker: Any = "final_answer"
+    full_data: bool = True
+    start_row: bool = True
+
+
+CONFIG_CLASSES = {"ranking": RankingConfig, "repair": RepairConfig, "select": SelectConfig}
+_LIST_ITEM_TYPES = {(RankingConfig, "targets"): TargetVariant}
+
+
+# --------------------------------------------------------------------------- building
+
+_PREFIX = re.compile(r"^setting '[^']*': ")
+
+
+def _rewrap(e: ConfigError, prefix: str) -> ConfigError:
+    msg = _PREFIX.sub("", str(e))
+    return ConfigError(f"{prefix}.{e.field}" if prefix else e.field, msg)
+
+
+def _convert(value, tp, name: str):
+    """``value`` as type ``tp`` (from a dataclass annotation); ConfigError names ``name``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, name)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0] if errors else ConfigError(name, f"invalid value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if tp is ModelSettings and isinstance(value, str):
+            value = {"model": value}
+        return build_dataclass(tp, value, name)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(name, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(name, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(name, f"expected text, got {value!r}")
+        return value
+    if tp is list or origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(name, f"expected a list, got {value!r}")
+        return list(value)
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(name, f"expected a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def build_dataclass(cls, data, name: str = ""):
+    """Build dataclass ``cls`` from a mapping, checking names and types; every error
+    is a :class:`ConfigError` naming the field (``a.b.c``)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(name or cls.__name__, f"expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    if cls is ScoreConfig:  # other ScoreSettings fields pass through
+        passthrough = _score_passthrough()
+        extra = {k: v for k, v in data.items() if k in passthrough}
+        data = {k: v for k, v in data.items() if k not in passthrough}
+        if extra:
+            data["extra"] = {**data.get("extra", {}), **extra}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        k = unknown[0]
+        raise ConfigError(f"{name}.{k}" if name else k, "unknown setting",
+                          f"known settings here: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for k, v in data.items():
+        fname = f"{name}.{k}" if name else k
+        item_cls = _LIST_ITEM_TYPES.get((cls, k))
+        if item_cls is None and issubclass(cls, RankingConfig) and k == "targets":
+            item_cls = TargetVariant
+        if item_cls is not None:
+            if not isinstance(v, list) or not v:
+                raise ConfigError(fname, f"expected a non-empty list, got {v!r}")
+            kwargs[k] = [build_dataclass(item_cls, x, f"{fname}[{i}]") for i, x in enumerate(v)]
+        else:
+            kwargs[k] = _convert(v, hints[k], fname)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise _rewrap(e, name) from None
+    except TypeError as e:
+        raise ConfigError(name or cls.__name__, str(e)) from None
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in (over or {}).items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_config_file(path) -> dict:
+    """A YAML (``.yaml``/``.yml``) or JSON config file as a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config", f"{path} does not exist", "pass the path of a YAML or JSON config")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # yaml.YAMLError / json.JSONDecodeError
+        raise ConfigError("config", f"{path} is not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} must hold a mapping at the top level")
+    return data
+
+
+def _section(raw: dict, protocol: str) -> dict:
+    sectioned = any(k in raw for k in ("common", *PROTOCOLS, "smoke"))
+    if not sectioned:
+        return dict(raw)
+    extra = sorted(set(raw) - {"common", *PROTOCOLS, "smoke"})
+    if extra:
+        raise ConfigError(extra[0], "unknown top-level section",
+                          "a sectioned config holds common, ranking, repair, select and smoke")
+    if protocol not in raw and "common" not in raw:
+        raise ConfigError(protocol, f"the config has no '{protocol}' section")
+    return _deep_merge(raw.get("common") or {}, raw.get(protocol) or {})
+
+
+def load_config(source, protocol: str, *, smoke: bool = False, seeds: list | None = None,
+                data_root: str | None = None, base_dir=None):
+    """Validate a config for ``protocol`` into its dataclass.
+
+    ``source``: a path (YAML or JSON) or a mapping. The mapping holds the protocol's
+    fields at the top level, or sections: ``common`` (merged into each protocol),
+    ``ranking`` / ``repair`` / ``select``, and ``smoke`` (overrides applied with
+    ``smoke=True``; itself plain or sectioned). ``seeds`` overrides the config's.
+
+    Relative data paths (``gsm8k_train``, ``gsm8k_test``, ``pool``, ``targets``,
+    ``heldout``, ``bbh.dir``) are resolved against ``data_root``: the argument, else
+    ``$PRISM_DATA_ROOT``, else the config's ``data_root`` (itself relative to the
+    config file), else the config file's folder. ``$VARS`` and ``~`` are expanded.
+    A model path is resolved against the config file's folder.
+    """
+    if protocol not in PROTOCOLS:
+        raise ConfigError("protocol", f"unknown protocol {protocol!r}", f"use one of {', '.join(PROTOCOLS)}")
+    if isinstance(source, (str, os.PathLike)):
+        base_dir = Path(source).resolve().parent
+        raw = read_config_file(source)
+    elif isinstance(source, dict):
+        raw = source
+    else:
+        raise ConfigError("config", f"expected a path or a mapping, got {type(source).__name__}")
+    base_dir = Path(base_dir or os.getcwd())
+    data = _section(raw, protocol)
+    if smoke:
+        if "smoke" not in raw:
+            raise ConfigError("smoke", "the config has no 'smoke' section")
+        sm = raw["smoke"] or {}
+        sm = _section(sm, protocol) if any(k in sm for k in ("common", *PROTOCOLS)) else sm
+        data = _deep_merge(data, sm)
+    if seeds is not None:
+        data["seeds"] = list(seeds)
+    cfg = build_dataclass(CONFIG_CLASSES[protocol], data, "")
+    _validate(cfg, protocol)
+    root = data_root or os.environ.get(DATA_ROOT_ENV) or cfg.data_root
+    root = Path(_expand(root)) if root else base_dir
+    if not root.is_absolute():
+        root = (base_dir / root).resolve() if not (data_root or os.environ.get(DATA_ROOT_ENV)) else root.resolve()
+    cfg.data_root = str(root)
+    _resolve_paths(cfg, root, base_dir)
+    return cfg
+
+
+def _expand(p: str) -> str:
+    return os.path.expanduser(os.path.expandvars(p))
+
+
+def _resolve(p: str | None, root: Path) -> str | None:
+    if not p:
+        return p
+    q = Path(_expand(p))
+    return str(q if q.is_absolute() else (root / q).resolve())
+
+
+def _resolve_paths(cfg, root: Path, base_dir: Path):
+    if isinstance(cfg, (RankingConfig, RepairConfig)):
+        cfg.data.gsm8k_train = _resolve(cfg.data.gsm8k_train, root)
+    if isinstance(cfg, RepairConfig):
+        cfg.probes.gsm8k_test = _resolve(cfg.probes.gsm8k_test, root)
+    if isinstance(cfg, SelectConfig):
+        cfg.pool = _resolve(cfg.pool, root)
+        cfg.targets = _resolve(cfg.targets, root)
+        cfg.heldout = _resolve(cfg.heldout, root)
+        if cfg.bbh is not None:
+            cfg.bbh.dir = _resolve(cfg.bbh.dir, root)
+    m = cfg.model
+    if m.model != "default":
+        m.model = _resolve(m.model, base_dir)
+    if m.adapter:
+        m.adapter = _resolve(m.adapter, base_dir)
+
+
+def _check_fraction(v, name, allow_zero=False):
+    if not isinstance(v, (int, float)) or not ((0 <= v <= 1) if allow_zero else (0 < v <= 1)):
+        raise ConfigError(name, f"must be a fraction in {'[0, 1]' if allow_zero else '(0, 1]'}, got {v!r}",
+                          "e.g. 0.1 for 10%")
+
+
+def _validate(cfg, protocol: str):
+    if not cfg.seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in cfg.seeds):
+        raise ConfigError("seeds", f"must be a non-empty list of integers, got {cfg.seeds!r}")
+    if len(set(cfg.seeds)) != len(cfg.seeds):
+        raise ConfigError("seeds", f"lists a seed twice: {cfg.seeds!r}")
+    if cfg.on_method_error not in ("raise", "record"):
+        raise ConfigError("on_method_error", f"unknown value {cfg.on_method_error!r}", "use raise or record")
+    if isinstance(cfg.methods, str):
+        if cfg.methods != "all":
+            cfg.methods = [cfg.methods]
+    elif not isinstance(cfg.methods, list) or not cfg.methods or not all(isinstance(m, str) for m in cfg.methods):
+        raise ConfigError("methods", f"must be 'all' or a non-empty list of method names, got {cfg.methods!r}")
+    if not isinstance(cfg.method_options, dict) or not all(isinstance(v, dict) for v in cfg.method_options.values()):
+        raise ConfigError("method_options", "must map a method name to a mapping of its options",
+                          "e.g. {ifguide: {quantile: 0.99}}")
+    for k in ("batch_size", "max_length", "chunk_size"):
+        if getattr(cfg.score, k) < 1:
+            raise ConfigError(f"score.{k}", f"must be >= 1, got {getattr(cfg.score, k)}")
+    bad = sorted(set(cfg.score.extra) - _score_passthrough())
+    if bad:
+        raise ConfigError(f"score.{bad[0]}", "unknown setting")
+    try:
+        score_settings(cfg, "prism", 0)
+    except ConfigError as e:
+        raise _rewrap(e, "score") from None
+    except TypeError as e:
+        raise ConfigError("score", str(e)) from None
+    for name, ratios in (("harmful_ratios", getattr(cfg, "harmful_ratios", None)),):
+        if ratios is None:
+            continue
+        if not ratios:
+            raise ConfigError(name, "needs at least one ratio", "e.g. [0.1, 0.5]")
+        for i, r in enumerate(ratios):
+            _check_fraction(r, f"{name}[{i}]", allow_zero=True)
+    if isinstance(cfg, (RankingConfig, RepairConfig)):
+        if not cfg.data.gsm8k_train:
+            raise ConfigError("data.gsm8k_train", "is required", "the path of GSM8K's train.jsonl")
+        if cfg.data.pool_size < 1:
+            raise ConfigError("data.pool_size", f"must be >= 1, got {cfg.data.pool_size}")
+    if isinstance(cfg, RankingConfig):
+        names = [t.name for t in cfg.targets]
+        if len(set(names)) != len(names):
+            raise ConfigError("targets", f"variant names must differ, got {names}")
+        for i, t in enumerate(cfg.targets):
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", t.name):
+                raise ConfigError(f"targets[{i}].name", f"{t.name!r} must be letters, digits, '_', '-' or '.'")
+            if t.n_counterfactual < 0 or t.n_distractors < 0 or t.n_counterfactual + t.n_distractors < 1:
+                raise ConfigError(f"targets[{i}]", "needs at least one pair")
+    if isinstance(cfg, RepairConfig):
+        if not cfg.probes.gsm8k_test:
+            raise ConfigError("probes.gsm8k_test", "is required", "the path of GSM8K's test.jsonl")
+        if cfg.probes.n < 1:
+            raise ConfigError("probes.n", f"must be >= 1, got {cfg.probes.n}")
+        for name in ("pair_selection", "fallback_pair_selection"):
+            v = getattr(cfg, name)
+            if v not in PAIR_SELECTIONS and not (v is None and name.startswith("fallback")):
+                raise ConfigError(name, f"unknown value {v!r}", f"use one of {', '.join(PAIR_SELECTIONS)}")
+        if cfg.min_pairs < 1:
+            raise ConfigError("min_pairs", f"must be >= 1, got {cfg.min_pairs}")
+        if cfg.score_at not in ("start", "post"):
+            raise ConfigError("score_at", f"unknown value {cfg.score_at!r}", "use start or post")
+        if cfg.remove_fraction is not None:
+            _check_fraction(cfg.remove_fraction, "remove_fraction", allow_zero=True)
+        from .probes import load_checker
+        try:
+            load_checker(cfg.probes.checker)
+        except ConfigError as e:
+            raise _rewrap(e, "probes") from None
+    if isinstance(cfg, SelectConfig):
+        if not cfg.pool:
+            raise ConfigError("pool", "is required", "the candidate pool file")
+        _check_fraction(cfg.fraction, "fraction")
+        if cfg.bbh is None and not (cfg.targets and cfg.heldout):
+            raise ConfigError("targets", "give bbh (a BIG-Bench-Hard folder) or both targets and heldout files")
+        if cfg.bbh is not None and (cfg.targets or cfg.heldout):
+            raise ConfigError("bbh", "give either bbh or targets + heldout, not both")
+        from .probes import load_checker
+        load_checker(cfg.checker)
+    for sec in ("generation",):
+        g = getattr(cfg, sec, None)
+        if g is not None and (g.max_new_tokens < 1 or g.batch_size < 1):
+            raise ConfigError(f"{sec}", "max_new_tokens and batch_size must be >= 1")
+    ft = getattr(cfg, "finetune", None)
+    if ft is not None:
+        try:
+            finetune_settings(ft, 0)
+        except ConfigError as e:
+            raise _rewrap(e, "finetune") from None
+
+
+def config_to_dict(cfg) -> dict:
+    """A config as plain JSON values (what experiment.json and results.json record)."""
+    return json.loads(json.dumps(asdict(cfg), default=str))
+
+
+def score_settings(cfg, method: str, seed: int):
+    """The :class:`~prism_select.pipeline.ScoreSettings` of ``method`` in a protocol run."""
+    from ..pipeline import ScoreSettings
+    s = cfg.score
+    return ScoreSettings(method=method, max_length=s.max_length, batch_size=s.batch_size, modules=s.modules,
+                         chunk_size=s.chunk_size, overwrite=False, progress=s.progress, seed=seed,
+                         method_options=dict(cfg.method_options.get(method, {})), **s.extra)
+
+
+def finetune_settings(ft: FinetuneConfig, seed: int):
+    """The :class:`~prism_select.evaluation.finetune.FinetuneSettings` of ``ft`` (the
+    run's ``seed`` unless the overrides set one; no progress bar)."""
+    from .finetune import FinetuneSettings
+    over = dict(ft.overrides)
+    over.setdefault("seed", seed)
+    over.setdefault("progress", False)
+    return FinetuneSettings.preset(ft.preset, **over)

@@ -1,0 +1,360 @@
+"""What the three protocols share: the experiment directory, its resumable steps
+(scoring every method, LoRA fine-tuning, greedy responses to probes), the metrics read
+back from the written files and the tables of results.json.
+
+Layout of an experiment directory ``<out>``::
+
+    experiment.json        protocol + resolved config (a rerun with another config is refused)
+    results.json           every number of the tables, with the files it came from
+    report.html            (+ PNG plots) see :mod:`.report`
+    runs/<setting>/seed<k>/...   pool.jsonl, targets.jsonl, scores/<method>/..., etc.
+
+Every number in ``results.json`` is computed from files written during the run
+(scores read back from ``scores.jsonl``, labels from ``pool.jsonl``, verdicts from
+``responses.jsonl``). A finished step is reused when its inputs and settings are
+unchanged (``.<step>-step.json`` beside its outputs), so an interrupted experiment resumes
+by running the same command again.
+
+Tables show the mean over seeds and, with more than one seed, the sample standard
+deviation (``ddof = 1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+from ..errors import CacheError, ConfigError, InputError, OutputError, PrismError
+from ..evaluation_metrics import auprc, auroc
+from ..io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_file
+from . import builders
+from .config import config_to_dict, finetune_settings, score_settings
+
+log = logging.getLogger(__name__)
+
+
+def mean_std(values: list) -> dict:
+    """``mean``, ``std`` (sample, ddof 1; None for one value), ``n`` and the values;
+    NaN values (undefined metrics) are left out."""
+    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return {"mean": None, "std": None, "n": 0, "values": []}
+    m = sum(vals) / len(vals)
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else None
+    return {"mean": m, "std": sd, "n": len(vals), "values": vals}
+
+
+def read_jsonl(path) -> list:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def ranking_metrics(scores_path, pool_path, label: str = "harmful") -> dict:
+    """AUROC, AUPRC and counts of ``label`` from a written scores file and pool file."""
+    labels = {r["id"]: bool(r[label]) for r in read_jsonl(pool_path)}
+    rows = read_jsonl(scores_path)
+    missing = [r["id"] for r in rows if r["id"] not in labels]
+    if missing:
+        raise InputError(f"{len(missing)} scored ids are not in the pool (e.g. {missing[0]!r})", path=scores_path)
+    s = [float(r["score"]) for r in rows]
+    y = [labels[r["id"]] for r in rows]
+    return {"auroc": auroc(s, y), "auprc": auprc(s, y), "n": len(y), "n_positive": sum(y)}
+
+
+def pi_summary(pairs_path, targets_path=None) -> dict | None:
+    """``pi`` over the target pairs of a written pairs.jsonl (min/mean/max, and per
+    ``kind`` when the targets file names one)."""
+    if not Path(pairs_path).is_file():
+        return None
+    rows = [r for r in read_jsonl(pairs_path) if "pi" in r]
+    if not rows:
+        return None
+    kinds = {}
+    if targets_path and Path(targets_path).is_file():
+        kinds = {t.get("id"): t.get("kind") for t in read_jsonl(targets_path)}
+
+    def summ(xs):
+        return {"n": len(xs), "min": min(xs), "mean": sum(xs) / len(xs), "max": max(xs)}
+
+    out = {"all": summ([float(r["pi"]) for r in rows])}
+    by = {}
+    for r in rows:
+        k = kinds.get(r["id"])
+        if k:
+            by.setdefault(k, []).append(float(r["pi"]))
+    for k, xs in sorted(by.items()):
+        out[k] = summ(xs)
+    return out
+
+
+class Experiment:
+    """An experiment directory: reuse of finished steps, timings, relative paths."""
+
+    def __init__(self, out: Path, protocol: str, cfg, overwrite: bool):
+        self.out = Path(out)
+        self.protocol = protocol
+        self.cfg = cfg
+        self.timings: dict = {}
+        conf = config_to_dict(cfg)
+        conf.pop("report", None)  # whether a page is drawn does not change any number
+        meta = {"protocol": protocol, "config": conf}
+        marker = self.out / "experiment.json"
+        if self.out.exists() and any(self.out.iterdir()):
+            if not marker.is_file():
+                raise OutputError(f"{self.out} exists and is not an experiment directory; choose another --out")
+            old = json.loads(marker.read_text())
+            if old.get("protocol") != protocol or old.get("config") != meta["config"]:
+                if not overwrite:
+                    raise OutputError(f"{self.out} holds an experiment with another protocol or config; "
+                                      "pass --overwrite to replace it, or choose another --out")
+        if overwrite:
+            shutil.rmtree(self.out / "runs", ignore_errors=True)
+            for f in ("results.json", "report.html"):
+                (self.out / f).unlink(missing_ok=True)
+        check_writable_dir(self.out)
+        atomic_write_json(marker, meta)
+
+    def rel(self, p) -> str:
+        return os.path.relpath(Path(p), self.out)
+
+    @staticmethod
+    def done(step_dir: Path, key: dict, files: list, step: str = "step") -> bool:
+        f = Path(step_dir) / f".{step}.json"
+        if not f.is_file() or not all((Path(step_dir) / x).exists() for x in files):
+            return False
+        try:
+            return json.loads(f.read_text()) == json.loads(json.dumps(key, default=str))
+        except ValueError:
+            return False
+
+    @staticmethod
+    def finish(step_dir: Path, key: dict, step: str = "step"):
+        atomic_write_json(Path(step_dir) / f".{step}.json", json.loads(json.dumps(key, default=str)))
+
+    def time(self, name: str, seconds: float):
+        self.timings[name] = self.timings.get(name, 0.0) + seconds
+
+
+def write_if_changed(path: Path, records: list) -> str:
+    """Write records (JSON Lines) unless the file already holds exactly them; return the sha256."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if not (path.is_file() and sha256_file(path) == digest):
+        atomic_write_jsonl(path, records)
+    return digest
+
+
+def available_methods() -> list:
+    """PRISM, its ablations and every registered baseline, by ``--method`` name."""
+    from ..preference import METHODS
+    try:
+        from ..baselines import REGISTRY
+        extra = list(REGISTRY)
+    except ImportError:
+        extra = []
+    return list(METHODS) + [m for m in extra if m not in METHODS]
+
+
+def resolve_methods(methods) -> list:
+    """A config's ``methods`` (``all`` or a list) as a list of known names, in order."""
+    known = available_methods()
+    if methods == "all":
+        return known
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise ConfigError("methods", f"unknown method(s) {', '.join(unknown)}", f"use some of {', '.join(known)}")
+    return list(dict.fromkeys(methods))
+
+
+def score_methods(exp: Experiment, lm, pool_path: Path, targets_path: Path | None, run_dir: Path,
+                  methods: list, seed: int, label: str = "harmful") -> dict:
+    """Score the pool with each method (reusing finished runs); metrics from the files."""
+    from ..pipeline import score_pool
+    cfg = exp.cfg
+    out = {}
+    inputs = {"pool": sha256_file(pool_path), "targets": sha256_file(targets_path) if targets_path else None,
+              "model": lm.fingerprint}
+    for m in methods:
+        mdir = run_dir / "scores" / m
+        settings = score_settings(cfg, m, seed)
+        curv = dataclasses.replace(cfg.curvature, seed=seed)
+        key = {"inputs": inputs, "settings": asdict(settings), "curvature": asdict(curv)}
+        key["settings"].pop("progress", None)
+        rec: dict = {"dir": exp.rel(mdir)}
+        t = time.perf_counter()
+        try:
+            if not exp.done(mdir, key, ["scores.jsonl", "run.json"], "score-step"):
+                log.info("scoring %s with %s", pool_path, m)
+                # a finished run with other inputs is replaced; an interrupted one resumes
+                settings.overwrite = (mdir / "run.json").exists()
+                try:
+                    score_pool(lm, pool_path, targets_path, mdir, settings, curv)
+                except CacheError:  # an interrupted run with other settings: start again
+                    settings.overwrite = True
+                    score_pool(lm, pool_path, targets_path, mdir, settings, curv)
+                exp.finish(mdir, key, "score-step")
+            rec["status"] = "ok"
+            rec["seconds"] = round(time.perf_counter() - t, 3)
+            run = json.loads((mdir / "run.json").read_text())
+            rec["run_seconds"] = run.get("timings", {}).get("total_s")
+            if label:
+                rec.update(ranking_metrics(mdir / "scores.jsonl", pool_path, label))
+            rec["pi"] = pi_summary(mdir / "pairs.jsonl", targets_path)
+        except Exception as e:  # noqa: BLE001 - recorded per method when asked
+            if cfg.on_method_error == "raise" or isinstance(e, KeyboardInterrupt):
+                raise
+            log.warning("method %s failed: %s", m, e)
+            rec.update(status="error", error=f"{type(e).__name__}: {e}",
+                       traceback=None if isinstance(e, PrismError) else traceback.format_exc(limit=8))
+        exp.time(f"score:{m}", time.perf_counter() - t)
+        out[m] = rec
+        free_cuda_cache()
+    return out
+
+
+def free_cuda_cache():
+    """Return cached GPU memory between steps (a no-op on CPU)."""
+    import torch
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def train_adapter(exp: Experiment, lm, pool_path: Path, out_dir: Path, seed: int, tag: str) -> Path:
+    """LoRA SFT of the start model on ``pool_path`` (reused when unchanged); the adapter dir."""
+    from .finetune import finetune
+    settings = finetune_settings(exp.cfg.finetune, seed)
+    key = {"pool": sha256_file(pool_path), "model": lm.fingerprint, "settings": asdict(settings)}
+    if not exp.done(out_dir, key, ["adapter/adapter_config.json", "finetune.json"], "finetune-step"):
+        t = time.perf_counter()
+        log.info("fine-tuning on %s (%s)", pool_path, tag)
+        res = finetune(lm, pool_path, out_dir, settings, overwrite=True)
+        exp.time(f"finetune:{tag}", time.perf_counter() - t)
+        exp.finish(out_dir, key, "finetune-step")
+        free_cuda_cache()
+        return Path(res.adapter_dir)
+    return out_dir / "adapter"
+
+
+def respond(exp: Experiment, lm_or_adapter, probes_path: Path, out_dir: Path, checker_spec, tag: str) -> Path:
+    """Greedy responses to the probes (with a loaded model, or the start model plus an
+    adapter directory), judged by the checker: ``responses.jsonl`` (id, response,
+    correct, reference). Reused when unchanged."""
+    from ..model import LoadedModel, load_model
+    from .probes import generate, load_checker, reference_of
+    g = exp.cfg.generation
+    adapter = None if isinstance(lm_or_adapter, LoadedModel) else Path(lm_or_adapter)
+    key = {"probes": sha256_file(probes_path), "generation": asdict(g), "checker": checker_spec,
+           "model": (lm_or_adapter.fingerprint if adapter is None
+                     else sha256_file(adapter / "adapter_model.safetensors")
+                     if (adapter / "adapter_model.safetensors").is_file() else str(adapter))}
+    path = out_dir / "responses.jsonl"
+    if exp.done(out_dir, key, ["responses.jsonl"], "responses-step"):
+        return path
+    t = time.perf_counter()
+    if adapter is None:
+        lm = lm_or_adapter
+    else:
+        lm = load_model(dataclasses.replace(exp.cfg.model, adapter=str(adapter)))
+    probes = read_jsonl(probes_path)
+    texts = generate(lm, [p["prompt"] for p in probes], max_new_tokens=g.max_new_tokens,
+                     batch_size=g.batch_size, max_prompt_tokens=g.max_prompt_tokens, stop=g.stop)
+    check = load_checker(checker_spec)
+    rows = []
+    for p, r in zip(probes, texts):
+        row = {"id": p["id"], "response": r, "correct": bool(check(p, r))}
+        try:
+            row["reference"] = reference_of(p)
+        except InputError:
+            pass
+        if p.get("task"):
+            row["task"] = p["task"]
+        rows.append(row)
+    atomic_write_jsonl(path, rows)
+    exp.finish(out_dir, key, "responses-step")
+    if adapter is not None:
+        del lm
+        free_cuda_cache()
+    exp.time(f"generate:{tag}", time.perf_counter() - t)
+    return path
+
+
+def error_rate(responses_path) -> dict:
+    """Fraction of the judged responses that are wrong (NaN for none), with counts."""
+    rows = read_jsonl(responses_path)
+    n = len(rows)
+    wrong = sum(1 for r in rows if not r["correct"])
+    return {"error_rate": wrong / n if n else float("nan"), "n": n, "n_wrong": wrong}
+
+
+def accuracy_by_task(responses_path) -> dict:
+    """Accuracy of the judged responses per ``task`` (``all`` without one) and their mean."""
+    by: dict = {}
+    for r in read_jsonl(responses_path):
+        by.setdefault(r.get("task") or "all", []).append(bool(r["correct"]))
+    out = {t: sum(v) / len(v) for t, v in sorted(by.items())}
+    out["mean"] = sum(out.values()) / len(out) if out else float("nan")
+    return out
+
+
+def pct(r: float) -> str:
+    """A fraction as a percentage without trailing zeros (0.1 -> "10")."""
+    s = f"{r * 100:.6g}"
+    return s
+
+
+def mean_table(name: str, title: str, runs: list, row_keys: list, value, *, lower_is_better: bool = False,
+               note: str = "") -> dict:
+    """Aggregate ``value(run, row, setting) -> float | None`` over the runs (seeds) of
+    each setting, for each row."""
+    settings = list(dict.fromkeys(r["setting"] for r in runs))
+    rows = []
+    for rk in row_keys:
+        cells = [mean_std([value(r, rk, st) for r in runs if r["setting"] == st]) for st in settings]
+        rows.append({"label": rk, "cells": cells})
+    return {"name": name, "title": title, "columns": settings, "rows": rows,
+            "lower_is_better": lower_is_better, "note": note}
+
+
+def finish_experiment(exp: Experiment, results: dict) -> dict:
+    """Write results.json (with the step timings) and, if the config asks, report.html."""
+    results["timings"] = {k: round(v, 3) for k, v in exp.timings.items()}
+    atomic_write_json(exp.out / "results.json", results)
+    if exp.cfg.report:
+        try:
+            from .report import write_report
+            write_report(exp.out)
+        except ImportError as e:  # matplotlib missing where the experiment ran
+            log.warning("no report (%s); run `prism-select report --run %s` where matplotlib is installed",
+                        e, exp.out)
+    return results
+
+
+def load_start(exp, cfg):
+    """The start model of a protocol run; its load time goes to ``exp``'s timings."""
+    from ..model import load_model
+    t = time.perf_counter()
+    lm = load_model(cfg.model)
+    exp.time("load_model", time.perf_counter() - t)
+    return lm
+
+
+def mistake_math_run(exp, cfg, ratio, seed):
+    """The run directory of one (harmful ratio, seed) and its mistake-math pool."""
+    rdir = exp.out / "runs" / f"r{pct(ratio)}" / f"seed{seed}"
+    rdir.mkdir(parents=True, exist_ok=True)
+    pool = builders.mistake_math_pool(cfg.data.gsm8k_train, cfg.data.pool_size, ratio, seed,
+                                      keep_annotations=cfg.data.keep_annotations)
+    pool_path = rdir / "pool.jsonl"
+    write_if_changed(pool_path, pool)
+    return rdir, pool, pool_path

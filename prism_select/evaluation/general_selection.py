@@ -1,0 +1,82 @@
+"""The general-selection protocol (the paper's App. E): the top ``fraction`` (5%) of a
+pool by each method (and ``random``) for per-task target pairs -> LoRA SFT
+(``general`` preset) -> accuracy on each task's held-out probes; rows ``Start`` and
+``Full data``. The experiment directory: :mod:`.experiment`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import InputError
+from . import builders
+from .config import SelectConfig, config_to_dict
+from .experiment import (Experiment, accuracy_by_task, finish_experiment, load_start, mean_std, pct,
+                         resolve_methods, respond, score_methods, train_adapter, write_if_changed)
+
+
+def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
+    """The general-selection protocol (module docstring); returns results.json's content."""
+    from ..selection import choose, read_scores, write_subset
+    cfg = config
+    exp = Experiment(out_dir, "select", cfg, overwrite)
+    methods = resolve_methods(cfg.methods)
+    pool_path = Path(cfg.pool)
+    if not pool_path.exists():
+        raise InputError("pool file not found", path=pool_path, fix="set 'pool' in the config")
+    lm = load_start(exp, cfg)
+    runs = []
+    for seed in cfg.seeds:
+        sdir = exp.out / "runs" / f"seed{seed}"
+        sdir.mkdir(parents=True, exist_ok=True)
+        if cfg.bbh is not None:
+            targets, heldout = builders.bbh_splits(cfg.bbh.dir, cfg.bbh.n_targets_per_task, seed,
+                                                   tasks=cfg.bbh.tasks, n_heldout_per_task=cfg.bbh.n_heldout_per_task)
+            targets_path, heldout_path = sdir / "targets.jsonl", sdir / "heldout.jsonl"
+            write_if_changed(targets_path, targets)
+            write_if_changed(heldout_path, heldout)
+        else:
+            targets_path, heldout_path = Path(cfg.targets), Path(cfg.heldout)
+        run = {"setting": "select", "seed": seed, "dir": exp.rel(sdir), "pool": os.path.relpath(pool_path, exp.out),
+               "targets": os.path.relpath(targets_path, exp.out), "heldout": os.path.relpath(heldout_path, exp.out),
+               "label": None, "accuracy": {}, "n_selected": None}
+        run["methods"] = score_methods(exp, lm, pool_path, targets_path, sdir, methods, seed, label=None)
+        if cfg.start_row:
+            resp = respond(exp, lm, heldout_path, sdir / "start", cfg.checker, "start")
+            run["accuracy"]["Start"] = accuracy_by_task(resp)
+        if cfg.full_data:
+            adapter = train_adapter(exp, lm, pool_path, sdir / "full", seed, "full")
+            resp = respond(exp, adapter, heldout_path, sdir / "full", cfg.checker, "full")
+            run["accuracy"]["Full data"] = accuracy_by_task(resp)
+        for m in methods:
+            if run["methods"][m].get("status") != "ok":
+                continue
+            mdir = sdir / "selected" / m
+            mdir.mkdir(parents=True, exist_ok=True)
+            scores = read_scores(exp.out / run["methods"][m]["dir"] / "scores.jsonl")
+            kept = choose(scores, keep=("fraction", cfg.fraction))
+            ext = pool_path.suffix if pool_path.is_file() else ""
+            subset = mdir / f"subset{ext or '.jsonl'}"
+            run["n_selected"] = write_subset(pool_path, kept, subset)
+            adapter = train_adapter(exp, lm, subset, mdir, seed, f"select:{m}")
+            resp = respond(exp, adapter, heldout_path, mdir, cfg.checker, f"select:{m}")
+            run["accuracy"][m] = accuracy_by_task(resp)
+        runs.append(run)
+    tasks = list(dict.fromkeys(t for r in runs for acc in r["accuracy"].values() for t in acc if t != "mean"))
+    columns = tasks + ["mean"]
+    row_keys = list(dict.fromkeys(k for r in runs for k in r["accuracy"]))
+    ordered = [k for k in ("Start", "Full data") if k in row_keys] + [k for k in row_keys if k not in ("Start", "Full data")]
+
+    def acc(run, m, task):
+        return (run["accuracy"].get(m) or {}).get(task)
+
+    table = {"name": "accuracy", "title": f"Held-out accuracy after fine-tuning on the top {pct(cfg.fraction)}% "
+             "(higher is better)", "columns": columns, "lower_is_better": False,
+             "note": "Start: no fine-tuning; Full data: fine-tuned on the whole pool",
+             "rows": [{"label": k, "cells": [mean_std([acc(r, k, c) for r in runs]) for c in columns]}
+                      for k in ordered]}
+    results = {"protocol": "select", "config": config_to_dict(cfg), "methods": methods, "settings": columns,
+               "seeds": cfg.seeds, "runs": runs, "tables": [table],
+               "model": {"fingerprint": lm.fingerprint, **{k: v for k, v in lm.source.items() if k != "versions"}}}
+    return finish_experiment(exp, results)
