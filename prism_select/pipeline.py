@@ -283,6 +283,7 @@ class RunContext:
     streamed: dict | None = None  # under stream: what score_stream returned, and the file it wrote
     plan: MemoryPlan | None = None  # where each stage keeps what (prism_select.plan)
     _curvature: Curvature | None = None
+    _fit_timings: dict = field(default_factory=dict)  # the fit's running phase totals
 
     @property
     def pad_id(self) -> int:
@@ -297,7 +298,7 @@ class RunContext:
             t = time.perf_counter()
             cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
             fit = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
-            phases: dict = {}
+            phases = self._fit_timings = {}
             plan = self.plan
             cs = self.curvature_settings
             if plan is not None and plan.fit.get("batch_size"):
@@ -322,9 +323,9 @@ class RunContext:
             info = self.info.get("curvature", {})
             merged = {k: phases.get(k, 0) + info.get("phases_s", {}).get(k, 0) for k in phases}
             damping = list(cur.damping.values())
-            self.info["curvature"] = {"kind": cur.kind, "path": str(directory) if directory else None,
+            self.info["curvature"] = {**info, "kind": cur.kind, "path": str(directory) if directory else None,
                                       "reused": reused, "damping": _summary(damping), "store": store,
-                                      "groups": len(groups) if groups else 1,
+                                      "groups": len(plan.fit_groups) if plan is not None and plan.fit_groups else 1,
                                       "phases_s": merged}  # factors / eigendecompositions / eigenvalues
             if on_group is not None:
                 return cur
@@ -348,12 +349,20 @@ class RunContext:
         groups = self.plan.fit_groups
         v: dict = {}
         todo = []
+        done_phases: dict = {}
         for k, g in enumerate(groups):
             f = partial / f"{tag}_v_group{k:04d}.safetensors"
             if f.exists():
                 v.update(load_file(str(f)))
+                meta = f.with_suffix(".json")  # what the group cost when it was fitted
+                if meta.exists():
+                    m = json.loads(meta.read_text())
+                    for key, val in m.get("phases_s", {}).items():
+                        done_phases[key] = done_phases.get(key, 0) + val
+                    self.info["gpu_peak_bytes"] = max(self.info.get("gpu_peak_bytes", 0), m.get("gpu_peak_bytes", 0))
             else:
                 todo.append(k)
+        last: dict = {}
 
         def on_group(layers, part):
             k = next(i for i in todo if groups[i] == list(layers))
@@ -363,14 +372,33 @@ class RunContext:
                 partial.mkdir(parents=True, exist_ok=True)
                 tmp = partial / f".{tag}_v_group{k:04d}.tmp"
                 save_file({n: t.contiguous() for n, t in got.items()}, str(tmp))
+                phases = self._group_phases(last)
+                peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+                atomic_write_json(partial / f"{tag}_v_group{k:04d}.json", {"phases_s": phases, "gpu_peak_bytes": peak})
                 tmp.replace(partial / f"{tag}_v_group{k:04d}.safetensors")
             v.update(got)
 
+        if len(todo) < len(groups):
+            log.info("resuming: %d of %d fit groups were preconditioned earlier; fitting the other %d",
+                     len(groups) - len(todo), len(groups), len(todo))
         if todo:
             self.curvature(on_group=on_group, groups=[groups[k] for k in todo])
         if len(todo) < len(groups):
-            self.info.setdefault("curvature", {})["resumed_groups"] = len(groups) - len(todo)
+            cur = self.info.setdefault("curvature", {})
+            cur["resumed_groups"] = len(groups) - len(todo)
+            ph = cur.setdefault("phases_s", {})
+            for key, val in done_phases.items():  # the whole fit's phases, earlier processes included
+                ph[key] = ph.get(key, 0) + val
         return {n: v[n] for n in self.modules}
+
+    def _group_phases(self, last: dict) -> dict:
+        """The fit phases of the group just finished (the running totals minus ``last``,
+        which is updated): the fit timings arrive per call, so a group's share is a difference."""
+        now = self._fit_timings
+        out = {k: now.get(k, 0) - last.get(k, 0) for k in now}
+        last.clear()
+        last.update(now)
+        return out
 
     def check_fast(self, v: dict, n: int = FAST_CHECK_EXAMPLES) -> dict:
         """Score a few pool examples (the curvature's fit examples under ``stream``) with
@@ -652,8 +680,8 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     }
     if settings.stream:
         summary["fit_sample"] = {**inputs.fit_sample, "default_size": fit_default}
-    if lm.device.type == "cuda":  # measured, beside the plan's expected peak
-        summary["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(lm.device)
+    if lm.device.type == "cuda":  # measured (the largest over the processes of a resumed run)
+        summary["gpu_peak_bytes"] = max(torch.cuda.max_memory_allocated(lm.device), info.pop("gpu_peak_bytes", 0))
     if distributed.active():
         summary["distributed"] = {"world_size": distributed.world()}
     if main:

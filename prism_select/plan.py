@@ -361,21 +361,25 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
         work = lambda bs: max(eigh, rot(bs), taps(bs))  # noqa: E731
         cost = {n: max(p1[n], p2[n]) if kind == "ekfac" else (stored[n] if kind == "diagonal" else p1[n])
                 for n in names}
+        # Each group costs two passes over the fit sample, while a smaller batch costs little
+        # on a large model: take the batch size that needs the fewest groups (the largest
+        # such batch size on a tie).
         fbs, groups = fit_batch_size, None
-        while fbs >= 1:
-            room = None if usable is None else usable - weights - held - act(fbs) - work(fbs)
+        b = fit_batch_size
+        while b >= 1:
+            room = None if usable is None else usable - weights - held - act(b) - work(b)
             if room is None:
-                groups = [names]
+                fbs, groups = b, [names]
                 break
             if room > 0:
                 # everything at once (and kept there), as without a plan
                 if sum(cost.values()) + total_stored <= room and fits(weights + total_stored + v_bytes + act(sbs)):
-                    groups = [names]
+                    fbs, groups = b, [names]
                     break
-                groups = make_groups(names, cost, room)
-                if groups is not None:
-                    break
-            fbs //= 2
+                g = make_groups(names, cost, room)
+                if g is not None and (groups is None or len(g) < len(groups)):
+                    fbs, groups = b, g
+            b //= 2
         if groups is None:
             worst = max(names, key=lambda n: cost[n])
             raise PlanError(f"the curvature fit does not fit on {dev}: layer {worst!r} alone needs "

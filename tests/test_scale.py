@@ -258,3 +258,98 @@ def test_failed_cache_write_warns_and_keeps_the_run_going(tmp_path, caplog):
 
     with pytest.raises(KeyError):
         cache.guarded_write(d, bug, "x")
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+@pytest.fixture
+def run_files(tmp_path, tok):
+    from conftest import PAIRS, POOL
+    from tiny import tiny_llama
+    m = tiny_llama(len(tok), dtype=torch.float64)
+    m.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    with open(tmp_path / "pool.jsonl", "w") as f:
+        for i in range(24):
+            p, r = POOL[i % len(POOL)]
+            f.write(json.dumps({"id": i, "prompt": p + " #" * (i % 5), "response": r}) + "\n")
+    with open(tmp_path / "targets.jsonl", "w") as f:
+        for q, c, r in PAIRS:
+            f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
+    return tmp_path
+
+
+def _score(d, out, **kw):
+    from prism_select.curvature import CurvatureSettings
+    from prism_select.model import ModelSettings
+    from prism_select.pipeline import ScoreSettings, score_pool
+    ms = ModelSettings(model=str(d / "model"), dtype="float64", device="cpu", cache_dir=str(d / "cache"))
+    cs = CurvatureSettings(**{k: kw.pop(k) for k in list(kw) if k in ("damping",)})
+    summary = score_pool(ms, d / "pool.jsonl", d / "targets.jsonl", d / out,
+                         ScoreSettings(progress=False, batch_size=4, chunk_size=8, **kw), cs)
+    scores = [json.loads(line)["score"] for line in (d / out / "scores.jsonl").read_text().splitlines()]
+    return summary, torch.tensor(scores, dtype=torch.float64)
+
+
+def _forced_plan(monkeypatch, store):
+    """A plan as a small device would make it: the fit in three groups, the curvature kept on
+    the host or not at all, the direction accumulated and kept in host memory."""
+    import prism_select.pipeline as pipeline
+
+    real = pipeline.make_plan
+
+    def fake(model, modules, **kw):
+        plan = real(model, modules, **kw)
+        plan.fit["groups"] = _three_groups(modules)
+        plan.curvature_store = store
+        plan.direction.update(accumulate="host", store="host")
+        return plan
+
+    monkeypatch.setattr(pipeline, "make_plan", fake)
+
+
+@pytest.mark.parametrize("store", ["host", "transient"])
+def test_score_pool_under_a_grouped_plan_matches_the_default(run_files, monkeypatch, store):
+    ref_summary, ref = _score(run_files, "ref")
+    assert ref_summary["memory_plan"]["curvature_store"] == "device"
+    _forced_plan(monkeypatch, store)
+    summary, got = _score(run_files, f"run-{store}")
+    assert rel_err(got, ref) <= GROUP_TOL
+    assert summary["curvature"]["store"] == store and summary["curvature"]["groups"] == 3
+    assert (summary["curvature"]["path"] is None) == (store == "transient")  # a transient fit is not cached
+
+
+def test_transient_run_resumes_finished_groups(run_files, monkeypatch):
+    from prism_select.curvature import fit as fitmod
+    _, ref = _score(run_files, "ref")
+    _forced_plan(monkeypatch, "transient")
+    real = fitmod._fit_group
+    calls = []
+
+    def dying(*a, **kw):  # the process dies while fitting the third group
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fitmod, "_fit_group", dying)
+    with pytest.raises(KeyboardInterrupt):
+        _score(run_files, "run")
+    parts = sorted(p.name for p in (run_files / "run" / ".partial").glob("scores_v_group*"))
+    assert parts == ["scores_v_group0000.json", "scores_v_group0000.safetensors",
+                     "scores_v_group0001.json", "scores_v_group0001.safetensors"]
+    calls.clear()
+    monkeypatch.setattr(fitmod, "_fit_group", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    summary, got = _score(run_files, "run")
+    assert len(calls) == 1  # only the unfinished group is fitted again
+    assert summary["curvature"]["resumed_groups"] == 2
+    assert rel_err(got, ref) <= GROUP_TOL
+
+
+def test_new_damping_reuses_the_fit(run_files):
+    s1, a = _score(run_files, "d1")
+    s2, b = _score(run_files, "d2", damping=1e-3)
+    assert not s1["curvature"]["reused"] and s2["curvature"]["reused"]
+    assert s1["curvature"]["path"] == s2["curvature"]["path"]
+    assert s2["curvature"]["damping"]["max"] == pytest.approx(1e-3)
+    assert rel_err(a, b) > 1e-6  # the damping was applied, not the cached one

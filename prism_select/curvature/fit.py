@@ -525,7 +525,9 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
     # Under torchrun the fit is collective: reuse only if every rank loads the saved copy
     # (a cache directory that is not shared by all nodes means fitting again).
     cur = None
-    if settings.kind != "identity" and distributed.all_or_nothing((directory / "curvature.json").exists()):
+    # a transient plan means the whole curvature does not fit host memory: never load it
+    if settings.kind != "identity" and store != "transient" \
+            and distributed.all_or_nothing((directory / "curvature.json").exists()):
         try:
             cur = Curvature.load(directory, expect=key, device="cpu" if store != "device" else device)
         except CacheError as exc:
