@@ -346,7 +346,17 @@ class RunContext:
         if self.plan is None or self.plan.curvature_store != "transient" or not self.plan.fit_groups:
             return finish(self.curvature().precondition(direction, device=dev))
         partial = self.out_dir / ".partial"
-        groups = self.plan.fit_groups
+        # the partition is fixed by the run's first process: a resumed run's plan may group
+        # differently (another measurement, other free memory), the saved parts may not
+        layout = partial / f"{tag}_v_groups.json"
+        if layout.exists():
+            groups = json.loads(layout.read_text())
+            self.plan.fit["groups"] = groups
+        else:
+            groups = self.plan.fit_groups
+            if distributed.is_main():
+                partial.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(layout, groups)
         v: dict = {}
         todo = []
         done_phases: dict = {}
@@ -449,7 +459,7 @@ class RunContext:
                 tmp = partial / f".{tag}_v.tmp"
                 save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
                 tmp.replace(v_path)
-                for f in partial.glob(f"{tag}_v_group*.safetensors"):
+                for f in partial.glob(f"{tag}_v_group*"):
                     f.unlink()
         st = self.settings
         if st.scoring != "exact" and tag not in self.info.get("fast_check", {}):

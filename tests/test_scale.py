@@ -337,9 +337,19 @@ def test_transient_run_resumes_finished_groups(run_files, monkeypatch):
         _score(run_files, "run")
     parts = sorted(p.name for p in (run_files / "run" / ".partial").glob("scores_v_group*"))
     assert parts == ["scores_v_group0000.json", "scores_v_group0000.safetensors",
-                     "scores_v_group0001.json", "scores_v_group0001.safetensors"]
+                     "scores_v_group0001.json", "scores_v_group0001.safetensors", "scores_v_groups.json"]
     calls.clear()
     monkeypatch.setattr(fitmod, "_fit_group", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    import prism_select.pipeline as pipeline
+    planned = pipeline.make_plan
+
+    def regrouped(model, modules, **kw):  # the resumed process would group differently
+        plan = planned(model, modules, **kw)
+        names = list(modules)
+        plan.fit["groups"] = [names[:7], names[7:]]
+        return plan
+
+    monkeypatch.setattr(pipeline, "make_plan", regrouped)
     summary, got = _score(run_files, "run")
     assert len(calls) == 1  # only the unfinished group is fitted again
     assert summary["curvature"]["resumed_groups"] == 2
