@@ -78,3 +78,18 @@ def pool_examples():
 @pytest.fixture
 def pair_examples():
     return PAIRS
+
+
+@pytest.fixture
+def encoded_pool(tok, pool_examples):
+    from prism_select.data.tokenize import encode
+    return [encode(tok, p, r) for p, r in pool_examples]
+
+
+@pytest.fixture
+def encoded_pairs(tok, pair_examples):
+    from prism_select.data.tokenize import encode
+    chosen = [encode(tok, q, c) for q, c, _ in pair_examples]
+    rejected = [encode(tok, q, r) for q, _, r in pair_examples]
+    return chosen, rejected
+

@@ -31,3 +31,9 @@ def per_example_grads(model, modules, encoded, mean=False):
 def flatten(direction: dict, modules) -> torch.Tensor:
     """Layer matrices (out x in') -> the same flat order as flat_grad (weights, no bias)."""
     return torch.cat([direction[n].reshape(-1) for n in modules])
+
+
+def rel_err(a, b) -> float:
+    """Relative error of ``a`` against the reference ``b`` (Frobenius norms)."""
+    return float((a - b).norm() / b.norm())
+

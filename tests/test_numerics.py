@@ -6,30 +6,13 @@ import pytest
 import torch
 
 from prism_select.curvature import CurvatureSettings, fit_curvature
-from prism_select.data.tokenize import encode
 from prism_select.preference import compute_preference
 from prism_select.scoring import score_encoded
 
-from reference import example_loss, flat_grad, flatten, per_example_grads
+from reference import example_loss, flat_grad, flatten, per_example_grads, rel_err
 
 REL_TOL = 1e-8  # float64 end to end: only summation order differs
 PAD_TOL = 1e-10  # scores under other padding / batch composition
-
-
-def rel_err(a, b):
-    return float((a - b).norm() / b.norm())
-
-
-@pytest.fixture
-def encoded_pool(tok, pool_examples):
-    return [encode(tok, p, r) for p, r in pool_examples]
-
-
-@pytest.fixture
-def encoded_pairs(tok, pair_examples):
-    chosen = [encode(tok, q, c) for q, c, _ in pair_examples]
-    rejected = [encode(tok, q, r) for q, _, r in pair_examples]
-    return chosen, rejected
 
 
 def test_pi_and_margin_match_length_normalised_likelihoods(model, modules, tok, encoded_pairs):

@@ -14,26 +14,13 @@ import torch
 
 from prism_select import cache
 from prism_select.curvature import CurvatureSettings, fit_curvature
-from prism_select.data.tokenize import encode
 from prism_select.plan import GiB, PlanError, make_groups, make_plan, parse_bytes, units
 from prism_select.preference import compute_preference
 
+from reference import rel_err
+
 GROUP_TOL = 1e-10  # float64: a grouped fit sums the same statistics in the same order
 HOST_TOL = 1e-12  # float64: host and device accumulation differ only in summation order
-
-
-def rel_err(a, b):
-    return float((a - b).norm() / b.norm())
-
-
-@pytest.fixture
-def encoded_pool(tok, pool_examples):
-    return [encode(tok, p, r) for p, r in pool_examples]
-
-
-@pytest.fixture
-def encoded_pairs(tok, pair_examples):
-    return ([encode(tok, q, c) for q, c, _ in pair_examples], [encode(tok, q, r) for q, _, r in pair_examples])
 
 
 def _three_groups(modules):
