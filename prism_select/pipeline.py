@@ -517,7 +517,8 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
                                   method=ctx.settings.method, pad_id=ctx.pad_id,
                                   batch_size=d.get("batch_size", ctx.settings.batch_size),
                                   progress=ctx.settings.progress, ids=[p.id for p in ctx.inputs.pairs],
-                                  accumulate=accumulate, store=d.get("store", "device"))
+                                  accumulate=accumulate, store=d.get("store", "device"),
+                                  one_graph=ctx.plan is not None and ctx.plan.bounded)
     ctx.timings["preference_s"] = time.perf_counter() - t
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
              ctx.timings["preference_s"])

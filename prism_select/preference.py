@@ -54,14 +54,17 @@ def _mean_losses(model, encoded: list, pad_id: int, device) -> tuple[torch.Tenso
 
 def compute_preference(model, modules: dict, chosen: list, rejected: list, *, method: str = "prism",
                        pad_id: int, batch_size: int = 8, device=None, progress: bool = True,
-                       ids=None, accumulate: str = "device", store: str = "device") -> Preference:
+                       ids=None, accumulate: str = "device", store: str = "device",
+                       one_graph: bool = False) -> Preference:
     """Margins, ``pi`` and the target direction for encoded pairs.
 
     ``chosen[i]`` / ``rejected[i]`` are the :class:`~prism_select.data.tokenize.Encoded`
-    ``(q, y+)`` and ``(q, y-)`` of pair ``i``. Per batch of pairs, the rejected responses'
-    losses are first computed without a graph (for the weights), then the chosen and the
-    rejected half are each differentiated on their own, so one forward's activations are
-    alive at a time; memory is bounded by ``batch_size``.
+    ``(q, y+)`` and ``(q, y-)`` of pair ``i``; memory is bounded by ``batch_size``. A batch
+    of pairs is differentiated in one backward through both halves' forwards, or, with
+    ``one_graph`` (the memory plan sets it on a GPU), half by half: the rejected losses
+    first without a graph (for the weights), then the chosen and the rejected half each
+    with its own forward and backward, so one forward's activations are alive at a time
+    (one more forward per batch).
 
     ``accumulate`` (the memory plan, :mod:`prism_select.plan`): ``device`` sums the
     gradients in the tracked layers' ``.grad``; ``host`` moves each layer's gradient into a
@@ -83,9 +86,10 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
                       disable=not progress):
             ch, rj = chosen[s:s + batch_size], rejected[s:s + batch_size]
             batch_ids = None if ids is None else ids[s:s + batch_size]
-            with torch.no_grad():
+            joint = not one_graph and method != "unpaired"  # both halves' graphs alive at once
+            with torch.set_grad_enabled(joint):
                 lr, _ = _mean_losses(model, rj, pad_id, device)
-            check_finite(lr, "the target loss (rejected)", record=batch_ids)
+            check_finite(lr.detach(), "the target loss (rejected)", record=batch_ids)
             lc, _ = _mean_losses(model, ch, pad_id, device)
             check_finite(lc.detach(), "the target loss (chosen)", record=batch_ids)
             with torch.no_grad():
@@ -98,14 +102,17 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
                 else:
                     w = torch.exp(-lc.double())
             # The direction is the gradient of sum_q w_q (lbar+ - lbar-) / |Q| with the
-            # weights held constant (for unpaired, of sum_q w_q lbar+ / |Q|): the chosen
-            # half, then the rejected half, each with its own forward.
-            (w.to(lc.dtype) * lc).sum().div(Q).backward()
-            lc = lc.detach()
-            if method != "unpaired":  # y- is only reported (pi, margin), not differentiated
-                lr_g, _ = _mean_losses(model, rj, pad_id, device)
-                (w.to(lr_g.dtype) * lr_g).sum().div(-Q).backward()
-                del lr_g
+            # weights held constant (for unpaired, of sum_q w_q lbar+ / |Q|): jointly, or the
+            # chosen half and then the rejected half with a forward of its own (one_graph).
+            if joint:
+                (w.to(lc.dtype) * (lc - lr)).sum().div(Q).backward()
+            else:
+                (w.to(lc.dtype) * lc).sum().div(Q).backward()
+                if method != "unpaired":  # y- is only reported (pi, margin), not differentiated
+                    lr_g, _ = _mean_losses(model, rj, pad_id, device)
+                    (w.to(lr_g.dtype) * lr_g).sum().div(-Q).backward()
+                    del lr_g
+            lc, lr = lc.detach(), lr.detach()
             margins.append(margin)
             pis.append(pi)
             lcs.append(lc.double())

@@ -79,12 +79,13 @@ def test_fit_groups_must_cover_the_layers(model, modules, tok, encoded_pool):
 
 
 @pytest.mark.parametrize("method", ["prism", "equal", "unpaired"])
-def test_direction_accumulated_in_host_memory(model, modules, tok, encoded_pairs, method):
+@pytest.mark.parametrize("one_graph", [False, True])
+def test_direction_accumulated_in_host_memory(model, modules, tok, encoded_pairs, method, one_graph):
     chosen, rejected = encoded_pairs
     dev = compute_preference(model, modules, chosen, rejected, pad_id=tok.pad_token_id, batch_size=2,
                              method=method)
     host = compute_preference(model, modules, chosen, rejected, pad_id=tok.pad_token_id, batch_size=2,
-                              method=method, accumulate="host", store="host")
+                              method=method, accumulate="host", store="host", one_graph=one_graph)
     for n in modules:
         assert host.direction[n].device.type == "cpu"
         assert rel_err(host.direction[n], dev.direction[n]) <= HOST_TOL
