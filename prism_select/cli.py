@@ -138,8 +138,10 @@ def _print_summary(summary: dict, out: Path, top: int = 5):
 
 def cmd_select(a):
     from .selection import select
-    summary = select(a.run, a.pool, a.out, keep=a.keep, remove=a.remove)
-    print(json.dumps(summary))
+    from .selection import describe
+    summary = select(a.run, a.pool, a.out, keep=a.keep, remove=a.remove, overwrite=a.overwrite,
+                     allow_other_pool=a.allow_other_pool)
+    print(describe(summary))
 
 
 def cmd_demo(a):
@@ -289,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = se.add_mutually_exclusive_group(required=True)
     m.add_argument("--keep", help="N or P%%: keep the top-ranked (general selection)")
     m.add_argument("--remove", help="N or P%%: remove the top-ranked (repair)")
+    se.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    se.add_argument("--allow-other-pool", action="store_true",
+                    help="accept a pool file other than the one scored, if every scored id is in it "
+                         "(its unscored records are left out and listed)")
     se.set_defaults(func=cmd_select)
 
     co = sub.add_parser("compare", help="score a pool with several methods (model loaded once, curvature shared)")

@@ -513,7 +513,8 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
                   "device": str(lm.device), "chat_template": has_chat_template(lm.tokenizer)},
         "tracked_modules": list(modules),
         "inputs": {"pool": inputs.pool_path, "pool_format": inputs.pool_format, "targets": inputs.targets_path},
-        "fingerprints": fingerprints,
+        # pool_file: the pool's bytes, which `select` checks without loading a tokenizer
+        "fingerprints": {**fingerprints, "pool_file": sha256_file(pool_path)},
         "versions": _versions(),
         "counts": {"pool": n_pool, "pairs": len(inputs.pairs), "invalid": len(invalid),
                    "truncated_pool": truncated_pool, "truncated_targets": inputs.truncated["targets"]},

@@ -124,6 +124,20 @@ def test_skip_invalid_lists_records_in_run_json(tmp_path, model_dir, data):
     assert {r["row"] for r in summary["invalid_records"]} == {4, 5}
 
 
+def test_select_checks_the_pool_file_of_a_real_run(tmp_path, model_dir, data, capsys):
+    """run.json records the pool file's bytes; `select` refuses an edited pool (before
+    writing anything) and accepts the scored one."""
+    out = tmp_path / "run"
+    run(tmp_path, model_dir, *data, out)
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text(data[0].read_text().replace("The answer is", "So the answer is", 1))
+    args = ["select", "--run", str(out), "--keep", "3"]
+    assert main(args + ["--pool", str(edited), "--out", str(tmp_path / "a.jsonl")]) == 2
+    assert "not the pool scored" in capsys.readouterr().err and not (tmp_path / "a.jsonl").exists()
+    assert main(args + ["--pool", str(data[0]), "--out", str(tmp_path / "a.jsonl")]) == 0
+    assert capsys.readouterr().out.startswith("wrote 3 of 10 scored records")
+
+
 def test_finished_run_is_refused_unless_overwrite(tmp_path, model_dir, data):
     out = tmp_path / "run"
     run(tmp_path, model_dir, *data, out)
