@@ -576,7 +576,9 @@ def converted_gguf_dir(gguf_path: str | Path, cache_dir: str | Path | None = Non
 
 # --------------------------------------------------------------------------- adapter
 
-def _load_adapter(base, adapter: Path, base_name: str):
+def check_adapter_dir(adapter: Path) -> None:
+    """:class:`ModelError` unless ``adapter`` is a PEFT adapter directory and peft is
+    installed (cheap: checked before the base model loads)."""
     if not adapter.is_dir():
         raise ModelError(f"adapter directory {adapter} does not exist")
     if not (adapter / "adapter_config.json").is_file():
@@ -586,6 +588,10 @@ def _load_adapter(base, adapter: Path, base_name: str):
                          "PeftModel.save_pretrained (adapter_config.json + adapter_model.safetensors)")
     if importlib.util.find_spec("peft") is None:
         raise ModelError("loading an adapter needs the 'peft' package; install it with: pip install 'peft>=0.13'")
+
+
+def _load_adapter(base, adapter: Path, base_name: str):
+    check_adapter_dir(adapter)
     from peft import PeftModel
     try:
         declared = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")

@@ -32,8 +32,8 @@ from safetensors.torch import load_file, save_file
 from . import __version__, distributed
 from .curvature import Curvature, CurvatureSettings, load_or_fit_curvature
 from .data import load_pool, load_targets
-from .data.readers import scan_pool
-from .data.records import InvalidRecord
+from .data.readers import detect_format, scan_pool
+from .data.records import InvalidRecord, Loaded
 from .data.tokenize import (
     DEFAULT_MAX_LENGTH,
     encode,
@@ -51,7 +51,7 @@ from .io import (
     sha256_file,
     sha256_json,
 )
-from .model import LoadedModel, ModelSettings, load_model, tracked_linear_modules
+from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
 from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS, score_encoded, score_stream
@@ -210,9 +210,10 @@ def _with_targets(tokenizer, targets_path, max_length: int, skip_invalid: bool, 
 
 
 def prepare_inputs(tokenizer, pool_path, targets_path=None, *, max_length: int = DEFAULT_MAX_LENGTH,
-                   skip_invalid: bool = False) -> Inputs:
-    """Read and tokenise the pool and (optionally) the target pairs."""
-    pool = load_pool(pool_path, skip_invalid=skip_invalid)
+                   skip_invalid: bool = False, pool: Loaded | None = None) -> Inputs:
+    """Read and tokenise the pool and (optionally) the target pairs. ``pool``: the pool
+    as :func:`prism_select.data.load_pool` already read it (not read again)."""
+    pool = pool if pool is not None else load_pool(pool_path, skip_invalid=skip_invalid)
     invalid = list(pool.invalid)
     examples, enc = _encode_all(tokenizer, pool.items, ["response"], max_length, pool_path,
                                 skip_invalid, invalid)
@@ -442,6 +443,33 @@ def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool):
         atomic_write_json(state, run_key)
 
 
+def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_path,
+                         settings: ScoreSettings) -> Loaded | None:
+    """What can be checked without the model, so that a mistake fails in a second rather
+    than after the model has loaded: the device and adapter directory, that the input
+    files exist in a supported format, that the method has the target pairs it needs,
+    and every record of the targets and (unless ``settings.stream``) of the pool.
+    Returns the read pool (None under ``stream``, whose own pass reads it)."""
+    if targets_path is None and settings.method in DIRECTION_METHODS:
+        raise ConfigError("targets", f"method {settings.method!r} needs target pairs", "pass --targets FILE")
+    if isinstance(model, ModelSettings):
+        model.resolved_device()
+        if model.adapter is not None:
+            check_adapter_dir(Path(model.adapter).expanduser().resolve())
+    detect_format(pool_path)
+    if targets_path is not None:
+        load_targets(targets_path, skip_invalid=settings.skip_invalid)
+    return None if settings.stream else load_pool(pool_path, skip_invalid=settings.skip_invalid)
+
+
+def _drop_partial_without_chunks(out_dir: Path) -> None:
+    """After a failed run: remove ``.partial`` unless it holds a finished score chunk, so
+    that the corrected command (other settings) is not refused as an unfinished run."""
+    partial = out_dir / ".partial"
+    if partial.is_dir() and not any(partial.rglob("chunk_*.safetensors")):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_dir, settings: ScoreSettings | None = None,
                curvature: CurvatureSettings | None = None) -> dict:
     """Score every pool example and write ``scores.jsonl``, ``pairs.jsonl`` and ``run.json``.
@@ -461,8 +489,11 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     timings = {}
     if not isinstance(model, LoadedModel) and distributed.init_from_env(model.device):  # torchrun / accelerate
         model = replace(model, device=distributed.local_device(model.device))
+    pool = check_before_loading(model, pool_path, targets_path, settings)
+    timings["check_inputs_s"] = time.perf_counter() - t0
+    t = time.perf_counter()
     lm = model if isinstance(model, LoadedModel) else load_model(model)
-    timings["load_model_s"] = time.perf_counter() - t0
+    timings["load_model_s"] = time.perf_counter() - t
     t = time.perf_counter()
     if settings.stream:
         inputs = prepare_stream_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
@@ -470,7 +501,7 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
                                        seed=curvature.seed)
     else:
         inputs = prepare_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
-                                skip_invalid=settings.skip_invalid)
+                                skip_invalid=settings.skip_invalid, pool=pool)
     timings["read_inputs_s"] = time.perf_counter() - t
     modules = tracked_linear_modules(lm.model, settings.modules)
     fingerprints = {"model": lm.fingerprint, "pool": inputs.pool_fingerprint,
@@ -483,7 +514,12 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     distributed.barrier()
     ctx = RunContext(lm, modules, inputs, settings, curvature, out_dir, timings,
                      info={"run_key": run_key})
-    scores, pairs = _method_fn(settings.method)(ctx)
+    try:
+        scores, pairs = _method_fn(settings.method)(ctx)
+    except BaseException:
+        if distributed.is_main():
+            _drop_partial_without_chunks(out_dir)
+        raise
     main = distributed.is_main()  # every rank holds the gathered scores; rank 0 writes them
     if ctx.streamed is None:
         n_pool, invalid, truncated_pool = len(inputs.pool), [r.to_json() for r in inputs.invalid], inputs.truncated["pool"]

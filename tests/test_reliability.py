@@ -13,7 +13,7 @@ import torch
 
 from prism_select.cli import main
 from prism_select.curvature import CurvatureSettings
-from prism_select.errors import CacheError, InputError, NumericalError, OutputError
+from prism_select.errors import CacheError, ConfigError, InputError, ModelError, NumericalError, OutputError
 from prism_select.examples import make_example
 from prism_select.model import ModelSettings
 from prism_select.pipeline import ScoreSettings, prepare_inputs, score_pool
@@ -168,6 +168,49 @@ def test_unwritable_output_fails_before_work(tmp_path, model_dir, data, monkeypa
     with pytest.raises(OutputError):
         run(tmp_path, model_dir, *data, blocker / "run")
     assert not called
+
+
+@pytest.mark.parametrize("case", ["targets_missing", "no_targets", "bad_pool_record", "bad_target_record",
+                                  "adapter_missing"])
+def test_inputs_are_checked_before_the_model_loads(tmp_path, model_dir, data, monkeypatch, case):
+    called = []
+    monkeypatch.setattr("prism_select.pipeline.load_model", lambda *a: called.append(1))
+    pool, targets = data
+    bad = tmp_path / "bad.jsonl"
+    ms = settings(tmp_path, model_dir)
+    if case == "targets_missing":
+        targets, error = tmp_path / "nope.jsonl", InputError
+    elif case == "no_targets":
+        targets, error = None, ConfigError
+    elif case == "bad_pool_record":
+        bad.write_text(pool.read_text() + '{"prompt": "q"}\n')
+        pool, error = bad, InputError
+    elif case == "bad_target_record":
+        bad.write_text('{"prompt": "q", "chosen": "a"}\n')
+        targets, error = bad, InputError
+    else:
+        ms, error = ModelSettings(model=str(model_dir), adapter=str(tmp_path / "nope"), device="cpu"), ModelError
+    out = tmp_path / "run"
+    with pytest.raises(error):
+        score_pool(ms, pool, targets, out, ScoreSettings(progress=False))
+    assert not called and not any(out.rglob("*"))
+
+
+def test_failure_before_the_first_chunk_does_not_block_the_corrected_command(tmp_path, model_dir, data,
+                                                                              monkeypatch):
+    """A run that fails after its .partial/key.json was written but before any score
+    chunk was finished leaves nothing behind: the corrected command (other settings) runs."""
+    out = tmp_path / "run"
+
+    def fail(*a, **k):
+        raise NumericalError("non-finite values (NaN or inf) in the training loss")
+    monkeypatch.setattr("prism_select.pipeline.compute_preference", fail)
+    with pytest.raises(NumericalError):
+        run(tmp_path, model_dir, *data, out)
+    assert not (out / ".partial").exists()
+    monkeypatch.undo()
+    run(tmp_path, model_dir, *data, out, seed=1)  # other settings: not refused
+    assert (out / "run.json").exists()
 
 
 def test_curvature_cache_reused_only_when_fingerprints_match(tmp_path, model_dir, data):
