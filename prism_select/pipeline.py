@@ -181,12 +181,12 @@ def _encode_all(tokenizer, items, fields, max_length, path, skip_invalid, invali
     for item in items:
         try:
             encs.append([encode(tokenizer, item.prompt, getattr(item, f), max_length, path=path,
-                                row=item.row, field=f) for f in fields])
+                                row=item.row, line=item.line, field=f) for f in fields])
             kept.append(item)
         except InputError as exc:
             if not skip_invalid:
                 raise
-            invalid.append(InvalidRecord(str(path), item.row, exc.field, exc.reason))
+            invalid.append(InvalidRecord.of(exc, path))
     return kept, encs
 
 

@@ -377,12 +377,12 @@ def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_inv
     from .errors import InputError
 
     def bad(err):
-        invalid.append(InvalidRecord(str(pool_path), err.row, err.field, err.reason))
+        invalid.append(InvalidRecord.of(err, pool_path))
 
     buf = []
     for ex in iter_pool(pool_path, on_invalid=bad if skip_invalid else None):
         try:
-            enc = encode(tokenizer, ex.prompt, ex.response, max_length, path=pool_path, row=ex.row)
+            enc = encode(tokenizer, ex.prompt, ex.response, max_length, path=pool_path, row=ex.row, line=ex.line)
         except InputError as e:
             if not skip_invalid:
                 raise

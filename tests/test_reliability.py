@@ -98,14 +98,14 @@ def test_non_utf8_and_cli_exit_code(tmp_path, model_dir, data, capsys):
                  "--out", str(out), "--device", "cpu", "--no-progress", "--cache-dir", str(tmp_path / "c")])
     assert code == 2
     err = capsys.readouterr().err
-    assert "bytes.jsonl" in err and "row 0" in err and "Traceback" not in err
+    assert "bytes.jsonl, line 1: not UTF-8" in err and "Traceback" not in err
     assert no_outputs(out)
 
 
 def test_chosen_equal_rejected_and_unfit_response(tmp_path, model_dir, data):
     t = tmp_path / "t.jsonl"
     t.write_text('{"prompt": "q", "chosen": "same", "rejected": "same"}\n')
-    with pytest.raises(InputError, match="row 0"):
+    with pytest.raises(InputError, match="t.jsonl, line 1"):
         run(tmp_path, model_dir, data[0], t, tmp_path / "r1")
     long_pool = tmp_path / "long.jsonl"
     long_pool.write_text(json.dumps({"prompt": "q", "response": "x" * 400}) + "\n")
