@@ -180,7 +180,7 @@ def cmd_demo(a):
     print(f"ranking AUROC of the 'harmful' flag: {auc:.3f} (0.5 = chance; 1 = every wrong answer ranked first)")
 
 
-def _print_demo(summary: dict, out: Path, pool: Path, targets: Path, top: int = 5, width: int = 60):
+def _print_demo(summary: dict, out: Path, pool: Path, targets: Path, top: int = 5, width: int = 50):
     """The demo's console: what was scored, pi in one line, the top records' text, every file."""
     from .data import iter_records
     from .selection import read_scores
@@ -195,8 +195,10 @@ def _print_demo(summary: dict, out: Path, pool: Path, targets: Path, top: int = 
     print(f"top {top} (most likely to teach mistakes; 'harmful' = the record's answer is wrong):")
     for r in read_scores(out / "run" / "scores.jsonl")[:top]:
         rec = records.get(r["id"], {})
-        text = " ".join(f"{rec.get('prompt', '')} -> {rec.get('response', '')}".split())
-        text = text if len(text) <= width else text[:width - 3] + "..."
+        q, a = (" ".join(str(rec.get(k, "")).split()) for k in ("prompt", "response"))
+        keep = max(width - len(a) - 4, 24)  # the answer says whether it is wrong: keep it whole if it fits
+        text = f"{q if len(q) <= keep else q[:keep - 3] + '...'} -> {a}"
+        text = text if len(text) <= 2 * width else text[:2 * width - 3] + "..."
         flag = "harmful" if rec.get("harmful") else "correct"
         print(f"  {r['rank']:>3}  {r['id']}  {flag:<7}  {text}")
     files = [pool, targets] + [out / "run" / f for f in ("scores.jsonl", "pairs.jsonl", "run.json")]
