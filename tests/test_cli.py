@@ -64,9 +64,10 @@ def test_demo_console_shows_text_flags_pi_and_every_file(tmp_path, capsys):
     cli._print_demo(summary, tmp_path, pool, targets, top=3)
     out = capsys.readouterr().out
     assert "pi (per target pair" in out and "mean 0.400" in out
-    first = f"{recs[0]['prompt']} -> "
-    assert first[:40] in out and ("harmful" if recs[0]["harmful"] else "correct") in out.splitlines()[3]
-    assert all(len(line) < 110 for line in out.splitlines()[3:6])  # long texts are cut
+    line = out.splitlines()[3]
+    assert recs[0]["prompt"][:15] in line and recs[0]["response"].replace("\n", " ") in line
+    assert ("harmful" if recs[0]["harmful"] else "correct") in line and "..." in line  # the prompt is cut
+    assert all(len(x) < 130 for x in out.splitlines()[3:6])
     wrote = out.splitlines()[-1]
     for f in (pool, targets, run / "scores.jsonl", run / "pairs.jsonl", run / "run.json"):
         assert str(f) in wrote
