@@ -381,12 +381,14 @@ def _fit(model, modules, encoded, settings, *, pad_id, device, progress, timings
     return cur
 
 
-#: CPU eigendecompositions of factors up to this size run on one thread. LAPACK's
-#: divide-and-conquer spends most of its time in the memory-bound tridiagonal reduction,
-#: which synchronises its threads at every column: on a machine whose cores are busy with
-#: other work, a waiting thread stalls the others. Measured on a shared 2-core machine,
-#: 1536 x 1536 float64: 0.64 s with 2 threads vs 1.0 s with 1 when idle, but 17-26 s vs
-#: 4-6 s under a load average of 5. Larger factors gain more from threads and keep them.
+#: CPU eigendecompositions of factors up to this size run on one thread unless OpenMP
+#: threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, which the CLI sets before torch
+#: loads). LAPACK's divide-and-conquer synchronises its threads at every column of the
+#: tridiagonal reduction; spinning threads on a machine whose cores are busy with other
+#: work stall each other. Measured on a shared 2-core machine, 1536 x 1536 float32:
+#: spinning, 2.7-25 s with 2 threads vs 0.5 s with 1 (load average 3); passive, 0.40-0.50 s
+#: with 2 vs 0.56-0.62 s with 1 (load 1.5) and equal under load. Larger factors gain
+#: more from threads and keep them.
 EIGH_SERIAL_MAX = 2048
 
 
@@ -394,9 +396,13 @@ def _eigh(M: torch.Tensor):
     """Eigendecomposition of a symmetric factor in the factor's own precision (float32
     unless the model is float64), several times faster than float64 on CUDA and about
     twice as fast on the CPU; float64 if the solver fails or returns non-finite values.
-    On the CPU a factor up to EIGH_SERIAL_MAX wide is decomposed on one thread."""
+    On the CPU a factor up to EIGH_SERIAL_MAX wide is decomposed on one thread, unless
+    OpenMP waits passively."""
+    import os
+
     threads = torch.get_num_threads()
-    serial = M.device.type == "cpu" and M.shape[0] <= EIGH_SERIAL_MAX and threads > 1
+    serial = (M.device.type == "cpu" and M.shape[0] <= EIGH_SERIAL_MAX and threads > 1
+              and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE")
     if serial:
         torch.set_num_threads(1)
     try:
