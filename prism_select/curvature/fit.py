@@ -334,8 +334,7 @@ def _fit(model, modules, encoded, settings, *, pad_id, device, progress, timings
     tasks = [("A", r) for r in reps] + [("S", n) for n in layers]
     where = distributed.balance([(A[n] if k == "A" else S[n]).shape[0] ** 3 for k, n in tasks])
     results, owners = {}, []
-    for (k, n), r in tqdm(list(zip(tasks, where)), desc="curvature eigendecompositions", unit="matrix",
-                          leave=False, disable=not progress or not distributed.is_main()):
+    for (k, n), r in zip(tasks, where):
         M = A[n] if k == "A" else S[n]
         if r == distributed.rank():
             lam, Q = _eigh(M)
