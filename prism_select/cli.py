@@ -438,9 +438,11 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         out = getattr(a, "out", None)
-        print("\nprism-select: interrupted. Finished work is kept"
-              + (f" in {out}/.partial" if out else "")
-              + "; run the same command again to resume.", file=sys.stderr)
+        partial = next(Path(out).glob("**/.partial"), None) if out and Path(out).is_dir() else None
+        print("\nprism-select: interrupted. "
+              + (f"Finished work is kept in {partial}; run the same command again to resume."
+                 if partial is not None else "Nothing had finished yet; run the same command again to start."),
+              file=sys.stderr)
         return 130
     return 0
 

@@ -292,7 +292,11 @@ def test_ctrl_c_message_says_how_to_resume(tmp_path, model_dir, data, capsys, mo
     code = main(["score", "--model", str(model_dir), "--pool", str(data[0]), "--targets", str(data[1]),
                  "--out", str(tmp_path / "run")])
     assert code == 130
-    assert "same command" in capsys.readouterr().err
+    assert "Nothing had finished yet; run the same command again" in capsys.readouterr().err
+    (tmp_path / "run" / ".partial" / "scores").mkdir(parents=True)
+    assert main(["score", "--model", str(model_dir), "--pool", str(data[0]), "--targets", str(data[1]),
+                 "--out", str(tmp_path / "run")]) == 130
+    assert f"Finished work is kept in {tmp_path / 'run' / '.partial'}; run the same command" in capsys.readouterr().err
 
 
 GPU_SCORE_RTOL = 1e-4  # float32 on CUDA: reduction order may differ between runs
