@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -452,6 +453,12 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
     Returns the read pool (None under ``stream``, whose own pass reads it)."""
     if targets_path is None and settings.method in DIRECTION_METHODS:
         raise ConfigError("targets", f"method {settings.method!r} needs target pairs", "pass --targets FILE")
+    for pattern in settings.modules or []:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError("modules", f"{pattern!r} is not a regular expression ({e})",
+                              "pass e.g. --modules 'mlp' 'self_attn\\.(q|v)_proj'") from None
     if isinstance(model, ModelSettings):
         model.resolved_device()
         if model.adapter is not None:

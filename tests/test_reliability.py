@@ -171,7 +171,7 @@ def test_unwritable_output_fails_before_work(tmp_path, model_dir, data, monkeypa
 
 
 @pytest.mark.parametrize("case", ["targets_missing", "no_targets", "bad_pool_record", "bad_target_record",
-                                  "adapter_missing"])
+                                  "adapter_missing", "bad_modules_regex"])
 def test_inputs_are_checked_before_the_model_loads(tmp_path, model_dir, data, monkeypatch, case):
     called = []
     monkeypatch.setattr("prism_select.pipeline.load_model", lambda *a: called.append(1))
@@ -188,11 +188,14 @@ def test_inputs_are_checked_before_the_model_loads(tmp_path, model_dir, data, mo
     elif case == "bad_target_record":
         bad.write_text('{"prompt": "q", "chosen": "a"}\n')
         targets, error = bad, InputError
-    else:
+    elif case == "adapter_missing":
         ms, error = ModelSettings(model=str(model_dir), adapter=str(tmp_path / "nope"), device="cpu"), ModelError
+    else:
+        error = ConfigError
     out = tmp_path / "run"
     with pytest.raises(error):
-        score_pool(ms, pool, targets, out, ScoreSettings(progress=False))
+        score_pool(ms, pool, targets, out, ScoreSettings(progress=False,
+                                                         modules=["mlp("] if case == "bad_modules_regex" else None))
     assert not called and not any(out.rglob("*"))
 
 
