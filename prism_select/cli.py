@@ -5,10 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 from .errors import PrismError
+
+# OpenMP threads that wait at a barrier sleep instead of spinning. With spinning (the
+# default) a CPU whose cores are shared with other work stalls at every parallel region
+# until the descheduled thread runs again: on a busy 2-core machine one forward+backward of
+# the embedded model took 30 s with 2 threads and 9 s with 1; passive waiting gave 9-11 s
+# with 2, and eigh 1536 x 1536 0.56 s instead of 2.7-25 s. Read once, when torch loads
+# its OpenMP runtime: set here because this module is imported before torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _add_model_args(p: argparse.ArgumentParser):
@@ -16,12 +25,14 @@ def _add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--model", default="default",
                    help="local Hugging Face directory, a .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)")
     g.add_argument("--adapter", default=None, help="PEFT adapter directory (its LoRA matrices are tracked)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float64"])
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float64"],
+                   help="weights' precision (auto: bfloat16 on a CUDA GPU that supports it, else float32)")
+    g.add_argument("--device", default="auto",
+                   help="auto (CUDA if available, else Apple's mps if available, else cpu), cpu, mps, cuda or cuda:N")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model directory's own Python code (off by default)")
     g.add_argument("--cache-dir", default=None, help="cache for converted models and curvature "
-                   "(default $PRISM_SELECT_CACHE or ~/.cache/prism-select)")
+                   "(if not given: $PRISM_SELECT_CACHE or ~/.cache/prism-select)")
 
 
 def _add_score_args(p: argparse.ArgumentParser):
@@ -31,25 +42,28 @@ def _add_score_args(p: argparse.ArgumentParser):
 
     g = p.add_argument_group("scoring")
     g.add_argument("--method", default="prism",
-                   help="prism (default), equal, unpaired, or a baseline (see `prism-select methods`)")
-    g.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH)
-    g.add_argument("--batch-size", type=int, default=8)
+                   help="prism, equal, unpaired, or a baseline (see `prism-select methods`)")
+    g.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH,
+                   help="tokens per example; a longer prompt is cut from the left")
+    g.add_argument("--batch-size", type=int, default=8, help="examples per forward/backward")
     g.add_argument("--modules", nargs="+", default=None, metavar="REGEX",
                    help="track only linear layers whose name matches one of these regexes")
     g.add_argument("--skip-invalid", action="store_true", help="skip malformed records (listed in run.json)")
-    g.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="examples per resumable chunk")
+    g.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                   help="examples per resumable chunk, at most (on the CPU a chunk also ends after about "
+                        "a minute's work, so an interrupted run keeps it)")
     g.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--seed", type=int, default=0, help="seeds every random choice of the run")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a baseline method's setting (JSON value), repeatable")
     g.add_argument("--scoring", default="exact", choices=["exact", "fast", "fd32"],
-                   help="exact (default): forward + activation backward in the model's dtype; fast: central "
+                   help="exact: forward + activation backward in the model's dtype; fast: central "
                         "finite differences along v in the model's dtype (fastest; agrees with exact only "
                         "along directions of moderate curvature, self-checked); fd32: finite differences on "
                         "a float32 copy of a half-precision model (float32-accurate scores, slower)")
     g.add_argument("--fd-eps", type=float, default=None, metavar="EPS",
-                   help="relative finite-difference step (default 0.03 for fast, 1e-5 for fd32)")
+                   help="relative finite-difference step (if not given: 0.03 for fast, 1e-5 for fd32)")
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="capture each padded batch shape once and replay it (auto: on for CUDA devices and "
                         "models below 1B parameters)")
@@ -65,11 +79,13 @@ def _add_score_args(p: argparse.ArgumentParser):
                    help="bound on the cache directory (least recently used entries are evicted; a larger "
                         "artifact is used from memory, not cached); default: the free disk space")
     c = p.add_argument_group("curvature")
-    c.add_argument("--curvature", default="ekfac", choices=list(KINDS))
+    c.add_argument("--curvature", default="ekfac", choices=list(KINDS), help="the Hessian approximation H")
     c.add_argument("--damping", type=float, default=None,
-                   help=f"explicit damping; default {DEFAULT_DAMPING_FACTOR} x mean eigenvalue per layer")
-    c.add_argument("--fisher", default="empirical", choices=["empirical", "sampled"])
-    c.add_argument("--fit-examples", type=int, default=None, help="fit on a seeded sample of N pool examples")
+                   help=f"explicit damping (if not given: {DEFAULT_DAMPING_FACTOR} x mean eigenvalue per layer)")
+    c.add_argument("--fisher", default="empirical", choices=["empirical", "sampled"],
+                   help="labels of the Fisher: the pool's own (empirical) or drawn from the model (sampled)")
+    c.add_argument("--fit-examples", type=int, default=None,
+                   help="fit on a seeded sample of N pool examples (if not given: the whole pool)")
 
 
 def _add_stream_args(p: argparse.ArgumentParser):
@@ -79,9 +95,9 @@ def _add_stream_args(p: argparse.ArgumentParser):
     g.add_argument("--stream", action="store_true",
                    help="read and score the pool a window at a time (host memory flat in pool size; "
                         f"prism, equal, unpaired only); the curvature is fitted on a seeded sample of "
-                        f"--fit-examples valid records (default {STREAM_FIT_EXAMPLES})")
+                        f"--fit-examples valid records ({STREAM_FIT_EXAMPLES} if not given)")
     g.add_argument("--stream-window", type=int, default=None, metavar="N",
-                   help=f"records read and tokenised at a time under --stream (default {DEFAULT_STREAM_WINDOW})")
+                   help=f"records read and tokenised at a time under --stream (if not given: {DEFAULT_STREAM_WINDOW})")
 
 
 def _model_settings(a):
@@ -128,6 +144,8 @@ def cmd_score(a):
     s, c = _score_settings(a)
     summary = score_pool(_model_settings(a), a.pool, a.targets, a.out, s, c)
     _print_summary(summary, Path(a.out))
+    print(f"next: prism-select select --run {a.out} --pool {a.pool} --keep 5% --out selected.jsonl"
+          "   (or --remove 10% to drop the top as harmful)")
 
 
 def _print_summary(summary: dict, out: Path, top: int = 5):
@@ -142,13 +160,16 @@ def _print_summary(summary: dict, out: Path, top: int = 5):
     print(f"top {min(top, len(rows))} (rank, id, score):")
     for r in rows[:top]:
         print(f"  {r['rank']:>5}  {r['id']}  {r['score']:.6g}")
-    print(f"wrote {out / 'scores.jsonl'}, {out / 'run.json'}")
+    print("wrote " + ", ".join(str(out / f) for f in ("scores.jsonl", "pairs.jsonl", "run.json")
+                               if (out / f).exists()))
 
 
 def cmd_select(a):
     from .selection import select
-    summary = select(a.run, a.pool, a.out, keep=a.keep, remove=a.remove)
-    print(json.dumps(summary))
+    from .selection import describe
+    summary = select(a.run, a.pool, a.out, keep=a.keep, remove=a.remove, overwrite=a.overwrite,
+                     allow_other_pool=a.allow_other_pool)
+    print(describe(summary))
 
 
 def cmd_demo(a):
@@ -163,9 +184,34 @@ def cmd_demo(a):
                       progress=not a.no_progress, seed=a.seed)
     c = CurvatureSettings(kind=a.curvature, batch_size=a.batch_size, seed=a.seed)
     summary = score_pool(_model_settings(a), pool, targets, out / "run", s, c)
-    _print_summary(summary, out / "run")
+    _print_demo(summary, out, pool, targets)
     auc = auroc_from_files(out / "run" / "scores.jsonl", pool, "harmful")
     print(f"ranking AUROC of the 'harmful' flag: {auc:.3f} (0.5 = chance; 1 = every wrong answer ranked first)")
+
+
+def _print_demo(summary: dict, out: Path, pool: Path, targets: Path, top: int = 5, width: int = 50):
+    """The demo's console: what was scored, pi in one line, the top records' text, every file."""
+    from .data import iter_records
+    from .selection import read_scores
+    counts, t = summary["counts"], summary["timings"]
+    print(f"scored {counts['pool']} pool records against {counts['pairs']} target pairs in {t['total_s']:.0f} s")
+    pi = summary.get("pi") or {}
+    if pi:
+        print(f"pi (per target pair, how much the model already prefers the wrong answer 'chosen' over the right "
+              f"one: sigmoid of the log-likelihood margin; pairs with high pi weigh more): "
+              f"min {pi['min']:.3f}  mean {pi['mean']:.3f}  max {pi['max']:.3f}")
+    records = {rec.get("id"): rec for _, rec in iter_records(pool)}
+    print(f"top {top} (most likely to teach mistakes; 'harmful' = the record's answer is wrong):")
+    for r in read_scores(out / "run" / "scores.jsonl")[:top]:
+        rec = records.get(r["id"], {})
+        q, a = (" ".join(str(rec.get(k, "")).split()) for k in ("prompt", "response"))
+        keep = max(width - len(a) - 4, 24)  # the answer says whether it is wrong: keep it whole if it fits
+        text = f"{q if len(q) <= keep else q[:keep - 3] + '...'} -> {a}"
+        text = text if len(text) <= 2 * width else text[:2 * width - 3] + "..."
+        flag = "harmful" if rec.get("harmful") else "correct"
+        print(f"  {r['rank']:>3}  {r['id']}  {flag:<7}  {text}")
+    files = [pool, targets] + [out / "run" / f for f in ("scores.jsonl", "pairs.jsonl", "run.json")]
+    print("wrote " + ", ".join(str(f) for f in files if Path(f).exists()))
 
 
 def cmd_compare(a):
@@ -228,13 +274,67 @@ def cmd_build_data(a):
 
 def cmd_report(a):
     from .evaluation.report import write_report
+    if a.label is not None:
+        _warn_unknown_label(Path(a.run), a.label)
     page = write_report(a.run, label=a.label, out=a.out)
     print(f"wrote {page}")
 
 
+def _warn_unknown_label(run: Path, label: str) -> None:
+    """Warn when no record of a score run's pool has the field ``label`` (a typo)."""
+    from .data import iter_records
+    try:
+        pool = json.loads((run / "run.json").read_text())["inputs"]["pool"]
+        fields: set = set()
+        for _, rec in iter_records(pool, on_invalid=lambda e: None):
+            fields |= set(rec)
+    except (OSError, ValueError, KeyError, TypeError, PrismError):
+        return  # an experiment directory, or a pool that moved: the report says what it finds
+    if label not in fields:
+        import difflib
+        close = difflib.get_close_matches(label, sorted(fields), n=1)
+        print(f"prism-select: warning: no record of {pool} has a field '{label}'"
+              + (f"; did you mean --label {close[0]}?" if close else f" (its fields: {', '.join(sorted(fields))})"),
+              file=sys.stderr)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help with each option's default (where there is one to show: not for flags, required
+    options or unset ones, whose help says what happens), and epilogs kept as written."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.required or action.default is None or action.default is False or action.default == []
+                or action.default == argparse.SUPPRESS or "%(default)" in text or not action.option_strings):
+            return text
+        return text + " (default: %(default)s)"
+
+
+EXAMPLES = {
+    "score": "example:\n  prism-select score --model default --pool pool.jsonl --targets targets.jsonl --out runs/prism",
+    "select": "examples:\n  prism-select select --run runs/prism --pool pool.jsonl --keep 5% --out selected.jsonl\n"
+              "  prism-select select --run runs/prism --pool pool.jsonl --remove 10% --out repaired.jsonl",
+    "compare": "example:\n  prism-select compare --model default --pool pool.jsonl --targets targets.jsonl \\\n"
+               "      --methods prism equal random --label harmful --out runs/compare",
+    "methods": "example:\n  prism-select methods",
+    "demo": "example:\n  prism-select demo --out prism-demo",
+    "experiment": "example:\n  prism-select experiment ranking --config experiments/gsm8k.yaml --out runs/ranking --seeds 0 1 2",
+    "build-data": "example:\n  prism-select build-data mistake-math --gsm8k train.jsonl --out pool.jsonl --targets-out targets.jsonl",
+    "mistake-math": "example:\n  prism-select build-data mistake-math --gsm8k train.jsonl --n 300 --out pool.jsonl "
+                    "--targets-out targets.jsonl",
+    "bbh": "example:\n  prism-select build-data bbh --bbh-dir bbh/ --targets-out targets.jsonl --heldout-out heldout.jsonl",
+    "report": "examples:\n  prism-select report --run runs/prism --label harmful\n  prism-select report --run runs/ranking",
+}
+
+
+def _parser(sub, name: str, **kw) -> argparse.ArgumentParser:
+    return sub.add_parser(name, formatter_class=_HelpFormatter, epilog=EXAMPLES[name], **kw)
+
+
 def _add_evaluation_parsers(sub):
-    ex = sub.add_parser("experiment", help="run an evaluation protocol (ranking, repair, select) from a config")
-    ex.add_argument("protocol", choices=["ranking", "repair", "select"])
+    ex = _parser(sub, "experiment", help="run an evaluation protocol (ranking, repair, select) from a config")
+    ex.add_argument("protocol", choices=["ranking", "repair", "select"],
+                    help="ranking AUROC on mixed pools, filter-and-retrain repair, or select-and-fine-tune")
     ex.add_argument("--config", required=True, help="YAML or JSON config (see prism_select.evaluation.protocols)")
     ex.add_argument("--out", required=True, help="experiment directory (rerun the same command to resume)")
     ex.add_argument("--seeds", type=int, nargs="+", default=None, help="override the config's seeds")
@@ -244,33 +344,34 @@ def _add_evaluation_parsers(sub):
     ex.add_argument("--overwrite", action="store_true", help="replace an experiment with another config in --out")
     ex.set_defaults(func=cmd_experiment)
 
-    bd = sub.add_parser("build-data", help="build evaluation data from GSM8K or BIG-Bench-Hard files")
+    bd = _parser(sub, "build-data", help="build evaluation data from GSM8K or BIG-Bench-Hard files")
     fam = bd.add_subparsers(dest="family", required=True)
-    mm = fam.add_parser("mistake-math", help="a GSM8K pool with corrupted solutions (+ targets, probes)")
+    mm = _parser(fam, "mistake-math", help="a GSM8K pool with corrupted solutions (+ targets, probes)")
     mm.add_argument("--gsm8k", required=True, help="GSM8K train.jsonl")
     mm.add_argument("--n", type=int, default=300, help="pool size")
-    mm.add_argument("--harmful-ratio", type=float, default=0.1)
-    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--harmful-ratio", type=float, default=0.1, help="fraction of records with a corrupted solution")
+    mm.add_argument("--seed", type=int, default=0, help="seeds the sampling and the corruptions")
     mm.add_argument("--keep-annotations", action="store_true", help="keep the <<a*b=c>> calculator annotations")
     mm.add_argument("--out", required=True, help="pool file (.jsonl)")
     mm.add_argument("--targets-out", default=None, help="also write counterfactual target pairs here")
-    mm.add_argument("--n-targets", type=int, default=24)
-    mm.add_argument("--n-distractors", type=int, default=0)
+    mm.add_argument("--n-targets", type=int, default=24, help="counterfactual target pairs to write")
+    mm.add_argument("--n-distractors", type=int, default=0,
+                    help="extra target pairs the model disprefers (tests pi weighting)")
     mm.add_argument("--probes-from", default=None, help="GSM8K test.jsonl, for --probes-out")
-    mm.add_argument("--probes-out", default=None)
-    mm.add_argument("--n-probes", type=int, default=48)
+    mm.add_argument("--probes-out", default=None, help="also write held-out GSM8K probes here")
+    mm.add_argument("--n-probes", type=int, default=48, help="probes to write")
     mm.set_defaults(func=cmd_build_data)
-    bb = fam.add_parser("bbh", help="per-task target pairs and held-out probes from BIG-Bench-Hard")
+    bb = _parser(fam, "bbh", help="per-task target pairs and held-out probes from BIG-Bench-Hard")
     bb.add_argument("--bbh-dir", required=True, help="folder of <task>.json files")
-    bb.add_argument("--n-targets-per-task", type=int, default=3)
-    bb.add_argument("--n-heldout-per-task", type=int, default=None)
-    bb.add_argument("--tasks", nargs="+", default=None)
-    bb.add_argument("--seed", type=int, default=0)
-    bb.add_argument("--targets-out", required=True)
-    bb.add_argument("--heldout-out", required=True)
+    bb.add_argument("--n-targets-per-task", type=int, default=3, help="target pairs per task")
+    bb.add_argument("--n-heldout-per-task", type=int, default=None, help="held-out probes per task (if not given: the rest)")
+    bb.add_argument("--tasks", nargs="+", default=None, help="task names (if not given: every <task>.json in --bbh-dir)")
+    bb.add_argument("--seed", type=int, default=0, help="seeds the split")
+    bb.add_argument("--targets-out", required=True, help="target pairs file to write")
+    bb.add_argument("--heldout-out", required=True, help="held-out probes file to write")
     bb.set_defaults(func=cmd_build_data)
 
-    rp = sub.add_parser("report", help="write a self-contained HTML report of an experiment or a score run")
+    rp = _parser(sub, "report", help="write a self-contained HTML report of an experiment or a score run")
     rp.add_argument("--run", required=True, help="an experiment directory or a score run directory")
     rp.add_argument("--label", default=None, help="boolean label field of the pool (score runs; default harmful)")
     rp.add_argument("--out", default=None, help="page path (default <run>/report.html)")
@@ -278,11 +379,12 @@ def _add_evaluation_parsers(sub):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prism-select", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true")
+    p = argparse.ArgumentParser(prog="prism-select", description=__doc__, formatter_class=_HelpFormatter,
+                                epilog="start with: prism-select demo   (then: prism-select <command> --help)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what each step does")
     sub = p.add_subparsers(dest="command", required=True)
 
-    sc = sub.add_parser("score", help="score a pool against target pairs")
+    sc = _parser(sub, "score", help="score a pool against target pairs")
     sc.add_argument("--pool", required=True, help=".jsonl/.json/.parquet/.csv file or a datasets directory")
     sc.add_argument("--targets", default=None, help="target pairs: prompt + chosen + rejected")
     sc.add_argument("--out", required=True, help="run directory")
@@ -291,16 +393,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stream_args(sc)
     sc.set_defaults(func=cmd_score)
 
-    se = sub.add_parser("select", help="write the kept pool records in the pool's own format")
+    se = _parser(sub, "select", help="write the kept pool records in the pool's own format")
     se.add_argument("--run", required=True, help="a finished run directory (scores.jsonl)")
-    se.add_argument("--pool", required=True)
+    se.add_argument("--pool", required=True, help="the pool file that was scored")
     se.add_argument("--out", required=True, help="output file (or directory for a datasets pool)")
     m = se.add_mutually_exclusive_group(required=True)
     m.add_argument("--keep", help="N or P%%: keep the top-ranked (general selection)")
     m.add_argument("--remove", help="N or P%%: remove the top-ranked (repair)")
+    se.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    se.add_argument("--allow-other-pool", action="store_true",
+                    help="accept a pool file other than the one scored, if every scored id is in it "
+                         "(its unscored records are left out and listed)")
     se.set_defaults(func=cmd_select)
 
-    co = sub.add_parser("compare", help="score a pool with several methods (model loaded once, curvature shared)")
+    co = _parser(sub, "compare", help="score a pool with several methods (model loaded once, curvature shared)")
     co.add_argument("--pool", required=True, help=".jsonl/.json/.parquet/.csv file or a datasets directory")
     co.add_argument("--targets", default=None, help="target pairs: prompt + chosen + rejected")
     co.add_argument("--out", required=True, help="directory: one run per method, compare.json, compare.md")
@@ -312,17 +418,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_score_args(co)  # --option KEY=VALUE for every method, METHOD.KEY=VALUE for one
     co.set_defaults(func=cmd_compare)
 
-    me = sub.add_parser("methods", help="list the scoring methods")
+    me = _parser(sub, "methods", help="list the scoring methods")
     me.set_defaults(func=cmd_methods)
 
-    de = sub.add_parser("demo", help="score a small generated example with the embedded model")
-    de.add_argument("--out", default="prism-demo")
-    de.add_argument("--pool-size", type=int, default=40)
-    de.add_argument("--batch-size", type=int, default=8)
-    de.add_argument("--curvature", default="ekfac")
-    de.add_argument("--seed", type=int, default=0)
-    de.add_argument("--overwrite", action="store_true")
-    de.add_argument("--no-progress", action="store_true")
+    de = _parser(sub, "demo", help="score a small generated example with the embedded model")
+    de.add_argument("--out", default="prism-demo", help="directory for the data (data/) and the run (run/)")
+    de.add_argument("--pool-size", type=int, default=40, help="records in the generated pool (a quarter wrong)")
+    de.add_argument("--batch-size", type=int, default=8, help="examples per forward/backward")
+    de.add_argument("--curvature", default="ekfac", help="ekfac, kfac, diagonal or identity")
+    de.add_argument("--seed", type=int, default=0, help="seeds the generated data and the run")
+    de.add_argument("--overwrite", action="store_true", help="replace an earlier demo run in --out")
+    de.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_model_args(de)
     de.set_defaults(func=cmd_demo)
     _add_evaluation_parsers(sub)
@@ -380,9 +486,11 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         out = getattr(a, "out", None)
-        print("\nprism-select: interrupted. Finished work is kept"
-              + (f" in {out}/.partial" if out else "")
-              + "; run the same command again to resume.", file=sys.stderr)
+        partial = next(Path(out).glob("**/.partial"), None) if out and Path(out).is_dir() else None
+        print("\nprism-select: interrupted. "
+              + (f"Finished work is kept in {partial}; run the same command again to resume."
+                 if partial is not None else "Nothing had finished yet; run the same command again to start."),
+              file=sys.stderr)
         return 130
     return 0
 

@@ -57,7 +57,7 @@ DEFAULT_GGUF_ENV = "PRISM_SELECT_DEFAULT_GGUF"
 CACHE_ENV = "PRISM_SELECT_CACHE"
 DTYPES = ("auto", "bfloat16", "float32", "float64")
 _DTYPE_MAP = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 GGUF_KEY_BYTES = 16 * 1024 * 1024
 CACHE_FORMAT = 1
 _CACHE_META = "prism_cache.json"
@@ -84,7 +84,7 @@ class ModelSettings:
     adapter: a PEFT adapter directory (``adapter_config.json`` + weights), kept unmerged.
     dtype: auto | bfloat16 | float32 | float64; auto = bfloat16 on a CUDA device that
         supports it, else float32.
-    device: auto (cuda if available, else cpu) | cpu | cuda | cuda:N.
+    device: auto (cuda if available, else mps if available, else cpu) | cpu | mps | cuda | cuda:N.
     trust_remote_code: allow a model directory's own Python code (off by default).
     cache_dir: where converted GGUF models are cached; ``None`` = ``$PRISM_SELECT_CACHE``
         or ``~/.cache/prism-select``.
@@ -114,7 +114,7 @@ class ModelSettings:
             raise ConfigError("dtype", f"unknown dtype {self.dtype!r}", f"use one of {', '.join(DTYPES)}")
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             raise ConfigError("device", f"unknown device {self.device!r}",
-                              "use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
+                              "use auto, cpu, mps, cuda or cuda:N (e.g. cuda:1)")
         if not isinstance(self.trust_remote_code, bool):
             raise ConfigError("trust_remote_code", f"must be true or false, got {self.trust_remote_code!r}")
         if isinstance(self.cache_dir, os.PathLike):
@@ -139,8 +139,13 @@ class ModelSettings:
     def resolved_device(self) -> torch.device:
         """The torch device to use; :class:`ConfigError` if it is not available here."""
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return torch.device("cuda" if torch.cuda.is_available() else "mps" if _mps_available() else "cpu")
         dev = torch.device(self.device)
+        if dev.type == "mps" and not _mps_available():
+            why = ("this PyTorch build has no MPS support" if not torch.backends.mps.is_built()
+                   else "MPS needs an Apple-silicon Mac with macOS 12.3 or later")
+            raise ConfigError("device", f"'mps' was asked for but is not available here: {why}",
+                              "use device cpu (or auto)")
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigError("device", f"{self.device!r} was asked for but CUDA is not available",
@@ -152,9 +157,11 @@ class ModelSettings:
         return dev
 
     def resolved_dtype(self, device: torch.device | None = None) -> torch.dtype:
+        device = device if device is not None else self.resolved_device()
+        if self.dtype == "float64" and device.type == "mps":
+            raise ConfigError("dtype", "float64 is not supported on 'mps'", "use float32, or --device cpu")
         if self.dtype != "auto":
             return _DTYPE_MAP[self.dtype]
-        device = device if device is not None else self.resolved_device()
         if device.type == "cuda":
             with torch.cuda.device(device):
                 if torch.cuda.is_bf16_supported():
@@ -187,6 +194,11 @@ class LoadedModel:
 
 
 # --------------------------------------------------------------------------- helpers
+
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
 
 def _version(dist: str) -> str | None:
     try:
@@ -576,7 +588,9 @@ def converted_gguf_dir(gguf_path: str | Path, cache_dir: str | Path | None = Non
 
 # --------------------------------------------------------------------------- adapter
 
-def _load_adapter(base, adapter: Path, base_name: str):
+def check_adapter_dir(adapter: Path) -> None:
+    """:class:`ModelError` unless ``adapter`` is a PEFT adapter directory and peft is
+    installed (cheap: checked before the base model loads)."""
     if not adapter.is_dir():
         raise ModelError(f"adapter directory {adapter} does not exist")
     if not (adapter / "adapter_config.json").is_file():
@@ -586,6 +600,10 @@ def _load_adapter(base, adapter: Path, base_name: str):
                          "PeftModel.save_pretrained (adapter_config.json + adapter_model.safetensors)")
     if importlib.util.find_spec("peft") is None:
         raise ModelError("loading an adapter needs the 'peft' package; install it with: pip install 'peft>=0.13'")
+
+
+def _load_adapter(base, adapter: Path, base_name: str):
+    check_adapter_dir(adapter)
     from peft import PeftModel
     try:
         declared = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")

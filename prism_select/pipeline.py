@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import time
@@ -33,8 +34,8 @@ from safetensors.torch import load_file, save_file
 from . import __version__, distributed
 from .curvature import Curvature, CurvatureSettings, load_or_fit_curvature
 from .data import load_pool, load_targets
-from .data.readers import scan_pool
-from .data.records import InvalidRecord
+from .data.readers import detect_format, scan_pool
+from .data.records import InvalidRecord, Loaded
 from .data.tokenize import (
     DEFAULT_MAX_LENGTH,
     encode,
@@ -52,7 +53,7 @@ from .io import (
     sha256_file,
     sha256_json,
 )
-from .model import LoadedModel, ModelSettings, load_model, tracked_linear_modules
+from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
 from .plan import MemoryPlan, make_plan, measure_example_bytes
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
@@ -196,12 +197,12 @@ def _encode_all(tokenizer, items, fields, max_length, path, skip_invalid, invali
     for item in items:
         try:
             encs.append([encode(tokenizer, item.prompt, getattr(item, f), max_length, path=path,
-                                row=item.row, field=f) for f in fields])
+                                row=item.row, line=item.line, field=f) for f in fields])
             kept.append(item)
         except InputError as exc:
             if not skip_invalid:
                 raise
-            invalid.append(InvalidRecord(str(path), item.row, exc.field, exc.reason))
+            invalid.append(InvalidRecord.of(exc, path))
     return kept, encs
 
 
@@ -225,9 +226,10 @@ def _with_targets(tokenizer, targets_path, max_length: int, skip_invalid: bool, 
 
 
 def prepare_inputs(tokenizer, pool_path, targets_path=None, *, max_length: int = DEFAULT_MAX_LENGTH,
-                   skip_invalid: bool = False) -> Inputs:
-    """Read and tokenise the pool and (optionally) the target pairs."""
-    pool = load_pool(pool_path, skip_invalid=skip_invalid)
+                   skip_invalid: bool = False, pool: Loaded | None = None) -> Inputs:
+    """Read and tokenise the pool and (optionally) the target pairs. ``pool``: the pool
+    as :func:`prism_select.data.load_pool` already read it (not read again)."""
+    pool = pool if pool is not None else load_pool(pool_path, skip_invalid=skip_invalid)
     invalid = list(pool.invalid)
     examples, enc = _encode_all(tokenizer, pool.items, ["response"], max_length, pool_path,
                                 skip_invalid, invalid)
@@ -607,6 +609,40 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
     return plan
 
 
+def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_path,
+                         settings: ScoreSettings) -> Loaded | None:
+    """What can be checked without the model, so that a mistake fails in a second rather
+    than after the model has loaded: the device and adapter directory, that the input
+    files exist in a supported format, that the method has the target pairs it needs,
+    and every record of the targets and (unless ``settings.stream``) of the pool.
+    Returns the read pool (None under ``stream``, whose own pass reads it)."""
+    if targets_path is None and settings.method in DIRECTION_METHODS:
+        raise ConfigError("targets", f"method {settings.method!r} needs target pairs", "pass --targets FILE")
+    for pattern in settings.modules or []:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError("modules", f"{pattern!r} is not a regular expression ({e})",
+                              "pass e.g. --modules 'mlp' 'self_attn\\.(q|v)_proj'") from None
+    if isinstance(model, ModelSettings):
+        model.resolved_device()
+        if model.adapter is not None:
+            check_adapter_dir(Path(model.adapter).expanduser().resolve())
+    detect_format(pool_path)
+    if targets_path is not None:
+        load_targets(targets_path, skip_invalid=settings.skip_invalid)
+    return None if settings.stream else load_pool(pool_path, skip_invalid=settings.skip_invalid)
+
+
+def _drop_partial_without_chunks(out_dir: Path) -> None:
+    """After a failed run: remove ``.partial`` unless it holds finished work (a score chunk,
+    a preconditioned direction or a part of one), so that the corrected command (other
+    settings) is not refused as an unfinished run."""
+    partial = out_dir / ".partial"
+    if partial.is_dir() and not any(partial.rglob("*.safetensors")):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_dir, settings: ScoreSettings | None = None,
                curvature: CurvatureSettings | None = None) -> dict:
     """Score every pool example and write ``scores.jsonl``, ``pairs.jsonl`` and ``run.json``.
@@ -626,8 +662,11 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     timings = {}
     if not isinstance(model, LoadedModel) and distributed.init_from_env(model.device):  # torchrun / accelerate
         model = replace(model, device=distributed.local_device(model.device))
+    pool = check_before_loading(model, pool_path, targets_path, settings)
+    timings["check_inputs_s"] = time.perf_counter() - t0
+    t = time.perf_counter()
     lm = model if isinstance(model, LoadedModel) else load_model(model)
-    timings["load_model_s"] = time.perf_counter() - t0
+    timings["load_model_s"] = time.perf_counter() - t
     t = time.perf_counter()
     if settings.stream:
         inputs = prepare_stream_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
@@ -635,7 +674,7 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
                                        seed=curvature.seed)
     else:
         inputs = prepare_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
-                                skip_invalid=settings.skip_invalid)
+                                skip_invalid=settings.skip_invalid, pool=pool)
     timings["read_inputs_s"] = time.perf_counter() - t
     modules = tracked_linear_modules(lm.model, settings.modules)
     fingerprints = {"model": lm.fingerprint, "pool": inputs.pool_fingerprint,
@@ -650,7 +689,12 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     distributed.barrier()
     ctx = RunContext(lm, modules, inputs, settings, curvature, out_dir, timings,
                      info={"run_key": run_key, "memory_plan": plan.to_json()}, plan=plan)
-    scores, pairs = _method_fn(settings.method)(ctx)
+    try:
+        scores, pairs = _method_fn(settings.method)(ctx)
+    except BaseException:
+        if distributed.is_main():
+            _drop_partial_without_chunks(out_dir)
+        raise
     main = distributed.is_main()  # every rank holds the gathered scores; rank 0 writes them
     if ctx.streamed is None:
         n_pool, invalid, truncated_pool = len(inputs.pool), [r.to_json() for r in inputs.invalid], inputs.truncated["pool"]
@@ -680,7 +724,8 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
                   "device": str(lm.device), "chat_template": has_chat_template(lm.tokenizer)},
         "tracked_modules": list(modules),
         "inputs": {"pool": inputs.pool_path, "pool_format": inputs.pool_format, "targets": inputs.targets_path},
-        "fingerprints": fingerprints,
+        # pool_file: the pool's bytes, which `select` checks without loading a tokenizer
+        "fingerprints": {**fingerprints, "pool_file": sha256_file(pool_path)},
         "versions": _versions(),
         "counts": {"pool": n_pool, "pairs": len(inputs.pairs), "invalid": len(invalid),
                    "truncated_pool": truncated_pool, "truncated_targets": inputs.truncated["targets"]},

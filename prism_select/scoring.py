@@ -17,6 +17,10 @@ exact route.
 
 Examples are processed in length-sorted chunks; each finished chunk is written to
 ``<out>/.partial/chunk_NNNNNN.safetensors``, so a killed run resumes where it was.
+A chunk holds at most ``chunk_size`` examples and, on the CPU, at most
+``CPU_CHUNK_FLOPS`` of work (:func:`chunk_token_limit`), so a slow CPU run keeps its
+work about every minute; the cut depends only on the pool's token counts, the model's
+size and the device type, so a resumed run sees the same chunks.
 Under ``torchrun`` each rank owns the chunks of one contiguous, token-balanced share
 of the length-sorted pool (:func:`plan_chunks`) and the scores are gathered in pool
 order (:mod:`prism_select.distributed`). :func:`score_stream` scores a pool file a
@@ -42,7 +46,14 @@ from .graphs import GraphedScorer, graphs_wanted
 from .precision import check_precision, check_precision_scoring, precision_policy
 from .io import atomic_write_json
 
+#: examples per resumable chunk, at most (``--chunk-size``)
 DEFAULT_CHUNK_SIZE = 1024
+#: On the CPU a chunk also holds at most this many FLOPs of scoring work, counted as
+#: ``4 x parameters`` per token (a forward and an activation-only backward): 1e12 is
+#: about 1,850 tokens of the embedded 135M model, 20-40 s on 2 busy CPU cores, so a
+#: killed CPU run keeps its work at least every minute or so. A GPU scores 1024
+#: examples in seconds and needs no such cap.
+CPU_CHUNK_FLOPS = 1e12
 SCORINGS = ("exact", "fast", "fd32")
 #: the route behind ``--scoring fast`` (chosen from benchmarks/bench_scoring.py; see docs/performance.md)
 FAST_MODE = "fd"
@@ -121,26 +132,40 @@ class _HookScorer:
         return self.hooks.scores
 
 
-def plan_chunks(encoded: list, chunk_size: int, parts: int = 1) -> tuple:
+def plan_chunks(encoded: list, chunk_size: int, parts: int = 1, max_tokens: int | None = None) -> tuple:
     """Length-sorted index chunks and the rank that owns each: ``(chunks, owners)``.
 
     The length-sorted order is first cut into ``parts`` contiguous shares of near-equal
     token count (:func:`prism_select.distributed.contiguous_owners`), then each share
-    into chunks of ``chunk_size``, so each rank meets only its own range of lengths
-    (graph captures divide with the work). Deterministic: the same pool and ``parts``
-    give the same chunks, which is what resuming relies on (a resumed run with another
-    world size recomputes the chunks whose contents differ).
+    into chunks of ``chunk_size`` examples; with ``max_tokens`` a chunk also ends before
+    it would exceed that many tokens (it always holds at least one example). So each rank
+    meets only its own range of lengths (graph captures divide with the work).
+    Deterministic: the same pool, ``parts`` and limits give the same chunks, which is what
+    resuming relies on (a resumed run with another world size or limit recomputes the
+    chunks whose contents differ).
     """
     order = sorted(range(len(encoded)), key=lambda i: (len(encoded[i].input_ids), i))
     share = distributed.contiguous_owners([len(encoded[i].input_ids) for i in order], parts)
-    chunks, owners, start = [], [], 0
-    for end in range(1, len(order) + 1):
-        if end == len(order) or share[end] != share[start]:
-            for k in range(start, end, chunk_size):
-                chunks.append(order[k:min(k + chunk_size, end)])
-                owners.append(share[start])
-            start = end
+    chunks, owners = [], []
+    for k, i in enumerate(order):
+        n = len(encoded[i].input_ids)
+        if (not chunks or share[k] != owners[-1] or len(chunks[-1]) >= chunk_size
+                or (max_tokens is not None and tokens + n > max_tokens)):
+            chunks.append([])
+            owners.append(share[k])
+            tokens = 0
+        chunks[-1].append(i)
+        tokens += n
     return chunks, owners
+
+
+def chunk_token_limit(model, device) -> int | None:
+    """Tokens per chunk on the CPU (``CPU_CHUNK_FLOPS`` of work for this model); None on
+    other devices."""
+    if torch.device(device).type != "cpu":
+        return None
+    params = sum(p.numel() for p in model.parameters())
+    return max(1, int(CPU_CHUNK_FLOPS // (4 * max(params, 1))))
 
 
 def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps: float | None = None,
@@ -327,7 +352,7 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     full, gathered scores.
     """
     device = device or next(model.parameters()).device
-    chunks, owners = plan_chunks(encoded, chunk_size, distributed.world())
+    chunks, owners = plan_chunks(encoded, chunk_size, distributed.world(), chunk_token_limit(model, device))
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
@@ -352,12 +377,12 @@ def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_inv
     from .errors import InputError
 
     def bad(err):
-        invalid.append(InvalidRecord(str(pool_path), err.row, err.field, err.reason))
+        invalid.append(InvalidRecord.of(err, pool_path))
 
     buf = []
     for ex in iter_pool(pool_path, on_invalid=bad if skip_invalid else None):
         try:
-            enc = encode(tokenizer, ex.prompt, ex.response, max_length, path=pool_path, row=ex.row)
+            enc = encode(tokenizer, ex.prompt, ex.response, max_length, path=pool_path, row=ex.row, line=ex.line)
         except InputError as e:
             if not skip_invalid:
                 raise
@@ -406,6 +431,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
                          cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision)
+    max_tokens = chunk_token_limit(model, device)
     invalid: list = []
     scores = np.zeros(0, dtype=np.float64)
     n, chunk_base, truncated = 0, 0, 0
@@ -419,7 +445,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
                 truncated += sum(e.truncated for e in encoded)
                 for rid, _ in win:
                     ids_f.write(_json.dumps(rid) + "\n")
-                chunks, owners = plan_chunks(encoded, chunk_size, distributed.world())
+                chunks, owners = plan_chunks(encoded, chunk_size, distributed.world(), max_tokens)
                 res = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
                                    partial_dir=partial_dir, progress=progress, index_base=n,
                                    chunk_base=chunk_base, stats=stats, owners=owners,

@@ -201,15 +201,96 @@ def write_subset(pool_path: str | os.PathLike, kept_ids: Iterable[Any],
 
 def select(run_dir: str | os.PathLike, pool_path: str | os.PathLike,
            out_path: str | os.PathLike, keep: str | int | None = None,
-           remove: str | int | None = None) -> dict:
-    """Choose from ``run_dir/scores.jsonl`` and write the subset; returns a summary."""
-    scores = read_scores(Path(run_dir) / "scores.jsonl")
+           remove: str | int | None = None, *, overwrite: bool = False,
+           allow_other_pool: bool = False) -> dict:
+    """Choose from ``run_dir/scores.jsonl`` and write the subset; returns a summary.
+
+    The pool must be the one the run scored: its file bytes must match run.json's
+    ``fingerprints.pool_file`` (runs written before that key existed: its valid ids must
+    be the scored ids, apart from records the run skipped as invalid). Otherwise an
+    :class:`InputError` says what differs. ``allow_other_pool`` accepts another pool
+    file when every scored id is in it; its records that were not scored are not
+    written and are listed in the summary (``unscored``). An existing ``out_path`` is
+    an :class:`OutputError` unless ``overwrite``.
+    """
+    run_dir = Path(run_dir)
+    run = _read_run(run_dir)
+    scores = read_scores(run_dir / "scores.jsonl")
+    if Path(out_path).exists() and not overwrite:
+        raise OutputError(f"{out_path} already exists; pass --overwrite to replace it, "
+                          "or choose another --out")
+    unscored = check_pool(run_dir, run, pool_path, {s["id"] for s in scores}, allow_other_pool)
     kept = choose(scores, keep=keep, remove=remove)
     written = write_subset(pool_path, kept, out_path)
     return {"mode": "keep" if keep is not None else "remove",
             "amount": str(keep if keep is not None else remove),
             "scored": len(scores), "kept": written, "removed": len(scores) - written,
-            "pool": str(pool_path), "out": str(out_path)}
+            "unscored": unscored, "pool": str(pool_path), "out": str(out_path)}
+
+
+def describe(summary: dict) -> str:
+    """One readable line for a :func:`select` summary."""
+    s = summary
+    how = f"kept the top {s['amount']}" if s["mode"] == "keep" else f"removed the top {s['amount']}"
+    text = f"wrote {s['kept']} of {s['scored']} scored records to {s['out']} ({how} of {s['pool']})"
+    if s.get("unscored"):
+        some = ", ".join(map(repr, s["unscored"][:5])) + (", ..." if len(s["unscored"]) > 5 else "")
+        text += f"; {len(s['unscored'])} records of this pool were not scored and are left out: {some}"
+    return text
+
+
+def _read_run(run_dir: Path) -> dict:
+    path = run_dir / "run.json"
+    if not path.is_file():
+        raise InputError("not a finished run: run.json is missing", path=run_dir,
+                         fix="point --run at the --out directory of a finished `prism-select score`")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot read run.json ({e})", path=path,
+                         fix="score the pool again; run.json is written by prism-select score") from e
+
+
+def check_pool(run_dir: Path, run: dict, pool_path, scored: set, allow_other_pool: bool = False) -> list:
+    """Check that ``pool_path`` is the pool the run scored (see :func:`select`); return the
+    ids of this pool that were not scored (empty unless ``allow_other_pool``)."""
+    from .io import sha256_file
+
+    expected = (run.get("fingerprints") or {}).get("pool_file")
+    if expected is not None and sha256_file(pool_path) == expected:
+        return []
+    # rows the run skipped as invalid (e.g. too long to tokenise): never scored. Only
+    # meaningful for the scored file itself, i.e. a run without the file fingerprint.
+    skipped = set() if expected is not None else {r.get("row") for r in run.get("invalid_records", [])}
+    rows, fmt = [], detect_format(pool_path)  # (row, id) of the valid records
+    for row, rec in iter_records(pool_path, on_invalid=lambda e: None):
+        try:
+            rows.append((row, parse_pool_record(rec, row, fmt == "csv").id))
+        except InputError:
+            continue
+    here = {rid for _, rid in rows}
+    missing = [i for i in scored if i not in here]
+    unscored = [rid for row, rid in rows if rid not in scored and row not in skipped]
+    if expected is None and not missing and not unscored:
+        return []  # a run from before the file fingerprint: the ids agree
+    if allow_other_pool and not missing:
+        return unscored
+    what = []
+    if expected is not None:
+        what.append("its file bytes differ from the pool scored (run.json fingerprints.pool_file)")
+    if missing:
+        what.append(f"{len(missing)} scored ids are not in it (e.g. {_some(missing)})")
+    if unscored:
+        what.append(f"{len(unscored)} of its ids were not scored (e.g. {_some(unscored)})")
+    scored_pool = (run.get("inputs") or {}).get("pool")
+    fix = f"pass the pool that {run_dir} scored" + (f" ({scored_pool})" if scored_pool else "")
+    if not missing:
+        fix += ", or add --allow-other-pool to select from this file (its unscored records are left out)"
+    raise InputError(f"not the pool scored in {run_dir}: " + "; ".join(what), path=pool_path, fix=fix)
+
+
+def _some(ids: list, n: int = 5) -> str:
+    return ", ".join(map(repr, sorted(ids, key=repr)[:n]))
 
 
 def _parquet_subset(pool_path, match: _Matcher, out_path) -> int:

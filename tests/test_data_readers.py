@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -311,9 +312,30 @@ def test_csv_wrong_width(tmp_path):
 ])
 def test_duplicate_ids(tmp_path, loader, recs):
     p = write_lines(tmp_path / "p.jsonl", recs)
-    with pytest.raises(InputError, match=rf"rows 0 and {len(recs) - 1}") as e:
+    with pytest.raises(InputError, match=rf"lines 1 and {len(recs)}") as e:
         loader(p, skip_invalid=True)  # ambiguous ids always raise
     assert e.value.field == "id"
+
+
+def test_errors_name_the_line_an_editor_shows(tmp_path):
+    """JSON Lines and CSV errors give the 1-based line of the record (blank lines and the
+    CSV header counted, as an editor counts them); other formats the row counted from 1."""
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps(POOL[0]) + "\n\n" + json.dumps(POOL[1]) + "\n" + json.dumps({"prompt": "q"}) + "\n")
+    with pytest.raises(InputError) as e:
+        load_pool(p)
+    assert str(e.value).startswith(f"{p}, line 4, field 'response': ") and e.value.row == 2
+    assert load_pool(p, skip_invalid=True).invalid[0].to_json()["line"] == 4
+    c = tmp_path / "p.csv"
+    c.write_text('prompt,response\nq,a\n"multi\nline",ok\nq,\n')
+    with pytest.raises(InputError, match=rf"^{re.escape(str(c))}, line 5, field 'response'"):
+        load_pool(c)
+    j = write(tmp_path / "j", "json", [POOL[0], {"prompt": "q"}])
+    with pytest.raises(InputError, match=rf"^{re.escape(str(j))}, row 2, field 'response'"):
+        load_pool(j)
+    d = write_lines(tmp_path / "d.jsonl", [POOL[0], POOL[1], POOL[0]])
+    with pytest.raises(InputError, match=r"d.jsonl, line 3, field 'id': duplicate id 'ex0': lines 1 and 3"):
+        load_pool(d)
 
 
 def test_skip_invalid_collects(tmp_path):

@@ -182,3 +182,22 @@ def test_plan_chunks_gives_each_rank_one_length_range():
     tokens = [sum(lengths[i] for c, o in zip(chunks, owners) if o == r for i in c) for r in range(3)]
     assert max(tokens) - min(tokens) <= 2 * max(lengths)
     assert plan_chunks(enc, 4, parts=3) == (chunks, owners)  # deterministic: resume sees the same
+
+
+def test_plan_chunks_token_limit():
+    """``max_tokens`` ends a chunk before it would exceed the limit (a longer example
+    stands alone); without it the chunks are those of ``chunk_size`` alone."""
+    from prism_select.data.tokenize import Encoded
+    from prism_select.scoring import plan_chunks
+
+    lengths = [5 + (i * 7) % 40 for i in range(50)]
+    enc = [Encoded(input_ids=[1] * n, response_start=1) for n in lengths]
+    chunks, owners = plan_chunks(enc, 8, parts=2, max_tokens=60)
+    assert sorted(i for c in chunks for i in c) == list(range(50))
+    for c in chunks:
+        assert len(c) <= 8 and (len(c) == 1 or sum(lengths[i] for i in c) <= 60)
+    assert any(len(c) == 1 and lengths[c[0]] > 30 for c in chunks)
+    assert len(chunks) > len(plan_chunks(enc, 8, parts=2)[0])
+    assert plan_chunks(enc, 8, parts=2, max_tokens=60) == (chunks, owners)  # deterministic
+    order = sorted(range(50), key=lambda i: (lengths[i], i))
+    assert plan_chunks(enc, 8)[0] == [order[k:k + 8] for k in range(0, 50, 8)]

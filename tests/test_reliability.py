@@ -13,7 +13,7 @@ import torch
 
 from prism_select.cli import main
 from prism_select.curvature import CurvatureSettings
-from prism_select.errors import CacheError, InputError, NumericalError, OutputError
+from prism_select.errors import CacheError, ConfigError, InputError, ModelError, NumericalError, OutputError
 from prism_select.examples import make_example
 from prism_select.model import ModelSettings
 from prism_select.pipeline import ScoreSettings, prepare_inputs, score_pool
@@ -98,14 +98,14 @@ def test_non_utf8_and_cli_exit_code(tmp_path, model_dir, data, capsys):
                  "--out", str(out), "--device", "cpu", "--no-progress", "--cache-dir", str(tmp_path / "c")])
     assert code == 2
     err = capsys.readouterr().err
-    assert "bytes.jsonl" in err and "row 0" in err and "Traceback" not in err
+    assert "bytes.jsonl, line 1: not UTF-8" in err and "Traceback" not in err
     assert no_outputs(out)
 
 
 def test_chosen_equal_rejected_and_unfit_response(tmp_path, model_dir, data):
     t = tmp_path / "t.jsonl"
     t.write_text('{"prompt": "q", "chosen": "same", "rejected": "same"}\n')
-    with pytest.raises(InputError, match="row 0"):
+    with pytest.raises(InputError, match="t.jsonl, line 1"):
         run(tmp_path, model_dir, data[0], t, tmp_path / "r1")
     long_pool = tmp_path / "long.jsonl"
     long_pool.write_text(json.dumps({"prompt": "q", "response": "x" * 400}) + "\n")
@@ -122,6 +122,20 @@ def test_skip_invalid_lists_records_in_run_json(tmp_path, model_dir, data):
     summary = run(tmp_path, model_dir, pool, data[1], tmp_path / "run", skip_invalid=True)
     assert summary["counts"]["invalid"] == 2 and summary["counts"]["pool"] == 10
     assert {r["row"] for r in summary["invalid_records"]} == {4, 5}
+
+
+def test_select_checks_the_pool_file_of_a_real_run(tmp_path, model_dir, data, capsys):
+    """run.json records the pool file's bytes; `select` refuses an edited pool (before
+    writing anything) and accepts the scored one."""
+    out = tmp_path / "run"
+    run(tmp_path, model_dir, *data, out)
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text(data[0].read_text().replace("The answer is", "So the answer is", 1))
+    args = ["select", "--run", str(out), "--keep", "3"]
+    assert main(args + ["--pool", str(edited), "--out", str(tmp_path / "a.jsonl")]) == 2
+    assert "not the pool scored" in capsys.readouterr().err and not (tmp_path / "a.jsonl").exists()
+    assert main(args + ["--pool", str(data[0]), "--out", str(tmp_path / "a.jsonl")]) == 0
+    assert capsys.readouterr().out.startswith("wrote 3 of 10 scored records")
 
 
 def test_finished_run_is_refused_unless_overwrite(tmp_path, model_dir, data):
@@ -154,6 +168,52 @@ def test_unwritable_output_fails_before_work(tmp_path, model_dir, data, monkeypa
     with pytest.raises(OutputError):
         run(tmp_path, model_dir, *data, blocker / "run")
     assert not called
+
+
+@pytest.mark.parametrize("case", ["targets_missing", "no_targets", "bad_pool_record", "bad_target_record",
+                                  "adapter_missing", "bad_modules_regex"])
+def test_inputs_are_checked_before_the_model_loads(tmp_path, model_dir, data, monkeypatch, case):
+    called = []
+    monkeypatch.setattr("prism_select.pipeline.load_model", lambda *a: called.append(1))
+    pool, targets = data
+    bad = tmp_path / "bad.jsonl"
+    ms = settings(tmp_path, model_dir)
+    if case == "targets_missing":
+        targets, error = tmp_path / "nope.jsonl", InputError
+    elif case == "no_targets":
+        targets, error = None, ConfigError
+    elif case == "bad_pool_record":
+        bad.write_text(pool.read_text() + '{"prompt": "q"}\n')
+        pool, error = bad, InputError
+    elif case == "bad_target_record":
+        bad.write_text('{"prompt": "q", "chosen": "a"}\n')
+        targets, error = bad, InputError
+    elif case == "adapter_missing":
+        ms, error = ModelSettings(model=str(model_dir), adapter=str(tmp_path / "nope"), device="cpu"), ModelError
+    else:
+        error = ConfigError
+    out = tmp_path / "run"
+    with pytest.raises(error):
+        score_pool(ms, pool, targets, out, ScoreSettings(progress=False,
+                                                         modules=["mlp("] if case == "bad_modules_regex" else None))
+    assert not called and not any(out.rglob("*"))
+
+
+def test_failure_before_the_first_chunk_does_not_block_the_corrected_command(tmp_path, model_dir, data,
+                                                                              monkeypatch):
+    """A run that fails after its .partial/key.json was written but before any score
+    chunk was finished leaves nothing behind: the corrected command (other settings) runs."""
+    out = tmp_path / "run"
+
+    def fail(*a, **k):
+        raise NumericalError("non-finite values (NaN or inf) in the training loss")
+    monkeypatch.setattr("prism_select.pipeline.compute_preference", fail)
+    with pytest.raises(NumericalError):
+        run(tmp_path, model_dir, *data, out)
+    assert not (out / ".partial").exists()
+    monkeypatch.undo()
+    run(tmp_path, model_dir, *data, out, seed=1)  # other settings: not refused
+    assert (out / "run.json").exists()
 
 
 def test_curvature_cache_reused_only_when_fingerprints_match(tmp_path, model_dir, data):
@@ -235,7 +295,11 @@ def test_ctrl_c_message_says_how_to_resume(tmp_path, model_dir, data, capsys, mo
     code = main(["score", "--model", str(model_dir), "--pool", str(data[0]), "--targets", str(data[1]),
                  "--out", str(tmp_path / "run")])
     assert code == 130
-    assert "same command" in capsys.readouterr().err
+    assert "Nothing had finished yet; run the same command again" in capsys.readouterr().err
+    (tmp_path / "run" / ".partial" / "scores").mkdir(parents=True)
+    assert main(["score", "--model", str(model_dir), "--pool", str(data[0]), "--targets", str(data[1]),
+                 "--out", str(tmp_path / "run")]) == 130
+    assert f"Finished work is kept in {tmp_path / 'run' / '.partial'}; run the same command" in capsys.readouterr().err
 
 
 GPU_SCORE_RTOL = 1e-4  # float32 on CUDA: reduction order may differ between runs

@@ -100,3 +100,43 @@ def test_sigkill_and_resume_is_bit_identical(setup, tmp_path, scoring):
     assert not (out / ".partial").exists()
     meta = json.loads((out / "run.json").read_text())  # the resumed run still says which curvature
     assert meta["curvature"]["kind"] == json.loads((ref / "run.json").read_text())["curvature"]["kind"]
+
+
+def test_cpu_chunks_keep_work_and_resume_identically(setup, tmp_path, monkeypatch):
+    """On the CPU the default chunks are capped by work (CPU_CHUNK_FLOPS), so an interrupted
+    run keeps finished chunks even with the default --chunk-size, and the resumed scores
+    are bit-identical to an uninterrupted run's."""
+    sys.path.insert(0, str(ROOT))
+    from prism_select import scoring
+    from prism_select.data import load_pool
+    from prism_select.data.tokenize import encode
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(setup / "model", dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(setup / "model")
+    enc = [encode(tok, ex.prompt, ex.response, 128) for ex in load_pool(setup / "pool.jsonl").items][:60]
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers" in n}
+    V = {n: torch.randn(m.out_features, m.in_features, generator=torch.Generator().manual_seed(0))
+         for n, m in modules.items()}
+    params = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(scoring, "CPU_CHUNK_FLOPS", 4 * params * 200)  # 200 tokens a chunk
+    assert scoring.chunk_token_limit(model, "cpu") == 200 and scoring.chunk_token_limit(model, "meta") is None
+    kw = dict(pad_id=tok.pad_token_id, batch_size=4, progress=False, run_key={"k": 1})
+    ref = scoring.score_encoded(model, modules, enc, V, partial_dir=tmp_path / "ref", **kw)
+    n_chunks = len(scoring.plan_chunks(enc, scoring.DEFAULT_CHUNK_SIZE, 1, 200)[0])
+    assert n_chunks > 3 and len(list((tmp_path / "ref").glob("chunk_*"))) == n_chunks
+
+    real_save, saved = scoring._save_chunk, []
+
+    def save_then_stop(*a):
+        real_save(*a)
+        saved.append(1)
+        if len(saved) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(scoring, "_save_chunk", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        scoring.score_encoded(model, modules, enc, V, partial_dir=tmp_path / "out", **kw)
+    assert len(list((tmp_path / "out").glob("chunk_*"))) == 2
+    monkeypatch.setattr(scoring, "_save_chunk", real_save)
+    out = scoring.score_encoded(model, modules, enc, V, partial_dir=tmp_path / "out", **kw)
+    assert torch.equal(out, ref)

@@ -13,7 +13,8 @@ except ImportError:  # tests/ imported as a package
     from tests.test_data_readers import FORMATS, SUFFIX, write, write_lines
 from prism_select.data import iter_records, load_pool
 from prism_select.errors import ConfigError, InputError, OutputError
-from prism_select.selection import choose, parse_amount, read_scores, select, write_subset
+from prism_select.io import sha256_file
+from prism_select.selection import choose, describe, parse_amount, read_scores, select, write_subset
 
 POOL = [{"id": f"ex{i}", "prompt": f"q{i}", "response": f"a{i}", "source": f"s{i % 3}",
          "meta": {"n": i, "tags": ["x", str(i)]}, "weight": i / 4} for i in range(10)]
@@ -24,6 +25,17 @@ def scores_for(ids, path):
     rows = [{"id": x, "score": float(len(ids) - r), "rank": r + 1} for r, x in enumerate(ids)]
     write_lines(path, rows)
     return rows
+
+
+def make_run(run, ids, pool, **run_json):
+    """A finished run directory over ``pool`` (as score writes it: scores.jsonl and a
+    run.json with the pool file's fingerprint), ``ids[0]`` ranked best."""
+    run.mkdir(exist_ok=True)
+    scores_for(ids, run / "scores.jsonl")
+    info = {"status": "complete", "inputs": {"pool": str(pool)},
+            "fingerprints": {"pool_file": sha256_file(pool)}, **run_json}
+    (run / "run.json").write_text(json.dumps(info))
+    return run
 
 
 # ------------------------------------------------------------------ amounts and choice
@@ -172,9 +184,7 @@ def test_write_subset_refuses_pool_as_output(tmp_path):
     (None, "4", [5, 4, 3, 2, 1, 0]), (None, "30%", [6, 5, 4, 3, 2, 1, 0])])
 def test_select(tmp_path, fmt, keep, remove, kept):
     pool = write(tmp_path / "pool", fmt, POOL)
-    run = tmp_path / "run"
-    run.mkdir()
-    scores_for([f"ex{i}" for i in range(9, -1, -1)], run / "scores.jsonl")  # ex9 best
+    run = make_run(tmp_path / "run", [f"ex{i}" for i in range(9, -1, -1)], pool)  # ex9 best
     out = tmp_path / ("subset" + SUFFIX[fmt])
     summary = select(run, pool, out, keep=keep, remove=remove)
     assert summary["kept"] == len(kept) and summary["removed"] == 10 - len(kept)
@@ -185,14 +195,82 @@ def test_select(tmp_path, fmt, keep, remove, kept):
 def test_select_errors_leave_no_output(tmp_path):
     pool = write(tmp_path / "pool", "jsonl", POOL)
     (tmp_path / "run").mkdir()
+    with pytest.raises(InputError, match="run.json is missing"):
+        select(tmp_path / "run", pool, tmp_path / "o.jsonl", keep="1")
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"fingerprints": {"pool_file": sha256_file(pool)}}))
     with pytest.raises(InputError, match="scores file not found"):
         select(tmp_path / "run", pool, tmp_path / "o.jsonl", keep="1")
-    scores_for(["ex1", "other"], tmp_path / "run" / "scores.jsonl")
-    with pytest.raises(InputError, match="another pool"):
-        select(tmp_path / "run", pool, tmp_path / "o.jsonl", keep="2")
+    make_run(tmp_path / "run", [f"ex{i}" for i in range(10)], pool)
     with pytest.raises(ConfigError):
-        select(tmp_path / "run", pool, tmp_path / "o.jsonl", keep="5")
+        select(tmp_path / "run", pool, tmp_path / "o.jsonl", keep="11")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pool.jsonl", "run"]
+
+
+def test_select_refuses_another_pool(tmp_path):
+    pool = write(tmp_path / "pool", "jsonl", POOL)
+    run = make_run(tmp_path / "run", [f"ex{i}" for i in range(10)], pool)
+    edited = write(tmp_path / "edited", "jsonl", POOL[:9] + [{**POOL[9], "response": "changed"}])
+    with pytest.raises(InputError) as e:
+        select(run, edited, tmp_path / "o.jsonl", keep="2")
+    msg = str(e.value)
+    assert "edited.jsonl" in msg and "file bytes differ" in msg and str(pool) in msg
+    assert "--allow-other-pool" in msg
+    other = write(tmp_path / "other", "jsonl", POOL[:8])  # ex8, ex9 were scored but are gone
+    with pytest.raises(InputError, match=r"2 scored ids are not in it \(e.g. 'ex8', 'ex9'\)") as e:
+        select(run, other, tmp_path / "o.jsonl", keep="2", allow_other_pool=True)
+    assert "--allow-other-pool" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited.jsonl", "other.jsonl", "pool.jsonl", "run"]
+
+
+def test_select_allow_other_pool_lists_unscored(tmp_path):
+    pool = write(tmp_path / "pool", "jsonl", POOL)
+    run = make_run(tmp_path / "run", [f"ex{i}" for i in range(9, -1, -1)], pool)
+    extra = [{"id": "new1", "prompt": "q", "response": "a"}, {"id": "new2", "prompt": "q", "response": "b"}]
+    bigger = write(tmp_path / "bigger", "jsonl", extra[:1] + POOL + extra[1:])
+    with pytest.raises(InputError, match=r"2 of its ids were not scored \(e.g. 'new1', 'new2'\)"):
+        select(run, bigger, tmp_path / "o.jsonl", keep="3")
+    summary = select(run, bigger, tmp_path / "o.jsonl", keep="3", allow_other_pool=True)
+    assert summary["unscored"] == ["new1", "new2"] and summary["kept"] == 3
+    assert [r["id"] for r in records(tmp_path / "o.jsonl")] == ["ex7", "ex8", "ex9"]
+    assert "2 records of this pool were not scored and are left out: 'new1', 'new2'" in describe(summary)
+
+
+def test_select_run_without_file_fingerprint_checks_ids(tmp_path):
+    """Runs written before run.json had fingerprints.pool_file: the ids are compared,
+    and records the run skipped as invalid do not count as unscored."""
+    pool = write(tmp_path / "pool", "jsonl", POOL)
+    run = make_run(tmp_path / "run", [f"ex{i}" for i in range(1, 10)], pool,
+                   fingerprints={}, invalid_records=[{"path": str(pool), "row": 0}])
+    assert select(run, pool, tmp_path / "a.jsonl", keep="1")["kept"] == 1
+    make_run(run, [f"ex{i}" for i in range(2, 10)], pool,
+             fingerprints={}, invalid_records=[{"path": str(pool), "row": 0}])
+    with pytest.raises(InputError, match=r"1 of its ids were not scored \(e.g. 'ex1'\)"):
+        select(run, pool, tmp_path / "b.jsonl", keep="1")
+
+
+def test_select_refuses_existing_out(tmp_path):
+    pool = write(tmp_path / "pool", "jsonl", POOL)
+    run = make_run(tmp_path / "run", [f"ex{i}" for i in range(10)], pool)
+    out = tmp_path / "o.jsonl"
+    out.write_text("keep me\n")
+    with pytest.raises(OutputError, match="already exists; pass --overwrite"):
+        select(run, pool, out, keep="2")
+    assert out.read_text() == "keep me\n"
+    assert select(run, pool, out, keep="2", overwrite=True)["kept"] == 2
+    assert [r["id"] for r in records(out)] == ["ex0", "ex1"]
+
+
+def test_select_cli_summary_is_one_line(tmp_path, capsys):
+    from prism_select.cli import main
+
+    pool = write(tmp_path / "pool", "jsonl", POOL)
+    run = make_run(tmp_path / "run", [f"ex{i}" for i in range(10)], pool)
+    out = tmp_path / "o.jsonl"
+    assert main(["select", "--run", str(run), "--pool", str(pool), "--remove", "20%", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text == f"wrote 8 of 10 scored records to {out} (removed the top 20% of {pool})\n"
+    assert main(["select", "--run", str(run), "--pool", str(pool), "--keep", "1", "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])

@@ -112,7 +112,7 @@ def test_duplicate_ids_refused_before_scoring(data, tmp_path, capsys):
                             for i, (p, r) in enumerate(POOL)))
     assert main(_argv(data, tmp_path / "run", pool, "--stream")) == 2
     err = capsys.readouterr().err
-    assert "duplicate id 0: rows 0 and 3" in err
+    assert "dup.jsonl, line 4, field 'id': duplicate id 0: lines 1 and 4" in err
     assert not (tmp_path / "run" / ".partial").exists()
 
 

@@ -13,7 +13,9 @@ Two layers:
 
 ``row`` is always the 0-based record index: blank JSON Lines / CSV lines are not
 counted, but a line that fails to parse is, so row numbers (and the default ids
-derived from them) stay the same whether or not bad records are skipped.
+derived from them) stay the same whether or not bad records are skipped. Errors name
+JSON Lines and CSV records by their 1-based line in the file (what an editor shows),
+other formats by ``row`` counted from 1.
 """
 
 from __future__ import annotations
@@ -81,26 +83,32 @@ def iter_records(path: str | os.PathLike, on_invalid: OnInvalid | None = None
     is still used up). Whole-file problems (unknown format, unreadable or empty file)
     always raise.
     """
+    for row, _, rec in _located_records(path, on_invalid):
+        yield row, rec
+
+
+def _located_records(path, on_invalid: OnInvalid | None = None) -> Iterator[tuple[int, int | None, dict]]:
+    """:func:`iter_records` with each record's 1-based line (JSON Lines, CSV; else None)."""
     fmt = detect_format(path)
-    # Each reader yields (row, value): a parsed record, or the InputError of a record
+    # Each reader yields (row, line, value): a parsed record, or the InputError of a record
     # that could not be read, so the reader can go on to the next one.
     reader = {"jsonl": _iter_jsonl, "json": _iter_json, "parquet": _iter_parquet,
               "csv": _iter_csv, "arrow": _iter_arrow}[fmt]
     count = 0
-    for row, rec in reader(Path(path)):
+    for row, line, rec in reader(Path(path)):
         count += 1
         if isinstance(rec, InputError):
             if on_invalid is None:
                 raise rec
             on_invalid(rec)
         elif not isinstance(rec, dict):
-            err = InputError(f"expected a JSON object, got {_kind(rec)}", path=path, row=row,
+            err = InputError(f"expected a JSON object, got {_kind(rec)}", path=path, row=row, line=line,
                              fix="write one object per record, e.g. {\"prompt\": ..., ...}")
             if on_invalid is None:
                 raise err
             on_invalid(err)
         else:
-            yield row, rec
+            yield row, line, rec
     if count == 0:
         raise InputError("the file holds no records", path=path,
                          fix="check that the right file was passed and that it is not empty")
@@ -113,7 +121,7 @@ def _open(path: Path, mode: str = "rb"):
         raise InputError(f"cannot read: {e.strerror or e}", path=path) from e
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, int | None, Any]]:
     row = 0
     with _open(path) as f:
         for line_no, raw in enumerate(f, start=1):
@@ -122,20 +130,19 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                value: Any = InputError(f"line {line_no}: not UTF-8 text ({e.reason} at byte "
-                                        f"{e.start})", path=path, row=row,
-                                        fix="re-save the file as UTF-8")
+                value: Any = InputError(f"not UTF-8 text ({e.reason} at byte {e.start})", path=path,
+                                        row=row, line=line_no, fix="re-save the file as UTF-8")
             else:
                 try:
                     value = json.loads(text)
                 except (ValueError, RecursionError) as e:  # ValueError: also too-long ints
-                    value = InputError(f"line {line_no}: invalid JSON ({e})", path=path,
-                                       row=row, fix="write one JSON object per line")
-            yield row, value
+                    value = InputError(f"invalid JSON ({e})", path=path, row=row, line=line_no,
+                                       fix="write one JSON object per line")
+            yield row, line_no, value
             row += 1
 
 
-def _iter_json(path: Path) -> Iterator[tuple[int, Any]]:
+def _iter_json(path: Path) -> Iterator[tuple[int, int | None, Any]]:
     with _open(path) as f:
         data = f.read()
     try:
@@ -164,10 +171,11 @@ def _iter_json(path: Path) -> Iterator[tuple[int, Any]]:
     if not isinstance(value, list):
         raise InputError(f"expected a list of records, got {_kind(value)}", path=path,
                          fix="wrap the records in a JSON list")
-    yield from enumerate(value)
+    for row, rec in enumerate(value):
+        yield row, None, rec
 
 
-def _iter_csv(path: Path) -> Iterator[tuple[int, Any]]:
+def _iter_csv(path: Path) -> Iterator[tuple[int, int | None, Any]]:
     """CSV is decoded line by line so that non-UTF-8 bytes are pinned to a row."""
     csv.field_size_limit(2**31 - 1)  # long responses exceed the 128 KiB default
     bad_lines: set[int] = set()
@@ -194,23 +202,23 @@ def _iter_csv(path: Path) -> Iterator[tuple[int, Any]]:
                 first, last = last + 1, reader.line_num
                 if not cells:
                     continue
-                where = f"line {first}" if first == last else f"lines {first}-{last}"
+                span = "" if first == last else f" (lines {first}-{last})"
                 if bad_lines & set(range(first, last + 1)):
-                    yield row, InputError(f"{where}: not UTF-8 text", path=path, row=row,
-                                          fix="re-save the file as UTF-8")
+                    yield row, first, InputError(f"not UTF-8 text{span}", path=path, row=row, line=first,
+                                                 fix="re-save the file as UTF-8")
                 elif len(cells) != len(header):
-                    yield row, InputError(
-                        f"{where}: {len(cells)} cells but the header has {len(header)}",
-                        path=path, row=row, fix="quote cells that contain commas or newlines")
+                    yield row, first, InputError(
+                        f"{len(cells)} cells but the header has {len(header)}{span}", path=path, row=row,
+                        line=first, fix="quote cells that contain commas or newlines")
                 else:
-                    yield row, dict(zip(header, cells, strict=True))
+                    yield row, first, dict(zip(header, cells, strict=True))
                 row += 1
         except csv.Error as e:
             raise InputError(f"line {reader.line_num}: malformed CSV ({e})", path=path,
                              fix="check the quoting") from e
 
 
-def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+def _iter_parquet(path: Path) -> Iterator[tuple[int, int | None, Any]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -222,10 +230,10 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     try:
         for batch in pf.iter_batches():
             for rec in batch.to_pylist():  # to_pylist gives plain Python values
-                yield row, rec
+                yield row, None, rec
                 row += 1
     except (OSError, pa.ArrowException) as e:
-        raise InputError(f"cannot read Parquet data near row {row} ({e})", path=path) from e
+        raise InputError(f"cannot read Parquet data near row {row + 1} ({e})", path=path) from e
 
 
 def load_arrow_dir(path: str | os.PathLike):
@@ -244,8 +252,9 @@ def load_arrow_dir(path: str | os.PathLike):
     return ds
 
 
-def _iter_arrow(path: Path) -> Iterator[tuple[int, Any]]:
-    yield from enumerate(load_arrow_dir(path).with_format(None))
+def _iter_arrow(path: Path) -> Iterator[tuple[int, int | None, Any]]:
+    for row, rec in enumerate(load_arrow_dir(path).with_format(None)):
+        yield row, None, rec
 
 
 # --------------------------------------------------------------------------- records
@@ -296,11 +305,13 @@ def iter_parsed(path, parse: Callable[[dict, int, bool], Any], on_invalid: OnInv
     or, with ``on_invalid``, is passed to it and skipped. Ids are not checked for
     uniqueness here (that needs every id; see :func:`load_pool` and :func:`scan_pool`)."""
     from_csv = detect_format(path) == "csv"
-    for row, rec in iter_records(path, on_invalid=on_invalid):
+    for row, line, rec in _located_records(path, on_invalid=on_invalid):
         try:
-            yield parse(rec, row, from_csv)
+            item = parse(rec, row, from_csv)
+            item.line = line
+            yield item
         except InputError as e:
-            e = e.at(path, row)
+            e = e.at(path, row, line)
             if on_invalid is None:
                 raise e from None
             on_invalid(e)
@@ -311,8 +322,11 @@ def iter_pool(path: str | os.PathLike, on_invalid: OnInvalid | None = None) -> I
     return iter_parsed(path, parse_pool_record, on_invalid)
 
 
-def _duplicate_id(path, rid, first_row: int, row: int) -> InputError:
-    return InputError(f"duplicate id {rid!r}: rows {first_row} and {row}", path=path, row=row,
+def _duplicate_id(path, rid, first, item) -> InputError:
+    """``first`` and ``item``: the two records (with ``row`` and ``line``) sharing ``rid``."""
+    where = (f"lines {first.line} and {item.line}" if item.line is not None
+             else f"rows {first.row + 1} and {item.row + 1}")
+    return InputError(f"duplicate id {rid!r}: {where}", path=path, row=item.row, line=item.line,
                       field="id", fix="make ids unique, or drop the id field to use row numbers")
 
 
@@ -322,13 +336,13 @@ def _load(path, parse: Callable[[dict, int, bool], Any], skip_invalid: bool) -> 
     out = Loaded(path=str(path), format=detect_format(path))
 
     def bad(err: InputError) -> None:
-        out.invalid.append(InvalidRecord(str(path), err.row, err.field, err.reason))
+        out.invalid.append(InvalidRecord.of(err, path))
 
-    seen: dict[Any, int] = {}
+    seen: dict[Any, Any] = {}
     for item in iter_parsed(path, parse, on_invalid=bad if skip_invalid else None):
         if item.id in seen:
-            raise _duplicate_id(path, item.id, seen[item.id], item.row)
-        seen[item.id] = item.row
+            raise _duplicate_id(path, item.id, seen[item.id], item)
+        seen[item.id] = item
         out.items.append(item)
     if not out.items:
         raise _no_valid(path, out.invalid, POOL_FORMS if parse is parse_pool_record else TARGET_FORM)
@@ -337,8 +351,9 @@ def _load(path, parse: Callable[[dict, int, bool], Any], skip_invalid: bool) -> 
 
 def _no_valid(path, invalid: list, forms: str) -> InputError:
     first = invalid[0]
-    return InputError(f"no valid records: all {len(invalid)} are invalid (first, row "
-                      f"{first.row}: {first.reason})", path=path,
+    where = f"line {first.line}" if first.line is not None else f"row {first.row + 1}"
+    return InputError(f"no valid records: all {len(invalid)} are invalid (first, {where}: "
+                      f"{first.reason})", path=path,
                       fix=f"expected records of the form {forms}")
 
 
@@ -387,7 +402,7 @@ def scan_pool(path: str | os.PathLike, sample_size: int, seed: int = 0,
     invalid: list = []
 
     def bad(err: InputError) -> None:
-        invalid.append(InvalidRecord(str(path), err.row, err.field, err.reason))
+        invalid.append(InvalidRecord.of(err, path))
 
     on_invalid = bad if skip_invalid else None
     hashes = array("q")
@@ -416,12 +431,12 @@ def _check_unique_ids(path, hashes: array) -> None:
     clash = set(h[1:][h[1:] == h[:-1]].tolist())
     if not clash:
         return
-    seen: dict[Any, int] = {}
+    seen: dict[Any, Any] = {}
     for ex in iter_pool(path, on_invalid=lambda err: None):  # invalid ones were handled already
         if _id_hash(ex.id) in clash:
             if ex.id in seen:
-                raise _duplicate_id(path, ex.id, seen[ex.id], ex.row)
-            seen[ex.id] = ex.row
+                raise _duplicate_id(path, ex.id, seen[ex.id], ex)
+            seen[ex.id] = ex
 
 
 def parse_pool_record(rec: dict, row: int, from_csv: bool = False) -> PoolExample:

@@ -18,13 +18,15 @@ class PoolExample:
     """One candidate SFT example ``z = (x, y)``.
 
     ``id`` is the record's ``id`` field when present, else its 0-based row number.
-    ``row`` is the 0-based record index in the source file.
+    ``row`` is the 0-based record index in the source file; ``line`` its 1-based line
+    in a JSON Lines or CSV file (None for other formats).
     """
 
     id: Any
     prompt: Prompt
     response: str
     row: int
+    line: int | None = field(default=None, compare=False)  # where it is, not what it is
 
 
 @dataclass
@@ -39,6 +41,7 @@ class TargetPair:
     rejected: str
     row: int
     task: str | None = None
+    line: int | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -49,9 +52,16 @@ class InvalidRecord:
     row: int
     field: str | None
     reason: str
+    line: int | None = None  # 1-based, JSON Lines and CSV
+
+    @classmethod
+    def of(cls, err, path) -> "InvalidRecord":
+        """The record an :class:`~prism_select.errors.InputError` names."""
+        return cls(str(path), err.row, err.field, err.reason, getattr(err, "line", None))
 
     def to_json(self) -> dict:
-        return {"path": self.path, "row": self.row, "field": self.field, "reason": self.reason}
+        out = {"path": self.path, "row": self.row, "field": self.field, "reason": self.reason}
+        return out if self.line is None else {**out, "line": self.line}
 
 
 @dataclass

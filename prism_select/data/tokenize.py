@@ -68,8 +68,9 @@ def render(tokenizer, prompt, response: str) -> tuple[str, str]:
 
 
 def encode(tokenizer, prompt, response: str, max_length: int = DEFAULT_MAX_LENGTH,
-           *, path=None, row=None, field: str = "response") -> Encoded:
-    """Encode one example; raise :class:`InputError` if the response cannot fit."""
+           *, path=None, row=None, field: str = "response", line=None) -> Encoded:
+    """Encode one example; raise :class:`InputError` (at ``path``, ``row``, ``line``) if
+    the response cannot fit."""
     p_text, r_text = render(tokenizer, prompt, response)
     templated = has_chat_template(tokenizer)
     p_ids = tokenizer(p_text, add_special_tokens=not templated)["input_ids"]
@@ -77,7 +78,7 @@ def encode(tokenizer, prompt, response: str, max_length: int = DEFAULT_MAX_LENGT
     if not templated and tokenizer.eos_token_id is not None:
         r_ids = list(r_ids) + [tokenizer.eos_token_id]
     if len(r_ids) == 0:
-        raise InputError("the response is empty after tokenisation", path=path, row=row,
+        raise InputError("the response is empty after tokenisation", path=path, row=row, line=line,
                          field=field, fix="give a non-empty response")
     if len(p_ids) == 0:
         # A response needs a token to be predicted from; use BOS/EOS as a stand-in.
@@ -86,7 +87,7 @@ def encode(tokenizer, prompt, response: str, max_length: int = DEFAULT_MAX_LENGT
     if len(r_ids) > max_length - 1:
         raise InputError(
             f"the response has {len(r_ids)} tokens and cannot fit in max_length={max_length} "
-            "with at least one prompt token", path=path, row=row, field=field,
+            "with at least one prompt token", path=path, row=row, line=line, field=field,
             fix="raise --max-length or shorten the response")
     truncated = False
     room = max_length - len(r_ids)

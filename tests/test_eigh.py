@@ -1,0 +1,58 @@
+"""The curvature factors' eigendecomposition (`curvature.fit._eigh`) on the CPU."""
+
+import pytest
+import torch
+
+from prism_select.curvature import fit
+
+EIGH32_RTOL = 1e-4  # float32 eigenvalues of a well-scaled factor, relative to the largest
+
+
+def _factor(n, dtype, seed=0):
+    X = torch.randn(3 * n, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (X.T @ X / (3 * n)).to(dtype)
+
+
+def test_float32_factor_is_decomposed_in_float32_like_float64():
+    M = _factor(96, torch.float32)
+    lam, Q = fit._eigh(M)
+    assert lam.dtype == Q.dtype == torch.float32
+    ref, _ = torch.linalg.eigh(M.double())
+    assert torch.allclose(lam.double(), ref, rtol=0, atol=EIGH32_RTOL * float(ref.max()))
+    recon = (Q.double() * lam.double()) @ Q.double().T
+    assert torch.allclose(recon, M.double(), atol=EIGH32_RTOL * float(ref.max()))
+    assert fit._eigh(_factor(8, torch.float64))[0].dtype == torch.float64  # float64 models stay float64
+
+
+@pytest.mark.parametrize("failure", ["raises", "nan"])
+def test_float64_fallback(monkeypatch, failure):
+    real = torch.linalg.eigh
+
+    def eigh(M):
+        if M.dtype == torch.float32:
+            if failure == "raises":
+                raise torch.linalg.LinAlgError("did not converge")
+            lam, Q = real(M)
+            return lam * float("nan"), Q
+        return real(M)
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    lam, _ = fit._eigh(_factor(16, torch.float32))
+    assert lam.dtype == torch.float64 and torch.isfinite(lam).all()
+
+
+def test_small_factors_run_on_one_thread_and_the_setting_is_restored(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    seen, real = [], torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda M: (seen.append(torch.get_num_threads()), real(M))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fit._eigh(_factor(16, torch.float32))
+        monkeypatch.setattr(fit, "EIGH_SERIAL_MAX", 8)
+        fit._eigh(_factor(16, torch.float32))
+        monkeypatch.setattr(fit, "EIGH_SERIAL_MAX", 2048)
+        monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # threads that sleep at barriers: keep them
+        fit._eigh(_factor(16, torch.float32))
+        assert seen == [1, 2, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
