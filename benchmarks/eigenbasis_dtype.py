@@ -64,9 +64,9 @@ def main():
         v = rounded(cur, suffixes).precondition(g)
         res["rows"][name] = {"v_rel_err": rel_err(v, v32), **accuracy(ref, exact_scores(model, v, enc, pad, a.batch, dev))}
         print(name, json.dumps(res["rows"][name]), flush=True)
-    res["seconds"] = time.perf_counter() - t0
-    if a.json:
-        Path(a.json).write_text(json.dumps({**res, "argv": sys.argv, "torch": torch.__version__}, indent=1))
+        res["seconds"] = time.perf_counter() - t0
+        if a.json:  # after every row: a run stopped by a time limit keeps what it measured
+            Path(a.json).write_text(json.dumps({**res, "argv": sys.argv, "torch": torch.__version__}, indent=1))
 
 
 if __name__ == "__main__":
