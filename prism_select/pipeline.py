@@ -54,7 +54,7 @@ from .io import (
     sha256_json,
 )
 from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
-from .plan import MemoryPlan, make_plan, measure_example_bytes
+from .plan import MemoryPlan, cap_device_memory, make_plan, measure_example_bytes
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
 from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS, score_encoded, score_stream
@@ -591,9 +591,7 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
     examples = list(inputs.encoded) + list(inputs.fit_encoded or []) + list(inputs.chosen) + list(inputs.rejected)
     longest = max(examples, key=lambda e: len(e.input_ids)) if examples else None
     nbytes = 0
-    if settings.max_gpu_memory and lm.device.type == "cuda":  # enforce the cap, not only plan for it
-        total = torch.cuda.get_device_properties(lm.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, settings.max_gpu_memory / total), lm.device)
+    cap_device_memory(lm.device, settings.max_gpu_memory)
     if longest is not None and lm.device.type == "cuda":
         nbytes = measure_example_bytes(lm.model, longest, lm.tokenizer.pad_token_id, lm.device)
     head = lm.model.get_output_embeddings() if hasattr(lm.model, "get_output_embeddings") else None

@@ -119,10 +119,6 @@ def host_available_bytes() -> int:
 
 # ----------------------------------------------------------------------------- sizes
 
-def _elem(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
-
-
 def pass1_bytes(out: int, inp: int, acc: int = 4) -> int:
     """Float32 (or float64) factors ``A`` and ``S`` of one layer."""
     return acc * (out * out + inp * inp)
@@ -181,6 +177,15 @@ def make_groups(names: list, cost: dict, budget: int) -> list | None:
 
 
 # ----------------------------------------------------------------------------- probe
+
+def cap_device_memory(device, max_bytes: int | None) -> None:
+    """Enforce ``max_gpu_memory`` on this process (the caching allocator refuses more),
+    not only plan for it."""
+    dev = torch.device(device)
+    if max_bytes and dev.type == "cuda":
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, max_bytes / total), dev)
+
 
 def measure_example_bytes(model, example, pad_id: int, device) -> int:
     """Peak device memory of one forward + activation backward of ``example`` (batch of
@@ -273,7 +278,7 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
     names = list(modules)
     shapes = {n: layer_shape(m) for n, m in modules.items()}
     p0 = next(model.parameters())
-    half = _elem(p0.dtype)
+    half = p0.element_size()
     acc = 8 if p0.dtype == torch.float64 else 4
     tracked = sum(o * i for o, i in shapes.values())
     largest = max(o * i for o, i in shapes.values())

@@ -131,12 +131,13 @@ def _store_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _take_grads(modules: dict, store: str) -> dict:
     """Each layer's gradient as one float32 (float64) matrix on the direction's store, taken
-    out of ``.grad`` layer by layer (the ``.grad`` is released as soon as it is copied)."""
+    out of ``.grad`` layer by layer (the ``.grad`` is released as it is taken; a gradient
+    already in that dtype and place is taken as it is, not copied)."""
     out = {}
     for n, m in modules.items():
         g = weight_grad(m).detach()
         dev = "cpu" if store == "host" else g.device
-        out[n] = g.to(device=dev, dtype=_store_dtype(g), copy=True)
+        out[n] = g.to(device=dev, dtype=_store_dtype(g))
         del g
         m.weight.grad = None
         if has_bias(m):
