@@ -1,5 +1,7 @@
-"""Compare runs of the same `score` command with 1, 2, 4... processes: scaling efficiency
-of the curvature fit and of scoring, and agreement of the scores with the first run.
+"""Compare runs of the same `score` command with 1, 2, 4... processes (data-parallel ranks
+or `--shard fsdp`): scaling efficiency of the target direction, the curvature fit and
+scoring, agreement of the scores with the first run (Spearman, largest difference), and
+the GPU memory each rank held (the model after loading/sharding, and the peak).
 
     python benchmarks/dist_report.py RUN_1GPU RUN_2GPU RUN_4GPU [--json out.json]
 """
@@ -9,6 +11,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from prism_select.evaluation_metrics import spearman
 
 
 def load(run):
@@ -37,23 +41,36 @@ def main():
         s = torch.tensor([sc[i] for i in ids], dtype=torch.float64)
         tm = meta["timings"]
         fit, score = tm.get("curvature_s", float("nan")), tm.get("scores_s", float("nan"))
+        pref = tm.get("preference_s", 0.0)
+        work = pref + fit + score
         if t1 is None:
-            t1 = (fit, score, k)
-        row = {"run": str(run), "gpus": k, "curvature_s": fit, "scores_s": score,
+            t1 = (fit, score, k, work)
+        mem = meta.get("gpu_bytes_per_rank") or {}
+        row = {"run": str(run), "gpus": k, "shard": meta.get("settings", {}).get("shard", "none"),
+               "preference_s": pref, "curvature_s": fit, "scores_s": score, "work_s": work,
                "fit_efficiency": t1[0] * t1[2] / (fit * k), "score_efficiency": t1[1] * t1[2] / (score * k),
                "fit_plus_score_efficiency": (t1[0] + t1[1]) * t1[2] / ((fit + score) * k),
+               "efficiency": t1[3] * t1[2] / (work * k),
+               "spearman_vs_first": spearman(b.tolist(), s.tolist()),
                "max_rel_diff_vs_first": float((s - b).abs().max() / b.abs().max()),
+               "model_gib_per_rank": [x / 2**30 for x in mem.get("model") or []],
+               "peak_gib_per_rank": [x / 2**30 for x in mem.get("peak") or []],
                "pool": len(ids), "throughput": meta.get("throughput"),
                "fit_phases_s": meta.get("curvature", {}).get("phases_s")}
         rows.append(row)
-    print("| GPUs | curvature fit s | scoring s | fit eff. | scoring eff. | fit+score eff. | max |diff| / max |score| |")
-    print("|---|---|---|---|---|---|---|")
+    print("| GPUs | shard | direction s | curvature fit s | scoring s | efficiency (all three) | scoring eff. | "
+          "Spearman vs first | max |diff| / max |score| | model GiB/rank | peak GiB/rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['gpus']} | {r['curvature_s']:.2f} | {r['scores_s']:.2f} | {r['fit_efficiency']:.3f} | "
-              f"{r['score_efficiency']:.3f} | {r['fit_plus_score_efficiency']:.3f} | {r['max_rel_diff_vs_first']:.2e} |")
+        gib = lambda xs: "/".join(f"{x:.1f}" for x in xs) or "-"  # noqa: E731
+        print(f"| {r['gpus']} | {r['shard']} | {r['preference_s']:.1f} | {r['curvature_s']:.1f} | "
+              f"{r['scores_s']:.1f} | {r['efficiency']:.3f} | {r['score_efficiency']:.3f} | "
+              f"{r['spearman_vs_first']:.5f} | {r['max_rel_diff_vs_first']:.2e} | "
+              f"{gib(r['model_gib_per_rank'])} | {gib(r['peak_gib_per_rank'])} |")
     for r in rows:
         if r["fit_phases_s"]:
-            print(f"{r['gpus']} GPU(s), fit phases: " + ", ".join(f"{k} {v:.2f}" for k, v in r["fit_phases_s"].items()))
+            print(f"{r['gpus']} GPU(s) {r['shard']}, fit phases: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r["fit_phases_s"].items()))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -4,11 +4,17 @@
 # (plus --max-length 512), one step or several per call; a step stopped by the time budget
 # resumes when the same step runs again (the run directory keeps its finished work).
 #   bash benchmarks/scale_suite.sh STEP...   with STEP one of
-#     setup-llama8b | setup-qwen14b           model + adapters (8B) + data into $S
+#     setup-llama8b | setup-llama8b-4l | setup-qwen14b   model + adapters (8B) + data into $S
 #     full | lora-qkvo128 | lora-all32         score with every decoder linear layer / an adapter
 #     report                                   table + JSON of the finished runs into $OUT
+#     shard                                    the same run on 1 GPU, then on every GPU with
+#                                              --shard fsdp and data-parallel: dist_report table
 #   environment: S (work folder, default /tmp/s), OUT, BUDGET (seconds per score step),
-#   DATA (folder with GSM8K train.jsonl and test.jsonl, default .device/data)
+#   DATA (folder with GSM8K train.jsonl and test.jsonl, default .device/data), POOL and
+#   TARGETS (records and pairs of the setup steps, default 2000 and 64), MODS (modules of
+#   the shard step, default the attention projections: the fit's eigendecompositions, which
+#   do not divide over ranks, stay small next to the passes), EXTRA (more score flags),
+#   NODDP (shard step without the data-parallel run), TAG (suffix of its result files)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 S="${S:-/tmp/s}"; OUT="${OUT:-/tmp/scale-out}"; DATA="${DATA:-.device/data}"
@@ -19,18 +25,32 @@ if ls .device/wheels/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+LAUNCH="python3"
 score() {  # score NAME [extra args]
   local name="$1"; shift
-  timeout "${BUDGET:-540}" python3 -m prism_select.cli -v score --model "$S/model" --pool "$S/pool.jsonl" \
-    --targets "$S/targets.jsonl" --out "$S/run-$name" --max-length 512 --cache-dir "$S/cache" ${CAP:+--max-gpu-memory $CAP} --no-progress "$@" \
+  timeout "${BUDGET:-540}" $LAUNCH -m prism_select.cli -v score --model "$S/model" --pool "$S/pool.jsonl" \
+    --targets "$S/targets.jsonl" --out "$S/run-$name" --max-length 512 --cache-dir "$S/cache" ${CAP:+--max-gpu-memory $CAP} --no-progress ${EXTRA:-} "$@" \
     2>&1 | grep -v "^INFO httpx" | tee -a "$OUT/log-$name.txt"
   echo "step $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/log-$name.txt"
 }
 for step in "$@"; do
   case "$step" in
     setup-llama8b) python3 benchmarks/scale_setup.py --shape llama8b --gsm8k "$DATA" --out "$S" \
-                     --adapter lora-qkvo128 lora-all32 ;;
-    setup-qwen14b) python3 benchmarks/scale_setup.py --shape qwen14b --gsm8k "$DATA" --out "$S" ;;
+                     --pool "${POOL:-2000}" --targets "${TARGETS:-64}" --adapter lora-qkvo128 lora-all32 ;;
+    setup-llama8b-4l) python3 benchmarks/scale_setup.py --shape llama8b-4l --gsm8k "$DATA" --out "$S" \
+                     --pool "${POOL:-2000}" --targets "${TARGETS:-64}" ;;
+    setup-qwen14b) python3 benchmarks/scale_setup.py --shape qwen14b --gsm8k "$DATA" --out "$S" \
+                     --pool "${POOL:-2000}" --targets "${TARGETS:-64}" ;;
+    shard)
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+      K=$(nvidia-smi -L | wc -l); MODS="${MODS:-self_attn\.(q|k|v|o)_proj}"
+      LAUNCH="python3"; score shard-k1 --modules "$MODS" --cache-dir "$S/cache-k1"
+      LAUNCH="python3 -m torch.distributed.run --nproc-per-node $K"
+      score "fsdp-k$K" --modules "$MODS" --shard fsdp --cache-dir "$S/cache-fsdp"
+      [ -n "${NODDP:-}" ] || score "ddp-k$K" --modules "$MODS" --cache-dir "$S/cache-ddp"
+      LAUNCH="python3"
+      python3 benchmarks/dist_report.py "$S/run-shard-k1" "$S/run-fsdp-k$K" $([ -n "${NODDP:-}" ] || echo "$S/run-ddp-k$K") \
+        --json "$OUT/shard${TAG:-}.json" | tee "$OUT/shard${TAG:-}.txt" ;;
     full) score full ;;
     lora-qkvo128|lora-all32) score "$step" --adapter "$S/$step" ;;
     report) python3 benchmarks/scale_report.py "$S"/run-* --json "$OUT/scale.json" ;;

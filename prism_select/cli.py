@@ -75,6 +75,10 @@ def _add_score_args(p: argparse.ArgumentParser):
     g.add_argument("--max-gpu-memory", default=None, metavar="SIZE",
                    help="cap on the GPU memory the run plans to use, e.g. 70GiB (default: the device's); "
                         "the memory plan groups the curvature fit and lowers batch sizes to fit it")
+    g.add_argument("--shard", default="none", choices=["none", "fsdp"],
+                   help="under torchrun: none (every rank holds the whole model and scores a share of the "
+                        "pool) or fsdp (the model, the target direction and v sharded over the ranks with "
+                        "FSDP2, for models that do not fit one GPU; prism/equal/unpaired, exact scoring)")
     g.add_argument("--cache-max-gb", type=float, default=None, metavar="GB",
                    help="bound on the cache directory (least recently used entries are evicted; a larger "
                         "artifact is used from memory, not cached); default: the free disk space")
@@ -131,7 +135,7 @@ def _score_settings(a):
                       cuda_graphs=getattr(a, "cuda_graphs", "auto"),
                       precision=getattr(a, "precision", "model"),
                       max_gpu_memory=parse_bytes(getattr(a, "max_gpu_memory", None)),
-                      cache_max_gb=getattr(a, "cache_max_gb", None),
+                      cache_max_gb=getattr(a, "cache_max_gb", None), shard=getattr(a, "shard", "none"),
                       **({"fd_eps": a.fd_eps} if getattr(a, "fd_eps", None) is not None else {}),
                       **({"stream_window": a.stream_window} if getattr(a, "stream_window", None) is not None else {}))
     c = CurvatureSettings(kind=a.curvature, damping=a.damping, fisher=a.fisher, fit_examples=a.fit_examples,

@@ -230,3 +230,30 @@ def gather_scores(n: int, index: torch.Tensor, values: torch.Tensor) -> torch.Te
 def destroy():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def lockstep(items: list, filler=None, together: bool = True):
+    """Yield ``(item, real)`` for this rank's ``items``, then, under ``together`` with
+    several ranks, ``(stand_in, False)`` until every rank has had as many steps as the
+    busiest: FSDP's collectives run inside each forward and backward, so every rank must
+    run the same number of them. The stand-in is this rank's last item (or ``filler``
+    when it has none); what a stand-in step computes is discarded by the caller."""
+    steps = len(items)
+    if together and active():
+        t = torch.tensor([steps], dtype=torch.int64, device=_comm_device(torch.empty(0)))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        steps = int(t.item())
+    for i in range(steps):
+        if i < len(items):
+            yield items[i], True
+        else:
+            yield (items[-1] if items else filler), False
+
+
+def gather_values(x) -> list:
+    """Every rank's ``x`` (a small picklable value), in rank order, on every rank."""
+    if not active():
+        return [x]
+    out = [None] * world()
+    dist.all_gather_object(out, x)
+    return out

@@ -233,18 +233,41 @@ def rowdot(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 class _Layer:
     """Per-layer state of the fused exact route (everything the autograd function needs,
-    resolved once, so the per-call Python work stays small)."""
+    resolved once, so the per-call Python work stays small). Under FSDP2
+    (:mod:`prism_select.sharding`) the weight and ``V`` are the layer's own parameters
+    (``weight``, ``prism_v``, ``prism_vb``), full only while its block computes: they are
+    read at each use instead."""
 
-    def __init__(self, module, V: torch.Tensor, state, mode: str | None = None):
-        W = module.weight
+    def __init__(self, module, V: torch.Tensor | None, state, mode: str | None = None):
         self.module, self.state = module, state
-        self.W, self.b = W, module.bias
         self.bias = has_bias(module)
-        Vd = V.to(device=W.device, dtype=W.dtype)
-        self.Vw = Vd[:, :module.in_features].contiguous()
-        self.Vb = Vd[:, -1].contiguous() if self.bias else None
+        self.sharded = V is None
+        if not self.sharded:
+            W = module.weight
+            self._W, self._b = W, module.bias
+            Vd = V.to(device=W.device, dtype=W.dtype)
+            self._Vw = Vd[:, :module.in_features].contiguous()
+            self._Vb = Vd[:, -1].contiguous() if self.bias else None
         self.mode = mode or ("u" if module.out_features <= module.in_features else "w")
         self.parts = state.parts
+
+    @property
+    def W(self):
+        return self.module.weight if self.sharded else self._W
+
+    @property
+    def b(self):
+        return self.module.bias if self.sharded else self._b
+
+    @property
+    def Vw(self):
+        return self.module.prism_v if self.sharded else self._Vw
+
+    @property
+    def Vb(self):
+        if not self.bias:
+            return None
+        return self.module.prism_vb if self.sharded else self._Vb
 
 
 class _ScoredLinear(torch.autograd.Function):
@@ -303,10 +326,13 @@ class ExactScorer:
     lifetime), then call :meth:`score` on collated batches.
     """
 
-    def __init__(self, model, modules: dict, V: dict, modes: dict | None = None, fused_loss: bool = False):
+    def __init__(self, model, modules: dict, V: dict | None, modes: dict | None = None, fused_loss: bool = False):
+        """``V``: each layer's preconditioned target; None when the layers carry it as
+        FSDP2-sharded ``prism_v`` parameters (:func:`prism_select.sharding.set_v`)."""
         self.model, self.modules = model, modules
         self.state = _State()
-        self.layers = {n: _Layer(m, V[n], self.state, (modes or {}).get(n)) for n, m in modules.items()}
+        self.layers = {n: _Layer(m, None if V is None else V[n], self.state, (modes or {}).get(n))
+                       for n, m in modules.items()}
         p = next(model.parameters())
         self.acc = torch.float64 if p.dtype == torch.float64 else torch.float32
         self.anchor = torch.zeros(0, dtype=p.dtype, device=p.device, requires_grad=True)
@@ -508,6 +534,8 @@ class Tap:
     ``keep_input``)."""
 
     keep_input = False
+    #: set for a step whose statistics are discarded (a rank keeping in step with the others)
+    paused = False
 
     def __init__(self, module):
         self.module = module
@@ -537,7 +565,8 @@ class _TapLinear(torch.autograd.Function):
             x = split_of(x, m.weight.dtype)[:, :x.shape[-1]].unflatten(0, x.shape[:-1])
         else:
             out = F.linear(x, m.weight, m.bias)
-        tap.on_forward(x)
+        if not tap.paused:
+            tap.on_forward(x)
         if tap.keep_input:
             ctx.save_for_backward(x)
         ctx.tap = tap
@@ -549,7 +578,8 @@ class _TapLinear(torch.autograd.Function):
         x = ctx.saved_tensors[0] if tap.keep_input else None
         g = g.contiguous()
         W = tap.module.weight
-        tap.on_backward(x, g.to(W.dtype) if ctx.split else g)
+        if not tap.paused:
+            tap.on_backward(x, g.to(W.dtype) if ctx.split else g)
         if not ctx.needs_input_grad[0]:
             return None, None, None
         return (cotangent_mm(g, W) if ctx.split else g @ W), None, None

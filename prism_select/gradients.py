@@ -28,21 +28,27 @@ def layer_shape(module: torch.nn.Linear) -> tuple[int, int]:
     return module.out_features, module.in_features + int(has_bias(module))
 
 
+def _local(t):
+    # this rank's rows of an FSDP2-sharded tensor (prism_select.sharding), else the tensor
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _grad(p: torch.Tensor):
     # the float32 accumulator of precision.float32_grads (--precision split32), else .grad
-    return getattr(p, GRAD32) if hasattr(p, GRAD32) else p.grad
+    return _local(getattr(p, GRAD32) if hasattr(p, GRAD32) else p.grad)
 
 
 def weight_grad(module: torch.nn.Linear) -> torch.Tensor:
     """The layer's accumulated gradient as one ``out x (in [+1])`` matrix: ``.grad``, or
-    float32 under :func:`prism_select.precision.float32_grads`."""
+    float32 under :func:`prism_select.precision.float32_grads`; under FSDP2, this rank's
+    rows of it."""
     g = _grad(module.weight)
     if g is None:
-        return torch.zeros(layer_shape(module), dtype=module.weight.dtype,
-                           device=module.weight.device)
+        w = _local(module.weight)
+        return torch.zeros(w.shape[0], layer_shape(module)[1], dtype=w.dtype, device=w.device)
     if has_bias(module):
         gb = _grad(module.bias)
-        gb = gb if gb is not None else torch.zeros(module.bias.shape, dtype=g.dtype, device=g.device)
+        gb = gb if gb is not None else torch.zeros(g.shape[0], dtype=g.dtype, device=g.device)
         g = torch.cat([g, gb[:, None].to(g.dtype)], dim=1)
     return g
 

@@ -692,8 +692,10 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 # --------------------------------------------------------------------------- load
 
-def load_model(settings: ModelSettings) -> LoadedModel:
-    """Load model + tokenizer (+ adapter) as ``settings`` say; see the module docstring."""
+def load_model(settings: ModelSettings, *, host: bool = False) -> LoadedModel:
+    """Load model + tokenizer (+ adapter) as ``settings`` say; see the module docstring.
+    ``host``: keep the weights in host memory, in the dtype the device would get (for
+    :func:`prism_select.sharding.shard_model`, which moves each rank's shard there)."""
     if not isinstance(settings, ModelSettings):
         raise ConfigError("model", f"expected ModelSettings, got {type(settings).__name__}")
     device = settings.resolved_device()
@@ -735,7 +737,7 @@ def load_model(settings: ModelSettings) -> LoadedModel:
         model = _load_adapter(model, adapter, name)
         source["adapter"] = str(adapter)
 
-    model = model.to(device=device, dtype=dtype)
+    model = model.to(device="cpu" if host else device, dtype=dtype)
     model.eval()
     source.update(dtype=str(dtype).replace("torch.", ""), device=str(device), versions=_versions())
     return LoadedModel(model=model, tokenizer=tokenizer, settings=settings,

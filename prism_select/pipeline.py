@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import __version__, distributed
+from . import __version__, distributed, sharding
+from .sharding import check_shard
 from .curvature import Curvature, CurvatureSettings, load_or_fit_curvature
 from .data import load_pool, load_targets
 from .data.readers import detect_format, scan_pool
@@ -111,6 +112,10 @@ class ScoreSettings:
         (prism_select/precision.py, docs/performance.md).
     max_gpu_memory: cap on the device memory the run plans to use, in bytes (None: what the
         device has); see :mod:`prism_select.plan`. Does not change the scores.
+    shard: none (default: under torchrun every rank holds the whole model and takes a share
+        of the examples) | fsdp (the model, the target direction and ``v`` are sharded over
+        the ranks with FSDP2, :mod:`prism_select.sharding`; for models that do not fit one
+        GPU). Does not change the scores.
     cache_max_gb: bound on the cache directory's size; least recently used entries are
         evicted to make room, and an artifact larger than the bound is not cached (None:
         bounded by the free disk space only). Does not change the scores.
@@ -133,6 +138,7 @@ class ScoreSettings:
     cuda_graphs: str = "auto"
     precision: str = "model"
     max_gpu_memory: int | None = None
+    shard: str = "none"
     cache_max_gb: float | None = None
 
     def __post_init__(self):
@@ -160,6 +166,10 @@ class ScoreSettings:
         if self.cache_max_gb is not None and not (self.cache_max_gb >= 0 and self.cache_max_gb < float("inf")):
             raise ConfigError("cache_max_gb", f"must be a finite number >= 0, got {self.cache_max_gb}",
                               "pass e.g. --cache-max-gb 50, or leave it out")
+        check_shard(self.shard, self.method, self.scoring)
+        if self.shard == "fsdp" and self.precision != "model":
+            raise ConfigError("precision", f"--precision {self.precision} does not run under --shard fsdp",
+                              "leave --precision out (model), or leave --shard out")
         if self.stream and self.method not in DIRECTION_METHODS:
             raise ConfigError("stream", f"method {self.method!r} needs the whole pool in memory; streaming "
                               f"scores only {', '.join(DIRECTION_METHODS)}",
@@ -345,6 +355,8 @@ class RunContext:
         def finish(v: dict) -> dict:
             return {n: t.to(dtype=vdt) for n, t in v.items()}
 
+        if sharding.is_sharded(self.lm.model):
+            return finish(self._precondition_sharded(direction))
         if self.plan is None or self.plan.curvature_store != "transient" or not self.plan.fit_groups:
             return finish(self.curvature().precondition(direction, device=dev))
         partial = self.out_dir / ".partial"
@@ -403,6 +415,26 @@ class RunContext:
                 ph[key] = ph.get(key, 0) + val
         return {n: v[n] for n in self.modules}
 
+    def _precondition_sharded(self, direction_rows: dict) -> dict:
+        """Under ``--shard fsdp``: this rank's rows of ``v``. Every rank takes part in the fit
+        (its share of the batches); each layer's curvature is then kept by one rank
+        (:func:`prism_select.sharding.curvature_owners`), which preconditions that layer
+        for all. A transient plan preconditions each group as it is fitted (no per-group
+        resume: a stopped run fits again)."""
+        sizes = {n: m.out_features ** 3 + m.in_features ** 3 for n, m in self.modules.items()}
+        owners = sharding.curvature_owners(list(self.modules), sizes)
+        dev = self.lm.device
+        rows: dict = {}
+        if self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups:
+            def on_group(layers, part):
+                rows.update(sharding.precondition_rows(part, direction_rows, self.modules, owners, dev))
+
+            self.curvature(on_group=on_group, groups=self.plan.fit_groups)
+        else:
+            cur = sharding.keep_owned(self.curvature(), owners)
+            rows = sharding.precondition_rows(cur, direction_rows, self.modules, owners, dev)
+        return {n: rows[n] for n in self.modules}
+
     def _group_phases(self, last: dict) -> dict:
         """The fit phases of the group just finished (the running totals minus ``last``,
         which is updated): the fit timings arrive per call, so a group's share is a difference."""
@@ -447,9 +479,12 @@ class RunContext:
         None is returned.
         """
         partial = self.out_dir / ".partial"
-        v_path = partial / f"{tag}_v.safetensors"
+        # under --shard fsdp each rank keeps (and saves) its rows of v
+        fsdp = sharding.is_sharded(self.lm.model)
+        name = f"{tag}_v.rank{distributed.rank():05d}-of-{distributed.world():05d}" if fsdp else f"{tag}_v"
+        v_path = partial / f"{name}.safetensors"
         info_path = partial / f"{tag}_curvature.json"  # run.json's "curvature" entry, for a resumed run
-        if v_path.exists():
+        if distributed.all_or_nothing(v_path.exists()) if fsdp else v_path.exists():
             v = load_file(str(v_path))
             if "curvature" not in self.info and info_path.exists():
                 self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
@@ -458,11 +493,16 @@ class RunContext:
             if distributed.is_main():
                 partial.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(info_path, self.info["curvature"])
-                tmp = partial / f".{tag}_v.tmp"
+            distributed.barrier()
+            if distributed.is_main() or fsdp:
+                tmp = partial / f".{name}.tmp"
                 save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
                 tmp.replace(v_path)
                 for f in partial.glob(f"{tag}_v_group*"):
-                    f.unlink()
+                    f.unlink(missing_ok=True)
+        if fsdp:  # v moves into the layers' sharded prism_v parameters
+            sharding.set_v(self.modules, v)
+            v = None
         st = self.settings
         if st.scoring != "exact" and tag not in self.info.get("fast_check", {}):
             self.info.setdefault("fast_check", {})[tag] = self.check_fast(v)
@@ -592,14 +632,22 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
     longest = max(examples, key=lambda e: len(e.input_ids)) if examples else None
     nbytes = 0
     cap_device_memory(lm.device, settings.max_gpu_memory)
+    sharded = sharding.is_sharded(lm.model)
+    fixed = None  # device bytes a step holds whatever its batch size: FSDP's gathered weights
     if longest is not None and lm.device.type == "cuda":
         nbytes = measure_example_bytes(lm.model, longest, lm.tokenizer.pad_token_id, lm.device)
+        if sharded:  # two points: per example, and the weights FSDP gathers for every step
+            two = measure_example_bytes(lm.model, longest, lm.tokenizer.pad_token_id, lm.device, copies=2)
+            per = max(two - nbytes, 0)
+            fixed = torch.cuda.memory_allocated(lm.device) + max(nbytes - per, 0)
+            nbytes = per
     head = lm.model.get_output_embeddings() if hasattr(lm.model, "get_output_embeddings") else None
     vocab = head.out_features if isinstance(head, torch.nn.Linear) else len(lm.tokenizer)
     plan = make_plan(lm.model, modules, kind=curvature.kind, device=lm.device, batch_size=settings.batch_size,
                      fit_batch_size=curvature.batch_size, example_bytes=nbytes,
                      longest=len(longest.input_ids) if longest is not None else 1, vocab=vocab,
-                     max_gpu_memory=settings.max_gpu_memory)
+                     max_gpu_memory=settings.max_gpu_memory, weights=fixed,
+                     shards=distributed.world() if sharded else 1)
     if distributed.is_main():
         log.info("%s", plan.describe())
         if settings.progress and (plan.bounded and (len(plan.fit_groups) > 1 or plan.notes)):
@@ -663,8 +711,18 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     pool = check_before_loading(model, pool_path, targets_path, settings)
     timings["check_inputs_s"] = time.perf_counter() - t0
     t = time.perf_counter()
-    lm = model if isinstance(model, LoadedModel) else load_model(model)
+    fsdp = settings.shard == "fsdp"
+    lm = model if isinstance(model, LoadedModel) else load_model(model, host=fsdp)
     timings["load_model_s"] = time.perf_counter() - t
+    model_bytes = None
+    if fsdp:
+        t = time.perf_counter()
+        device = model.resolved_device() if isinstance(model, ModelSettings) else lm.device
+        sharding.shard_model(lm.model, tracked_linear_modules(lm.model, settings.modules), device)
+        lm.source["device"] = str(device)
+        timings["shard_model_s"] = time.perf_counter() - t
+    if lm.device.type == "cuda":  # the weights (and v's shards) each rank holds
+        model_bytes = distributed.gather_values(torch.cuda.memory_allocated(lm.device))
     t = time.perf_counter()
     if settings.stream:
         inputs = prepare_stream_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
@@ -736,6 +794,8 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
         summary["fit_sample"] = {**inputs.fit_sample, "default_size": fit_default}
     if lm.device.type == "cuda":  # measured (the largest over the processes of a resumed run)
         summary["gpu_peak_bytes"] = max(torch.cuda.max_memory_allocated(lm.device), info.pop("gpu_peak_bytes", 0))
+        summary["gpu_bytes_per_rank"] = {"model": model_bytes,
+                                         "peak": distributed.gather_values(summary["gpu_peak_bytes"])}
     if distributed.active():
         summary["distributed"] = {"world_size": distributed.world()}
     if main:

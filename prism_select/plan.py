@@ -187,9 +187,9 @@ def cap_device_memory(device, max_bytes: int | None) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, max_bytes / total), dev)
 
 
-def measure_example_bytes(model, example, pad_id: int, device) -> int:
-    """Peak device memory of one forward + activation backward of ``example`` (batch of
-    one) above what was allocated before, as the fit and the scores run it."""
+def measure_example_bytes(model, example, pad_id: int, device, copies: int = 1) -> int:
+    """Peak device memory of one forward + activation backward of ``example`` (a batch of
+    ``copies`` of it) above what was allocated before, as the fit and the scores run it."""
     from .fast import batch_losses, causal_only, collate_to, split_causal_lm
     from .gradients import activation_grad_mode
 
@@ -199,7 +199,7 @@ def measure_example_bytes(model, example, pad_id: int, device) -> int:
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev)
-    b = collate_to([example], pad_id, dev)
+    b = collate_to([example] * copies, pad_id, dev)
     with activation_grad_mode(model), torch.enable_grad():
         losses, _ = batch_losses(model, causal_only(b), split=split_causal_lm(model))
         losses.sum().backward()
@@ -266,13 +266,16 @@ def _suggestions(n_layers: int, what: str) -> str:
 def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_batch_size: int,
               example_bytes: int, longest: int, vocab: int, max_gpu_memory: int | None = None,
               gpu_total: int | None = None, host_available: int | None = None,
-              weights: int | None = None) -> MemoryPlan:
+              weights: int | None = None, shards: int = 1) -> MemoryPlan:
     """The plan for one run; :class:`PlanError` if it cannot fit.
 
     ``example_bytes``: measured activation bytes of one example of ``longest`` tokens
     (:func:`measure_example_bytes`); ``gpu_total``: the device's memory (default: asked
     from CUDA); ``host_available``: host bytes free (default: /proc/meminfo); ``weights``:
     device bytes already taken (default: what CUDA has allocated, i.e. the model).
+    ``shards``: ranks the model is sharded over (FSDP2, :mod:`prism_select.sharding`): each
+    holds ``1/shards`` of the gradients and the direction, and ``v`` inside the weights'
+    shards (already counted in ``weights``); the curvature fit's factors are not sharded.
     """
     dev = torch.device(device)
     names = list(modules)
@@ -318,8 +321,9 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
     # direction: the gradients of the tracked layers, one batch of pairs (activations +
     # full logits in the model's dtype and float32), then one layer converted to float32
     logits = lambda bs: bs * longest * vocab * (half + 2 * acc)  # noqa: E731
-    grads_dev = tracked * half
-    for accumulate, grads in (("device", grads_dev), ("host", 2 * largest * acc)):
+    grads_dev = tracked * half // shards
+    ways = (("device", grads_dev), ("host", 2 * largest * acc))
+    for accumulate, grads in ways[:1] if shards > 1 else ways:  # FSDP reduce-scatters into .grad
         need = lambda bs, g=grads: weights + g + act(bs) + logits(bs) + largest * acc  # noqa: E731
         bs = largest_batch(need, batch_size)
         if bs is not None:
@@ -330,7 +334,7 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
                         f"more; " + _suggestions(len(names), "or --max-gpu-memory if it caps below the device"))
     # the finished direction (float32) stays alive through the fit and the scoring: on the
     # device only while it is small next to what those stages need
-    dir_bytes = tracked * acc
+    dir_bytes = tracked * acc // shards
     dir_store = "device" if not bounded or (accumulate == "device" and dir_bytes <= DIRECTION_ON_DEVICE * usable) \
         else "host"
     held = dir_bytes if dir_store == "device" and bounded else 0
@@ -339,7 +343,7 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
         plan.notes.append(f"target pairs in batches of {bs} (not {batch_size}) to fit the device")
 
     # scoring: V in the model's dtype next to the weights
-    v_bytes = tracked * half
+    v_bytes = tracked * half if shards == 1 else 0
     need_s = lambda bs: weights + held + v_bytes + act(bs)  # noqa: E731
     sbs = largest_batch(need_s, batch_size)
     if sbs is None:

@@ -188,6 +188,9 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
     if scoring not in SCORINGS + FAST_MODES:
         raise ConfigError("scoring", f"unknown value {scoring!r}", f"use one of {', '.join(SCORINGS)}")
     device = device or next(model.parameters()).device
+    if V is None and (scoring != "exact" or impl == "hooks"):  # FSDP2: v lives in the layers
+        raise ConfigError("shard", f"a sharded model scores with the exact route only, not {scoring!r}/{impl!r}",
+                          "use --scoring exact")
     if scoring == "exact":
         if impl == "hooks":
             return _HookScorer(model, modules, V, pad_id, device)
@@ -199,7 +202,7 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
             return _Plain(sc)
     if precision != "model":
         sc = _WithPrecision(sc, model, precision)
-    if batch_size is not None and graphs_wanted(cuda_graphs, device, model):
+    if batch_size is not None and V is not None and graphs_wanted(cuda_graphs, device, model):
         return GraphedScorer(sc, batch_size, pad_id)
     return sc
 
@@ -290,12 +293,14 @@ def _open_partial(partial_dir, run_key):
 
 def score_chunks(scorer, encoded: list, chunks: list, *, pad_id: int, batch_size: int, device,
                  partial_dir=None, progress: bool = True, ids=None, index_base: int = 0,
-                 chunk_base: int = 0, stats: dict | None = None, owners: list | None = None) -> dict:
+                 chunk_base: int = 0, stats: dict | None = None, owners: list | None = None,
+                 together: bool = False) -> dict:
     """Score this rank's chunks (global number ``chunk_base + k``; chunk ``k`` is owned
     by rank ``owners[k]``, default all rank 0) that are not saved yet.
 
     Returns ``{k: scores (float64, chunk order)}`` for this rank's chunks. ``stats``,
     if given, accumulates ``examples``, ``real_tokens`` and ``padded_tokens``.
+    ``together``: the model is sharded (FSDP2); every rank runs the same number of batches.
     """
     owners = owners if owners is not None else [0] * len(chunks)
     mine = [k for k in range(len(chunks)) if owners[k] == distributed.rank()]
@@ -309,24 +314,37 @@ def score_chunks(scorer, encoded: list, chunks: list, *, pad_id: int, batch_size
             todo.append(k)
     bar = tqdm(total=sum(len(chunks[k]) for k in todo), desc="scoring", unit="ex",
                disable=not progress or not distributed.is_main())
-    with (scorer if todo else _Plain(None)):
-        for k in todo:
+    # (chunk, first example) of every batch to run; under FSDP2 every rank runs as many
+    # (distributed.lockstep), a rank with less work repeating a batch it discards
+    steps = [(k, s) for k in todo for s in range(0, len(chunks[k]), batch_size)]
+    together = together and distributed.active()
+    parts: list = []
+    with (scorer if todo or together else _Plain(None)):
+        for (k, s), real in distributed.lockstep(steps, (None, None), together):
+            if k is None:  # a rank without any chunk keeping in step: any example will do
+                b = collate_to([encoded[0]], pad_id, device)
+                scorer.score(b)
+                continue
             chunk = chunks[k]
-            parts = []
-            for s in range(0, len(chunk), batch_size):
-                idx = chunk[s:s + batch_size]
-                items = [encoded[i] for i in idx]
-                b = collate_to(items, pad_id, device)
-                parts.append(scorer.score(b).detach())
-                if stats is not None:
-                    real = sum(len(e.input_ids) for e in items)
-                    stats["examples"] = stats.get("examples", 0) + len(items)
-                    stats["real_tokens"] = stats.get("real_tokens", 0) + real
-                    computed = getattr(scorer, "computed_tokens", None)  # graphs pad further
-                    stats["padded_tokens"] = stats.get("padded_tokens", 0) + (
-                        computed(b) if computed else b["input_ids"].numel())
-                bar.update(len(idx))
+            idx = chunk[s:s + batch_size]
+            items = [encoded[i] for i in idx]
+            b = collate_to(items, pad_id, device)
+            got = scorer.score(b).detach()
+            if not real:
+                continue
+            parts.append(got)
+            if stats is not None:
+                real_tokens = sum(len(e.input_ids) for e in items)
+                stats["examples"] = stats.get("examples", 0) + len(items)
+                stats["real_tokens"] = stats.get("real_tokens", 0) + real_tokens
+                computed = getattr(scorer, "computed_tokens", None)  # graphs pad further
+                stats["padded_tokens"] = stats.get("padded_tokens", 0) + (
+                    computed(b) if computed else b["input_ids"].numel())
+            bar.update(len(idx))
+            if s + batch_size < len(chunk):
+                continue
             out = torch.cat(parts).to("cpu", torch.float64)  # one device sync per chunk
+            parts = []
             bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
             if bad:
                 check_finite(out, "candidate scores",
@@ -358,7 +376,8 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
                          impl=impl, cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision)
     results = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
-                           partial_dir=partial_dir, progress=progress, ids=ids, stats=stats, owners=owners)
+                           partial_dir=partial_dir, progress=progress, ids=ids, stats=stats, owners=owners,
+                           together=V is None)
     if results:
         index = torch.cat([torch.as_tensor(chunks[k], dtype=torch.int64) for k in results])
         values = torch.cat([results[k] for k in results])
@@ -449,7 +468,8 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
                 res = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
                                    partial_dir=partial_dir, progress=progress, index_base=n,
                                    chunk_base=chunk_base, stats=stats, owners=owners,
-                                   ids=[r for r, _ in win])
+                                   ids=[r for r, _ in win],
+                                   together=V is None)
                 if res:
                     index = torch.cat([torch.as_tensor(chunks[k], dtype=torch.int64) for k in res])
                     values = torch.cat([res[k] for k in res])

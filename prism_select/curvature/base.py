@@ -87,12 +87,15 @@ class Curvature:
         raise ConfigError("curvature", "identity has no eigenvalues")
 
     def precondition(self, grads: dict, device=None) -> dict:
-        """``H^-1 g`` layer by layer; ``grads[name]`` is an ``out x in'`` matrix. Each
-        layer is computed on ``device`` (default: where its gradient is; e.g. the GPU for
-        a direction or factors kept in host memory) and returned where its gradient was."""
+        """``H^-1 g`` layer by layer for the layers of ``grads`` (``grads[name]`` is an
+        ``out x in'`` matrix). Each layer is computed on ``device`` (default: where its
+        gradient is; e.g. the GPU for a direction or factors kept in host memory) and
+        returned where its gradient was."""
         out = {}
-        for name in self.layers:
-            g = grads[name]
+        unknown = [n for n in grads if n not in self.damping]
+        if unknown:
+            raise ConfigError("curvature", f"no fitted curvature for layer(s) {', '.join(unknown[:3])}")
+        for name, g in grads.items():
             if self.kind == "identity":
                 out[name] = g.clone()
                 continue

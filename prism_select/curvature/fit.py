@@ -21,7 +21,7 @@ from collections import OrderedDict
 import torch
 from tqdm.auto import tqdm
 
-from .. import distributed
+from .. import distributed, sharding
 from ..data.tokenize import token_losses
 from ..fast import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears
 from ..precision import fit_arithmetic, fit_policy, mm_acc, mm_acc_into
@@ -83,8 +83,11 @@ class _Stats:
         self.cache: dict = _Recent()
         self.n_tokens = None
         self.bad: list = []
+        self.paused = False  # a stand-in step (see _passes): nothing is counted
 
     def start(self, b):
+        if self.paused:
+            return
         sel = b.get("token_mask")
         self.sel = b["attention_mask"] if sel is None else sel
         self._masks = {}
@@ -236,19 +239,32 @@ def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, 
     ``cuda_graphs`` (empirical Fisher only): capture each padded batch shape once."""
     # contiguous shares of the length-sorted batches: each rank captures ~1/world of the shapes
     mine = distributed.shard(batches, [len(b) * max(len(encoded[i].input_ids) for i in b) for b in batches])
-    graphed = (fisher == "empirical" and batch_size is not None
+    graphed = (fisher == "empirical" and batch_size is not None and not sharding.is_sharded(model)
                and graphs_wanted(cuda_graphs, device or "cpu", model)
                and (cuda_graphs == "on" or fit_graphs_pay_off(encoded, mine)))
     split = split_causal_lm(model) if fisher == "empirical" and not graphed else None
     step = _FitStep(model, stats, fisher, seed, split)
     runner = GraphedScorer(step, batch_size, pad_id) if graphed else step
+    together = sharding.is_sharded(model)  # FSDP2: every rank runs as many steps
     with tap_linears(model, taps):
-        for batch in tqdm(mine, desc=desc, unit="batch", leave=False,
-                          disable=not progress or not distributed.is_main()):
+        bar = tqdm(total=len(mine), desc=desc, unit="batch", leave=False,
+                   disable=not progress or not distributed.is_main())
+        for batch, real in distributed.lockstep(mine, batches[0] if batches else None, together):
             b = collate_to([encoded[i] for i in batch], pad_id, device)
             if fisher == "empirical":  # the mask is only for counting tokens (see causal_only)
                 b["token_mask"] = b["attention_mask"]
-            stats.bad.append((batch, runner.score(b).all()))
+            if real:
+                stats.bad.append((batch, runner.score(b).all()))
+                bar.update()
+            else:  # a stand-in step: the same collectives, no statistics
+                for tap in taps.values():
+                    tap.paused = True
+                stats.paused = True
+                runner.score(b)
+                for tap in taps.values():
+                    tap.paused = False
+                stats.paused = False
+        bar.close()
         if graphed:
             runner.graphs.clear()
     for batch, ok in stats.bad:  # one device sync per pass, not per batch

@@ -1,0 +1,111 @@
+"""FSDP2 sharding (``--shard fsdp``): two CPU processes (gloo, torchrun) on a float64
+model give the one-process scores; the row arithmetic matches FSDP's own cut."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from prism_select import sharding
+from prism_select.errors import ConfigError
+from prism_select.pipeline import ScoreSettings
+
+from test_distributed import HERE, _env, _torchrun
+
+#: float64 model, same examples and arithmetic per layer: only the order of sums differs
+SHARDED_REL_TOL = 1e-9
+
+
+def _write_inputs(tmp_path):
+    sys.path.insert(0, str(HERE))
+    from conftest import PAIRS, POOL
+    from tiny import save_tiny
+    save_tiny(tmp_path / "model", dtype=torch.float32)
+    with open(tmp_path / "pool.jsonl", "w") as f:
+        for i, (p, r) in enumerate(POOL * 3):
+            f.write(json.dumps({"id": f"x{i}", "prompt": p, "response": r + " " * (i % 4)}) + "\n")
+    with open(tmp_path / "targets.jsonl", "w") as f:
+        for q, c, r in PAIRS:
+            f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
+
+
+def _args(tmp_path, out, *extra):
+    return ["-m", "prism_select.cli", "score", "--model", str(tmp_path / "model"), "--pool",
+            str(tmp_path / "pool.jsonl"), "--targets", str(tmp_path / "targets.jsonl"), "--out", str(out),
+            "--cache-dir", str(tmp_path / "cache"), "--batch-size", "2", "--chunk-size", "5", "--no-progress",
+            "--device", "cpu", "--dtype", "float64", *extra]
+
+
+def _scores(d):
+    return {json.loads(line)["id"]: json.loads(line)["score"] for line in (d / "scores.jsonl").read_text().splitlines()}
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "identity"])
+def test_fsdp_scores_equal_one_process(tmp_path, curvature):
+    _write_inputs(tmp_path)
+    r = subprocess.run([sys.executable, *_args(tmp_path, tmp_path / "one", "--curvature", curvature)],
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _torchrun(2, _args(tmp_path, tmp_path / "fsdp", "--curvature", curvature, "--shard", "fsdp"), tmp_path)
+    one, two = _scores(tmp_path / "one"), _scores(tmp_path / "fsdp")
+    assert list(one) == list(two)
+    for k in one:
+        assert two[k] == pytest.approx(one[k], rel=SHARDED_REL_TOL, abs=1e-12), k
+    run = json.loads((tmp_path / "fsdp" / "run.json").read_text())
+    assert run["settings"]["shard"] == "fsdp" and run["distributed"]["world_size"] == 2
+    assert not (tmp_path / "fsdp" / ".partial").exists()
+
+
+WORKER = r"""
+import json, sys
+import torch
+from prism_select import distributed, sharding
+sys.path.insert(0, {tests!r})
+from tiny import tiny_llama, tiny_tokenizer
+distributed.init_from_env("cpu")
+model = tiny_llama(len(tiny_tokenizer()), layers=2, hidden=20)
+modules = {{n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}}
+full = {{n: m.weight.detach().clone() for n, m in modules.items()}}
+sharding.shard_model(model, modules, "cpu")
+out = {{}}
+for n, m in modules.items():
+    a, b = sharding.row_range(m.out_features, distributed.rank(), distributed.world())
+    mine = sharding.local(m.weight)
+    out[n] = bool(torch.equal(mine, full[n][a:b])) and tuple(sharding.local(m.prism_v).shape) == tuple(mine.shape)
+    rows = torch.arange(m.out_features, dtype=torch.float64)[a:b, None].expand(-1, m.in_features)
+    out[n] = out[n] and bool(torch.equal(sharding.gather_rows(rows.contiguous(), m.out_features)[:, 0],
+                                         torch.arange(m.out_features, dtype=torch.float64)))
+json.dump(out, open(sys.argv[1] + str(distributed.rank()), "w"))
+distributed.destroy()
+"""
+
+
+def test_row_range_is_fsdp_cut(tmp_path):
+    """Rows over 3 ranks, uneven cuts included (hidden 20: 7/7/6; k/v with 10 outputs: 4/4/2)."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(HERE)))
+    _torchrun(3, [str(script), str(tmp_path / "rank")], tmp_path)
+    for r in range(3):
+        got = json.loads((tmp_path / f"rank{r}").read_text())
+        assert got and all(got.values()), (r, got)
+
+
+def test_row_range_covers_rows_once():
+    for rows in (1, 5, 10, 4096, 14336):
+        for world in (1, 2, 3, 4, 8):
+            cut = [sharding.row_range(rows, r, world) for r in range(world)]
+            assert cut[0][0] == 0 and cut[-1][1] == rows
+            assert all(cut[i][1] == cut[i + 1][0] for i in range(world - 1))
+
+
+def test_shard_settings_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="--scoring fast"):
+        ScoreSettings(shard="fsdp", scoring="fast")
+    with pytest.raises(ConfigError, match="does not run under --shard fsdp"):
+        ScoreSettings(shard="fsdp", method="random")
+    with pytest.raises(ConfigError, match="unknown value"):
+        ScoreSettings(shard="ddp")
+    with pytest.raises(ConfigError, match="several processes"):
+        sharding.shard_model(torch.nn.Linear(2, 2), {}, "cpu")
