@@ -57,13 +57,6 @@ def _add_score_args(p: argparse.ArgumentParser):
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a baseline method's setting (JSON value), repeatable")
-    g.add_argument("--scoring", default="exact", choices=["exact", "fast", "fd32"],
-                   help="exact: forward + activation backward in the model's dtype; fast: central "
-                        "finite differences along v in the model's dtype (fastest; agrees with exact only "
-                        "along directions of moderate curvature, self-checked); fd32: finite differences on "
-                        "a float32 copy of a half-precision model (float32-accurate scores, slower)")
-    g.add_argument("--fd-eps", type=float, default=None, metavar="EPS",
-                   help="relative finite-difference step (if not given: 0.03 for fast, 1e-5 for fd32)")
     g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
                    help="capture each padded batch shape once and replay it (auto: on for CUDA devices and "
                         "models below 1B parameters)")

@@ -111,10 +111,10 @@ def float32_weights(model, enabled: bool = True):
     values: bf16/fp16 -> float32 -> back is exact), so everything computed from them runs
     in float32; afterwards each is its original dtype again, bit for bit. Buffers (e.g.
     rotary tables) are left alone. Peak memory: the weights in float32 (twice their bf16
-    size) while the block runs. A reference for ``split32``'s direction and fit, which
-    session 4 ran this way (benchmarks' ``*_f32w`` routes); they now run in split
-    arithmetic instead (:func:`direction_policy`, :func:`fit_policy`), since float32
-    GEMMs have no tensor cores and the copy did not fit at 1.1B (docs/performance.md, run 12)."""
+    size) while the block runs. A reference for ``split32``'s direction and fit (the
+    benchmarks' ``*_f32w`` routes), which run in split arithmetic instead
+    (:func:`direction_policy`, :func:`fit_policy`): float32 GEMMs have no tensor cores, and
+    the float32 copy does not fit beside a 1.1B model's fit (docs/performance.md, run 12)."""
     params = [p for p in model.parameters() if p.dtype in HALF] if enabled else []
     dtypes = [p.dtype for p in params]
     for p in params:

@@ -7,13 +7,13 @@ For each tracked layer with preconditioned target ``V = (H^-1 g_KL)_l``:
 and one backward *to the activations* (parameters frozen, no weight gradients, nothing
 below the first tracked layer), with each tracked layer contracting ``V`` in the
 model's dtype on tensor cores and the token dot products accumulated in float32
-(float64 models: exact in float64). ``impl="hooks"`` keeps the original hook-based
-route (float32 ``u = V a`` in a forward hook) as a reference.
+(float64 models: exact in float64). ``impl="hooks"`` is a hook-based reference route
+(float32 ``u = V a`` in a forward hook).
 
 ``scoring="fast"`` runs central finite differences along ``v`` (two perturbed copies
-in one forward of a doubled batch; :class:`prism_select.fast.FDScorer`). See
-docs/performance.md for its speed and for where it does and does not agree with the
-exact route.
+in one forward of a doubled batch; :class:`prism_select.fast.FDScorer`), for the
+benchmarks: it is not on the command line, since it agrees with the exact route only
+for directions of moderate curvature (docs/performance.md).
 
 Examples are processed in length-sorted chunks; each finished chunk is written to
 ``<out>/.partial/chunk_NNNNNN.safetensors``, so a killed run resumes where it was.

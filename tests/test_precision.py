@@ -22,8 +22,8 @@ from prism_select.scoring import make_scorer  # noqa: E402
 #: the float32 residual stream must cut the bf16 error of the hidden states at least
 #: this much in the large-residual regime of _setup (measured: 37-39x over 4 seeds).
 #: On scores the effect is measured on the real model, not on tiny random ones, where
-#: matmul rounding dominates (docs/performance.md, session 3: Spearman vs float32 exact
-#: 0.971 -> 0.990 on the embedded model with PRISM's v)
+#: matmul rounding dominates (docs/performance.md: Spearman vs float32 exact 0.971 -> 0.990
+#: on the embedded model with PRISM's v)
 MIN_ERROR_REDUCTION = 10.0
 #: float64 models: the policy is a no-op
 EXACT_TOL = 1e-12
@@ -351,7 +351,7 @@ def test_split_kernel_matches_the_torch_split_bit_for_bit():
 
 def test_cli_precision_option(tmp_path, capsys):
     """``prism-select score --precision split32`` on a bf16 model: finite scores, the
-    setting recorded in run.json; with a finite-difference route it is refused."""
+    setting recorded in run.json; a finite-difference route is refused."""
     import json
 
     from conftest import PAIRS
@@ -385,9 +385,15 @@ def test_cli_precision_option(tmp_path, capsys):
     assert not reused("s32")
     assert main(argv("s32-again", "--precision", "split32")) == 0
     assert reused("s32-again")
+    # finite differences are not on the command line; the settings refuse them with split32
     capsys.readouterr()
-    assert main(argv("fd", "--precision", "split32", "--scoring", "fast")) == 2
-    assert "precision" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(argv("fd", "--scoring", "fast"))
+    assert "--scoring" in capsys.readouterr().err
+    from prism_select.errors import ConfigError
+    from prism_select.pipeline import ScoreSettings
+    with pytest.raises(ConfigError, match="precision"):
+        ScoreSettings(precision="split32", scoring="fast")
 
 
 #: the target direction under split32 (split forwards, split cotangents, float32 weight
