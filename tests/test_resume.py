@@ -36,11 +36,11 @@ def setup(tmp_path_factory):
     return d
 
 
-def _cmd(d, out, scoring="exact"):
+def _cmd(d, out):
     return [sys.executable, "-m", "prism_select.cli", "score", "--model", str(d / "model"),
             "--pool", str(d / "pool.jsonl"), "--targets", str(d / "targets.jsonl"), "--out", str(out),
             "--cache-dir", str(out) + "-cache", "--batch-size", "2", "--chunk-size", "4",
-            "--no-progress", "--device", "cpu", "--dtype", "float32", "--scoring", scoring]
+            "--no-progress", "--device", "cpu", "--dtype", "float32"]
 
 
 def _env():
@@ -75,24 +75,23 @@ def _kill_when(cmd, ready, timeout=120):
     return False
 
 
-@pytest.mark.parametrize("scoring", ["exact"])  # "fast" shares the chunk machinery
-def test_sigkill_and_resume_is_bit_identical(setup, tmp_path, scoring):
+def test_sigkill_and_resume_is_bit_identical(setup, tmp_path):
     d = setup
     ref = tmp_path / "ref"
-    _run(_cmd(d, ref, scoring))
+    _run(_cmd(d, ref))
     out = tmp_path / "out"
     chunks = out / ".partial" / "scores"
     n_chunks = lambda: len(list(chunks.glob("chunk_*.safetensors"))) if chunks.exists() else 0  # noqa: E731
     # 1) killed early (curvature fit / before any chunk), 2) and 3) killed among the chunks
-    killed = [_kill_when(_cmd(d, out, scoring), lambda: (out / ".partial" / "key.json").exists())]
+    killed = [_kill_when(_cmd(d, out), lambda: (out / ".partial" / "key.json").exists())]
     for k in (3, 20):
         before = n_chunks()
-        killed.append(_kill_when(_cmd(d, out, scoring), lambda: n_chunks() >= before + k))
+        killed.append(_kill_when(_cmd(d, out), lambda: n_chunks() >= before + k))
         if not killed[-1]:
             break
     assert killed[0] and killed[1], "the run finished before it could be killed"
     assert n_chunks() > 0 and not (out / "run.json").exists()
-    _run(_cmd(d, out, scoring))
+    _run(_cmd(d, out))
     a, b = _scores(ref), _scores(out)
     assert [r["id"] for r in a] == [r["id"] for r in b]
     assert [r["score"] for r in a] == [r["score"] for r in b]  # bit for bit
