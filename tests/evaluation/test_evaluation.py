@@ -386,7 +386,11 @@ def test_ranking_protocol_end_to_end(tmp_path, tiny_dir, gsm8k):
     assert (out / res["runs"][0]["methods"]["prism"]["dir"] / "scores.jsonl").stat().st_mtime_ns == mtime
     assert again["tables"] == res["tables"]
     from prism_select.errors import OutputError
-    cfg.seeds = [0]
+    cfg.seeds = [0]  # other seeds: the finished runs of seed 0 are reused
+    one = ranking(cfg, out)
+    assert len(one["runs"]) == 2 and all(r["seed"] == 0 for r in one["runs"])
+    assert (out / res["runs"][0]["methods"]["prism"]["dir"] / "scores.jsonl").stat().st_mtime_ns == mtime
+    cfg.score.max_length = 256  # another config is refused
     with pytest.raises(OutputError):
         ranking(cfg, out)
 
@@ -665,6 +669,15 @@ def test_shipped_experiment_config_is_valid(tmp_path):
     rk = load_config(path, "ranking", data_root=str(tmp_path))
     assert rk.harmful_ratios == [0.1, 0.5] and rk.seeds == [0, 1, 2] and rk.data.pool_size == 300
     assert {t.n_counterfactual for t in rk.targets} == {24} and max(t.n_distractors for t in rk.targets) == 24
+    assert {"ifguide", "vecfilter", "projdiff", "conceptinf"} <= set(rk.targets[1].methods)
+    for name, proto in (("money_refusal", "repair"), ("multitask_select", "select"),
+                        ("gsm8k_distractors", "ranking")):
+        full = load_config(root / "experiments" / f"{name}.yaml", proto, data_root=str(tmp_path))
+        assert full.seeds == [0, 1, 2] and full.methods != ["prism"]
+        assert load_config(root / "experiments" / f"{name}.yaml", proto, smoke=True, data_root=str(tmp_path)).seeds == [0]
+    rp = load_config(root / "experiments" / "money_refusal.yaml", "repair", data_root=str(tmp_path))
+    assert rp.data.family == "refusal_trigger" and rp.data.pool_size >= 1000 and rp.harmful_ratios == [0.05]
+    assert rp.remove_fractions == [0.05, 0.1, 0.2] and rp.oracle
 
 
 # --------------------------------------------------------------------------- browser
