@@ -557,13 +557,15 @@ def _validate(cfg, protocol: str):
             raise ConfigError("data.trigger", f"{cfg.data.trigger!r} is not a valid regular expression: {e}") from e
         if cfg.data.bbh_tasks and not cfg.data.bbh_dir:
             raise ConfigError("data.bbh_dir", "is required with data.bbh_tasks")
-    if isinstance(cfg, RankingConfig):
+    if isinstance(cfg, (RankingConfig, RepairConfig)):
         names = [t.name for t in cfg.targets]
         if len(set(names)) != len(names):
-            raise ConfigError("targets", f"variant names must differ, got {names}")
+            raise ConfigError("targets", f"target set names must differ, got {names}")
         for i, t in enumerate(cfg.targets):
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", t.name):
                 raise ConfigError(f"targets[{i}].name", f"{t.name!r} must be letters, digits, '_', '-' or '.'")
+    if isinstance(cfg, RankingConfig):
+        for i, t in enumerate(cfg.targets):
             if t.n_counterfactual < 0 or t.n_distractors < 0 or t.n_counterfactual + t.n_distractors < 1:
                 raise ConfigError(f"targets[{i}]", "needs at least one pair")
     if isinstance(cfg, RepairConfig):
@@ -586,12 +588,7 @@ def _validate(cfg, protocol: str):
                 raise ConfigError("remove_fractions", "needs at least one fraction", "e.g. [0.05, 0.1, 0.2]")
             for i, r in enumerate(cfg.remove_fractions):
                 _check_fraction(r, f"remove_fractions[{i}]", allow_zero=True)
-        names = [t.name for t in cfg.targets]
-        if len(set(names)) != len(names):
-            raise ConfigError("targets", f"target set names must differ, got {names}")
         for i, t in enumerate(cfg.targets):
-            if not re.fullmatch(r"[A-Za-z0-9_.-]+", t.name):
-                raise ConfigError(f"targets[{i}].name", f"{t.name!r} must be letters, digits, '_', '-' or '.'")
             if t.source not in ("probes", "counterfactual"):
                 raise ConfigError(f"targets[{i}].source", f"unknown value {t.source!r}", "use probes or counterfactual")
             rm = t.retrain_methods
