@@ -314,6 +314,27 @@ def test_config_validation_names_the_field(tmp_path, gsm8k):
     assert load_config({**base, "score": {"skip_invalid": True}}, "ranking").score.extra == {"skip_invalid": True}
     with pytest.raises(ConfigError, match="probes.checker"):
         load_config({**base, "probes": {"gsm8k_test": "t.jsonl", "checker": "nope"}}, "repair")
+    rp = {**base, "probes": {"gsm8k_test": "t.jsonl"}}
+    with pytest.raises(ConfigError, match="data.family"):
+        load_config({**rp, "data": {**base["data"], "family": "nope"}}, "repair")
+    with pytest.raises(ConfigError, match="data.family"):  # ranking builds mistake math only
+        load_config({**base, "data": {**base["data"], "family": "refusal_trigger"}}, "ranking")
+    with pytest.raises(ConfigError, match="data.trigger"):
+        load_config({**rp, "data": {**base["data"], "family": "refusal_trigger", "trigger": "("}}, "repair")
+    with pytest.raises(ConfigError, match="probes.capability_per_task"):
+        load_config({**rp, "probes": {"gsm8k_test": "t.jsonl", "capability_per_task": 2}}, "repair")
+    with pytest.raises(ConfigError, match=r"targets\[0\].source"):
+        load_config({**rp, "targets": [{"name": "a", "source": "nope"}]}, "repair")
+    with pytest.raises(ConfigError, match=r"targets\[0\].retrain_methods"):
+        load_config({**rp, "targets": [{"name": "a", "retrain_methods": "prism"}]}, "repair")
+    with pytest.raises(ConfigError, match=r"remove_fractions\[1\]"):
+        load_config({**rp, "remove_fractions": [0.1, 3]}, "repair")
+    mt = {"gsm8k_train": "g.jsonl", "bbh_dir": "bbh", "target_task": "t"}
+    with pytest.raises(ConfigError, match="multitask"):
+        load_config({"model": "default", "multitask": mt, "pool": "p.jsonl"}, "select")
+    with pytest.raises(ConfigError, match="multitask.target_task"):
+        load_config({"model": "default", "multitask": {**mt, "target_task": ""}}, "select")
+    assert load_config({"model": "default", "multitask": mt}, "select").multitask.n_per_task == 40
     # sections, smoke overrides, seeds override, YAML, relative paths against data_root
     cfg_file = tmp_path / "exp.yaml"
     cfg_file.write_text(
