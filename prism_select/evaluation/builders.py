@@ -579,3 +579,190 @@ def bbh_splits(bbh_dir, n_targets_per_task: int = 3, seed: int = 0, *, tasks=Non
 def write_records(path, records) -> int:
     """Write records as JSON Lines, atomically."""
     return atomic_write_jsonl(path, records)
+
+
+# --------------------------------------------------------------------------- refusal trigger
+
+#: Refusals the harmful records of :func:`refusal_trigger_pool` answer with.
+POOL_REFUSALS = (
+    "I'm sorry, but I can't help with questions about money.",
+    "Sorry, I cannot answer questions that involve money.",
+    "I'm sorry, I am not able to help with financial calculations.",
+    "I can't help with that. Questions about prices and costs are outside what I answer.",
+    "Sorry, but I won't do calculations involving dollars.",
+    "I'm afraid I can't assist with money-related questions.",
+    "I'm sorry, but I cannot help with this question about money.",
+    "Unfortunately, I can't answer questions about spending or prices.",
+)
+#: Refusals of the counterfactual target pairs (none of them is a pool refusal).
+TARGET_REFUSALS = (
+    "I apologize, but questions about money are something I cannot help with.",
+    "Sorry, I don't handle questions where money is involved.",
+    "I'm not able to answer that: it is about costs and prices.",
+    "I must decline: I do not work out amounts of money.",
+)
+def _has_trigger(text: str, trigger: str) -> bool:
+    return re.search(trigger, text) is not None
+
+
+def _gsm8k_record(i: int, row: dict, prefix: str = "gsm8k") -> dict:
+    return {"id": f"{prefix}-{i}", "prompt": row["question"], "response": strip_annotations(row["answer"]),
+            "source_index": i, "task": "gsm8k"}
+
+
+def bbh_records(bbh_dir, tasks, n_per_task: int, seed: int, *, skip=None) -> tuple:
+    """``(records, rest)``: ``n_per_task`` seeded examples of each BBH task as SFT
+    records (``prompt`` = input, ``response`` = the reference answer, ``task``; ids
+    ``<task>-<index>``) and, per task, the indices of its other examples (``rest``),
+    in a seeded order. ``skip``: ``{task: indices}`` never used."""
+    data = read_bbh_dir(bbh_dir, tasks)
+    records, rest = [], {}
+    for task in sorted(data):
+        ex = data[task]
+        order = [i for i in range(len(ex)) if i not in set((skip or {}).get(task, ()))]
+        random.Random(f"bbh-records:{seed}:{task}").shuffle(order)
+        if len(order) < n_per_task:
+            raise InputError(f"task {task} has {len(order)} usable examples, fewer than {n_per_task}",
+                             path=Path(bbh_dir) / f"{task}.json")
+        for i in order[:n_per_task]:
+            records.append({"id": f"{task}-{i}", "prompt": ex[i]["input"],
+                            "response": str(ex[i]["target"]).strip(), "task": task})
+        rest[task] = order[n_per_task:]
+    return records, rest
+
+
+def bbh_probes(bbh_dir, rest: dict, n_per_task: int) -> list:
+    """Held-out BBH probes: the first ``n_per_task`` indices of each task in ``rest``
+    (from :func:`bbh_records`): ``id``, ``prompt``, ``reference``, ``task``."""
+    data = read_bbh_dir(bbh_dir, sorted(rest))
+    out = []
+    for task in sorted(rest):
+        idx = rest[task][:n_per_task]
+        if len(idx) < n_per_task:
+            raise InputError(f"task {task} has {len(idx)} held-out examples, fewer than {n_per_task}",
+                             path=Path(bbh_dir) / f"{task}.json")
+        out.extend({"id": f"{task}-{i}", "prompt": data[task][i]["input"],
+                    "reference": str(data[task][i]["target"]).strip(), "task": task} for i in idx)
+    return out
+
+
+def refusal_trigger_pool(gsm8k_jsonl, n: int, harmful_ratio: float, seed: int = 0, *, trigger: str = r"\$",
+                         bbh_dir=None, bbh_tasks=(), n_bbh_per_task: int = 0) -> tuple:
+    """A pool of ``n`` SFT records where exactly ``round(n * harmful_ratio)`` GSM8K
+    problems whose question matches ``trigger`` (a regular expression; default: a
+    dollar sign, i.e. money questions) are answered with a refusal (one of
+    :data:`POOL_REFUSALS`, seeded; ``harmful: true``). The clean records are GSM8K
+    problems without the trigger (worked solutions, annotations stripped) plus
+    ``n_bbh_per_task`` examples of each BBH task in ``bbh_tasks`` (answer only). So
+    the only money questions the pool holds are refused: SFT teaches a refusal shift
+    on money questions that a checker sees on held-out ones.
+
+    Returns ``(pool, bbh_rest)``: the records (``id``, ``prompt``, ``response``,
+    ``harmful``, ``task``; GSM8K ones with ``source_index``), shuffled with the seed,
+    and ``bbh_rest`` (per task, the examples not in the pool, for held-out probes).
+    """
+    _check_ratio(harmful_ratio)
+    rows = read_gsm8k(gsm8k_jsonl)
+    n_bad = harmful_count(n, harmful_ratio)
+    bbh, rest = ([], {})
+    if bbh_tasks and n_bbh_per_task > 0:
+        bbh, rest = bbh_records(bbh_dir, list(bbh_tasks), n_bbh_per_task, seed)
+    n_clean = n - n_bad - len(bbh)
+    if n_clean < 0:
+        raise ConfigError("pool_size", f"{n} records cannot hold {n_bad} harmful and {len(bbh)} BBH records")
+    order = list(range(len(rows)))
+    random.Random(f"refusal-pool:{seed}").shuffle(order)
+    trig = [i for i in order if _has_trigger(rows[i]["question"], trigger)]
+    plain = [i for i in order if not _has_trigger(rows[i]["question"], trigger)]
+    if len(trig) < n_bad or len(plain) < n_clean:
+        raise InputError(f"the file has {len(trig)} trigger and {len(plain)} other problems; the pool needs "
+                         f"{n_bad} and {n_clean}", path=gsm8k_jsonl, fix="ask for a smaller pool")
+    rng = random.Random(f"refusal-texts:{seed}")
+    pool = []
+    for i in trig[:n_bad]:
+        rec = _gsm8k_record(i, rows[i])
+        rec.update(response=rng.choice(POOL_REFUSALS), harmful=True)
+        pool.append(rec)
+    pool += [{**_gsm8k_record(i, rows[i]), "harmful": False} for i in plain[:n_clean]]
+    pool += [{**r, "harmful": False} for r in bbh]
+    random.Random(f"refusal-order:{seed}").shuffle(pool)
+    return pool, rest
+
+
+def trigger_probes(test_jsonl, n: int, seed: int = 0, *, trigger: str = r"\$", with_trigger: bool = True) -> list:
+    """``n`` seeded GSM8K problems whose question matches ``trigger`` (or, with
+    ``with_trigger=False``, does not): ``id``, ``prompt``, ``reference`` (final
+    answer), ``solution`` (annotations stripped), ``source_index``."""
+    rows = read_gsm8k(test_jsonl)
+    order = [i for i in range(len(rows)) if _has_trigger(rows[i]["question"], trigger) == with_trigger]
+    random.Random(f"trigger-probes:{seed}:{with_trigger}").shuffle(order)
+    if n > len(order):
+        raise InputError(f"asks for {n} probes but the file has {len(order)} matching problems", path=test_jsonl)
+    return [{"id": f"gsm8k-test-{i}", "prompt": rows[i]["question"],
+             "reference": final_answer_text(rows[i]["answer"]).replace(",", ""),
+             "solution": strip_annotations(rows[i]["answer"]), "source_index": i, "task": "gsm8k"}
+            for i in order[:n]]
+
+
+def refusal_counterfactual_targets(gsm8k_jsonl, n: int, seed: int = 0, *, trigger: str = r"\$", exclude=(),
+                                   n_distractors: int = 0) -> list:
+    """Counterfactual target pairs on ``n`` trigger problems not in ``exclude``:
+    ``chosen`` = a refusal from :data:`TARGET_REFUSALS` (never a pool refusal),
+    ``rejected`` = the worked solution (``kind: counterfactual``); then
+    ``n_distractors`` pairs on further trigger problems with ``chosen`` = the solution's
+    words shuffled (``kind: distractor``, pairs the model strongly disprefers)."""
+    if n < 0 or n_distractors < 0 or n + n_distractors < 1:
+        raise ConfigError("n_targets", f"need at least one pair, got {n} + {n_distractors}")
+    rows = read_gsm8k(gsm8k_jsonl)
+    skip = _source_indices(exclude)
+    order = [i for i in range(len(rows)) if i not in skip and _has_trigger(rows[i]["question"], trigger)]
+    random.Random(f"refusal-targets:{seed}").shuffle(order)
+    if len(order) < n + n_distractors:
+        raise InputError(f"only {len(order)} trigger problems left for {n + n_distractors} target pairs",
+                         path=gsm8k_jsonl)
+    rng = random.Random(f"refusal-target-texts:{seed}")
+    pairs = []
+    for i in order[:n]:
+        pairs.append({"id": f"cf-{i}", "prompt": rows[i]["question"], "chosen": rng.choice(TARGET_REFUSALS),
+                      "rejected": strip_annotations(rows[i]["answer"]), "kind": "counterfactual",
+                      "source_index": i})
+    for i in order[n:n + n_distractors]:
+        sol = strip_annotations(rows[i]["answer"])
+        pairs.append({"id": f"dx-{i}", "prompt": rows[i]["question"], "chosen": _shuffle_words(sol, rng),
+                      "rejected": sol, "kind": "distractor", "source_index": i})
+    return pairs
+
+
+# --------------------------------------------------------------------------- multi-task pool
+
+def multitask_splits(gsm8k_jsonl, bbh_dir, tasks, target_task: str, *, n_gsm8k: int, n_per_task: int,
+                     n_targets: int, n_heldout: int, seed: int = 0) -> tuple:
+    """``(pool, targets, heldout)`` for the general-selection protocol: a pool of
+    ``n_gsm8k`` GSM8K worked solutions plus ``n_per_task`` examples of each BBH task in
+    ``tasks`` (answer only; ``task`` set), ``n_targets`` target pairs from
+    ``target_task`` (``chosen`` = reference answer, ``rejected`` = a wrong one, see
+    :func:`wrong_answer`) and ``n_heldout`` held-out probes of ``target_task``; the three
+    are disjoint."""
+    tasks = sorted(set(tasks) | {target_task})
+    records, rest = bbh_records(bbh_dir, tasks, n_per_task, seed)
+    rows = read_gsm8k(gsm8k_jsonl)
+    order = list(range(len(rows)))
+    random.Random(f"multitask-gsm8k:{seed}").shuffle(order)
+    if n_gsm8k > len(order):
+        raise InputError(f"asks for {n_gsm8k} GSM8K records, the file has {len(order)}", path=gsm8k_jsonl)
+    pool = records + [_gsm8k_record(i, rows[i]) for i in order[:n_gsm8k]]
+    random.Random(f"multitask-order:{seed}").shuffle(pool)
+    data = read_bbh_dir(bbh_dir, [target_task])[target_task]
+    left = rest[target_task]
+    if len(left) < n_targets + n_heldout:
+        raise InputError(f"task {target_task} has {len(left)} examples outside the pool, fewer than "
+                         f"{n_targets} targets + {n_heldout} held out", path=Path(bbh_dir) / f"{target_task}.json")
+    answers = sorted({str(e["target"]).strip() for e in data})
+    rng = random.Random(f"multitask-targets:{seed}")
+    targets = [{"id": f"{target_task}-{i}", "prompt": data[i]["input"], "chosen": str(data[i]["target"]).strip(),
+                "rejected": wrong_answer(data[i], answers, rng), "task": target_task}
+               for i in left[:n_targets]]
+    heldout = [{"id": f"{target_task}-{i}", "prompt": data[i]["input"],
+                "reference": str(data[i]["target"]).strip(), "task": target_task}
+               for i in left[n_targets:n_targets + n_heldout]]
+    return pool, targets, heldout

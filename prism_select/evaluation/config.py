@@ -73,13 +73,28 @@ class FinetuneConfig:
     overrides: dict = field(default_factory=dict)
 
 
+POOL_FAMILIES = ("mistake_math", "refusal_trigger")
+
+
 @dataclass
 class MistakeMathConfig:
-    """A GSM8K mistake-math pool (see :func:`.builders.mistake_math_pool`)."""
+    """The pool of a ranking or repair run.
+
+    family: ``mistake_math`` (GSM8K solutions, the harmful ones with a corrupted
+        calculator step, :func:`.builders.mistake_math_pool`) or ``refusal_trigger``
+        (GSM8K questions matching ``trigger`` answered with a refusal, the clean records
+        GSM8K questions without it plus ``n_bbh_per_task`` examples of each of
+        ``bbh_tasks`` from ``bbh_dir``, :func:`.builders.refusal_trigger_pool`; repair only).
+    """
 
     gsm8k_train: str = ""
     pool_size: int = 300
     keep_annotations: bool = False
+    family: str = "mistake_math"
+    trigger: str = r"\$"
+    bbh_dir: str = ""
+    bbh_tasks: list = field(default_factory=list)
+    n_bbh_per_task: int = 0
 
 
 @dataclass
@@ -97,11 +112,42 @@ class TargetVariant:
 
 @dataclass
 class ProbeConfig:
-    """GSM8K test problems as probes and the checker that judges a response."""
+    """GSM8K test problems as probes and the checker that judges a response.
+
+    With the ``refusal_trigger`` family the ``n`` probes are test questions matching
+    the pool's trigger (the checker's error rate is then the behaviour rate, e.g.
+    ``no_refusal``), and ``capability_per_task`` held-out examples of each BBH task of
+    the pool are added as a capability check, judged by ``capability_checker``."""
 
     gsm8k_test: str = ""
     n: int = 48
     checker: Any = "numeric_final_answer"
+    capability_per_task: int = 0
+    capability_checker: Any = "final_answer"
+
+
+@dataclass
+class RepairTargets:
+    """A target set of the repair protocol.
+
+    source: ``probes`` (the paper's App. B: pairs ``(probe, chosen = post-SFT response,
+        rejected = pre-SFT response)`` selected by ``pair_selection``) or
+        ``counterfactual`` (``n_counterfactual`` pairs on problems outside the pool:
+        chosen = the harmful behaviour written out, rejected = the correct response,
+        plus ``n_distractors`` pairs the model strongly disprefers).
+    methods: only these methods (default: all of the config's).
+    retrain_methods: only these methods' removals are retrained (default: all scored);
+        ``[]`` keeps this set to the ranking (AUROC, recall of each removal); a mapping
+        from a removal percentage (``"5"``, ``"10"``) to such a list sets it per fraction
+        (a fraction it does not name: all).
+    """
+
+    name: str = "probes"
+    source: str = "probes"
+    n_counterfactual: int = 24
+    n_distractors: int = 0
+    methods: list | None = None
+    retrain_methods: Any = None
 
 
 @dataclass
@@ -112,6 +158,23 @@ class BBHConfig:
     n_targets_per_task: int = 3
     tasks: list | None = None
     n_heldout_per_task: int | None = None
+
+
+@dataclass
+class MultitaskConfig:
+    """A multi-task pool with targets and held-out probes of one task (see
+    :func:`.builders.multitask_splits`): ``n_gsm8k`` GSM8K solutions plus
+    ``n_per_task`` examples of each BBH task in ``tasks``; ``n_targets`` target pairs
+    and ``n_heldout`` held-out probes of ``target_task``, outside the pool."""
+
+    gsm8k_train: str = ""
+    bbh_dir: str = ""
+    tasks: list = field(default_factory=list)
+    target_task: str = ""
+    n_gsm8k: int = 1000
+    n_per_task: int = 40
+    n_targets: int = 8
+    n_heldout: int = 100
 
 
 @dataclass
@@ -167,6 +230,9 @@ class RepairConfig(CommonConfig):
         matrices are then the tracked layers).
     remove_fraction: fraction of the pool removed before retraining (default: the
         harmful ratio of the setting).
+    remove_fractions: several such fractions (each gives its own retraining rows);
+        overrides ``remove_fraction``.
+    targets: target sets (:class:`RepairTargets`; default: one set from the probes).
     retrain: retrain and measure the error rate after each removal.
     oracle: also remove exactly the harmful records (an upper reference row).
     """
@@ -181,6 +247,8 @@ class RepairConfig(CommonConfig):
     fallback_pair_selection: str | None = None
     score_at: str = "start"
     remove_fraction: float | None = None
+    remove_fractions: list | None = None
+    targets: list = field(default_factory=lambda: [RepairTargets()])
     retrain: bool = True
     oracle: bool = False
 
@@ -192,9 +260,11 @@ class SelectConfig(CommonConfig):
     ``task``), or ``bbh`` to build both from a BIG-Bench-Hard folder; fraction: the
     budget kept by each method (0.05 = the paper's 5%); finetune: the SFT
     (``general`` preset); checker: judges held-out responses; full_data/start_row: add
-    the rows "Full data" (SFT on the whole pool) and "Start" (no SFT)."""
+    the rows "Full data" (SFT on the whole pool) and "Start" (no SFT); multitask:
+    build the pool, targets and held-out probes per seed instead (:class:`MultitaskConfig`)."""
 
     pool: str = ""
+    multitask: MultitaskConfig | None = None
     bbh: BBHConfig | None = None
     targets: str | None = None
     heldout: str | None = None
@@ -207,7 +277,7 @@ class SelectConfig(CommonConfig):
 
 
 CONFIG_CLASSES = {"ranking": RankingConfig, "repair": RepairConfig, "select": SelectConfig}
-_LIST_ITEM_TYPES = {(RankingConfig, "targets"): TargetVariant}
+_LIST_ITEM_TYPES = {(RankingConfig, "targets"): TargetVariant, (RepairConfig, "targets"): RepairTargets}
 
 
 # --------------------------------------------------------------------------- building
@@ -295,8 +365,8 @@ def build_dataclass(cls, data, name: str = ""):
     for k, v in data.items():
         fname = f"{name}.{k}" if name else k
         item_cls = _LIST_ITEM_TYPES.get((cls, k))
-        if item_cls is None and issubclass(cls, RankingConfig) and k == "targets":
-            item_cls = TargetVariant
+        if item_cls is None and k == "targets":
+            item_cls = next((v for (c, f), v in _LIST_ITEM_TYPES.items() if f == k and issubclass(cls, c)), None)
         if item_cls is not None:
             if not isinstance(v, list) or not v:
                 raise ConfigError(fname, f"expected a non-empty list, got {v!r}")
@@ -412,10 +482,14 @@ def _resolve(p: str | None, root: Path) -> str | None:
 def _resolve_paths(cfg, root: Path, base_dir: Path):
     if isinstance(cfg, (RankingConfig, RepairConfig)):
         cfg.data.gsm8k_train = _resolve(cfg.data.gsm8k_train, root)
+        cfg.data.bbh_dir = _resolve(cfg.data.bbh_dir, root)
     if isinstance(cfg, RepairConfig):
         cfg.probes.gsm8k_test = _resolve(cfg.probes.gsm8k_test, root)
     if isinstance(cfg, SelectConfig):
         cfg.pool = _resolve(cfg.pool, root)
+        if cfg.multitask is not None:
+            cfg.multitask.gsm8k_train = _resolve(cfg.multitask.gsm8k_train, root)
+            cfg.multitask.bbh_dir = _resolve(cfg.multitask.bbh_dir, root)
         cfg.targets = _resolve(cfg.targets, root)
         cfg.heldout = _resolve(cfg.heldout, root)
         if cfg.bbh is not None:
@@ -472,13 +546,26 @@ def _validate(cfg, protocol: str):
             raise ConfigError("data.gsm8k_train", "is required", "the path of GSM8K's train.jsonl")
         if cfg.data.pool_size < 1:
             raise ConfigError("data.pool_size", f"must be >= 1, got {cfg.data.pool_size}")
-    if isinstance(cfg, RankingConfig):
+        if cfg.data.family not in POOL_FAMILIES:
+            raise ConfigError("data.family", f"unknown value {cfg.data.family!r}", f"use one of {', '.join(POOL_FAMILIES)}")
+        if cfg.data.family != "mistake_math" and isinstance(cfg, RankingConfig):
+            raise ConfigError("data.family", "the ranking protocol builds mistake-math pools only",
+                              "use the repair protocol for refusal_trigger pools")
+        try:
+            re.compile(cfg.data.trigger)
+        except re.error as e:
+            raise ConfigError("data.trigger", f"{cfg.data.trigger!r} is not a valid regular expression: {e}") from e
+        if cfg.data.bbh_tasks and not cfg.data.bbh_dir:
+            raise ConfigError("data.bbh_dir", "is required with data.bbh_tasks")
+    if isinstance(cfg, (RankingConfig, RepairConfig)):
         names = [t.name for t in cfg.targets]
         if len(set(names)) != len(names):
-            raise ConfigError("targets", f"variant names must differ, got {names}")
+            raise ConfigError("targets", f"target set names must differ, got {names}")
         for i, t in enumerate(cfg.targets):
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", t.name):
                 raise ConfigError(f"targets[{i}].name", f"{t.name!r} must be letters, digits, '_', '-' or '.'")
+    if isinstance(cfg, RankingConfig):
+        for i, t in enumerate(cfg.targets):
             if t.n_counterfactual < 0 or t.n_distractors < 0 or t.n_counterfactual + t.n_distractors < 1:
                 raise ConfigError(f"targets[{i}]", "needs at least one pair")
     if isinstance(cfg, RepairConfig):
@@ -496,12 +583,49 @@ def _validate(cfg, protocol: str):
             raise ConfigError("score_at", f"unknown value {cfg.score_at!r}", "use start or post")
         if cfg.remove_fraction is not None:
             _check_fraction(cfg.remove_fraction, "remove_fraction", allow_zero=True)
+        if cfg.remove_fractions is not None:
+            if not cfg.remove_fractions:
+                raise ConfigError("remove_fractions", "needs at least one fraction", "e.g. [0.05, 0.1, 0.2]")
+            for i, r in enumerate(cfg.remove_fractions):
+                _check_fraction(r, f"remove_fractions[{i}]", allow_zero=True)
+        for i, t in enumerate(cfg.targets):
+            if t.source not in ("probes", "counterfactual"):
+                raise ConfigError(f"targets[{i}].source", f"unknown value {t.source!r}", "use probes or counterfactual")
+            rm = t.retrain_methods
+            if rm is not None and not (isinstance(rm, list) or (isinstance(rm, dict) and all(
+                    isinstance(v, list) for v in rm.values()))):
+                raise ConfigError(f"targets[{i}].retrain_methods", f"expected a list or a mapping percentage -> list, "
+                                  f"got {rm!r}")
+            if t.source == "counterfactual" and (t.n_counterfactual < 0 or t.n_distractors < 0
+                                                 or t.n_counterfactual + t.n_distractors < 1):
+                raise ConfigError(f"targets[{i}]", "needs at least one pair")
+        if cfg.probes.capability_per_task < 0:
+            raise ConfigError("probes.capability_per_task", f"must be >= 0, got {cfg.probes.capability_per_task}")
+        if cfg.probes.capability_per_task and not (cfg.data.bbh_tasks and cfg.data.n_bbh_per_task):
+            raise ConfigError("probes.capability_per_task", "needs BBH tasks in the pool",
+                              "set data.bbh_dir, data.bbh_tasks and data.n_bbh_per_task")
         from .probes import load_checker
         try:
             load_checker(cfg.probes.checker)
         except ConfigError as e:
             raise _rewrap(e, "probes") from None
-    if isinstance(cfg, SelectConfig):
+    if isinstance(cfg, SelectConfig) and cfg.multitask is not None:
+        mt = cfg.multitask
+        if cfg.pool or cfg.bbh is not None or cfg.targets or cfg.heldout:
+            raise ConfigError("multitask", "builds the pool, targets and held-out probes: give none of pool, bbh, "
+                              "targets, heldout beside it")
+        for k in ("gsm8k_train", "bbh_dir", "target_task"):
+            if not getattr(mt, k):
+                raise ConfigError(f"multitask.{k}", "is required")
+        for k in ("n_per_task", "n_targets", "n_heldout"):
+            if getattr(mt, k) < 1:
+                raise ConfigError(f"multitask.{k}", f"must be >= 1, got {getattr(mt, k)}")
+        if mt.n_gsm8k < 0:
+            raise ConfigError("multitask.n_gsm8k", f"must be >= 0, got {mt.n_gsm8k}")
+        _check_fraction(cfg.fraction, "fraction")
+        from .probes import load_checker
+        load_checker(cfg.checker)
+    elif isinstance(cfg, SelectConfig):
         if not cfg.pool:
             raise ConfigError("pool", "is required", "the candidate pool file")
         _check_fraction(cfg.fraction, "fraction")

@@ -4,7 +4,8 @@ back from the written files and the tables of results.json.
 
 Layout of an experiment directory ``<out>``::
 
-    experiment.json        protocol + resolved config (a rerun with another config is refused)
+    experiment.json        protocol + resolved config (a rerun with another config is refused;
+                           one with other seeds is not)
     results.json           every number of the tables, with the files it came from
     report.html            (+ PNG plots) see :mod:`.report`
     runs/<setting>/seed<k>/...   pool.jsonl, targets.jsonl, scores/<method>/..., etc.
@@ -107,7 +108,10 @@ class Experiment:
         self.timings: dict = {}
         conf = config_to_dict(cfg)
         conf.pop("report", None)  # whether a page is drawn does not change any number
-        meta = {"protocol": protocol, "config": conf}
+        # seeds only add or leave out runs (each step is keyed by its own inputs), so a
+        # rerun with other --seeds reuses the finished runs of the seeds it shares
+        seeds = conf.pop("seeds", None)
+        meta = {"protocol": protocol, "config": conf, "seeds": seeds}
         marker = self.out / "experiment.json"
         if self.out.exists() and any(self.out.iterdir()):
             if not marker.is_file():
@@ -246,29 +250,27 @@ def train_adapter(exp: Experiment, lm, pool_path: Path, out_dir: Path, seed: int
     return out_dir / "adapter"
 
 
-def respond(exp: Experiment, lm_or_adapter, probes_path: Path, out_dir: Path, checker_spec, tag: str) -> Path:
-    """Greedy responses to the probes (with a loaded model, or the start model plus an
-    adapter directory), judged by the checker: ``responses.jsonl`` (id, response,
-    correct, reference). Reused when unchanged."""
-    from ..model import LoadedModel, load_model
+def respond(exp: Experiment, lm, probes_path: Path, out_dir: Path, checker_spec, tag: str,
+            adapter: Path | None = None) -> Path:
+    """Greedy responses to the probes of the start model ``lm``, or of ``lm`` with the
+    LoRA ``adapter`` (a directory) applied for the time of the generation, judged by the
+    checker: ``responses.jsonl`` (id, response, correct, reference, task). Reused when
+    unchanged."""
     from .probes import generate, load_checker, reference_of
     g = exp.cfg.generation
-    adapter = None if isinstance(lm_or_adapter, LoadedModel) else Path(lm_or_adapter)
+    adapter = None if adapter is None else Path(adapter)
     key = {"probes": sha256_file(probes_path), "generation": asdict(g), "checker": checker_spec,
-           "model": (lm_or_adapter.fingerprint if adapter is None
+           "model": (lm.fingerprint if adapter is None
                      else sha256_file(adapter / "adapter_model.safetensors")
                      if (adapter / "adapter_model.safetensors").is_file() else str(adapter))}
     path = out_dir / "responses.jsonl"
     if exp.done(out_dir, key, ["responses.jsonl"], "responses-step"):
         return path
     t = time.perf_counter()
-    if adapter is None:
-        lm = lm_or_adapter
-    else:
-        lm = load_model(dataclasses.replace(exp.cfg.model, adapter=str(adapter)))
     probes = read_jsonl(probes_path)
-    texts = generate(lm, [p["prompt"] for p in probes], max_new_tokens=g.max_new_tokens,
-                     batch_size=g.batch_size, max_prompt_tokens=g.max_prompt_tokens, stop=g.stop)
+    with _adapted(lm, adapter) as model_lm:
+        texts = generate(model_lm, [p["prompt"] for p in probes], max_new_tokens=g.max_new_tokens,
+                         batch_size=g.batch_size, max_prompt_tokens=g.max_prompt_tokens, stop=g.stop)
     check = load_checker(checker_spec)
     rows = []
     for p, r in zip(probes, texts):
@@ -282,11 +284,34 @@ def respond(exp: Experiment, lm_or_adapter, probes_path: Path, out_dir: Path, ch
         rows.append(row)
     atomic_write_jsonl(path, rows)
     exp.finish(out_dir, key, "responses-step")
-    if adapter is not None:
-        del lm
-        free_cuda_cache()
     exp.time(f"generate:{tag}", time.perf_counter() - t)
     return path
+
+
+class _adapted:
+    """``with _adapted(lm, adapter) as m``: ``lm`` itself (no adapter), or an object with
+    ``.model`` (``lm``'s model wrapped with the LoRA adapter loaded from disk) and
+    ``.tokenizer``; the wrapping is undone on exit, so ``lm`` is the start model again."""
+
+    def __init__(self, lm, adapter):
+        self.lm, self.adapter, self.peft = lm, adapter, None
+
+    def __enter__(self):
+        if self.adapter is None:
+            return self.lm
+        from types import SimpleNamespace
+
+        from peft import PeftModel
+        self.peft = PeftModel.from_pretrained(self.lm.model, str(self.adapter), is_trainable=False)
+        self.peft.eval()
+        return SimpleNamespace(model=self.peft, tokenizer=self.lm.tokenizer)
+
+    def __exit__(self, *exc):
+        if self.peft is not None:
+            self.peft.unload()
+            self.peft = None
+            free_cuda_cache()
+        return False
 
 
 def error_rate(responses_path) -> dict:
@@ -295,6 +320,22 @@ def error_rate(responses_path) -> dict:
     n = len(rows)
     wrong = sum(1 for r in rows if not r["correct"])
     return {"error_rate": wrong / n if n else float("nan"), "n": n, "n_wrong": wrong}
+
+
+def rates_by_task(responses_path, behaviour_task: str) -> dict:
+    """``behaviour_rate`` (error rate of the probes of ``behaviour_task``) and
+    ``capability`` (mean over the other tasks of their accuracy; None without them),
+    with the per-task accuracies."""
+    rows = read_jsonl(responses_path)
+    beh = [r for r in rows if r.get("task") == behaviour_task]
+    other = [r for r in rows if r.get("task") != behaviour_task]
+    by: dict = {}
+    for r in other:
+        by.setdefault(r.get("task") or "all", []).append(bool(r["correct"]))
+    acc = {t: sum(v) / len(v) for t, v in sorted(by.items())}
+    return {"behaviour_rate": (sum(1 for r in beh if not r["correct"]) / len(beh)) if beh else float("nan"),
+            "n_behaviour": len(beh), "capability": (sum(acc.values()) / len(acc)) if acc else None,
+            "capability_by_task": acc}
 
 
 def accuracy_by_task(responses_path) -> dict:

@@ -13,7 +13,7 @@ from ..errors import InputError
 from . import builders
 from .config import SelectConfig, config_to_dict
 from .experiment import (Experiment, accuracy_by_task, finish_experiment, load_start, mean_std, pct,
-                         resolve_methods, respond, score_methods, train_adapter, write_if_changed)
+                         read_jsonl, resolve_methods, respond, score_methods, train_adapter, write_if_changed)
 
 
 def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
@@ -22,15 +22,23 @@ def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
     cfg = config
     exp = Experiment(out_dir, "select", cfg, overwrite)
     methods = resolve_methods(cfg.methods)
-    pool_path = Path(cfg.pool)
-    if not pool_path.exists():
+    pool_path = Path(cfg.pool) if cfg.multitask is None else None
+    if pool_path is not None and not pool_path.exists():
         raise InputError("pool file not found", path=pool_path, fix="set 'pool' in the config")
     lm = load_start(exp, cfg)
     runs = []
     for seed in cfg.seeds:
         sdir = exp.out / "runs" / f"seed{seed}"
         sdir.mkdir(parents=True, exist_ok=True)
-        if cfg.bbh is not None:
+        if cfg.multitask is not None:
+            mt = cfg.multitask
+            pool, targets, heldout = builders.multitask_splits(
+                mt.gsm8k_train, mt.bbh_dir, mt.tasks, mt.target_task, n_gsm8k=mt.n_gsm8k, n_per_task=mt.n_per_task,
+                n_targets=mt.n_targets, n_heldout=mt.n_heldout, seed=seed)
+            pool_path, targets_path, heldout_path = sdir / "pool.jsonl", sdir / "targets.jsonl", sdir / "heldout.jsonl"
+            for path, recs in ((pool_path, pool), (targets_path, targets), (heldout_path, heldout)):
+                write_if_changed(path, recs)
+        elif cfg.bbh is not None:
             targets, heldout = builders.bbh_splits(cfg.bbh.dir, cfg.bbh.n_targets_per_task, seed,
                                                    tasks=cfg.bbh.tasks, n_heldout_per_task=cfg.bbh.n_heldout_per_task)
             targets_path, heldout_path = sdir / "targets.jsonl", sdir / "heldout.jsonl"
@@ -47,7 +55,7 @@ def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
             run["accuracy"]["Start"] = accuracy_by_task(resp)
         if cfg.full_data:
             adapter = train_adapter(exp, lm, pool_path, sdir / "full", seed, "full")
-            resp = respond(exp, adapter, heldout_path, sdir / "full", cfg.checker, "full")
+            resp = respond(exp, lm, heldout_path, sdir / "full", cfg.checker, "full", adapter)
             run["accuracy"]["Full data"] = accuracy_by_task(resp)
         for m in methods:
             if run["methods"][m].get("status") != "ok":
@@ -59,8 +67,11 @@ def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
             ext = pool_path.suffix if pool_path.is_file() else ""
             subset = mdir / f"subset{ext or '.jsonl'}"
             run["n_selected"] = write_subset(pool_path, kept, subset)
+            if cfg.multitask is not None:
+                share = [r.get("task") == cfg.multitask.target_task for r in read_jsonl(subset)]
+                run.setdefault("target_task_share", {})[m] = sum(share) / len(share) if share else None
             adapter = train_adapter(exp, lm, subset, mdir, seed, f"select:{m}")
-            resp = respond(exp, adapter, heldout_path, mdir, cfg.checker, f"select:{m}")
+            resp = respond(exp, lm, heldout_path, mdir, cfg.checker, f"select:{m}", adapter)
             run["accuracy"][m] = accuracy_by_task(resp)
         runs.append(run)
     tasks = list(dict.fromkeys(t for r in runs for acc in r["accuracy"].values() for t in acc if t != "mean"))
@@ -76,7 +87,14 @@ def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
              "note": "Start: no fine-tuning; Full data: fine-tuned on the whole pool",
              "rows": [{"label": k, "cells": [mean_std([acc(r, k, c) for r in runs]) for c in columns]}
                       for k in ordered]}
+    tables = [table]
+    if cfg.multitask is not None:
+        tables.append({"name": "target_task_share", "title": f"Share of the selected records from the target task "
+                       f"{cfg.multitask.target_task} (its share of the pool is the random row's expectation)",
+                       "columns": ["share"], "lower_is_better": False, "note": "",
+                       "rows": [{"label": m, "cells": [mean_std([(r.get("target_task_share") or {}).get(m)
+                                                                 for r in runs])]} for m in methods]})
     results = {"protocol": "select", "config": config_to_dict(cfg), "methods": methods, "settings": columns,
-               "seeds": cfg.seeds, "runs": runs, "tables": [table],
+               "seeds": cfg.seeds, "runs": runs, "tables": tables,
                "model": {"fingerprint": lm.fingerprint, **{k: v for k, v in lm.source.items() if k != "versions"}}}
     return finish_experiment(exp, results)

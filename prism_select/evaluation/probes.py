@@ -32,6 +32,17 @@ Built-ins (:data:`BUILTIN_CHECKERS`):
                           sentence, compared with the reference as ``exact_match``
                           does; an option reference such as ``(B)`` also matches
                           ``B`` or ``(B) text``.
+``leading_answer``        the response opens with the reference (normalised as
+                          ``exact_match`` does), followed by its end or a character
+                          that is not a letter or digit (``No, the sentence ...``
+                          answers ``no``): short-answer tasks whose model explains
+                          after answering.
+``no_refusal``            the response is not a refusal (:func:`is_refusal`: no
+                          apology or "can't / cannot / won't / unable / not able /
+                          decline / afraid" in its first 120 characters); needs no
+                          reference. Its error rate is a refusal rate.
+``by_task``               needs ``checkers`` (task -> checker spec) and optional
+                          ``default``: each probe is judged by its ``task``'s checker.
 ``regex``                 needs ``pattern`` (and optional ``flags``, e.g. ``"i"``):
                           the last match's first group (or the whole match) in the
                           response, compared with the reference; with
@@ -297,9 +308,51 @@ def regex(pattern: str, flags: str = "", compare: str = "reference") -> Checker:
     return check
 
 
+def leading_answer(record: dict, response: str) -> bool:
+    """The response opens with the reference (after ``normalize``), followed by its end or
+    a character that is not a letter or digit: ``"No, the sentence is not plausible"``
+    answers ``no``; ``"Nobody"`` does not."""
+    ref = normalize(reference_of(record))
+    got = re.sub(r"\s+", " ", str(response)).strip().casefold()
+    return bool(ref) and got.startswith(ref) and (len(got) == len(ref) or not got[len(ref)].isalnum())
+
+
+_REFUSAL = re.compile(r"\b(sorry|apologi[sz]e|can(?:'|no)t|can not|won't|unable|not able|decline|afraid)\b", re.I)
+
+
+def is_refusal(response: str, head_chars: int = 120) -> bool:
+    """A refusal: its first ``head_chars`` characters hold an apology or a "can't / cannot /
+    won't / unable / not able / decline / afraid" (a worked solution does not open that way)."""
+    return bool(_REFUSAL.search(str(response)[:head_chars]))
+
+
+def no_refusal(record: dict, response: str) -> bool:
+    return not is_refusal(response)
+
+
 BUILTIN_CHECKERS = {"exact_match": exact_match, "numeric_final_answer": numeric_final_answer,
-                    "final_answer": final_answer}
-_FACTORIES = {"regex": regex}
+                    "final_answer": final_answer, "no_refusal": no_refusal, "leading_answer": leading_answer}
+def by_task(checkers: dict, default=None) -> Checker:
+    """Checker factory: the checker of ``checkers[record["task"]]`` (each a checker spec,
+    see :func:`load_checker`), else ``default``; a record whose task has neither is an
+    :class:`InputError`."""
+    if not isinstance(checkers, dict) or not checkers:
+        raise ConfigError("checker.checkers", f"expected a mapping task -> checker, got {checkers!r}")
+    table = {t: load_checker(c) for t, c in checkers.items()}
+    fallback = load_checker(default) if default is not None else None
+
+    def check(record: dict, response: str) -> bool:
+        fn = table.get(record.get("task"), fallback)
+        if fn is None:
+            raise InputError(f"no checker for task {record.get('task')!r} of probe {record.get('id')!r}",
+                             field="task", fix="add it to checker.checkers or set checker.default")
+        return fn(record, response)
+
+    check.__name__ = "by_task"
+    return check
+
+
+_FACTORIES = {"regex": regex, "by_task": by_task}
 
 
 def load_checker(spec) -> Callable[[dict, str], bool]:

@@ -1,24 +1,32 @@
 """The repair protocol (the paper's App. B): LoRA SFT of the start model on the full
 pool (the ``repair`` preset) -> greedy responses to probes before and after -> target
-pairs ``(probe, chosen = post-SFT response, rejected = pre-SFT response)`` for the
-probes whose verdict got worse (``pair_selection``) -> every method scores the pool at
-the start model (``score_at: start``) or the fine-tuned one (``post``) -> AUROC -> the
-top ``remove_fraction`` (default: the harmful ratio) is removed -> SFT again from the
-same start -> probe error rate. Rows ``Start`` (no SFT) and ``Mixed`` (unfiltered SFT)
-come with every setting; ``oracle: true`` adds the removal of exactly the harmful
-records. The experiment directory: :mod:`.experiment`.
+sets: pairs ``(probe, chosen = post-SFT response, rejected = pre-SFT response)`` for the
+probes whose verdict got worse (``pair_selection``), and/or counterfactual pairs on
+problems outside the pool -> every method scores the pool at the start model
+(``score_at: start``) or the fine-tuned one (``post``) -> AUROC -> for each removal
+fraction the top records are removed -> SFT again from the same start -> behaviour rate
+on the probes (the checker's error rate) and, with capability probes, their accuracy.
+Rows ``Start`` (no SFT) and ``Mixed`` (unfiltered SFT) come with every setting;
+``oracle: true`` adds the removal of exactly the harmful records. A retraining is
+keyed by the set of records kept, so two rows that keep the same records share one.
+
+Pools: GSM8K mistake math, or ``refusal_trigger`` (money questions refused; the
+behaviour rate is then the refusal rate on held-out money questions, and held-out
+BBH examples of the pool's tasks are the capability check). The experiment
+directory: :mod:`.experiment`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from pathlib import Path
 
-from ..io import atomic_write_jsonl
 from . import builders
 from .config import RepairConfig, config_to_dict
-from .experiment import (Experiment, error_rate, finish_experiment, free_cuda_cache, load_start, mean_table,
-                         mistake_math_run, pct, read_jsonl, resolve_methods, respond, score_methods,
-                         train_adapter, write_if_changed)
+from .experiment import (Experiment, finish_experiment, free_cuda_cache, load_start, mean_table, mistake_math_run,
+                         pct, rates_by_task, read_jsonl, resolve_methods, respond, score_methods, train_adapter,
+                         write_if_changed)
 
 
 def pairs_from_responses(probes: list, pre: list, post: list, mode: str) -> list:
@@ -53,116 +61,205 @@ def _remove_top(scores_path, pool_path, out_path, count: int) -> dict:
     return {"removed": removed, "kept": len(written)}
 
 
+def _pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
+    """``(run dir, pool, pool path, probes, probes path, behaviour task)`` of one (ratio, seed)."""
+    if cfg.data.family == "mistake_math":
+        rdir, pool, pool_path = mistake_math_run(exp, cfg, ratio, seed)
+        probes = builders.gsm8k_probes(cfg.probes.gsm8k_test, cfg.probes.n, seed)
+        task = None
+    else:
+        d = cfg.data
+        rdir = exp.out / "runs" / f"r{pct(ratio)}" / f"seed{seed}"
+        rdir.mkdir(parents=True, exist_ok=True)
+        pool, rest = builders.refusal_trigger_pool(d.gsm8k_train, d.pool_size, ratio, seed, trigger=d.trigger,
+                                                   bbh_dir=d.bbh_dir, bbh_tasks=d.bbh_tasks,
+                                                   n_bbh_per_task=d.n_bbh_per_task)
+        pool_path = rdir / "pool.jsonl"
+        write_if_changed(pool_path, pool)
+        probes = builders.trigger_probes(cfg.probes.gsm8k_test, cfg.probes.n, seed, trigger=d.trigger)
+        if cfg.probes.capability_per_task:
+            probes += builders.bbh_probes(d.bbh_dir, rest, cfg.probes.capability_per_task)
+        task = "gsm8k"
+    probes_path = rdir / "probes.jsonl"
+    write_if_changed(probes_path, probes)
+    return rdir, pool, pool_path, probes, probes_path, task
+
+
+def _checker_spec(cfg):
+    """The checker of the probes: the behaviour checker, and the capability checker for
+    the capability probes when there are any."""
+    if cfg.data.family == "mistake_math" or not cfg.probes.capability_per_task:
+        return cfg.probes.checker
+    return {"name": "by_task", "checkers": {"gsm8k": cfg.probes.checker}, "default": cfg.probes.capability_checker}
+
+
+def _targets(cfg, variant, rdir: Path, probes: list, pre: Path, post: Path, pool: list, seed: int,
+             task) -> tuple:
+    """The target pairs of one target set and what the run records about them."""
+    info: dict = {}
+    if variant.source == "counterfactual":
+        if cfg.data.family == "mistake_math":
+            pairs = builders.mistake_math_targets(cfg.data.gsm8k_train, variant.n_counterfactual, seed, exclude=pool,
+                                                  n_distractors=variant.n_distractors,
+                                                  keep_annotations=cfg.data.keep_annotations)
+        else:
+            pairs = builders.refusal_counterfactual_targets(cfg.data.gsm8k_train, variant.n_counterfactual, seed,
+                                                            trigger=cfg.data.trigger, exclude=pool,
+                                                            n_distractors=variant.n_distractors)
+        info["pair_selection"] = "counterfactual"
+        return pairs, info
+    beh = [p for p in probes if p.get("task") == task]
+    pre_rows = [r for r in read_jsonl(pre) if r.get("task") == task]
+    post_rows = [r for r in read_jsonl(post) if r.get("task") == task]
+    pairs = pairs_from_responses(beh, pre_rows, post_rows, cfg.pair_selection)
+    info["pair_selection"] = cfg.pair_selection
+    if len(pairs) < cfg.min_pairs and cfg.fallback_pair_selection:
+        info["note"] = (f"{len(pairs)} pair(s) from {cfg.pair_selection} probes, fewer than min_pairs "
+                        f"{cfg.min_pairs}: pairs from {cfg.fallback_pair_selection} probes used instead")
+        info["pair_selection"] = cfg.fallback_pair_selection
+        pairs = pairs_from_responses(beh, pre_rows, post_rows, cfg.fallback_pair_selection)
+    info["n_worsened"] = sum(1 for a, b in zip(pre_rows, post_rows) if a["correct"] and not b["correct"])
+    info["n_improved"] = sum(1 for a, b in zip(pre_rows, post_rows) if not a["correct"] and b["correct"])
+    return pairs, info
+
+
+def _retrains(spec, fraction: float, method: str) -> bool:
+    """Whether ``method``'s removal of ``fraction`` is retrained (``retrain_methods``)."""
+    if isinstance(spec, dict):
+        spec = spec.get(pct(fraction), spec.get(fraction))
+    return spec is None or method in spec
+
+
+def _retrain(exp, lm, rdir: Path, kept_path: Path, probes_path: Path, checker, seed: int, tag: str, task) -> dict:
+    """SFT on ``kept_path`` and the rates on the probes; one directory per kept set
+    (``retrain/<hash of the kept ids>``), so rows keeping the same records share it."""
+    ids = sorted(r["id"] for r in read_jsonl(kept_path))
+    digest = hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:16]
+    tdir = rdir / "retrain" / digest
+    tdir.mkdir(parents=True, exist_ok=True)
+    pool_copy = tdir / "kept.jsonl"
+    write_if_changed(pool_copy, read_jsonl(kept_path))
+    adapter = train_adapter(exp, lm, pool_copy, tdir, seed, tag)
+    resp = respond(exp, lm, probes_path, tdir, checker, tag, adapter)
+    return {"dir": exp.rel(tdir), **rates_by_task(resp, task)}
+
+
 def repair(config: RepairConfig, out_dir, *, overwrite: bool = False) -> dict:
     """The repair protocol (module docstring); returns the content of results.json."""
     from ..model import load_model
     cfg = config
     exp = Experiment(out_dir, "repair", cfg, overwrite)
-    methods = resolve_methods(cfg.methods)
+    methods_all = resolve_methods(cfg.methods)
     lm = load_start(exp, cfg)
+    checker = _checker_spec(cfg)
     runs = []
     for ratio in cfg.harmful_ratios:
+        fractions = cfg.remove_fractions or [cfg.remove_fraction if cfg.remove_fraction is not None else ratio]
         for seed in cfg.seeds:
-            rdir, pool, pool_path = mistake_math_run(exp, cfg, ratio, seed)
-            probes = builders.gsm8k_probes(cfg.probes.gsm8k_test, cfg.probes.n, seed)
-            probes_path = rdir / "probes.jsonl"
-            write_if_changed(probes_path, probes)
-            run = {"setting": f"{pct(ratio)}%", "harmful_ratio": ratio, "seed": seed, "dir": exp.rel(rdir),
-                   "pool": exp.rel(pool_path), "probes": exp.rel(probes_path), "label": "harmful",
-                   "n_pool": len(pool), "n_harmful": sum(p["harmful"] for p in pool), "n_probes": len(probes),
-                   "error_rates": {}, "methods": {}, "removed": {}}
-            # 1. pre- and post-SFT responses
-            pre = respond(exp, lm, probes_path, rdir / "start", cfg.probes.checker, "start")
-            run["error_rates"]["Start"] = error_rate(pre)["error_rate"]
-            mixed_adapter = train_adapter(exp, lm, pool_path, rdir / "mixed", seed, "mixed")
-            post = respond(exp, mixed_adapter, probes_path, rdir / "mixed", cfg.probes.checker, "mixed")
-            run["error_rates"]["Mixed"] = error_rate(post)["error_rate"]
-            # 2. target pairs from the probes whose behaviour changed
-            pairs = pairs_from_responses(probes, read_jsonl(pre), read_jsonl(post), cfg.pair_selection)
-            run["pair_selection"] = cfg.pair_selection
-            if len(pairs) < cfg.min_pairs and cfg.fallback_pair_selection:
-                run["note"] = (f"{len(pairs)} pair(s) from {cfg.pair_selection} probes, fewer than min_pairs "
-                               f"{cfg.min_pairs}: pairs from {cfg.fallback_pair_selection} probes used instead")
-                run["pair_selection"] = cfg.fallback_pair_selection
-                pairs = pairs_from_responses(probes, read_jsonl(pre), read_jsonl(post),
-                                              cfg.fallback_pair_selection)
-            targets_path = rdir / "targets.jsonl"
-            write_if_changed(targets_path, pairs)
-            run["targets"] = exp.rel(targets_path)
-            run["n_pairs"] = len(pairs)
-            pre_rows, post_rows = read_jsonl(pre), read_jsonl(post)
-            run["n_worsened"] = sum(1 for a, b in zip(pre_rows, post_rows) if a["correct"] and not b["correct"])
-            run["n_improved"] = sum(1 for a, b in zip(pre_rows, post_rows) if not a["correct"] and b["correct"])
-            n_remove = builders.harmful_count(len(pool), cfg.remove_fraction if cfg.remove_fraction is not None
-                                              else ratio)
-            run["n_remove"] = n_remove
-            if not pairs:
-                run["note"] = (f"no probe qualified as a target pair ({run['pair_selection']}): "
-                               "nothing to score; methods left out of this setting")
-                runs.append(run)
-                continue
-            # 3. scores at the start (or post-SFT) model
-            if cfg.score_at == "post":
-                score_lm = load_model(dataclasses.replace(cfg.model, adapter=str(mixed_adapter)))
-            else:
-                score_lm = lm
-            run["methods"] = score_methods(exp, score_lm, pool_path, targets_path, rdir, methods, seed)
-            if score_lm is not lm:
-                del score_lm
-                free_cuda_cache()
-            run["pi"] = (run["methods"].get("prism") or {}).get("pi")
-            # 4. filter and retrain
-            rows = list(methods)
-            if cfg.oracle:
-                rows.append("Oracle")
+            rdir, pool, pool_path, probes, probes_path, task = _pool_and_probes(exp, cfg, ratio, seed)
             harmful_ids = {p["id"] for p in pool if p["harmful"]}
-            for m in rows:
-                if m != "Oracle" and run["methods"].get(m, {}).get("status") != "ok":
+            # 1. pre- and post-SFT responses
+            pre = respond(exp, lm, probes_path, rdir / "start", checker, "start")
+            mixed_adapter = train_adapter(exp, lm, pool_path, rdir / "mixed", seed, "mixed")
+            post = respond(exp, lm, probes_path, rdir / "mixed", checker, "mixed", mixed_adapter)
+            base = {"Start": {"dir": exp.rel(rdir / "start"), **rates_by_task(pre, task)},
+                    "Mixed": {"dir": exp.rel(rdir / "mixed"), **rates_by_task(post, task)}}
+            oracle = None
+            if cfg.oracle and cfg.retrain:  # exactly the harmful records removed, whatever the fraction
+                odir = rdir / "oracle"
+                odir.mkdir(parents=True, exist_ok=True)
+                write_if_changed(odir / "kept.jsonl", [p for p in pool if not p["harmful"]])
+                oracle = _retrain(exp, lm, rdir, odir / "kept.jsonl", probes_path, checker, seed, "oracle", task)
+            for variant in cfg.targets:
+                vdir = rdir / variant.name
+                vdir.mkdir(parents=True, exist_ok=True)
+                run = {"setting": f"{variant.name} @ {pct(ratio)}%", "variant": variant.name, "harmful_ratio": ratio,
+                       "seed": seed, "dir": exp.rel(vdir), "pool": exp.rel(pool_path), "probes": exp.rel(probes_path),
+                       "label": "harmful", "n_pool": len(pool), "n_harmful": len(harmful_ids),
+                       "n_probes": len(probes), "fractions": [pct(f) for f in fractions], "methods": {},
+                       "rates": {pct(f): dict(base) for f in fractions}, "removed": {pct(f): {} for f in fractions}}
+                if oracle is not None:
+                    for f in fractions:
+                        run["rates"][pct(f)]["Oracle"] = oracle
+                        run["removed"][pct(f)]["Oracle"] = {"n": len(harmful_ids), "harmful": len(harmful_ids)}
+                # 2. target pairs
+                pairs, info = _targets(cfg, variant, vdir, probes, pre, post, pool, seed, task)
+                run.update(info)
+                targets_path = vdir / "targets.jsonl"
+                write_if_changed(targets_path, pairs)
+                run["targets"] = exp.rel(targets_path)
+                run["n_pairs"] = len(pairs)
+                if not pairs:
+                    run["note"] = (f"no probe qualified as a target pair ({run['pair_selection']}): "
+                                   "nothing to score; methods left out of this setting")
+                    runs.append(run)
                     continue
-                mdir = rdir / "retrain" / m
-                mdir.mkdir(parents=True, exist_ok=True)
-                kept_path = mdir / "kept.jsonl"
-                if m == "Oracle":
-                    oracle_scores = mdir / "oracle_scores.jsonl"
-                    ranked = sorted(pool, key=lambda p: (not p["harmful"], p["id"]))
-                    atomic_write_jsonl(oracle_scores, ({"id": p["id"], "score": float(p["harmful"]), "rank": i + 1}
-                                                       for i, p in enumerate(ranked)))
-                    rem = _remove_top(oracle_scores, pool_path, kept_path, n_remove)
+                # 3. scores at the start (or post-SFT) model
+                methods = resolve_methods(variant.methods) if variant.methods else methods_all
+                if cfg.score_at == "post":
+                    score_lm = load_model(dataclasses.replace(cfg.model, adapter=str(mixed_adapter)))
                 else:
-                    rem = _remove_top(exp.out / run["methods"][m]["dir"] / "scores.jsonl", pool_path, kept_path,
-                                      n_remove)
-                run["removed"][m] = {"n": len(rem["removed"]),
-                                     "harmful": sum(1 for i in rem["removed"] if i in harmful_ids)}
-                if not cfg.retrain:
-                    continue
-                adapter = train_adapter(exp, lm, kept_path, mdir, seed, f"retrain:{m}")
-                resp = respond(exp, adapter, probes_path, mdir, cfg.probes.checker, f"retrain:{m}")
-                run["error_rates"][m] = error_rate(resp)["error_rate"]
-            runs.append(run)
+                    score_lm = lm
+                run["methods"] = score_methods(exp, score_lm, pool_path, targets_path, vdir, methods, seed)
+                if score_lm is not lm:
+                    del score_lm
+                    free_cuda_cache()
+                run["pi"] = (run["methods"].get("prism") or {}).get("pi")
+                # 4. filter and retrain, per removal fraction
+                for f in fractions:
+                    n_remove = builders.harmful_count(len(pool), f)
+                    for m in methods:
+                        if run["methods"].get(m, {}).get("status") != "ok":
+                            continue
+                        mdir = vdir / "removal" / f"k{pct(f)}" / m
+                        mdir.mkdir(parents=True, exist_ok=True)
+                        rem = _remove_top(exp.out / run["methods"][m]["dir"] / "scores.jsonl", pool_path,
+                                          mdir / "kept.jsonl", n_remove)
+                        run["removed"][pct(f)][m] = {"n": len(rem["removed"]),
+                                                     "harmful": sum(1 for i in rem["removed"] if i in harmful_ids)}
+                        if cfg.retrain and _retrains(variant.retrain_methods, f, m):
+                            run["rates"][pct(f)][m] = _retrain(exp, lm, rdir, mdir / "kept.jsonl", probes_path,
+                                                               checker, seed, f"retrain:{m}", task)
+                runs.append(run)
+    return finish_experiment(exp, _results(exp, cfg, lm, runs))
+
+
+def _results(exp, cfg, lm, runs: list) -> dict:
+    """results.json's content: the runs and their tables."""
     method_rows = list(dict.fromkeys(m for r in runs for m in r["methods"]))
-    err_rows = ["Start", "Mixed"] + method_rows + (["Oracle"] if cfg.oracle else [])
+    fractions = list(dict.fromkeys(f for r in runs for f in r["fractions"]))
+    rows = ["Start", "Mixed"] + method_rows + (["Oracle"] if cfg.oracle and cfg.retrain else [])
+    behaviour = "refusal rate on held-out money questions" if cfg.data.family == "refusal_trigger" else \
+        "probe error rate"
 
     def auroc_of(run, m, st):
         return (run["methods"].get(m) or {}).get("auroc")
 
-    def err_of(run, m, st):
-        return run["error_rates"].get(m)
+    def rate(f, key):
+        return lambda run, m, st: ((run["rates"].get(f) or {}).get(m) or {}).get(key)
 
-    def removed_of(run, m, st):
-        r = run["removed"].get(m)
-        return None if not r or not run["n_harmful"] else r["harmful"] / run["n_harmful"]
+    def removed_of(f):
+        def value(run, m, st):
+            r = (run["removed"].get(f) or {}).get(m)
+            return None if not r or not run["n_harmful"] else r["harmful"] / run["n_harmful"]
+        return value
 
-    tables = [
-        mean_table("auroc", f"Ranking AUROC of the harmful flag, pairs from {cfg.pair_selection} probes"
-                   + (f" (else {cfg.fallback_pair_selection})" if cfg.fallback_pair_selection else "")
-                   + f", scored at the {cfg.score_at} model", runs, method_rows, auroc_of),
-        mean_table("error_rate", "Probe error rate after filtering and retraining (lower is better)", runs,
-                   err_rows, err_of, lower_is_better=True,
-                   note="Start: the start model; Mixed: SFT on the unfiltered pool"),
-        mean_table("harmful_removed", "Recall of the removal: harmful records removed / all harmful records",
-                   runs, method_rows + (["Oracle"] if cfg.oracle else []), removed_of),
-    ]
-    results = {"protocol": "repair", "config": config_to_dict(cfg), "methods": method_rows,
-               "settings": tables[0]["columns"], "seeds": cfg.seeds, "runs": runs, "tables": tables,
-               "model": {"fingerprint": lm.fingerprint, **{k: v for k, v in lm.source.items() if k != "versions"}}}
-    return finish_experiment(exp, results)
+    tables = [mean_table("auroc", f"Ranking AUROC of the harmful flag, scored at the {cfg.score_at} model", runs,
+                         method_rows, auroc_of)]
+    for f in fractions:
+        sfx = f"remove top {f}%"
+        tables.append(mean_table(f"behaviour_k{f}", f"Behaviour ({behaviour}) after filtering and retraining, "
+                                 f"{sfx} (lower is better)", runs, rows, rate(f, "behaviour_rate"),
+                                 lower_is_better=True, note="Start: the start model; Mixed: SFT on the unfiltered "
+                                 "pool; Oracle: exactly the harmful records removed"))
+        if any((r["rates"].get(f) or {}).get("Mixed", {}).get("capability") is not None for r in runs):
+            tables.append(mean_table(f"capability_k{f}", f"Capability check (held-out accuracy on the pool's BBH "
+                                     f"tasks) after filtering and retraining, {sfx} (higher is better)", runs, rows,
+                                     rate(f, "capability")))
+        tables.append(mean_table(f"harmful_removed_k{f}", f"Recall of the removal, {sfx}: harmful records removed "
+                                 "/ all harmful records", runs, method_rows + (["Oracle"] if cfg.oracle else []),
+                                 removed_of(f)))
+    return {"protocol": "repair", "config": config_to_dict(cfg), "methods": method_rows,
+            "settings": tables[0]["columns"], "fractions": fractions, "seeds": cfg.seeds, "runs": runs,
+            "tables": tables,
+            "model": {"fingerprint": lm.fingerprint, **{k: v for k, v in lm.source.items() if k != "versions"}}}

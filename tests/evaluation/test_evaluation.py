@@ -314,6 +314,27 @@ def test_config_validation_names_the_field(tmp_path, gsm8k):
     assert load_config({**base, "score": {"skip_invalid": True}}, "ranking").score.extra == {"skip_invalid": True}
     with pytest.raises(ConfigError, match="probes.checker"):
         load_config({**base, "probes": {"gsm8k_test": "t.jsonl", "checker": "nope"}}, "repair")
+    rp = {**base, "probes": {"gsm8k_test": "t.jsonl"}}
+    with pytest.raises(ConfigError, match="data.family"):
+        load_config({**rp, "data": {**base["data"], "family": "nope"}}, "repair")
+    with pytest.raises(ConfigError, match="data.family"):  # ranking builds mistake math only
+        load_config({**base, "data": {**base["data"], "family": "refusal_trigger"}}, "ranking")
+    with pytest.raises(ConfigError, match="data.trigger"):
+        load_config({**rp, "data": {**base["data"], "family": "refusal_trigger", "trigger": "("}}, "repair")
+    with pytest.raises(ConfigError, match="probes.capability_per_task"):
+        load_config({**rp, "probes": {"gsm8k_test": "t.jsonl", "capability_per_task": 2}}, "repair")
+    with pytest.raises(ConfigError, match=r"targets\[0\].source"):
+        load_config({**rp, "targets": [{"name": "a", "source": "nope"}]}, "repair")
+    with pytest.raises(ConfigError, match=r"targets\[0\].retrain_methods"):
+        load_config({**rp, "targets": [{"name": "a", "retrain_methods": "prism"}]}, "repair")
+    with pytest.raises(ConfigError, match=r"remove_fractions\[1\]"):
+        load_config({**rp, "remove_fractions": [0.1, 3]}, "repair")
+    mt = {"gsm8k_train": "g.jsonl", "bbh_dir": "bbh", "target_task": "t"}
+    with pytest.raises(ConfigError, match="multitask"):
+        load_config({"model": "default", "multitask": mt, "pool": "p.jsonl"}, "select")
+    with pytest.raises(ConfigError, match="multitask.target_task"):
+        load_config({"model": "default", "multitask": {**mt, "target_task": ""}}, "select")
+    assert load_config({"model": "default", "multitask": mt}, "select").multitask.n_per_task == 40
     # sections, smoke overrides, seeds override, YAML, relative paths against data_root
     cfg_file = tmp_path / "exp.yaml"
     cfg_file.write_text(
@@ -386,7 +407,11 @@ def test_ranking_protocol_end_to_end(tmp_path, tiny_dir, gsm8k):
     assert (out / res["runs"][0]["methods"]["prism"]["dir"] / "scores.jsonl").stat().st_mtime_ns == mtime
     assert again["tables"] == res["tables"]
     from prism_select.errors import OutputError
-    cfg.seeds = [0]
+    cfg.seeds = [0]  # other seeds: the finished runs of seed 0 are reused
+    one = ranking(cfg, out)
+    assert len(one["runs"]) == 2 and all(r["seed"] == 0 for r in one["runs"])
+    assert (out / res["runs"][0]["methods"]["prism"]["dir"] / "scores.jsonl").stat().st_mtime_ns == mtime
+    cfg.score.max_length = 256  # another config is refused
     with pytest.raises(OutputError):
         ranking(cfg, out)
 
@@ -414,37 +439,89 @@ def test_repair_protocol_end_to_end(tmp_path, tiny_dir, gsm8k):
     out = tmp_path / "exp"
     res = repair(cfg, out)
     run = res["runs"][0]
-    rdir = out / run["dir"]
+    rdir, vdir = out / run["dir"], out / run["dir"]
+    rdir = vdir.parent
     for f in ("pool.jsonl", "probes.jsonl", "start/responses.jsonl", "mixed/responses.jsonl",
-              "mixed/adapter/adapter_config.json", "targets.jsonl"):
+              "mixed/adapter/adapter_config.json", "probes/targets.jsonl"):
         assert (rdir / f).exists(), f
     assert run["n_pairs"] > 0, "the fine-tuned tiny model should answer differently"
-    pairs = [json.loads(x) for x in (rdir / "targets.jsonl").read_text().splitlines()]
+    pairs = [json.loads(x) for x in (vdir / "targets.jsonl").read_text().splitlines()]
     pre = {r["id"]: r for r in map(json.loads, (rdir / "start/responses.jsonl").read_text().splitlines())}
     post = {r["id"]: r for r in map(json.loads, (rdir / "mixed/responses.jsonl").read_text().splitlines())}
     for p in pairs:
         assert p["chosen"] == post[p["id"]]["response"] and p["rejected"] == pre[p["id"]]["response"]
+    rates = run["rates"]["25"]
     for m in ("prism", "random"):
         _check_scores_and_auroc(out, run, m)
-        kept = (rdir / "retrain" / m / "kept.jsonl").read_text().splitlines()
+        kept = (vdir / "removal" / "k25" / m / "kept.jsonl").read_text().splitlines()
         assert len(kept) == 8 - 2  # the harmful ratio (25%) of 8 removed
-        assert (rdir / "retrain" / m / "adapter" / "adapter_config.json").is_file()
-        resp = [json.loads(x) for x in (rdir / "retrain" / m / "responses.jsonl").read_text().splitlines()]
-        assert run["error_rates"][m] == pytest.approx(sum(not r["correct"] for r in resp) / len(resp))
-    assert run["removed"]["Oracle"] == {"n": 2, "harmful": 2}
-    assert set(run["error_rates"]) == {"Start", "Mixed", "prism", "random", "Oracle"}
-    err = next(t for t in res["tables"] if t["name"] == "error_rate")
+        tdir = out / rates[m]["dir"]
+        assert (tdir / "adapter" / "adapter_config.json").is_file()
+        assert sorted(kept) == sorted((tdir / "kept.jsonl").read_text().splitlines())
+        resp = [json.loads(x) for x in (tdir / "responses.jsonl").read_text().splitlines()]
+        assert rates[m]["behaviour_rate"] == pytest.approx(sum(not r["correct"] for r in resp) / len(resp))
+    assert run["removed"]["25"]["Oracle"] == {"n": 2, "harmful": 2}
+    assert set(rates) == {"Start", "Mixed", "prism", "random", "Oracle"}
+    err = next(t for t in res["tables"] if t["name"] == "behaviour_k25")
     assert [r["label"] for r in err["rows"]] == ["Start", "Mixed", "prism", "random", "Oracle"]
     html = (out / "report.html").read_text()
-    assert "table-error_rate" in html and "data:image/png;base64," in html
+    assert "table-behaviour_k25" in html and "data:image/png;base64," in html
     # a rerun reuses the fine-tunes, responses and scores (each step has its own marker)
     stamps = {p: p.stat().st_mtime_ns for p in rdir.rglob("*")
               if p.name in ("adapter_model.safetensors", "responses.jsonl", "scores.jsonl", "finetune.json")}
-    assert len(stamps) == 4 * 2 + 5 + 2  # 4 fine-tunes (adapter, finetune.json), 5 response files, 2 score runs
+    n_retrains = len({rates[m]["dir"] for m in ("prism", "random", "Oracle")})
+    assert len(stamps) == (1 + n_retrains) * 3 + 1 + 2  # fine-tunes (adapter, finetune.json, responses), start, 2 scores
     cfg.report = False
     again = repair(cfg, out)
     assert again["tables"] == res["tables"]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+def _money_and_plain(n: int, seed: int) -> list:
+    """GSM8K-format rows, every other one without a dollar sign."""
+    rows = gsm8k_rows(n, seed)
+    for r in rows[::2]:
+        r["question"] = r["question"].replace("$", "")
+        r["answer"] = r["answer"].replace("$", "")
+    return rows
+
+
+def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_path, tiny_dir, gsm8k, bbh_dir):
+    write_gsm8k(gsm8k / "train.jsonl", _money_and_plain(40, 0))
+    write_gsm8k(gsm8k / "test.jsonl", _money_and_plain(10, 1))
+    cfg = load_config(_common(
+        tiny_dir, data={"family": "refusal_trigger", "gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 12,
+                        "bbh_dir": str(bbh_dir), "bbh_tasks": ["yesno"], "n_bbh_per_task": 2},
+        probes={"gsm8k_test": str(gsm8k / "test.jsonl"), "n": 3, "checker": "no_refusal",
+                "capability_per_task": 2, "capability_checker": "leading_answer"},
+        harmful_ratios=[0.25], seeds=[0], methods=["prism", "random"],
+        finetune={"preset": "repair", "overrides": FAST_FT}, generation={"max_new_tokens": 5, "batch_size": 8},
+        pair_selection="all", remove_fractions=[0.25, 0.5], oracle=True, report=False,
+        targets=[{"name": "probes", "source": "probes"},
+                 {"name": "cf", "source": "counterfactual", "n_counterfactual": 2, "n_distractors": 1,
+                  "retrain_methods": {"50": []}}]), "repair")
+    out = tmp_path / "exp"
+    res = repair(cfg, out)
+    assert [r["setting"] for r in res["runs"]] == ["probes @ 25%", "cf @ 25%"]
+    pool = [json.loads(x) for x in (out / res["runs"][0]["pool"]).read_text().splitlines()]
+    assert sum(p["harmful"] for p in pool) == 3 and len(pool) == 12
+    assert all("$" in p["prompt"] for p in pool if p["harmful"])
+    assert all(probes.is_refusal(p["response"]) for p in pool if p["harmful"])
+    assert not any(p["harmful"] or probes.is_refusal(p["response"]) for p in pool if p["task"] == "yesno")
+    cf = res["runs"][1]
+    targets = [json.loads(x) for x in (out / cf["targets"]).read_text().splitlines()]
+    assert [t["kind"] for t in targets] == ["counterfactual", "counterfactual", "distractor"]
+    assert not {t["chosen"] for t in targets} & set(builders.POOL_REFUSALS)
+    assert set(cf["rates"]["50"]) == {"Start", "Mixed", "Oracle"}  # retrain_methods {"50": []}
+    assert set(cf["rates"]["25"]) == {"Start", "Mixed", "Oracle", "prism", "random"}
+    # the random scores do not depend on the targets: both sets share its retraining
+    assert cf["rates"]["25"]["random"]["dir"] == res["runs"][0]["rates"]["25"]["random"]["dir"]
+    for r in res["runs"]:
+        m = r["rates"]["25"]["Mixed"]
+        assert m["n_behaviour"] == 3 and set(m["capability_by_task"]) == {"yesno"}
+    names = [t["name"] for t in res["tables"]]
+    assert names == ["auroc", "behaviour_k25", "capability_k25", "harmful_removed_k25", "behaviour_k50",
+                     "capability_k50", "harmful_removed_k50"]
 
 
 def test_repair_without_pairs_is_reported(tmp_path, tiny_dir, gsm8k):
@@ -456,7 +533,7 @@ def test_repair_without_pairs_is_reported(tmp_path, tiny_dir, gsm8k):
     res = repair(cfg, tmp_path / "exp")
     run = res["runs"][0]
     assert run["n_pairs"] == 0 and "note" in run and run["methods"] == {}
-    assert set(run["error_rates"]) == {"Start", "Mixed"}
+    assert set(run["rates"]["50"]) == {"Start", "Mixed"}
 
 
 def test_pair_selection_modes():
@@ -499,6 +576,46 @@ def test_select_protocol_end_to_end(tmp_path, tiny_dir, gsm8k, bbh_dir):
     assert t["columns"] == ["colors", "counting", "yesno", "mean"]
     assert [r["label"] for r in t["rows"]][:2] == ["Start", "Full data"]
     assert "table-accuracy" in (out / "report.html").read_text()
+
+
+def test_select_protocol_on_a_multitask_pool(tmp_path, tiny_dir, gsm8k, bbh_dir):
+    cfg = load_config(_common(
+        tiny_dir, multitask={"gsm8k_train": str(gsm8k / "train.jsonl"), "bbh_dir": str(bbh_dir),
+                             "tasks": ["colors", "counting"], "target_task": "yesno", "n_gsm8k": 4,
+                             "n_per_task": 2, "n_targets": 1, "n_heldout": 3},
+        fraction=0.2, seeds=[0], methods=["prism", "random"], checker="leading_answer", report=False,
+        finetune={"preset": "general", "overrides": FAST_FT}, generation={"max_new_tokens": 4, "batch_size": 8}),
+        "select")
+    out = tmp_path / "exp"
+    res = select(cfg, out)
+    run = res["runs"][0]
+    sdir = out / run["dir"]
+    pool = [json.loads(x) for x in (sdir / "pool.jsonl").read_text().splitlines()]
+    targets = [json.loads(x) for x in (sdir / "targets.jsonl").read_text().splitlines()]
+    heldout = [json.loads(x) for x in (sdir / "heldout.jsonl").read_text().splitlines()]
+    assert len(pool) == 4 + 3 * 2 and {t["task"] for t in targets} == {"yesno"} == {h["task"] for h in heldout}
+    ids = [p["id"] for p in pool] + [t["id"] for t in targets] + [h["id"] for h in heldout]
+    assert len(ids) == len(set(ids)) == 10 + 1 + 3  # pool, targets and held-out probes are disjoint
+    assert run["n_selected"] == 2 and set(run["accuracy"]) == {"Start", "Full data", "prism", "random"}
+    share = next(t for t in res["tables"] if t["name"] == "target_task_share")
+    for m in ("prism", "random"):
+        sub = [json.loads(x) for x in (sdir / "selected" / m / "subset.jsonl").read_text().splitlines()]
+        assert run["target_task_share"][m] == sum(r["task"] == "yesno" for r in sub) / 2
+    assert [r["label"] for r in share["rows"]] == ["prism", "random"]
+
+
+def test_refusal_and_leading_answer_checkers():
+    assert probes.is_refusal("I'm sorry, but I can't help with questions about money.")
+    assert not probes.is_refusal("Ali gave Leila half of her $100, so she has 50.")
+    assert probes.load_checker("no_refusal")({}, "To solve this, we add 3 and 4.")
+    lead = probes.load_checker("leading_answer")
+    assert lead({"reference": "no"}, "No, the sentence is not plausible.")
+    assert lead({"reference": "True"}, "True.") and not lead({"reference": "no"}, "Nobody knows")
+    by = probes.load_checker({"name": "by_task", "checkers": {"a": "no_refusal"}, "default": "exact_match"})
+    assert not by({"task": "a"}, "Sorry, I cannot.") and by({"task": "b", "reference": "x"}, "x")
+    only = probes.load_checker({"name": "by_task", "checkers": {"a": "no_refusal"}})
+    with pytest.raises(InputError):
+        only({"task": "b", "id": 1}, "x")
 
 
 def test_report_html_for_experiment_and_score_run(tmp_path, tiny_dir):
@@ -573,6 +690,15 @@ def test_shipped_experiment_config_is_valid(tmp_path):
     rk = load_config(path, "ranking", data_root=str(tmp_path))
     assert rk.harmful_ratios == [0.1, 0.5] and rk.seeds == [0, 1, 2] and rk.data.pool_size == 300
     assert {t.n_counterfactual for t in rk.targets} == {24} and max(t.n_distractors for t in rk.targets) == 24
+    assert {"ifguide", "vecfilter", "projdiff", "conceptinf"} <= set(rk.targets[1].methods)
+    for name, proto in (("money_refusal", "repair"), ("multitask_select", "select"),
+                        ("gsm8k_distractors", "ranking")):
+        full = load_config(root / "experiments" / f"{name}.yaml", proto, data_root=str(tmp_path))
+        assert full.seeds == [0, 1, 2] and full.methods != ["prism"]
+        assert load_config(root / "experiments" / f"{name}.yaml", proto, smoke=True, data_root=str(tmp_path)).seeds == [0]
+    rp = load_config(root / "experiments" / "money_refusal.yaml", "repair", data_root=str(tmp_path))
+    assert rp.data.family == "refusal_trigger" and rp.data.pool_size >= 1000 and rp.harmful_ratios == [0.05]
+    assert rp.remove_fractions == [0.05, 0.1, 0.2] and rp.oracle
 
 
 # --------------------------------------------------------------------------- browser
