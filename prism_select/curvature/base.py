@@ -15,6 +15,9 @@ from ..io import atomic_write_json
 KINDS = ("ekfac", "kfac", "diagonal", "identity")
 FISHERS = ("empirical", "sampled")
 DEFAULT_DAMPING_FACTOR = 0.1
+#: ``shrinkage`` values besides a fixed weight in [0, 1]
+SHRINKAGE_MODES = ("off", "auto")
+DEFAULT_SHRINKAGE = "off"
 
 
 @dataclass
@@ -32,6 +35,16 @@ class CurvatureSettings:
     fit_examples: fit on a seeded sample of this many pool examples (None = all).
     batch_size: examples per fitting batch.
     seed: seeds the fit sample and the sampled labels.
+    shrinkage (EK-FAC only; other kinds ignore it): how far each layer's corrected
+        eigenvalues ``Lambda`` are pulled toward its K-FAC eigenvalues
+        ``outer(eig(S), eig(A))`` (rescaled to the same sum), ``(1 - rho) Lambda +
+        rho c Lambda_KFAC``. ``off``: ``rho = 0`` (EK-FAC as fitted); ``auto``: the
+        Ledoit-Wolf weight ``rho = min(1, Var(Lambda) / ||Lambda - c Lambda_KFAC||^2)``,
+        with ``Var(Lambda)`` the sampling variance of the per-example average that
+        ``Lambda`` is, estimated from the same fit (it shrinks as ``1/N``: few fit
+        examples pull toward K-FAC, many leave EK-FAC); a number in [0, 1]: that
+        ``rho`` for every layer. Applied after the fit, like the damping, so it is
+        not part of the fit's cache key.
     """
 
     kind: str = "ekfac"
@@ -41,6 +54,7 @@ class CurvatureSettings:
     fit_examples: int | None = None
     batch_size: int = 8
     seed: int = 0
+    shrinkage: str | float = DEFAULT_SHRINKAGE
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -56,34 +70,54 @@ class CurvatureSettings:
             raise ConfigError("fit_examples", "must be >= 1", "leave it out to fit on the whole pool")
         if self.batch_size < 1:
             raise ConfigError("batch_size", "must be >= 1")
+        sh = self.shrinkage
+        if isinstance(sh, bool) or not (sh in SHRINKAGE_MODES or isinstance(sh, (int, float)) and 0 <= sh <= 1):
+            raise ConfigError("shrinkage", f"unknown value {sh!r}",
+                              f"use {' or '.join(SHRINKAGE_MODES)}, or a weight within [0, 1]")
 
 
 class Curvature:
     """Per-layer damped inverse of ``H``, applied to ``out x in'`` gradient matrices.
 
     ``tensors`` holds, per layer ``name``: ekfac ``name::QA``, ``name::QS``,
-    ``name::Lambda``; kfac ``name::QA``, ``name::lamA``, ``name::QS``, ``name::lamS``;
-    diagonal ``name::D``. ``damping`` maps each layer to the ``lambda`` used.
+    ``name::Lambda``, and the K-FAC eigenvalues ``name::lamA``, ``name::lamS`` with
+    ``name::LambdaVar`` (the estimated sampling variance of ``Lambda``, summed over its
+    entries) for the shrinkage; kfac ``name::QA``, ``name::lamA``, ``name::QS``,
+    ``name::lamS``; diagonal ``name::D``. ``damping`` maps each layer to the ``lambda``
+    used, ``shrinkage`` (ekfac) to the weight ``rho`` of the K-FAC eigenvalues
+    (:class:`CurvatureSettings`; absent = 0).
     """
 
-    def __init__(self, kind: str, layers: list, tensors: dict, damping: dict, meta: dict | None = None):
+    def __init__(self, kind: str, layers: list, tensors: dict, damping: dict, meta: dict | None = None,
+                 shrinkage: dict | None = None):
         if kind not in KINDS:
             raise ConfigError("curvature", f"unknown kind {kind!r}")
         self.kind = kind
         self.layers = list(layers)
         self.tensors = tensors
         self.damping = dict(damping)
+        self.shrinkage = dict(shrinkage or {})
         self.meta = meta or {}
 
-    def eigenvalues(self, name: str) -> torch.Tensor:
-        """The (undamped) eigenvalues of ``H_l`` as an ``out x in'`` grid."""
-        t = self.tensors
+    def eigenvalues(self, name: str, device=None, dtype=None) -> torch.Tensor:
+        """The (undamped) eigenvalues of ``H_l`` as an ``out x in'`` grid, computed on
+        ``device`` in ``dtype`` (default: the stored tensors'). EK-FAC with a shrinkage
+        weight ``rho > 0``: ``(1 - rho) Lambda + rho c outer(lamS, lamA)``, ``c`` making
+        the sum equal to ``Lambda``'s."""
+        def get(key):
+            return self.tensors[f"{name}::{key}"].to(device=device, dtype=dtype)
+
         if self.kind == "ekfac":
-            return t[f"{name}::Lambda"]
+            lam = get("Lambda")
+            rho = self.shrinkage.get(name, 0.0)
+            if not rho:
+                return lam
+            kfac = get("lamS")[:, None] * get("lamA")[None, :]
+            return torch.lerp(lam, kfac_matched(lam, kfac), float(rho))
         if self.kind == "kfac":
-            return t[f"{name}::lamS"][:, None] * t[f"{name}::lamA"][None, :]
+            return get("lamS")[:, None] * get("lamA")[None, :]
         if self.kind == "diagonal":
-            return t[f"{name}::D"]
+            return get("D")
         raise ConfigError("curvature", "identity has no eigenvalues")
 
     def precondition(self, grads: dict, device=None) -> dict:
@@ -112,7 +146,7 @@ class Curvature:
                 continue
             QA = t[f"{name}::QA"].to(device=dev, dtype=dt)
             QS = t[f"{name}::QS"].to(device=dev, dtype=dt)
-            eig = self.eigenvalues(name).to(device=dev, dtype=dt)
+            eig = self.eigenvalues(name, device=dev, dtype=dt)
             rot = QS.T @ gd @ QA
             out[name] = (QS @ (rot / (eig + lam)) @ QA.T).to(device=g.device, dtype=g.dtype)
             del QA, QS, eig, rot, gd
@@ -148,7 +182,8 @@ class Curvature:
         tmp.replace(d / files[me])
         distributed.barrier()
         full = dict(meta)
-        full.update({"kind": self.kind, "layers": self.layers, "damping": self.damping, "files": files})
+        full.update({"kind": self.kind, "layers": self.layers, "damping": self.damping,
+                     "shrinkage": self.shrinkage, "files": files})
         if distributed.is_main():
             atomic_write_json(d / "curvature.json", full)
         distributed.barrier()
@@ -177,7 +212,32 @@ class Curvature:
         tensors: dict = {}
         for f in files:
             tensors.update(load_file(str(d / f), device=str(device) if device is not None else "cpu"))
-        return cls(meta["kind"], meta["layers"], tensors, meta["damping"], meta)
+        return cls(meta["kind"], meta["layers"], tensors, meta["damping"], meta, meta.get("shrinkage"))
+
+
+def kfac_matched(lam: torch.Tensor, kfac: torch.Tensor) -> torch.Tensor:
+    """The K-FAC eigenvalues ``kfac`` rescaled to the sum of the EK-FAC ones ``lam`` (both
+    grids of one layer): the shrinkage target. The rescaling leaves the mean eigenvalue,
+    and so the heuristic damping, unchanged; with that damping, ``rho = 1`` ranks as K-FAC."""
+    total = kfac.sum(dtype=torch.float64)
+    if not total > 0:
+        return kfac
+    return kfac * float(lam.sum(dtype=torch.float64) / total)
+
+
+def shrinkage_weight(lam: torch.Tensor, kfac: torch.Tensor, variance: float) -> float:
+    """Ledoit-Wolf weight of the K-FAC target for one layer's EK-FAC eigenvalues ``lam``:
+    ``min(1, variance / ||lam - kfac_matched(lam, kfac)||^2)`` (sums over the grid), the
+    weight that minimises the expected squared error of the shrunk eigenvalues when
+    ``variance`` is the summed sampling variance of ``lam`` (Ledoit & Wolf 2003). A
+    target equal to ``lam`` gives 0."""
+    diff = lam - kfac_matched(lam, kfac)
+    dist = float(torch.sum(diff * diff, dtype=torch.float64))
+    if not variance > 0:
+        return 0.0
+    if not dist > 0:
+        return 0.0
+    return min(1.0, variance / dist)
 
 
 def settings_dict(s: CurvatureSettings) -> dict:
