@@ -90,6 +90,11 @@ def _add_score_args(p: argparse.ArgumentParser):
     c.add_argument("--curvature", default="ekfac", choices=list(KINDS), help="the Hessian approximation H")
     c.add_argument("--damping", type=float, default=None,
                    help=f"explicit damping (if not given: {DEFAULT_DAMPING_FACTOR} x mean eigenvalue per layer)")
+    c.add_argument("--damping-factor", type=float, default=DEFAULT_DAMPING_FACTOR, metavar="F",
+                   help=f"the heuristic damping is F x mean eigenvalue per layer (default: {DEFAULT_DAMPING_FACTOR})")
+    c.add_argument("--damping-noise", action="store_true",
+                   help="EK-FAC: add the eigenvalues' root-mean-square standard error (estimated from the fit) "
+                        "to the heuristic damping: large on small pools, vanishing on large ones")
     c.add_argument("--shrinkage", type=_shrinkage_arg, default=DEFAULT_SHRINKAGE, metavar="{off,auto,RHO}",
                    help="EK-FAC: pull each layer's corrected eigenvalues toward its K-FAC eigenvalues; auto: by "
                         "the Ledoit-Wolf weight estimated from the fit (strong on small pools, vanishing on "
@@ -147,7 +152,8 @@ def _score_settings(a):
                       **({"fd_eps": a.fd_eps} if getattr(a, "fd_eps", None) is not None else {}),
                       **({"stream_window": a.stream_window} if getattr(a, "stream_window", None) is not None else {}))
     c = CurvatureSettings(kind=a.curvature, damping=a.damping, fisher=a.fisher, fit_examples=a.fit_examples,
-                          batch_size=a.batch_size, seed=a.seed, shrinkage=a.shrinkage)
+                          batch_size=a.batch_size, seed=a.seed, shrinkage=a.shrinkage,
+                          damping_factor=a.damping_factor, damping_noise=a.damping_noise)
     return s, c
 
 

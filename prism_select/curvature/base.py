@@ -29,6 +29,12 @@ class CurvatureSettings:
         heuristic ``damping_factor * mean eigenvalue`` of each layer (for diagonal,
         the mean diagonal entry), which keeps the ranking independent of the loss
         scale.
+    damping_noise (EK-FAC, heuristic damping only): add to each layer's damping the
+        root-mean-square standard error of its corrected eigenvalues,
+        ``sqrt(LambdaVar / number of eigenvalues)`` (``LambdaVar``: see ``shrinkage``), so that
+        eigenvalues within the sampling noise of their estimate are not inverted as if
+        known; it falls as ``1/sqrt(N)`` with the number of fit examples. Applied after
+        the fit, not part of its cache key.
     fisher: "empirical" (gradients at the data's own labels, as kronfluence's
         default) or "sampled" (labels drawn from the model's predictive distribution,
         a true-Fisher estimate).
@@ -40,16 +46,17 @@ class CurvatureSettings:
         ``outer(eig(S), eig(A))`` (rescaled to the same sum), ``(1 - rho) Lambda +
         rho c Lambda_KFAC``. ``off``: ``rho = 0`` (EK-FAC as fitted); ``auto``: the
         Ledoit-Wolf weight ``rho = min(1, Var(Lambda) / ||Lambda - c Lambda_KFAC||^2)``,
-        with ``Var(Lambda)`` the sampling variance of the per-example average that
-        ``Lambda`` is, estimated from the same fit (it shrinks as ``1/N``: few fit
-        examples pull toward K-FAC, many leave EK-FAC); a number in [0, 1]: that
-        ``rho`` for every layer. Applied after the fit, like the damping, so it is
+        with ``Var(Lambda)`` (``LambdaVar``) the sampling variance of the per-example
+        average that ``Lambda`` is, summed over its entries, estimated from the same fit
+        (it shrinks as ``1/N``: few fit examples pull toward K-FAC, many leave EK-FAC);
+        a number in [0, 1]: that ``rho`` for every layer. Applied after the fit, like the damping, so it is
         not part of the fit's cache key.
     """
 
     kind: str = "ekfac"
     damping: float | None = None
     damping_factor: float = DEFAULT_DAMPING_FACTOR
+    damping_noise: bool = False
     fisher: str = "empirical"
     fit_examples: int | None = None
     batch_size: int = 8
@@ -66,6 +73,8 @@ class CurvatureSettings:
                               "pass e.g. --damping 1e-3, or leave it out for the heuristic")
         if not (self.damping_factor > 0):
             raise ConfigError("damping_factor", "must be > 0")
+        if not isinstance(self.damping_noise, bool):
+            raise ConfigError("damping_noise", f"must be true or false, got {self.damping_noise!r}")
         if self.fit_examples is not None and self.fit_examples < 1:
             raise ConfigError("fit_examples", "must be >= 1", "leave it out to fit on the whole pool")
         if self.batch_size < 1:

@@ -12,7 +12,7 @@ EK-FAC then replaces the Kronecker eigenvalues by
 diagonal of ``F`` in that eigenbasis. The same pass sums the fourth powers, so that
 ``LambdaVar = ((1/N) sum_n sum_ij R_nij**4 - sum_ij Lambda_ij**2) / (N - 1)`` (with
 ``R_n = Q_S^T G_n Q_A``) estimates the sampling variance of ``Lambda``, summed over its
-entries (infinite for one example); with the K-FAC eigenvalues ``lamA``, ``lamS``, which
+entries; with the K-FAC eigenvalues ``lamA``, ``lamS``, which
 EK-FAC keeps, it sets the shrinkage weight (:class:`CurvatureSettings`).
 ``diagonal`` uses ``(1/N) sum_n G_n**2``.
 """
@@ -20,6 +20,7 @@ EK-FAC keeps, it sets the shrinkage weight (:class:`CurvatureSettings`).
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import OrderedDict
 
@@ -464,11 +465,12 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
 def _lambda_variance(m4: torch.Tensor, lam: torch.Tensor, n: int) -> torch.Tensor:
     """The sampling variance of ``Lambda`` (a mean over ``n`` examples), summed over its
     entries, from ``m4 = (1/n) sum_n sum_ij R_nij**4``: the unbiased variance of the
-    squares over the examples, divided by ``n``; infinite for one example (nothing to
-    estimate it from). A one-element tensor."""
-    if n < 2:
-        return torch.full_like(m4, float("inf"))
+    squares over the examples, divided by ``n``. One example gives nothing to estimate it
+    from: then ``sum_ij Lambda_ij**2`` (a standard error as large as the estimate). A
+    one-element tensor."""
     second = torch.sum(lam * lam, dtype=torch.float64)
+    if n < 2:
+        return second.reshape(1).to(m4.dtype)
     return ((m4.double() - second) / (n - 1)).clamp(min=0).to(m4.dtype)
 
 
@@ -521,10 +523,15 @@ def _shrinkage(settings: CurvatureSettings, cur: Curvature, name: str) -> float:
     return shrinkage_weight(t[f"{name}::Lambda"], kfac, float(t[f"{name}::LambdaVar"]))
 
 
-def _damping(settings: CurvatureSettings, eig: torch.Tensor) -> float:
+def _damping(settings: CurvatureSettings, eig: torch.Tensor, noise: torch.Tensor | None = None) -> float:
+    """Explicit, else ``damping_factor`` x the mean eigenvalue, plus (``damping_noise``,
+    EK-FAC: ``noise`` is the layer's ``LambdaVar``) the root-mean-square standard error of
+    the eigenvalues, ``sqrt(LambdaVar / eig.numel())``."""
     if settings.damping is not None:
         return float(settings.damping)
     lam = settings.damping_factor * float(eig.double().mean())
+    if settings.damping_noise and noise is not None:
+        lam += math.sqrt(float(noise) / eig.numel())
     # A layer with all-zero curvature (e.g. unused) still needs an invertible H.
     return lam if lam > 0 else 1e-12
 
@@ -537,7 +544,7 @@ def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fing
     is how the fit computed (:func:`prism_select.precision.fit_arithmetic`: the weights'
     dtype, and whether ``--precision split32`` was active)."""
     s = settings_dict(settings)
-    for k in ("batch_size", "damping", "damping_factor", "shrinkage"):
+    for k in ("batch_size", "damping", "damping_factor", "damping_noise", "shrinkage"):
         s.pop(k)
     return {
         "settings": s,
@@ -552,16 +559,18 @@ def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fing
 def apply_damping(cur: Curvature, settings: CurvatureSettings) -> Curvature:
     """Set each layer's shrinkage weight (EK-FAC) and then its damping from ``settings``
     (explicit, or the heuristic on the layer's eigenvalues, which the shrinkage leaves at
-    the same mean). A curvature saved without the shrinkage statistics raises
-    :class:`CacheError` when ``settings`` asks for a shrinkage."""
+    the same mean, plus their noise under ``damping_noise``). A curvature saved without
+    the statistics of either raises :class:`CacheError` when ``settings`` asks for one."""
     if cur.kind == "identity" or not cur.tensors:
         return cur
     if cur.kind == "ekfac":
-        if settings.shrinkage != "off" and any(f"{n}::LambdaVar" not in cur.tensors for n in cur.layers):
+        if (settings.shrinkage != "off" or settings.damping_noise) and any(f"{n}::LambdaVar" not in cur.tensors for n in cur.layers):
             from ..errors import CacheError
-            raise CacheError("the saved EK-FAC curvature predates the shrinkage statistics (lamA, lamS, LambdaVar)")
+            raise CacheError("the saved EK-FAC curvature predates the statistics of the shrinkage and the noise "
+                             "damping (lamA, lamS, LambdaVar)")
         cur.shrinkage = {n: _shrinkage(settings, cur, n) for n in cur.layers}
-    cur.damping = {n: _damping(settings, cur.eigenvalues(n)) for n in cur.layers}
+    cur.damping = {n: _damping(settings, cur.eigenvalues(n), cur.tensors.get(f"{n}::LambdaVar"))
+                   for n in cur.layers}
     return cur
 
 

@@ -1,5 +1,6 @@
-"""EK-FAC eigenvalue shrinkage toward K-FAC (``CurvatureSettings.shrinkage``) against
-float64 references built from explicit per-example gradients on a tiny Llama."""
+"""EK-FAC eigenvalue shrinkage toward K-FAC (``CurvatureSettings.shrinkage``) and the
+noise damping (``damping_noise``) against float64 references built from explicit
+per-example gradients on a tiny Llama."""
 
 import pytest
 import torch
@@ -47,6 +48,29 @@ def test_auto_shrinkage_matches_explicit_ledoit_wolf(model, modules, tok, encode
     assert rel_err(got.T.reshape(-1), ref) <= SHRINK_REL_TOL
 
 
+def test_noise_damping_adds_the_rms_standard_error(model, modules, tok, encoded_pool):
+    """damping_noise: the heuristic damping plus sqrt(sum of the variances / entries), the
+    variances from explicit per-example gradients; preconditioning uses it."""
+    cur = _fit(model, modules, encoded_pool, damping_noise=True)
+    A, S, G = _explicit_fisher_pieces(model, modules, LAYER, encoded_pool, tok)
+    QA, QS = cur.tensors[f"{LAYER}::QA"], cur.tensors[f"{LAYER}::QS"]
+    R2 = (QS.T @ G @ QA) ** 2
+    Lam = R2.mean(0)
+    se = (float(R2.var(0, unbiased=True).sum()) / G.shape[0] / Lam.numel()) ** 0.5
+    lam_d = 0.1 * float(Lam.mean()) + se
+    assert se > 0.1 * float(Lam.mean())  # eight examples: the noise term dominates
+    assert cur.damping[LAYER] == pytest.approx(lam_d, rel=SHRINK_REL_TOL)
+    Q = torch.kron(QA, QS)
+    M = Q @ torch.diag(Lam.T.reshape(-1)) @ Q.T
+    g = torch.randn(*G.shape[1:], dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = torch.linalg.solve(M + lam_d * torch.eye(M.shape[0], dtype=M.dtype), g.T.reshape(-1))
+    got = cur.precondition({k: (g if k == LAYER else torch.zeros_like(m.weight)) for k, m in modules.items()})[LAYER]
+    assert rel_err(got.T.reshape(-1), ref) <= SHRINK_REL_TOL
+    # an explicit damping is taken as given
+    fixed = apply_damping(cur, CurvatureSettings(damping=1e-3, damping_noise=True))
+    assert set(fixed.damping.values()) == {1e-3}
+
+
 def test_weight_vanishes_with_more_examples(model, modules, encoded_pool):
     """The pool repeated 4 times has the same Lambda and fourth moments but 4n examples:
     the variance, and so the weight, falls by exactly (n - 1) / (4n - 1), toward EK-FAC."""
@@ -81,16 +105,21 @@ def test_off_is_ekfac_and_full_weight_ranks_as_kfac(model, modules, encoded_pool
 
 
 def test_shrinkage_is_not_in_the_cache_key_and_old_fits_are_refused():
-    key = lambda s: curvature_key(CurvatureSettings(shrinkage=s), "m", "p", ["l"], 64, "float32")  # noqa: E731
-    assert key("off") == key("auto") == key(0.3)
+    def key(**kw):
+        return curvature_key(CurvatureSettings(**kw), "m", "p", ["l"], 64, "float32")
+
+    assert key(shrinkage="off") == key(shrinkage="auto") == key(shrinkage=0.3) == key(damping_noise=True)
     old = Curvature("ekfac", ["l"], {"l::QA": torch.eye(2), "l::QS": torch.eye(2),
                                      "l::Lambda": torch.ones(2, 2)}, {})
     assert apply_damping(old, CurvatureSettings(shrinkage="off")).shrinkage == {"l": 0.0}
-    with pytest.raises(CacheError, match="shrinkage"):
-        apply_damping(old, CurvatureSettings(shrinkage="auto"))
+    for kw in ({"shrinkage": "auto"}, {"damping_noise": True}):
+        with pytest.raises(CacheError, match="predates"):
+            apply_damping(old, CurvatureSettings(**kw))
 
 
 @pytest.mark.parametrize("bad", ["on", 1.5, -0.1, True, None])
 def test_shrinkage_setting_is_checked(bad):
     with pytest.raises(ConfigError, match="shrinkage"):
         CurvatureSettings(shrinkage=bad)
+    with pytest.raises(ConfigError, match="damping_noise"):
+        CurvatureSettings(damping_noise=bad if bad is not True else 1)
