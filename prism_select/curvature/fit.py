@@ -12,8 +12,8 @@ EK-FAC then replaces the Kronecker eigenvalues by
 diagonal of ``F`` in that eigenbasis. The same pass sums the fourth powers, so that
 ``LambdaVar = ((1/N) sum_n sum_ij R_nij**4 - sum_ij Lambda_ij**2) / (N - 1)`` (with
 ``R_n = Q_S^T G_n Q_A``) estimates the sampling variance of ``Lambda``, summed over its
-entries; with the K-FAC eigenvalues ``lamA``, ``lamS``, which
-EK-FAC keeps, it sets the shrinkage weight (:class:`CurvatureSettings`).
+entries; with the K-FAC eigenvalues ``lamA``, ``lamS``, which EK-FAC keeps, it sets the
+shrinkage weight and the noise damping (:class:`CurvatureSettings`).
 ``diagonal`` uses ``(1/N) sum_n G_n**2``.
 """
 
@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from .. import distributed
 from ..data.tokenize import token_losses
+from ..errors import CacheError
 from ..fast import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears
 from ..precision import fit_arithmetic, fit_policy, mm_acc, mm_acc_into
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
@@ -540,7 +541,8 @@ def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fing
                   layers: list, max_length: int, arithmetic: str) -> dict:
     """What a saved curvature must match to be reused: exactly what determines the fitted
     factors. The damping and the shrinkage are applied when preconditioning
-    (:func:`apply_damping`), so a new ``--damping`` or ``--shrinkage`` reuses the fit; the batch size does not change the sums. ``arithmetic``
+    (:func:`apply_damping`), so a new ``--damping`` or ``--shrinkage`` reuses the fit;
+    the batch size does not change the sums. ``arithmetic``
     is how the fit computed (:func:`prism_select.precision.fit_arithmetic`: the weights'
     dtype, and whether ``--precision split32`` was active)."""
     s = settings_dict(settings)
@@ -564,8 +566,8 @@ def apply_damping(cur: Curvature, settings: CurvatureSettings) -> Curvature:
     if cur.kind == "identity" or not cur.tensors:
         return cur
     if cur.kind == "ekfac":
-        if (settings.shrinkage != "off" or settings.damping_noise) and any(f"{n}::LambdaVar" not in cur.tensors for n in cur.layers):
-            from ..errors import CacheError
+        wanted = settings.shrinkage != "off" or settings.damping_noise
+        if wanted and any(f"{n}::LambdaVar" not in cur.tensors for n in cur.layers):
             raise CacheError("the saved EK-FAC curvature predates the statistics of the shrinkage and the noise "
                              "damping (lamA, lamS, LambdaVar)")
         cur.shrinkage = {n: _shrinkage(settings, cur, n) for n in cur.layers}
@@ -591,7 +593,6 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
     from pathlib import Path
 
     from .. import cache
-    from ..errors import CacheError
 
     key = curvature_key(settings, model_fingerprint, pool_fingerprint, list(modules), max_length,
                         fit_arithmetic(model, precision))

@@ -22,50 +22,51 @@ def _fit(model, modules, encoded, **kw):
                          pad_id=0)
 
 
+def _explicit(cur, model, modules, tok, encoded):
+    """Layer LAYER from explicit per-example gradients: A, S, the eigenbases the fit chose,
+    Lambda and the variance of its estimate (summed over its entries)."""
+    A, S, G = _explicit_fisher_pieces(model, modules, LAYER, encoded, tok)
+    QA, QS = cur.tensors[f"{LAYER}::QA"], cur.tensors[f"{LAYER}::QS"]
+    R2 = (QS.T @ G @ QA) ** 2  # (n, out, in)
+    var = float(R2.var(0, unbiased=True).sum()) / G.shape[0]  # variance of a mean of n examples
+    return A, S, QA, QS, R2.mean(0), var
+
+
+def _check_precondition(cur, modules, QA, QS, eig, lam_d):
+    """precondition() of LAYER equals an explicit damped inverse of Q diag(eig) Q^T."""
+    Q = torch.kron(QA, QS)
+    M = Q @ torch.diag(eig.T.reshape(-1)) @ Q.T
+    g = torch.randn(*eig.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ref = torch.linalg.solve(M + lam_d * torch.eye(M.shape[0], dtype=M.dtype), g.T.reshape(-1))
+    got = cur.precondition({k: (g if k == LAYER else torch.zeros_like(m.weight)) for k, m in modules.items()})[LAYER]
+    assert rel_err(got.T.reshape(-1), ref) <= SHRINK_REL_TOL
+
+
 def test_auto_shrinkage_matches_explicit_ledoit_wolf(model, modules, tok, encoded_pool):
     """Lambda, its sampling variance, the K-FAC target, the Ledoit-Wolf weight and the
     damped inverse of the shrunk matrix, each from explicit per-example gradients."""
     lam_d = 1e-3
     cur = _fit(model, modules, encoded_pool, damping=lam_d, shrinkage="auto")
-    A, S, G = _explicit_fisher_pieces(model, modules, LAYER, encoded_pool, tok)
-    n = G.shape[0]
-    QA, QS = cur.tensors[f"{LAYER}::QA"], cur.tensors[f"{LAYER}::QS"]
-    R2 = (QS.T @ G @ QA) ** 2  # (n, out, in)
-    Lam = R2.mean(0)
-    var = float(R2.var(0, unbiased=True).sum()) / n  # variance of a mean of n examples
+    A, S, QA, QS, Lam, var = _explicit(cur, model, modules, tok, encoded_pool)
     assert float(cur.tensors[f"{LAYER}::LambdaVar"]) == pytest.approx(var, rel=SHRINK_REL_TOL)
     kfac = torch.outer(torch.diag(QS.T @ S @ QS), torch.diag(QA.T @ A @ QA))
     target = kfac * Lam.sum() / kfac.sum()
     rho = min(1.0, var / float(((Lam - target) ** 2).sum()))
     assert 0 < rho < 1  # the test exercises a real mixture
     assert cur.shrinkage[LAYER] == pytest.approx(rho, rel=SHRINK_REL_TOL)
-    shrunk = (1 - rho) * Lam + rho * target
-    Q = torch.kron(QA, QS)
-    M = Q @ torch.diag(shrunk.T.reshape(-1)) @ Q.T
-    g = torch.randn(*G.shape[1:], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    ref = torch.linalg.solve(M + lam_d * torch.eye(M.shape[0], dtype=M.dtype), g.T.reshape(-1))
-    got = cur.precondition({k: (g if k == LAYER else torch.zeros_like(m.weight)) for k, m in modules.items()})[LAYER]
-    assert rel_err(got.T.reshape(-1), ref) <= SHRINK_REL_TOL
+    _check_precondition(cur, modules, QA, QS, (1 - rho) * Lam + rho * target, lam_d)
 
 
 def test_noise_damping_adds_the_rms_standard_error(model, modules, tok, encoded_pool):
     """damping_noise: the heuristic damping plus sqrt(sum of the variances / entries), the
     variances from explicit per-example gradients; preconditioning uses it."""
     cur = _fit(model, modules, encoded_pool, damping_noise=True)
-    A, S, G = _explicit_fisher_pieces(model, modules, LAYER, encoded_pool, tok)
-    QA, QS = cur.tensors[f"{LAYER}::QA"], cur.tensors[f"{LAYER}::QS"]
-    R2 = (QS.T @ G @ QA) ** 2
-    Lam = R2.mean(0)
-    se = (float(R2.var(0, unbiased=True).sum()) / G.shape[0] / Lam.numel()) ** 0.5
+    _, _, QA, QS, Lam, var = _explicit(cur, model, modules, tok, encoded_pool)
+    se = (var / Lam.numel()) ** 0.5
     lam_d = 0.1 * float(Lam.mean()) + se
     assert se > 0.1 * float(Lam.mean())  # eight examples: the noise term dominates
     assert cur.damping[LAYER] == pytest.approx(lam_d, rel=SHRINK_REL_TOL)
-    Q = torch.kron(QA, QS)
-    M = Q @ torch.diag(Lam.T.reshape(-1)) @ Q.T
-    g = torch.randn(*G.shape[1:], dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    ref = torch.linalg.solve(M + lam_d * torch.eye(M.shape[0], dtype=M.dtype), g.T.reshape(-1))
-    got = cur.precondition({k: (g if k == LAYER else torch.zeros_like(m.weight)) for k, m in modules.items()})[LAYER]
-    assert rel_err(got.T.reshape(-1), ref) <= SHRINK_REL_TOL
+    _check_precondition(cur, modules, QA, QS, Lam, lam_d)
     # an explicit damping is taken as given
     fixed = apply_damping(cur, CurvatureSettings(damping=1e-3, damping_noise=True))
     assert set(fixed.damping.values()) == {1e-3}
