@@ -49,8 +49,8 @@ class CurvatureSettings:
         with ``Var(Lambda)`` (``LambdaVar``) the sampling variance of the per-example
         average that ``Lambda`` is, summed over its entries, estimated from the same fit
         (it shrinks as ``1/N``: few fit examples pull toward K-FAC, many leave EK-FAC);
-        a number in [0, 1]: that ``rho`` for every layer. Applied after the fit, like the damping, so it is
-        not part of the fit's cache key.
+        a number in [0, 1]: that ``rho`` for every layer. Applied after the fit, like
+        the damping, so it is not part of the fit's cache key.
     """
 
     kind: str = "ekfac"
@@ -91,7 +91,7 @@ class Curvature:
     ``tensors`` holds, per layer ``name``: ekfac ``name::QA``, ``name::QS``,
     ``name::Lambda``, and the K-FAC eigenvalues ``name::lamA``, ``name::lamS`` with
     ``name::LambdaVar`` (the estimated sampling variance of ``Lambda``, summed over its
-    entries) for the shrinkage; kfac ``name::QA``, ``name::lamA``, ``name::QS``,
+    entries) for the shrinkage and the noise damping; kfac ``name::QA``, ``name::lamA``, ``name::QS``,
     ``name::lamS``; diagonal ``name::D``. ``damping`` maps each layer to the ``lambda``
     used, ``shrinkage`` (ekfac) to the weight ``rho`` of the K-FAC eigenvalues
     (:class:`CurvatureSettings`; absent = 0).
@@ -242,9 +242,7 @@ def shrinkage_weight(lam: torch.Tensor, kfac: torch.Tensor, variance: float) -> 
     target equal to ``lam`` gives 0."""
     diff = lam - kfac_matched(lam, kfac)
     dist = float(torch.sum(diff * diff, dtype=torch.float64))
-    if not variance > 0:
-        return 0.0
-    if not dist > 0:
+    if not (variance > 0 and dist > 0):
         return 0.0
     return min(1.0, variance / dist)
 
