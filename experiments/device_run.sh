@@ -11,18 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-/tmp/prism-out}"
 mkdir -p "$OUTDIR"
-B=.cache/device-eval
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$B"/wheels/*.whl || exit 3
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-cat "$B"/part1/part.* "$B"/part2/part.* > "$GGUF" || exit 4
-if [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" != "$(cat "$B/part2/sha256")" ]; then
-  echo "the joined GGUF file does not match its checksum: was .cache/device-eval/part1 carried by an earlier call?" >&2
-  exit 4
-fi
-export PRISM_SELECT_DEFAULT_GGUF="$GGUF" PRISM_DATA_ROOT="$PWD/$B/data" \
-       PRISM_SELECT_CACHE="$PWD/.cache/prism-select" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+source experiments/device_env.sh
 python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "cuda", torch.cuda.is_available())'
 timeout "${BUDGET:-530}" python3 experiments/run_gsm8k_mistake_math.py --out .cache/gsm8k-mm "$@" 2>&1 | tee "$OUTDIR/log.txt"
 status=${PIPESTATUS[0]}

@@ -35,8 +35,16 @@ def _add_model_args(p: argparse.ArgumentParser):
                    "(if not given: $PRISM_SELECT_CACHE or ~/.cache/prism-select)")
 
 
+def _shrinkage_arg(text: str):
+    """``--shrinkage``: a mode name, else a number (CurvatureSettings checks the value)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _add_score_args(p: argparse.ArgumentParser):
-    from .curvature.base import DEFAULT_DAMPING_FACTOR, KINDS
+    from .curvature.base import DEFAULT_DAMPING_FACTOR, DEFAULT_SHRINKAGE, KINDS
     from .data.tokenize import DEFAULT_MAX_LENGTH
     from .scoring import DEFAULT_CHUNK_SIZE
 
@@ -79,6 +87,15 @@ def _add_score_args(p: argparse.ArgumentParser):
     c.add_argument("--curvature", default="ekfac", choices=list(KINDS), help="the Hessian approximation H")
     c.add_argument("--damping", type=float, default=None,
                    help=f"explicit damping (if not given: {DEFAULT_DAMPING_FACTOR} x mean eigenvalue per layer)")
+    c.add_argument("--damping-factor", type=float, default=DEFAULT_DAMPING_FACTOR, metavar="F",
+                   help=f"the heuristic damping is F x mean eigenvalue per layer (default: {DEFAULT_DAMPING_FACTOR})")
+    c.add_argument("--damping-noise", action="store_true",
+                   help="EK-FAC: add the eigenvalues' root-mean-square standard error (estimated from the fit) "
+                        "to the heuristic damping: large on small pools, vanishing on large ones")
+    c.add_argument("--shrinkage", type=_shrinkage_arg, default=DEFAULT_SHRINKAGE, metavar="{off,auto,RHO}",
+                   help="EK-FAC: pull each layer's corrected eigenvalues toward its K-FAC eigenvalues; auto: by "
+                        "the Ledoit-Wolf weight estimated from the fit (strong on small pools, vanishing on "
+                        f"large ones); RHO: a fixed weight in [0, 1] (default: {DEFAULT_SHRINKAGE})")
     c.add_argument("--fisher", default="empirical", choices=["empirical", "sampled"],
                    help="labels of the Fisher: the pool's own (empirical) or drawn from the model (sampled)")
     c.add_argument("--fit-examples", type=int, default=None,
@@ -132,7 +149,8 @@ def _score_settings(a):
                       **({"fd_eps": a.fd_eps} if getattr(a, "fd_eps", None) is not None else {}),
                       **({"stream_window": a.stream_window} if getattr(a, "stream_window", None) is not None else {}))
     c = CurvatureSettings(kind=a.curvature, damping=a.damping, fisher=a.fisher, fit_examples=a.fit_examples,
-                          batch_size=a.batch_size, seed=a.seed)
+                          batch_size=a.batch_size, seed=a.seed, shrinkage=a.shrinkage,
+                          damping_factor=a.damping_factor, damping_noise=a.damping_noise)
     return s, c
 
 

@@ -15,6 +15,9 @@ from ..io import atomic_write_json
 KINDS = ("ekfac", "kfac", "diagonal", "identity")
 FISHERS = ("empirical", "sampled")
 DEFAULT_DAMPING_FACTOR = 0.1
+#: ``shrinkage`` values besides a fixed weight in [0, 1]
+SHRINKAGE_MODES = ("off", "auto")
+DEFAULT_SHRINKAGE = "off"
 
 
 @dataclass
@@ -26,21 +29,39 @@ class CurvatureSettings:
         heuristic ``damping_factor * mean eigenvalue`` of each layer (for diagonal,
         the mean diagonal entry), which keeps the ranking independent of the loss
         scale.
+    damping_noise (EK-FAC, heuristic damping only): add to each layer's damping the
+        root-mean-square standard error of its corrected eigenvalues,
+        ``sqrt(LambdaVar / number of eigenvalues)`` (``LambdaVar``: see ``shrinkage``), so that
+        eigenvalues within the sampling noise of their estimate are not inverted as if
+        known; it falls as ``1/sqrt(N)`` with the number of fit examples. Applied after
+        the fit, not part of its cache key.
     fisher: "empirical" (gradients at the data's own labels, as kronfluence's
         default) or "sampled" (labels drawn from the model's predictive distribution,
         a true-Fisher estimate).
     fit_examples: fit on a seeded sample of this many pool examples (None = all).
     batch_size: examples per fitting batch.
     seed: seeds the fit sample and the sampled labels.
+    shrinkage (EK-FAC only; other kinds ignore it): how far each layer's corrected
+        eigenvalues ``Lambda`` are pulled toward its K-FAC eigenvalues
+        ``outer(eig(S), eig(A))`` (rescaled to the same sum), ``(1 - rho) Lambda +
+        rho c Lambda_KFAC``. ``off``: ``rho = 0`` (EK-FAC as fitted); ``auto``: the
+        Ledoit-Wolf weight ``rho = min(1, Var(Lambda) / ||Lambda - c Lambda_KFAC||^2)``,
+        with ``Var(Lambda)`` (``LambdaVar``) the sampling variance of the per-example
+        average that ``Lambda`` is, summed over its entries, estimated from the same fit
+        (it shrinks as ``1/N``: few fit examples pull toward K-FAC, many leave EK-FAC);
+        a number in [0, 1]: that ``rho`` for every layer. Applied after the fit, like
+        the damping, so it is not part of the fit's cache key.
     """
 
     kind: str = "ekfac"
     damping: float | None = None
     damping_factor: float = DEFAULT_DAMPING_FACTOR
+    damping_noise: bool = False
     fisher: str = "empirical"
     fit_examples: int | None = None
     batch_size: int = 8
     seed: int = 0
+    shrinkage: str | float = DEFAULT_SHRINKAGE
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -52,38 +73,60 @@ class CurvatureSettings:
                               "pass e.g. --damping 1e-3, or leave it out for the heuristic")
         if not (self.damping_factor > 0):
             raise ConfigError("damping_factor", "must be > 0")
+        if not isinstance(self.damping_noise, bool):
+            raise ConfigError("damping_noise", f"must be true or false, got {self.damping_noise!r}")
         if self.fit_examples is not None and self.fit_examples < 1:
             raise ConfigError("fit_examples", "must be >= 1", "leave it out to fit on the whole pool")
         if self.batch_size < 1:
             raise ConfigError("batch_size", "must be >= 1")
+        sh = self.shrinkage
+        if isinstance(sh, bool) or not (sh in SHRINKAGE_MODES or isinstance(sh, (int, float)) and 0 <= sh <= 1):
+            raise ConfigError("shrinkage", f"unknown value {sh!r}",
+                              f"use {' or '.join(SHRINKAGE_MODES)}, or a weight within [0, 1]")
 
 
 class Curvature:
     """Per-layer damped inverse of ``H``, applied to ``out x in'`` gradient matrices.
 
     ``tensors`` holds, per layer ``name``: ekfac ``name::QA``, ``name::QS``,
-    ``name::Lambda``; kfac ``name::QA``, ``name::lamA``, ``name::QS``, ``name::lamS``;
-    diagonal ``name::D``. ``damping`` maps each layer to the ``lambda`` used.
+    ``name::Lambda``, and the K-FAC eigenvalues ``name::lamA``, ``name::lamS`` with
+    ``name::LambdaVar`` (the estimated sampling variance of ``Lambda``, summed over its
+    entries) for the shrinkage and the noise damping; kfac ``name::QA``, ``name::lamA``, ``name::QS``,
+    ``name::lamS``; diagonal ``name::D``. ``damping`` maps each layer to the ``lambda``
+    used, ``shrinkage`` (ekfac) to the weight ``rho`` of the K-FAC eigenvalues
+    (:class:`CurvatureSettings`; absent = 0).
     """
 
-    def __init__(self, kind: str, layers: list, tensors: dict, damping: dict, meta: dict | None = None):
+    def __init__(self, kind: str, layers: list, tensors: dict, damping: dict, meta: dict | None = None,
+                 shrinkage: dict | None = None):
         if kind not in KINDS:
             raise ConfigError("curvature", f"unknown kind {kind!r}")
         self.kind = kind
         self.layers = list(layers)
         self.tensors = tensors
         self.damping = dict(damping)
+        self.shrinkage = dict(shrinkage or {})
         self.meta = meta or {}
 
-    def eigenvalues(self, name: str) -> torch.Tensor:
-        """The (undamped) eigenvalues of ``H_l`` as an ``out x in'`` grid."""
-        t = self.tensors
+    def eigenvalues(self, name: str, device=None, dtype=None) -> torch.Tensor:
+        """The (undamped) eigenvalues of ``H_l`` as an ``out x in'`` grid, computed on
+        ``device`` in ``dtype`` (default: the stored tensors'). EK-FAC with a shrinkage
+        weight ``rho > 0``: ``(1 - rho) Lambda + rho c outer(lamS, lamA)``, ``c`` making
+        the sum equal to ``Lambda``'s."""
+        def get(key):
+            return self.tensors[f"{name}::{key}"].to(device=device, dtype=dtype)
+
         if self.kind == "ekfac":
-            return t[f"{name}::Lambda"]
+            lam = get("Lambda")
+            rho = self.shrinkage.get(name, 0.0)
+            if not rho:
+                return lam
+            kfac = get("lamS")[:, None] * get("lamA")[None, :]
+            return torch.lerp(lam, kfac_matched(lam, kfac), float(rho))
         if self.kind == "kfac":
-            return t[f"{name}::lamS"][:, None] * t[f"{name}::lamA"][None, :]
+            return get("lamS")[:, None] * get("lamA")[None, :]
         if self.kind == "diagonal":
-            return t[f"{name}::D"]
+            return get("D")
         raise ConfigError("curvature", "identity has no eigenvalues")
 
     def precondition(self, grads: dict, device=None) -> dict:
@@ -115,7 +158,7 @@ class Curvature:
                 continue
             QA = t[f"{name}::QA"].to(device=dev, dtype=dt)
             QS = t[f"{name}::QS"].to(device=dev, dtype=dt)
-            eig = self.eigenvalues(name).to(device=dev, dtype=dt)
+            eig = self.eigenvalues(name, device=dev, dtype=dt)
             rot = QS.T @ gd @ QA
             out[name] = (QS @ (rot / (eig + lam)) @ QA.T).to(device=g.device, dtype=g.dtype)
             del QA, QS, eig, rot, gd
@@ -151,7 +194,8 @@ class Curvature:
         tmp.replace(d / files[me])
         distributed.barrier()
         full = dict(meta)
-        full.update({"kind": self.kind, "layers": self.layers, "damping": self.damping, "files": files})
+        full.update({"kind": self.kind, "layers": self.layers, "damping": self.damping,
+                     "shrinkage": self.shrinkage, "files": files})
         if distributed.is_main():
             atomic_write_json(d / "curvature.json", full)
         distributed.barrier()
@@ -180,7 +224,30 @@ class Curvature:
         tensors: dict = {}
         for f in files:
             tensors.update(load_file(str(d / f), device=str(device) if device is not None else "cpu"))
-        return cls(meta["kind"], meta["layers"], tensors, meta["damping"], meta)
+        return cls(meta["kind"], meta["layers"], tensors, meta["damping"], meta, meta.get("shrinkage"))
+
+
+def kfac_matched(lam: torch.Tensor, kfac: torch.Tensor) -> torch.Tensor:
+    """The K-FAC eigenvalues ``kfac`` rescaled to the sum of the EK-FAC ones ``lam`` (both
+    grids of one layer): the shrinkage target. The rescaling leaves the mean eigenvalue,
+    and so the heuristic damping, unchanged; with that damping, ``rho = 1`` ranks as K-FAC."""
+    total = kfac.sum(dtype=torch.float64)
+    if not total > 0:
+        return kfac
+    return kfac * float(lam.sum(dtype=torch.float64) / total)
+
+
+def shrinkage_weight(lam: torch.Tensor, kfac: torch.Tensor, variance: float) -> float:
+    """Ledoit-Wolf weight of the K-FAC target for one layer's EK-FAC eigenvalues ``lam``:
+    ``min(1, variance / ||lam - kfac_matched(lam, kfac)||^2)`` (sums over the grid), the
+    weight that minimises the expected squared error of the shrunk eigenvalues when
+    ``variance`` is the summed sampling variance of ``lam`` (Ledoit & Wolf 2003). A
+    target equal to ``lam`` gives 0."""
+    diff = lam - kfac_matched(lam, kfac)
+    dist = float(torch.sum(diff * diff, dtype=torch.float64))
+    if not (variance > 0 and dist > 0):
+        return 0.0
+    return min(1.0, variance / dist)
 
 
 def settings_dict(s: CurvatureSettings) -> dict:

@@ -9,12 +9,18 @@ so that ``A (x) S`` approximates ``F = (1/N) sum_n vec(G_n) vec(G_n)^T`` when th
 tokens are independent (exact for one token per example and a shared input).
 EK-FAC then replaces the Kronecker eigenvalues by
 ``Lambda = (1/N) sum_n (Q_S^T G_n Q_A)**2`` (a second pass), which is the exact
-diagonal of ``F`` in that eigenbasis. ``diagonal`` uses ``(1/N) sum_n G_n**2``.
+diagonal of ``F`` in that eigenbasis. The same pass sums the fourth powers, so that
+``LambdaVar = ((1/N) sum_n sum_ij R_nij**4 - sum_ij Lambda_ij**2) / (N - 1)`` (with
+``R_n = Q_S^T G_n Q_A``) estimates the sampling variance of ``Lambda``, summed over its
+entries; with the K-FAC eigenvalues ``lamA``, ``lamS``, which EK-FAC keeps, it sets the
+shrinkage weight and the noise damping (:class:`CurvatureSettings`).
+``diagonal`` uses ``(1/N) sum_n G_n**2``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import OrderedDict
 
@@ -23,12 +29,13 @@ from tqdm.auto import tqdm
 
 from .. import distributed, sharding
 from ..data.tokenize import token_losses
+from ..errors import CacheError
 from ..fast import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears
 from ..precision import fit_arithmetic, fit_policy, mm_acc, mm_acc_into
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
 from ..gradients import check_finite, has_bias, layer_shape
 from ..io import sha256_json
-from .base import Curvature, CurvatureSettings, settings_dict
+from .base import Curvature, CurvatureSettings, settings_dict, shrinkage_weight
 
 log = logging.getLogger(__name__)
 
@@ -150,13 +157,14 @@ def _rotate(x: torch.Tensor, Q: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
 
 
 class _LambdaTap(Tap):
-    """Pass 2 (EK-FAC): ``Lambda += sum_n (Q_S^T G_n Q_A)**2`` (padding has ``b = 0``)."""
+    """Pass 2 (EK-FAC): ``Lambda += sum_n (Q_S^T G_n Q_A)**2`` (padding has ``b = 0``),
+    ``M4 += sum_n sum_ij (Q_S^T G_n Q_A)_ij**4`` (a one-element tensor)."""
 
     keep_input = True
 
-    def __init__(self, module, stats, QA, QS, Lam, qa_group):
+    def __init__(self, module, stats, QA, QS, Lam, qa_group, M4):
         super().__init__(module)
-        self.stats, self.Lam, self.bias = stats, Lam, has_bias(module)
+        self.stats, self.Lam, self.M4, self.bias = stats, Lam, M4, has_bias(module)
         dt = module.weight.dtype
         self.QA, self.QS = QA.to(dt), QS.to(dt)
         self.qa_id = qa_group
@@ -172,10 +180,13 @@ class _LambdaTap(Tap):
         bq = _rotate(g, self.QS, st.acc)
         if g.dtype == st.acc:
             rot = bq.transpose(1, 2) @ aq
-            self.Lam += (rot * rot).sum(0)
+            sq = rot * rot
+            self.Lam += sq.sum(0)
         else:  # half precision: bf16 products (float32 accumulate), squares summed in float32
-            rot = torch.bmm(bq.transpose(1, 2), aq)
-            self.Lam += rot.square_().sum(0, dtype=st.acc)
+            sq = torch.bmm(bq.transpose(1, 2), aq).square_()
+            self.Lam += sq.sum(0, dtype=st.acc)
+        flat = sq.reshape(-1)
+        self.M4 += torch.dot(flat, flat).to(st.acc)  # no copy of the batch's squares
 
 
 class _DiagTap(Tap):
@@ -317,31 +328,34 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     device = device or next(model.parameters()).device
     idx = fit_indices(len(encoded), settings)
     batches = length_batches(encoded, idx, settings.batch_size)
-    tensors, damping = {}, {}
+    tensors, damping, shrinkage = {}, {}, {}
     with fit_policy(model, precision):
         for k, group in enumerate(groups):
             tag = f" (group {k + 1}/{len(groups)})" if len(groups) > 1 else ""
             sub = {n: modules[n] for n in group}
             before = dict(timings)
-            t, d = _fit_group(model, sub, encoded, batches, len(idx), settings, pad_id=pad_id, device=device,
-                              progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag,
-                              offload=store != "device")
+            t = _fit_group(model, sub, encoded, batches, len(idx), settings, pad_id=pad_id, device=device,
+                           progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag,
+                           offload=store != "device")
             log.info("curvature%s: %d layers, factors %.1f s, eigendecompositions %.1f s, eigenvalues %.1f s",
                      tag, len(group), *(timings[k] - before[k] for k in ("factors_s", "eigh_s", "lambda_s")))
             if store == "host":
                 t = {name: x.to("cpu") for name, x in t.items()}
+            part = apply_damping(Curvature(settings.kind, group, t, {}), settings)
             if on_group is not None:
-                on_group(group, Curvature(settings.kind, group, t, d))
-            damping.update(d)
+                on_group(group, part)
+            damping.update(part.damping)
+            shrinkage.update(part.shrinkage)
             if store != "transient":
                 tensors.update(t)
-            del t
-    return Curvature(settings.kind, layers, tensors, damping, meta={"store": store, "groups": len(groups)})
+            del t, part
+    return Curvature(settings.kind, layers, tensors, damping, meta={"store": store, "groups": len(groups)},
+                     shrinkage=shrinkage)
 
 
 def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id, device, progress, timings,
                cuda_graphs, tag="", offload=False):
-    """The fit of one group of layers: ``(tensors, damping)`` as :class:`Curvature` holds them.
+    """The fit of one group of layers: the tensors :class:`Curvature` holds.
     ``offload``: the finished tensors go to host memory as soon as the device copies that
     the eigenvalue pass needs are made (the pass then holds only those)."""
     import time
@@ -370,7 +384,7 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
             check_finite(tensors[f"{n}::D"], "the diagonal curvature", layer=n)
         sync()
         timings["factors_s"] += time.perf_counter() - t0
-        return tensors, {n: _damping(settings, tensors[f"{n}::D"]) for n in layers}
+        return tensors
 
     # Pass 1: Kronecker factors.
     t0 = time.perf_counter()
@@ -440,13 +454,13 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     timings["eigh_s"] += time.perf_counter() - t0
 
     if settings.kind == "kfac":
-        cur = Curvature("kfac", layers, tensors, {})
-        return tensors, {n: _damping(settings, cur.eigenvalues(n)) for n in layers}
+        return tensors
 
     # Pass 2 (EK-FAC): eigenvalues corrected with per-example gradients in the eigenbasis.
     t0 = time.perf_counter()
     Lam = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
-    taps = {n: _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], group_of[n])
+    M4 = {n: zeros(1) for n in layers}
+    taps = {n: _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], group_of[n], M4[n])
             for n, m in modules.items()}
     if offload:  # the taps hold the eigenbases in the model's dtype; the float32 ones wait on the host
         for k in list(tensors):
@@ -454,16 +468,27 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
             "curvature eigenvalues" + tag, progress, cuda_graphs, settings.batch_size)
     del taps
-    distributed.all_reduce_sum(list(Lam.values()))
+    distributed.all_reduce_sum(list(Lam.values()) + list(M4.values()))
     for n in layers:
-        tensors[f"{n}::Lambda"] = Lam[n] / n_examples
-        check_finite(tensors[f"{n}::Lambda"], "the EK-FAC eigenvalues", layer=n)
-        del tensors[f"{n}::lamA"], tensors[f"{n}::lamS"]
-    del Lam
+        lam = tensors[f"{n}::Lambda"] = Lam[n] / n_examples
+        check_finite(lam, "the EK-FAC eigenvalues", layer=n)
+        tensors[f"{n}::LambdaVar"] = _lambda_variance(M4[n] / n_examples, lam, n_examples)
+    del Lam, M4
     sync()
     timings["lambda_s"] += time.perf_counter() - t0
-    cur = Curvature("ekfac", layers, tensors, {})
-    return tensors, {n: _damping(settings, cur.eigenvalues(n)) for n in layers}
+    return tensors
+
+
+def _lambda_variance(m4: torch.Tensor, lam: torch.Tensor, n: int) -> torch.Tensor:
+    """The sampling variance of ``Lambda`` (a mean over ``n`` examples), summed over its
+    entries, from ``m4 = (1/n) sum_n sum_ij R_nij**4``: the unbiased variance of the
+    squares over the examples, divided by ``n``. One example gives nothing to estimate it
+    from: then ``sum_ij Lambda_ij**2`` (a standard error as large as the estimate). A
+    one-element tensor."""
+    second = torch.sum(lam * lam, dtype=torch.float64)
+    if n < 2:
+        return second.reshape(1).to(m4.dtype)
+    return ((m4.double() - second) / (n - 1)).clamp(min=0).to(m4.dtype)
 
 
 #: CPU eigendecompositions of factors up to this size run on one thread unless OpenMP
@@ -504,10 +529,26 @@ def _eigh(M: torch.Tensor):
             torch.set_num_threads(threads)
 
 
-def _damping(settings: CurvatureSettings, eig: torch.Tensor) -> float:
+def _shrinkage(settings: CurvatureSettings, cur: Curvature, name: str) -> float:
+    """Layer ``name``'s shrinkage weight ``rho`` (:class:`CurvatureSettings`)."""
+    if settings.shrinkage == "off":
+        return 0.0
+    if settings.shrinkage != "auto":
+        return float(settings.shrinkage)
+    t = cur.tensors
+    kfac = t[f"{name}::lamS"][:, None] * t[f"{name}::lamA"][None, :]
+    return shrinkage_weight(t[f"{name}::Lambda"], kfac, float(t[f"{name}::LambdaVar"]))
+
+
+def _damping(settings: CurvatureSettings, eig: torch.Tensor, noise: torch.Tensor | None = None) -> float:
+    """Explicit, else ``damping_factor`` x the mean eigenvalue, plus (``damping_noise``,
+    EK-FAC: ``noise`` is the layer's ``LambdaVar``) the root-mean-square standard error of
+    the eigenvalues, ``sqrt(LambdaVar / eig.numel())``."""
     if settings.damping is not None:
         return float(settings.damping)
     lam = settings.damping_factor * float(eig.double().mean())
+    if settings.damping_noise and noise is not None:
+        lam += math.sqrt(float(noise) / eig.numel())
     # A layer with all-zero curvature (e.g. unused) still needs an invertible H.
     return lam if lam > 0 else 1e-12
 
@@ -515,12 +556,13 @@ def _damping(settings: CurvatureSettings, eig: torch.Tensor) -> float:
 def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fingerprint: str,
                   layers: list, max_length: int, arithmetic: str) -> dict:
     """What a saved curvature must match to be reused: exactly what determines the fitted
-    factors. The damping is applied when preconditioning (:func:`apply_damping`), so a new
-    ``--damping`` reuses the fit; the batch size does not change the sums. ``arithmetic``
+    factors. The damping and the shrinkage are applied when preconditioning
+    (:func:`apply_damping`), so a new ``--damping`` or ``--shrinkage`` reuses the fit;
+    the batch size does not change the sums. ``arithmetic``
     is how the fit computed (:func:`prism_select.precision.fit_arithmetic`: the weights'
     dtype, and whether ``--precision split32`` was active)."""
     s = settings_dict(settings)
-    for k in ("batch_size", "damping", "damping_factor"):
+    for k in ("batch_size", "damping", "damping_factor", "damping_noise", "shrinkage"):
         s.pop(k)
     return {
         "settings": s,
@@ -533,10 +575,20 @@ def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fing
 
 
 def apply_damping(cur: Curvature, settings: CurvatureSettings) -> Curvature:
-    """Set each layer's damping from ``settings`` (explicit, or the heuristic on the
-    layer's eigenvalues)."""
-    if cur.kind != "identity" and cur.tensors:
-        cur.damping = {n: _damping(settings, cur.eigenvalues(n)) for n in cur.layers}
+    """Set each layer's shrinkage weight (EK-FAC) and then its damping from ``settings``
+    (explicit, or the heuristic on the layer's eigenvalues, which the shrinkage leaves at
+    the same mean, plus their noise under ``damping_noise``). A curvature saved without
+    the statistics of either raises :class:`CacheError` when ``settings`` asks for one."""
+    if cur.kind == "identity" or not cur.tensors:
+        return cur
+    if cur.kind == "ekfac":
+        wanted = settings.shrinkage != "off" or settings.damping_noise
+        if wanted and any(f"{n}::LambdaVar" not in cur.tensors for n in cur.layers):
+            raise CacheError("the saved EK-FAC curvature predates the statistics of the shrinkage and the noise "
+                             "damping (lamA, lamS, LambdaVar)")
+        cur.shrinkage = {n: _shrinkage(settings, cur, n) for n in cur.layers}
+    cur.damping = {n: _damping(settings, cur.eigenvalues(n), cur.tensors.get(f"{n}::LambdaVar"))
+                   for n in cur.layers}
     return cur
 
 
@@ -557,7 +609,6 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
     from pathlib import Path
 
     from .. import cache
-    from ..errors import CacheError
 
     key = curvature_key(settings, model_fingerprint, pool_fingerprint, list(modules), max_length,
                         fit_arithmetic(model, precision))
@@ -569,13 +620,13 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
     if settings.kind != "identity" and store != "transient" \
             and distributed.all_or_nothing((directory / "curvature.json").exists()):
         try:
-            cur = Curvature.load(directory, expect=key, device="cpu" if store != "device" else device)
+            cur = apply_damping(Curvature.load(directory, expect=key, device="cpu" if store != "device" else device),
+                                settings)
         except CacheError as exc:
             log.warning("%s; fitting again", exc)
     if distributed.all_or_nothing(cur is not None):
         log.info("reusing curvature from %s", directory)
         cache.touch(directory)
-        apply_damping(cur, settings)
         if on_group is not None:
             on_group(list(cur.layers), cur)
         return cur, directory, True

@@ -1,0 +1,272 @@
+"""Curvature on small pools: ranking AUROC of the harmful flag per curvature, pool size and family.
+
+For every family, pool size and seed: a pool with a ``harmful`` flag and target pairs
+(``chosen`` = the harmful behaviour, ``rejected`` = the correct one) are built, PRISM's
+``g_KL`` is computed once, EK-FAC is fitted once on the pool (``fit_curvature``: the fit
+keeps the K-FAC eigenvalues, so K-FAC and every EK-FAC variant below come from the same
+fit), and every curvature's ``v = H^-1 g_KL`` scores the pool in ONE pass (per-example
+gradients contracted with all the ``v`` at once; checked against the library's exact
+scoring on the first pool). Curvatures:
+
+    identity, kfac, ekfac (default damping 0.1 x mean eigenvalue), ekfac x10 / x100 damping,
+    ekfac with --shrinkage auto (Ledoit-Wolf weight toward K-FAC) and 1 (ranks as K-FAC),
+    ekfac with --damping-noise (the eigenvalues' standard error added to the damping), and both.
+
+Families (data from ``--data``, the folder holding gsm8k/ and bbh/):
+  mistake-math  GSM8K solutions, a calculator step corrupted and carried to the answer
+                (prism_select.evaluation.builders; targets: counterfactual pairs)
+  bbh-wrong     BIG-Bench-Hard examples answered with the reference (correct) or a wrong
+                answer (builders.wrong_answer), tasks mixed; targets: other examples,
+                chosen = a wrong answer, rejected = the reference
+  arithmetic    the generated example of ``prism-select demo`` (prism_select.examples); no data
+
+Prints one table and writes JSON after every pool (a run stopped by a time limit keeps
+what it measured). CPU or GPU (float32 model):
+
+    python benchmarks/small_pools.py --data ../shared/data --sizes 60 300 3000 \\
+        --families mistake-math bbh-wrong --json small_pools.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI: CPU eigendecompositions under load
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scoring import load_embedded  # noqa: E402
+
+from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature  # noqa: E402
+from prism_select.curvature.fit import apply_damping  # noqa: E402
+from prism_select.data.tokenize import encode  # noqa: E402
+from prism_select.evaluation import builders  # noqa: E402
+from prism_select.evaluation_metrics import auroc  # noqa: E402
+from prism_select.fast import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears  # noqa: E402
+from prism_select.model import tracked_linear_modules  # noqa: E402
+from prism_select.preference import compute_preference  # noqa: E402
+from prism_select.scoring import score_encoded  # noqa: E402
+
+#: the one-pass scores must equal the library's exact scores to this relative error
+#: (float32, other summation order) on the check records
+CHECK_REL_TOL = 1e-3
+
+VARIANTS = {  # name -> (kind, CurvatureSettings overrides)
+    "identity": ("identity", {}),
+    "kfac": ("kfac", {}),
+    "ekfac": ("ekfac", {}),
+    "ekfac damping x10": ("ekfac", {"damping_factor": 1.0}),
+    "ekfac damping x100": ("ekfac", {"damping_factor": 10.0}),
+    "ekfac shrinkage auto": ("ekfac", {"shrinkage": "auto"}),
+    "ekfac shrinkage 1": ("ekfac", {"shrinkage": 1.0}),
+    "ekfac damping-noise": ("ekfac", {"damping_noise": True}),
+    "ekfac shrinkage auto + damping-noise": ("ekfac", {"shrinkage": "auto", "damping_noise": True}),
+}
+
+
+# ----------------------------------------------------------------------------- families
+
+def mistake_math(data: Path, n: int, ratio: float, seed: int, n_targets: int):
+    path = data / "gsm8k" / "train.jsonl"
+    pool = builders.mistake_math_pool(path, n, ratio, seed)
+    targets = builders.mistake_math_targets(path, n_targets, seed, exclude=pool)
+    return pool, targets
+
+
+def bbh_wrong(data: Path, n: int, ratio: float, seed: int, n_targets: int):
+    tasks = builders.read_bbh_dir(data / "bbh")
+    rng = random.Random(f"bbh-wrong:{seed}")
+    items = [(t, i) for t in sorted(tasks) for i in range(len(tasks[t]))]
+    rng.shuffle(items)
+    if n + n_targets > len(items):
+        raise SystemExit(f"bbh-wrong: {len(items)} examples, asked for {n} + {n_targets}")
+    answers = {t: sorted({str(e["target"]).strip() for e in ex}) for t, ex in tasks.items()}
+    n_bad = builders.harmful_count(n, ratio)
+    flags = [True] * n_bad + [False] * (n - n_bad)
+    rng.shuffle(flags)
+    pool = []
+    for (t, i), bad in zip(items[:n], flags):
+        e = tasks[t][i]
+        right = str(e["target"]).strip()
+        pool.append({"id": f"{t}-{i}", "prompt": e["input"], "harmful": bad,
+                     "response": builders.wrong_answer(e, answers[t], rng) if bad else right})
+    targets = []
+    for t, i in items[n:n + n_targets]:
+        e = tasks[t][i]
+        targets.append({"id": f"{t}-{i}", "prompt": e["input"], "chosen": builders.wrong_answer(e, answers[t], rng),
+                        "rejected": str(e["target"]).strip()})
+    return pool, targets
+
+
+def arithmetic(data: Path, n: int, ratio: float, seed: int, n_targets: int):
+    from prism_select.examples import make_example
+    with tempfile.TemporaryDirectory() as d:
+        p, t = make_example(d, n_pool=n, harmful_ratio=ratio, n_pairs=n_targets, seed=seed)
+        read = lambda f: [json.loads(x) for x in Path(f).read_text().splitlines() if x.strip()]  # noqa: E731
+        return read(p), read(t)
+
+
+FAMILIES = {"mistake-math": mistake_math, "bbh-wrong": bbh_wrong, "arithmetic": arithmetic}
+
+
+# ----------------------------------------------------------------------------- scoring
+
+class _MultiTap(Tap):
+    """``scores[b, k] += <G_b, V_k>`` for the layer's per-example gradients ``G_b``."""
+
+    keep_input = True
+
+    def __init__(self, module, V, out):
+        super().__init__(module)
+        self.V, self.out = V, out  # V: (K, out, in)
+
+    def on_backward(self, x, g):
+        G = torch.bmm(g.transpose(1, 2).float(), x.float())
+        self.out[0] += torch.einsum("boi,koi->bk", G, self.V)
+
+
+def multi_scores(model, mods, enc, vs: list, pad, batch, dev) -> torch.Tensor:
+    """``(len(enc), K)`` float64 scores ``g_z . v_k`` for every direction in ``vs``."""
+    out = [None]
+    taps = {n: _MultiTap(m, torch.stack([v[n].float() for v in vs]).to(dev), out) for n, m in mods.items()}
+    split = split_causal_lm(model)
+    rows = []
+    with tap_linears(model, taps):
+        for s in range(0, len(enc), batch):
+            b = collate_to(enc[s:s + batch], pad, dev)
+            out[0] = torch.zeros(len(enc[s:s + batch]), len(vs), device=dev)
+            with torch.enable_grad():
+                losses, _ = batch_losses(model, causal_only(b), split=split)
+                losses.sum().backward()
+            rows.append(out[0].double().cpu())
+    return torch.cat(rows)
+
+
+def variant(cur: Curvature, kind: str, overrides: dict) -> Curvature:
+    layers = cur.layers
+    if kind == "identity":
+        return Curvature("identity", layers, {}, {n: 0.0 for n in layers})
+    keep = ("::QA", "::QS", "::lamA", "::lamS") if kind == "kfac" else None
+    t = {k: x for k, x in cur.tensors.items() if keep is None or k.endswith(keep)}
+    return apply_damping(Curvature(kind, layers, t, {}), CurvatureSettings(kind=kind, **overrides))
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", required=True, help="folder holding gsm8k/train.jsonl and bbh/*.json")
+    ap.add_argument("--families", nargs="+", default=["mistake-math", "bbh-wrong"], choices=list(FAMILIES))
+    ap.add_argument("--sizes", nargs="+", type=int, default=[60, 300, 3000])
+    ap.add_argument("--ratios", nargs="+", type=float, default=[0.25], help="harmful fractions (a pool for each)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--large", type=int, default=1000, help="pools of at least this many records use --large-seeds")
+    ap.add_argument("--large-seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--targets", type=int, default=24, help="target pairs per pool")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8, help="examples per batch (fit and scoring)")
+    ap.add_argument("--json", help="results, written after every pool; pools already in it are skipped")
+    ap.add_argument("--device", default="auto")
+    return ap.parse_args()
+
+
+def main():
+    a = parse_args()
+    t0 = time.perf_counter()
+    dev = torch.device(a.device if a.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_embedded(dev, torch.float32)
+    pad = tok.pad_token_id
+    mods = tracked_linear_modules(model)
+    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "argv": sys.argv,
+           "torch": torch.__version__, "n_targets": a.targets, "runs": []}
+    done = {}
+    if a.json and Path(a.json).exists():  # resume: pools already measured are kept, not redone
+        old = json.loads(Path(a.json).read_text())
+        done = {(r["family"], r["n"], r.get("ratio"), r["seed"]): r for r in old.get("runs", [])}
+        res["check_rel_err"] = old.get("check_rel_err")
+    checked = res.get("check_rel_err") is not None
+    for fam in a.families:
+        for n in a.sizes:
+            for ratio, seed in ((r, s) for r in a.ratios for s in (a.large_seeds if n >= a.large else a.seeds)):
+                if (fam, n, ratio, seed) in done:
+                    res["runs"].append(done[(fam, n, ratio, seed)])
+                    continue
+                t1 = time.perf_counter()
+                pool, targets = FAMILIES[fam](Path(a.data), n, ratio, seed, a.targets)
+                enc = [encode(tok, r["prompt"], r["response"], a.max_length) for r in pool]
+                chosen = [encode(tok, p["prompt"], p["chosen"], a.max_length) for p in targets]
+                rejected = [encode(tok, p["prompt"], p["rejected"], a.max_length) for p in targets]
+                pref = compute_preference(model, mods, chosen, rejected, pad_id=pad, batch_size=a.batch,
+                                          progress=False)
+                fit = fit_curvature(model, mods, enc, CurvatureSettings(kind="ekfac", batch_size=a.batch),
+                                    pad_id=pad, device=dev, progress=False)
+                t_fit = time.perf_counter() - t1
+                curs = {name: variant(fit, *VARIANTS[name]) for name in a.variants}
+                vs = [c.precondition(pref.direction) for c in curs.values()]
+                scores = multi_scores(model, mods, enc, vs, pad, a.batch, dev)
+                labels = [r["harmful"] for r in pool]
+                if not checked:  # the one-pass scores against the library's exact scoring
+                    k = len(vs) - 1
+                    m = min(16, len(enc))
+                    ref = score_encoded(model, mods, enc[:m], vs[k], pad_id=pad, batch_size=a.batch, progress=False)
+                    err = float((scores[:m, k] - ref).norm() / ref.norm())
+                    res["check_rel_err"] = err
+                    if not err <= CHECK_REL_TOL:
+                        raise SystemExit(f"one-pass scores differ from exact scoring: rel err {err:.2e}")
+                    checked = True
+                row = {"family": fam, "n": n, "ratio": ratio, "seed": seed, "n_harmful": sum(labels),
+                       "tokens": sum(len(e.input_ids) for e in enc),
+                       "pi": {"min": float(pref.pi.min()), "mean": float(pref.pi.mean()), "max": float(pref.pi.max())},
+                       "auroc": {name: auroc(scores[:, k].tolist(), labels) for k, name in enumerate(curs)},
+                       "shrinkage_auto": _rho_summary(curs.get("ekfac shrinkage auto")),
+                       "damping_noise_multiple": _damping_multiple(curs.get("ekfac damping-noise"), curs.get("ekfac")),
+                       "fit_s": t_fit, "total_s": time.perf_counter() - t1}
+                res["runs"].append(row)
+                print(f"{fam} n={n} ratio={ratio} seed={seed} ({row['total_s']:.0f} s): "
+                      + "  ".join(f"{k} {v:.3f}" for k, v in row["auroc"].items())
+                      + (f"  rho {row['shrinkage_auto']}" if row["shrinkage_auto"] else "")
+                      + (f"  noise damping x {row['damping_noise_multiple']}" if row["damping_noise_multiple"] else ""),
+                      flush=True)
+                res["seconds"] = time.perf_counter() - t0
+                if a.json:
+                    Path(a.json).write_text(json.dumps(res, indent=1))
+    print_table(res, a.variants)
+
+
+def _rho_summary(cur):
+    if cur is None:
+        return None
+    r = list(cur.shrinkage.values())
+    return {"min": round(min(r), 4), "mean": round(sum(r) / len(r), 4), "max": round(max(r), 4)}
+
+
+def _damping_multiple(cur, base):
+    """How many times the default damping ``--damping-noise`` gives (min, mean, max over layers)."""
+    if cur is None or base is None:
+        return None
+    r = [cur.damping[n] / base.damping[n] for n in cur.layers]
+    return {"min": round(min(r), 3), "mean": round(sum(r) / len(r), 3), "max": round(max(r), 3)}
+
+
+def print_table(res: dict, names: list):
+    """Mean AUROC over seeds per family, pool size and harmful ratio (rows) and curvature (columns)."""
+    keys = sorted({(r["family"], r["n"], r["ratio"]) for r in res["runs"]})
+    print("| family | n | harmful | seeds | " + " | ".join(names) + " |")
+    print("|---|---|---|---|" + "---|" * len(names))
+    for key in keys:
+        runs = [r for r in res["runs"] if (r["family"], r["n"], r["ratio"]) == key]
+        cells = [sum(r["auroc"][k] for r in runs) / len(runs) for k in names]
+        print(f"| {key[0]} | {key[1]} | {key[2]:g} | {len(runs)} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
