@@ -74,3 +74,64 @@ class CacheError(PrismError):
 
 class OutputError(PrismError):
     """An output cannot be written (unwritable directory, full disk, existing run)."""
+
+
+class OutOfResourceError(PrismError):
+    """The run ran out of device memory, host memory or disk space (``resource``: ``gpu
+    memory``, ``host memory`` or ``disk``). The message says what ran out, what finished
+    work is kept and where, and what to change; the same command then resumes from the
+    kept work (finished score chunks and a saved direction in ``<out>/.partial``, the
+    fitted curvature in the cache)."""
+
+    def __init__(self, resource: str, message: str, fix: str, kept: str):
+        self.resource, self.fix, self.kept = resource, fix, kept
+        super().__init__(f"out of {resource}: {message}. Kept: {kept}. Fix: {fix}, then run the same command "
+                         "again: it resumes from the kept work")
+
+
+#: errno values of a write that found no room (disk full, quota exceeded)
+_NO_SPACE = {28, 122}  # ENOSPC, EDQUOT
+
+
+def _no_space(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno in _NO_SPACE
+    text = str(exc)  # safetensors wraps the OS error in its own type
+    return type(exc).__name__ == "SafetensorError" and (
+        "No space left" in text or "StorageFull" in text or "os error 28" in text or "code: 28" in text)
+
+
+def _kept(out_dir, curvature=None) -> str:
+    from pathlib import Path
+    partial = Path(out_dir) / ".partial"
+    chunks = len(list(partial.rglob("chunk_*.safetensors"))) if partial.is_dir() else 0
+    direction = partial.is_dir() and any(partial.glob("*_v*.safetensors"))
+    parts = []
+    if chunks:
+        parts.append(f"{chunks} finished score chunk(s) in {partial}")
+    if direction:
+        parts.append(f"the preconditioned direction in {partial}")
+    if curvature:
+        parts.append(f"the fitted curvature in {curvature} (reused)")
+    return "; ".join(parts) or "nothing had finished yet"
+
+
+def resource_error(exc: BaseException, out_dir, curvature=None) -> OutOfResourceError | None:
+    """``exc`` as an :class:`OutOfResourceError` when it is an out-of-memory error (CUDA,
+    MPS, or the host's ``MemoryError``) or a write that found the disk full; else None.
+    ``out_dir``: the run's output directory (what is kept is read from its ``.partial``);
+    ``curvature``: where the run's fitted curvature was saved, if it was."""
+    import torch
+
+    text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    if isinstance(exc, oom) or isinstance(exc, RuntimeError) and "out of memory" in str(exc):
+        return OutOfResourceError("GPU memory", text, "lower --batch-size, or cap the memory plan with "
+                                  "--max-gpu-memory", _kept(out_dir, curvature))
+    if isinstance(exc, MemoryError):
+        return OutOfResourceError("host memory", text or "MemoryError", "lower --batch-size, close other programs, "
+                                  "or score with --stream", _kept(out_dir, curvature))
+    if _no_space(exc):
+        return OutOfResourceError("disk", text, f"free disk space under {out_dir} and the cache (prism-select "
+                                  "cache prune), or write to another --out", _kept(out_dir, curvature))
+    return None

@@ -44,7 +44,7 @@ from .data.tokenize import (
     has_chat_template,
     tokenizer_fingerprint,
 )
-from .errors import CacheError, ConfigError, InputError, OutputError
+from .errors import CacheError, ConfigError, InputError, OutputError, resource_error
 from .graphs import check_graph_mode
 from .precision import check_precision, check_precision_scoring, direction_policy
 from .io import (
@@ -747,9 +747,13 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
                      info={"run_key": run_key, "memory_plan": plan.to_json()}, plan=plan)
     try:
         scores, pairs = _method_fn(settings.method)(ctx)
-    except BaseException:
+    except BaseException as exc:
         if distributed.is_main():
             _drop_partial_without_chunks(out_dir)
+        # out of memory or disk: say what is kept and what to do
+        named = resource_error(exc, out_dir, (ctx.info.get("curvature") or {}).get("path"))
+        if named is not None:
+            raise named from exc
         raise
     main = distributed.is_main()  # every rank holds the gathered scores; rank 0 writes them
     if ctx.streamed is None:

@@ -56,3 +56,31 @@ def test_small_factors_run_on_one_thread_and_the_setting_is_restored(monkeypatch
         assert seen == [1, 2, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_small_cpu_factors_are_decomposed_side_by_side_like_one_by_one(monkeypatch):
+    """Factors up to EIGH_SERIAL_MAX go to a pool of one-thread workers (each result equals
+    a one-thread ``_eigh``, bit for bit); wider ones run one by one with every thread; the
+    thread setting is restored."""
+    mats = [_factor(n, torch.float32, seed=n) for n in (24, 40, 16, 64, 32)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = [fit._eigh(M) for M in mats]
+        torch.set_num_threads(2)
+        monkeypatch.setattr(fit, "EIGH_SERIAL_MAX", 40)  # 64 is "wide": sequential
+        workers, real = set(), fit._eigh
+
+        def eigh(M):
+            import threading
+            workers.add((threading.get_ident(), torch.get_num_threads(), M.shape[0] <= 40))
+            return real(M)
+        monkeypatch.setattr(fit, "_eigh", eigh)
+        got = dict(fit._eigh_many(lambda i: mats[i], [4, 0, 1, 2, 3]))
+        assert sorted(got) == [0, 1, 2, 3, 4] and torch.get_num_threads() == 2
+        for i, (lam, Q) in got.items():
+            assert torch.equal(lam, ref[i][0]) and torch.equal(Q, ref[i][1])
+        assert {(n, small) for _, n, small in workers} == {(1, True), (2, False)}
+        assert len({t for t, _, small in workers if small}) >= 1
+    finally:
+        torch.set_num_threads(before)

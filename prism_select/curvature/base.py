@@ -185,10 +185,7 @@ class Curvature:
         owner = distributed.contiguous_owners([self.tensors[k].numel() for k in names], parts)
         files = (["factors.safetensors"] if parts == 1
                  else [f"factors-{r:05d}-of-{parts:05d}.safetensors" for r in range(parts)])
-        # a copy on the host per tensor: layers reading the same input may share one
-        # factor in memory, which safetensors refuses to save as such
-        mine = {k: self.tensors[k].detach().to("cpu", copy=True).contiguous()
-                for k, o in zip(names, owner) if o == me}
+        mine = _host_tensors({k: self.tensors[k] for k, o in zip(names, owner) if o == me})
         tmp = d / f".{files[me]}.tmp"
         save_file(mine, str(tmp))
         tmp.replace(d / files[me])
@@ -248,6 +245,22 @@ def shrinkage_weight(lam: torch.Tensor, kfac: torch.Tensor, variance: float) -> 
     if not (variance > 0 and dist > 0):
         return 0.0
     return min(1.0, variance / dist)
+
+
+def _host_tensors(tensors: dict) -> dict:
+    """``tensors`` on the host, contiguous, each with its own storage (safetensors refuses
+    shared storage, e.g. layers reading one input that share a factor in memory). A host
+    tensor that owns its storage is taken as it is: copying a curvature to save it would
+    double its host memory (1.6 GB for the embedded model's EK-FAC)."""
+    out, seen = {}, set()
+    for k, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[k] = t
+    return out
 
 
 def settings_dict(s: CurvatureSettings) -> dict:

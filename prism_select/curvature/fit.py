@@ -428,19 +428,27 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     # broadcast by the rank that computed it. Each factor is freed once decomposed.
     tasks = [("A", r) for r in reps] + [("S", n) for n in layers]
     where = distributed.balance([(A[n] if k == "A" else S[n]).shape[0] ** 3 for k, n in tasks])
-    results, owners = {}, []
-    for (k, n), r in zip(tqdm(tasks, desc="eigendecompositions" + tag, unit="factor", leave=False,
-                              disable=not progress or not distributed.is_main()), where):
-        M = A[n] if k == "A" else S[n]
-        if r == distributed.rank():
-            lam, Q = _eigh(M)
-            lam, Q = lam.clamp(min=0).to(compute), Q.to(compute)
-        else:
-            lam, Q = M.new_empty(M.shape[0]), torch.empty_like(M)
-        (A if k == "A" else S)[n] = None
-        del M
-        results[(k, n)] = (lam, Q)
-        owners += [r, r]
+    results, owners = {}, [r for r in where for _ in range(2)]
+
+    def factor(i):
+        k, n = tasks[i]
+        return A[n] if k == "A" else S[n]
+
+    mine = [i for i, r in enumerate(where) if r == distributed.rank()]
+    with tqdm(total=len(tasks), desc="eigendecompositions" + tag, unit="factor", leave=False,
+              disable=not progress or not distributed.is_main()) as bar:
+        for i in (i for i, r in enumerate(where) if r != distributed.rank()):
+            M = factor(i)
+            results[tasks[i]] = (M.new_empty(M.shape[0]), torch.empty_like(M))
+            k, n = tasks[i]
+            (A if k == "A" else S)[n] = None  # another rank decomposes it
+            del M
+        for i, (lam, Q) in _eigh_many(factor, mine):
+            k, n = tasks[i]
+            results[(k, n)] = (lam.clamp(min=0).to(compute), Q.to(compute))
+            (A if k == "A" else S)[n] = None  # each factor is freed once decomposed
+            bar.update()
+        bar.update(len(tasks) - len(mine))
     distributed.share_from_owners([t for kn in tasks for t in results[kn]], owners)
     for n in layers:
         lamA, QA = results[("A", reps[group_of[n]])]
@@ -527,6 +535,33 @@ def _eigh(M: torch.Tensor):
     finally:
         if serial:
             torch.set_num_threads(threads)
+
+
+def _eigh_many(factor, indices: list):
+    """Yield ``(i, _eigh(factor(i)))`` for every ``i`` in ``indices`` (in any order).
+
+    On the CPU with several threads the factors up to EIGH_SERIAL_MAX wide are decomposed
+    side by side, one factor per thread, each on one thread: LAPACK's symmetric
+    eigensolver scales poorly over threads at these sizes (its tridiagonal reduction is
+    memory-bound and synchronises at every column), while independent factors scale
+    fully. The results are those of a one-thread ``_eigh``. Wider factors, and every
+    factor on other devices, run one after the other with all threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = torch.get_num_threads()
+    small = [i for i in indices if factor(i).device.type == "cpu" and factor(i).shape[0] <= EIGH_SERIAL_MAX]
+    if threads < 2 or len(small) < 2:
+        small = []
+    rest = [i for i in indices if i not in set(small)]
+    if small:
+        torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(min(threads, len(small))) as pool:
+                yield from zip(small, pool.map(lambda i: _eigh(factor(i)), small))
+        finally:
+            torch.set_num_threads(threads)
+    for i in rest:
+        yield i, _eigh(factor(i))
 
 
 def _shrinkage(settings: CurvatureSettings, cur: Curvature, name: str) -> float:

@@ -1,0 +1,82 @@
+"""CPU time and wall time of each stage of one `prism-select` command, in one process.
+
+    python benchmarks/cpu_stages.py --json out.json -- demo --out /tmp/d --overwrite --no-progress
+    python benchmarks/cpu_stages.py -- demo --out /tmp/d --pool-size 1000 --overwrite --no-progress
+
+The stages are timed by wrapping the library's functions (model load, target direction,
+the fit's two passes, curvature save, preconditioning, scoring); the eigendecompositions
+are the rest of the curvature stage (their workers overlap, so they are not timed call
+by call). CPU seconds are the process's user + system time over all threads, which on a
+machine shared with other work says more than wall time. Set ``$PRISM_SELECT_CACHE`` to
+an empty directory to include the model conversion and the fit (a cached curvature is
+reused). Prints a table and writes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI does, before torch loads
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("argv", nargs="+", help="the prism-select command line (after --)")
+    a = ap.parse_args()
+    from prism_select import cli, pipeline
+    from prism_select.curvature import base, fit
+
+    rec: dict = {}
+
+    def wrap(owner, name, label):
+        f = getattr(owner, name)
+
+        @functools.wraps(f)
+        def g(*args, **kw):
+            c, w = time.process_time(), time.perf_counter()
+            try:
+                return f(*args, **kw)
+            finally:
+                lab = label(args) if callable(label) else label
+                r = rec.setdefault(lab, {"cpu_s": 0.0, "wall_s": 0.0})
+                r["cpu_s"] += time.process_time() - c
+                r["wall_s"] += time.perf_counter() - w
+        setattr(owner, name, g)
+
+    wrap(pipeline, "load_model", "load model")
+    wrap(pipeline, "compute_preference", "target direction")
+    wrap(fit, "_passes", lambda args: "fit: " + args[9].split(" (")[0])
+    wrap(base.Curvature, "save", "curvature save")
+    wrap(pipeline, "load_or_fit_curvature", "curvature (all)")
+    wrap(base.Curvature, "precondition", "precondition")
+    wrap(pipeline, "score_encoded", "scoring")
+    c, w = time.process_time(), time.perf_counter()
+    code = cli.main(a.argv)
+    rec["total"] = {"cpu_s": time.process_time() - c, "wall_s": time.perf_counter() - w}
+    if "curvature (all)" in rec:
+        parts = [v for k, v in rec.items() if k.startswith("fit: ") or k == "curvature save"]
+        rec["eigendecompositions (rest of curvature)"] = {
+            k: rec["curvature (all)"][k] - sum(p[k] for p in parts) for k in ("cpu_s", "wall_s")}
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    print(f"{'stage':42s} {'CPU s':>8s} {'wall s':>8s}")
+    for k, v in rec.items():
+        print(f"{k:42s} {v['cpu_s']:8.1f} {v['wall_s']:8.1f}")
+    info = {"argv": a.argv, "exit_code": code, "stages": rec, "peak_rss_mib": ru.ru_maxrss / 1024,
+            "load_average_end": os.getloadavg(), "cpus": os.cpu_count(),
+            "threads": __import__("torch").get_num_threads()}
+    print(f"peak RSS {info['peak_rss_mib']:.0f} MiB; load average at the end {info['load_average_end']}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(info, indent=1))
+
+
+if __name__ == "__main__":
+    main()
