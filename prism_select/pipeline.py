@@ -471,12 +471,14 @@ class RunContext:
             out["warning"] = "fast scores disagree with exact scores; use --scoring exact"
         return out
 
-    def score_direction(self, direction: dict, tag: str = "scores") -> torch.Tensor | None:
+    def score_direction(self, direction: dict, tag: str = "scores", last: bool = False) -> torch.Tensor | None:
         """``g_z . H^-1 direction`` for every pool example (resumable).
 
         Under ``settings.stream`` the pool file is scored a window at a time into
         ``.partial/<tag>.jsonl`` (id, score, rank), recorded in ``self.streamed``, and
-        None is returned.
+        None is returned. ``last``: the method needs neither the curvature nor the
+        direction afterwards (the caller keeps no reference to ``direction``); both are
+        released once ``v`` is formed, before scoring (the fit stays in the cache).
         """
         partial = self.out_dir / ".partial"
         # under --shard fsdp each rank keeps (and saves) its rows of v
@@ -500,6 +502,9 @@ class RunContext:
                 tmp.replace(v_path)
                 for f in partial.glob(f"{tag}_v_group*"):
                     f.unlink(missing_ok=True)
+        if last:
+            direction = None
+            self._curvature = None
         if fsdp:  # v moves into the layers' sharded prism_v parameters
             sharding.set_v(self.modules, v)
             v = None
@@ -569,7 +574,13 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
               "weight": float(pref.weights[i]), "loss_chosen": float(pref.loss_chosen[i]),
               "loss_rejected": float(pref.loss_rejected[i]), **({"task": p.task} if p.task else {})}
              for i, p in enumerate(ctx.inputs.pairs)]
-    return ctx.score_direction(pref.direction), pairs
+    return ctx.score_direction(_take_direction(pref), last=True), pairs
+
+
+def _take_direction(pref) -> dict:
+    """``pref.direction``, no longer referenced by ``pref`` (so scoring can release it)."""
+    direction, pref.direction = pref.direction, None
+    return direction
 
 
 def _method_fn(name: str):
