@@ -28,14 +28,15 @@ def layer_shape(module: torch.nn.Linear) -> tuple[int, int]:
     return module.out_features, module.in_features + int(has_bias(module))
 
 
-def _local(t):
-    # this rank's rows of an FSDP2-sharded tensor (prism_select.sharding), else the tensor
+def local(t):
+    """This rank's rows of an FSDP2-sharded parameter or gradient (a DTensor,
+    :mod:`prism_select.sharding`); any other tensor (or None) as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _grad(p: torch.Tensor):
     # the float32 accumulator of precision.float32_grads (--precision split32), else .grad
-    return _local(getattr(p, GRAD32) if hasattr(p, GRAD32) else p.grad)
+    return local(getattr(p, GRAD32) if hasattr(p, GRAD32) else p.grad)
 
 
 def weight_grad(module: torch.nn.Linear) -> torch.Tensor:
@@ -44,7 +45,7 @@ def weight_grad(module: torch.nn.Linear) -> torch.Tensor:
     rows of it."""
     g = _grad(module.weight)
     if g is None:
-        w = _local(module.weight)
+        w = local(module.weight)
         return torch.zeros(w.shape[0], layer_shape(module)[1], dtype=w.dtype, device=w.device)
     if has_bias(module):
         gb = _grad(module.bias)

@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from . import distributed
 from .errors import ConfigError
-from .gradients import has_bias
+from .gradients import has_bias, local
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +80,6 @@ def is_sharded(module: torch.nn.Module) -> bool:
     if w is None:
         w = next(module.parameters(), None)
     return isinstance(w, DTensor)
-
-
-def local(t: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's rows of an FSDP2 parameter or gradient (the tensor itself otherwise)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
