@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
+import typing
 from pathlib import Path
 
 from .errors import PrismError
@@ -19,105 +21,94 @@ from .errors import PrismError
 # its OpenMP runtime: set here because this module is imported before torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-
-def _add_model_args(p: argparse.ArgumentParser):
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="default",
-                   help="local Hugging Face directory, a .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--adapter", default=None, help="PEFT adapter directory (its LoRA matrices are tracked)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float64"],
-                   help="weights' precision (auto: bfloat16 on a CUDA GPU that supports it, else float32)")
-    g.add_argument("--device", default="auto",
-                   help="auto (CUDA if available, else Apple's mps if available, else cpu), cpu, mps, cuda or cuda:N")
-    g.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the model directory's own Python code (off by default)")
-    g.add_argument("--cache-dir", default=None, help="cache for converted models and curvature "
-                   "(if not given: $PRISM_SELECT_CACHE or ~/.cache/prism-select)")
+#: tokens per example of the demo's generated records (short arithmetic questions)
+DEMO_MAX_LENGTH = 256
 
 
-def _shrinkage_arg(text: str):
-    """``--shrinkage``: a mode name, else a number (CurvatureSettings checks the value)."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
+def add_settings(p: argparse.ArgumentParser, *stages, only=None, skip=()) -> None:
+    """Add an option for every CLI field of the settings dataclasses in ``stages`` (pairs of
+    class and help-section title) from the fields' metadata (:func:`prism_select.settings.setting`):
+    flag, help, choices, metavar, section, and the default (the field's). A bool field is a
+    flag (``--name``, or ``--no-name`` when it defaults to True); a list field takes one or
+    more values; an ``int``/``float`` field is parsed as such, a field with ``parse`` as text
+    (:func:`settings_from_args` parses it, so its errors are reported like any setting's). A
+    field that an earlier stage added (``seed``, ``batch_size``) is one option for both.
+    ``only``: add just these fields; ``skip``: not these."""
+    seen = {a.dest for a in p._actions}
+    groups: dict = {}
+    for cls, title in stages:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            if not m.get("cli", False) or f.name in seen or f.name in skip or (only is not None and f.name not in only):
+                continue
+            seen.add(f.name)
+            section = m.get("group") or title
+            if section not in groups:
+                groups[section] = p.add_argument_group(section)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            tp = _base_type(hints[f.name])
+            kw = {"dest": f.name, "help": m["help"], "default": default}
+            flag = m.get("flag") or "--" + f.name.replace("_", "-")
+            if tp is bool:
+                if default:
+                    flag = m.get("flag") or "--no-" + f.name.replace("_", "-")
+                kw["action"] = "store_false" if default else "store_true"
+            else:
+                if tp is list:
+                    kw["nargs"] = "+"
+                elif m.get("parse") is None and tp in (int, float):
+                    kw["type"] = tp
+                for k in ("choices", "metavar"):
+                    if m.get(k) is not None:
+                        kw[k] = list(m[k]) if k == "choices" else m[k]
+            groups[section].add_argument(flag, **kw)
 
 
-def _add_score_args(p: argparse.ArgumentParser):
-    from .curvature.base import DEFAULT_DAMPING_FACTOR, DEFAULT_SHRINKAGE, KINDS
-    from .data.tokenize import DEFAULT_MAX_LENGTH
-    from .scoring import DEFAULT_CHUNK_SIZE
-
-    g = p.add_argument_group("scoring")
-    g.add_argument("--method", default="prism",
-                   help="prism, equal, unpaired, or a baseline (see `prism-select methods`)")
-    g.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH,
-                   help="tokens per example; a longer prompt is cut from the left")
-    g.add_argument("--batch-size", type=int, default=8, help="examples per forward/backward")
-    g.add_argument("--modules", nargs="+", default=None, metavar="REGEX",
-                   help="track only linear layers whose name matches one of these regexes")
-    g.add_argument("--skip-invalid", action="store_true", help="skip malformed records (listed in run.json)")
-    g.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
-                   help="examples per resumable chunk, at most (on the CPU a chunk also ends after about "
-                        "a minute's work, so an interrupted run keeps it)")
-    g.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
-    g.add_argument("--seed", type=int, default=0, help="seeds every random choice of the run")
-    g.add_argument("--no-progress", action="store_true", help="no progress bars")
-    g.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a baseline method's setting (JSON value), repeatable")
-    g.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
-                   help="capture each padded batch shape once and replay it (auto: on for CUDA devices and "
-                        "models below 1B parameters)")
-    g.add_argument("--precision", default="model", choices=["model", "residual32", "split32"],
-                   help="arithmetic of a bf16/fp16 model while scoring: model (as loaded); residual32 (residual "
-                        "stream in float32, matmuls unchanged); split32 (float32 activations, each linear layer as "
-                        "two half-precision GEMMs on a hi/lo split: float32-accurate scores on tensor cores; the "
-                        "target direction and the curvature fit run in the same arithmetic)")
-    g.add_argument("--max-gpu-memory", default=None, metavar="SIZE",
-                   help="cap on the GPU memory the run plans to use, e.g. 70GiB (default: the device's); "
-                        "the memory plan groups the curvature fit and lowers batch sizes to fit it")
-    g.add_argument("--shard", default="none", choices=["none", "fsdp"],
-                   help="under torchrun: none (every rank holds the whole model and scores a share of the "
-                        "pool) or fsdp (the model, the target direction and v sharded over the ranks with "
-                        "FSDP2, for models that do not fit one GPU; prism/equal/unpaired, exact scoring)")
-    g.add_argument("--cache-max-gb", type=float, default=None, metavar="GB",
-                   help="bound on the cache directory (least recently used entries are evicted; a larger "
-                        "artifact is used from memory, not cached); default: the free disk space")
-    c = p.add_argument_group("curvature")
-    c.add_argument("--curvature", default="ekfac", choices=list(KINDS), help="the Hessian approximation H")
-    c.add_argument("--damping", type=float, default=None,
-                   help=f"explicit damping (if not given: {DEFAULT_DAMPING_FACTOR} x mean eigenvalue per layer)")
-    c.add_argument("--damping-factor", type=float, default=DEFAULT_DAMPING_FACTOR, metavar="F",
-                   help=f"the heuristic damping is F x mean eigenvalue per layer (default: {DEFAULT_DAMPING_FACTOR})")
-    c.add_argument("--damping-noise", action="store_true",
-                   help="EK-FAC: add the eigenvalues' root-mean-square standard error (estimated from the fit) "
-                        "to the heuristic damping: large on small pools, vanishing on large ones")
-    c.add_argument("--shrinkage", type=_shrinkage_arg, default=DEFAULT_SHRINKAGE, metavar="{off,auto,RHO}",
-                   help="EK-FAC: pull each layer's corrected eigenvalues toward its K-FAC eigenvalues; auto: by "
-                        "the Ledoit-Wolf weight estimated from the fit (strong on small pools, vanishing on "
-                        f"large ones); RHO: a fixed weight in [0, 1] (default: {DEFAULT_SHRINKAGE})")
-    c.add_argument("--fisher", default="empirical", choices=["empirical", "sampled"],
-                   help="labels of the Fisher: the pool's own (empirical) or drawn from the model (sampled)")
-    c.add_argument("--fit-examples", type=int, default=None,
-                   help="fit on a seeded sample of N pool examples (if not given: the whole pool)")
+def _base_type(tp):
+    """``X`` of ``X | None``; the origin of a generic (``list`` of ``list[str]``); else ``tp``."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args and typing.get_origin(tp) not in (list, dict):
+        return _base_type(args[0]) if len(args) == 1 else tp
+    return typing.get_origin(tp) or tp
 
 
-def _add_stream_args(p: argparse.ArgumentParser):
-    from .pipeline import DEFAULT_STREAM_WINDOW, STREAM_FIT_EXAMPLES
+def settings_from_args(cls, a: argparse.Namespace, **fixed):
+    """``cls`` built from the parsed options of its fields (fields without an option keep
+    their defaults), each passed through its ``parse``; ``fixed`` overrides."""
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in fixed or not hasattr(a, f.name) or not f.metadata.get("cli", False):
+            continue
+        value = getattr(a, f.name)
+        parse = f.metadata.get("parse")
+        kw[f.name] = parse(value) if parse is not None and value is not None else value
+    return cls(**kw, **fixed)
 
-    g = p.add_argument_group("streaming (pools too large to load)")
-    g.add_argument("--stream", action="store_true",
-                   help="read and score the pool a window at a time (host memory flat in pool size; "
-                        f"prism, equal, unpaired only); the curvature is fitted on a seeded sample of "
-                        f"--fit-examples valid records ({STREAM_FIT_EXAMPLES} if not given)")
-    g.add_argument("--stream-window", type=int, default=None, metavar="N",
-                   help=f"records read and tokenised at a time under --stream (if not given: {DEFAULT_STREAM_WINDOW})")
+
+def _model_stage():
+    from .model import ModelSettings
+    return ModelSettings, "model"
+
+
+def _score_stages():
+    """The stages of ``score``'s settings, each with its help section."""
+    from .curvature import FitSettings, PreconditionSettings
+    from .settings import DirectionSettings, ExecutionSettings, RunSettings, ScoringSettings
+    return ((DirectionSettings, "method"), (ScoringSettings, "scoring"), (RunSettings, "run"),
+            (ExecutionSettings, "execution"), (FitSettings, "curvature fit"), (PreconditionSettings, "preconditioning"))
+
+
+def _add_option_arg(p: argparse.ArgumentParser):
+    """``--option KEY=VALUE`` (``DirectionSettings.method_options``), in the method section."""
+    group = next((g for g in p._action_groups if g.title == "method"), p)
+    group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                       help="a baseline method's setting (JSON value), repeatable")
 
 
 def _model_settings(a):
     from .model import ModelSettings
-    return ModelSettings(model=a.model, adapter=a.adapter, dtype=a.dtype, device=a.device,
-                         trust_remote_code=a.trust_remote_code, cache_dir=a.cache_dir)
+    return settings_from_args(ModelSettings, a)
 
 
 def _options(pairs: list) -> dict:
@@ -135,23 +126,11 @@ def _options(pairs: list) -> dict:
 
 
 def _score_settings(a):
+    """The run's :class:`ScoreSettings` and :class:`CurvatureSettings` from the options."""
     from .curvature import CurvatureSettings
     from .pipeline import ScoreSettings
-    from .plan import parse_bytes
-    s = ScoreSettings(method=a.method, max_length=a.max_length, batch_size=a.batch_size, modules=a.modules,
-                      skip_invalid=a.skip_invalid, chunk_size=a.chunk_size, overwrite=a.overwrite,
-                      progress=not a.no_progress, seed=a.seed, method_options=_options(a.option),
-                      scoring=getattr(a, "scoring", "exact"), stream=getattr(a, "stream", False),
-                      cuda_graphs=getattr(a, "cuda_graphs", "auto"),
-                      precision=getattr(a, "precision", "model"),
-                      max_gpu_memory=parse_bytes(getattr(a, "max_gpu_memory", None)),
-                      cache_max_gb=getattr(a, "cache_max_gb", None), shard=getattr(a, "shard", "none"),
-                      **({"fd_eps": a.fd_eps} if getattr(a, "fd_eps", None) is not None else {}),
-                      **({"stream_window": a.stream_window} if getattr(a, "stream_window", None) is not None else {}))
-    c = CurvatureSettings(kind=a.curvature, damping=a.damping, fisher=a.fisher, fit_examples=a.fit_examples,
-                          batch_size=a.batch_size, seed=a.seed, shrinkage=a.shrinkage,
-                          damping_factor=a.damping_factor, damping_noise=a.damping_noise)
-    return s, c
+    s = settings_from_args(ScoreSettings, a, method_options=_options(getattr(a, "option", [])))
+    return s, settings_from_args(CurvatureSettings, a)
 
 
 def cmd_score(a):
@@ -194,10 +173,9 @@ def cmd_demo(a):
     from .examples import make_example
     from .pipeline import ScoreSettings, score_pool
     out = Path(a.out)
-    pool, targets = make_example(out / "data", n_pool=a.pool_size, seed=a.seed)
-    s = ScoreSettings(method="prism", max_length=256, batch_size=a.batch_size, overwrite=a.overwrite,
-                      progress=not a.no_progress, seed=a.seed)
-    c = CurvatureSettings(kind=a.curvature, batch_size=a.batch_size, seed=a.seed)
+    pool, targets = make_example(out / "data", n_pool=a.pool_size, seed=a.seed)  # --seed: the data and the run
+    s = settings_from_args(ScoreSettings, a, method="prism", max_length=DEMO_MAX_LENGTH)
+    c = settings_from_args(CurvatureSettings, a)
     summary = score_pool(_model_settings(a), pool, targets, out / "run", s, c)
     _print_demo(summary, out, pool, targets)
     auc = auroc_from_files(out / "run" / "scores.jsonl", pool, "harmful")
@@ -319,7 +297,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if (action.required or action.default is None or action.default is False or action.default == []
+        if (action.required or action.nargs == 0 or action.default is None or action.default == []
                 or action.default == argparse.SUPPRESS or "%(default)" in text or not action.option_strings):
             return text
         return text + " (default: %(default)s)"
@@ -403,9 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--pool", required=True, help=".jsonl/.json/.parquet/.csv file or a datasets directory")
     sc.add_argument("--targets", default=None, help="target pairs: prompt + chosen + rejected")
     sc.add_argument("--out", required=True, help="run directory")
-    _add_model_args(sc)
-    _add_score_args(sc)
-    _add_stream_args(sc)
+    add_settings(sc, _model_stage(), *_score_stages())
+    _add_option_arg(sc)
     sc.set_defaults(func=cmd_score)
 
     se = _parser(sub, "select", help="write the kept pool records in the pool's own format")
@@ -429,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="methods to run, in order (see `prism-select methods`)")
     co.add_argument("--label", default=None,
                     help="boolean field of the pool records: report AUROC and AUPRC of each method's scores")
-    _add_model_args(co)
-    _add_score_args(co)  # --option KEY=VALUE for every method, METHOD.KEY=VALUE for one
+    add_settings(co, _model_stage(), *_score_stages(), skip=("stream", "stream_window"))
+    _add_option_arg(co)  # --option KEY=VALUE for every method, METHOD.KEY=VALUE for one
     co.set_defaults(func=cmd_compare)
 
     me = _parser(sub, "methods", help="list the scoring methods")
@@ -439,12 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     de = _parser(sub, "demo", help="score a small generated example with the embedded model")
     de.add_argument("--out", default="prism-demo", help="directory for the data (data/) and the run (run/)")
     de.add_argument("--pool-size", type=int, default=40, help="records in the generated pool (a quarter wrong)")
-    de.add_argument("--batch-size", type=int, default=8, help="examples per forward/backward")
-    de.add_argument("--curvature", default="ekfac", help="ekfac, kfac, diagonal or identity")
-    de.add_argument("--seed", type=int, default=0, help="seeds the generated data and the run")
-    de.add_argument("--overwrite", action="store_true", help="replace an earlier demo run in --out")
-    de.add_argument("--no-progress", action="store_true", help="no progress bars")
-    _add_model_args(de)
+    add_settings(de, *_score_stages(), only={"batch_size", "kind", "seed", "overwrite", "progress"})
+    add_settings(de, _model_stage())
     de.set_defaults(func=cmd_demo)
     _add_evaluation_parsers(sub)
     _add_cache_parser(sub)

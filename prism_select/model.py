@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError, ModelError
+from .settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +92,17 @@ class ModelSettings:
     attn_implementation: passed to transformers (e.g. "eager", "sdpa"); ``None`` = its default.
     """
 
-    model: str = DEFAULT_MODEL
-    adapter: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    trust_remote_code: bool = False
-    cache_dir: str | None = None
-    attn_implementation: str | None = None
+    model: str = setting(DEFAULT_MODEL, help="local Hugging Face directory, a .gguf file, or 'default' (embedded "
+                         "SmolLM2-135M-Instruct)")
+    adapter: str | None = setting(None, help="PEFT adapter directory (its LoRA matrices are tracked)")
+    dtype: str = setting("auto", choices=DTYPES, help="weights' precision (auto: bfloat16 on a CUDA GPU that "
+                         "supports it, else float32)")
+    device: str = setting("auto", help="auto (CUDA if available, else Apple's mps if available, else cpu), cpu, "
+                          "mps, cuda or cuda:N")
+    trust_remote_code: bool = setting(False, help="allow the model directory's own Python code (off by default)")
+    cache_dir: str | None = setting(None, help="cache for converted models and curvature (if not given: "
+                                    "$PRISM_SELECT_CACHE or ~/.cache/prism-select)")
+    attn_implementation: str | None = setting(None, cli=False, help="passed to transformers (e.g. eager, sdpa)")
 
     def __post_init__(self):
         if isinstance(self.model, os.PathLike):

@@ -32,7 +32,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import __version__, distributed, sharding
-from .sharding import check_shard
 from .curvature import Curvature, CurvatureSettings, load_or_fit_curvature
 from .data import load_pool, load_targets
 from .data.readers import detect_format, scan_pool
@@ -45,8 +44,7 @@ from .data.tokenize import (
     tokenizer_fingerprint,
 )
 from .errors import CacheError, ConfigError, InputError, OutputError, resource_error
-from .graphs import check_graph_mode
-from .precision import check_precision, check_precision_scoring, direction_policy
+from .precision import direction_policy
 from .io import (
     atomic_write_json,
     atomic_write_jsonl,
@@ -58,127 +56,14 @@ from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tr
 from .plan import MemoryPlan, cap_device_memory, make_plan, measure_example_bytes
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
-from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS, score_encoded, score_stream
+from .scoring import score_encoded, score_stream
+from .settings import DEFAULT_STREAM_WINDOW, STREAM_FIT_EXAMPLES, ScoreSettings, key_of  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
-# Under ``stream`` the curvature is fitted on a seeded sample of this many valid pool
-# records when ``CurvatureSettings.fit_examples`` is not set (a fit costs about three
-# forward+backward passes over its examples; 10K is minutes on one GPU at 1B parameters).
-STREAM_FIT_EXAMPLES = 10_000
 #: pool examples scored both ways before a fast run, and the agreement below which it warns
 FAST_CHECK_EXAMPLES = 64
 FAST_CHECK_MIN_SPEARMAN = 0.95
-DEFAULT_STREAM_WINDOW = 65_536
-
-
-@dataclass
-class ScoreSettings:
-    """How to score a pool.
-
-    method: prism (default), equal (g_0), unpaired, or a baseline name (see
-        ``prism_select.baselines``).
-    max_length: tokens per example; longer prompts are cut from the left.
-    batch_size: examples per forward/backward when scoring.
-    modules: regexes selecting the tracked linear layers (default: every linear
-        layer in the decoder blocks; with a PEFT adapter, its LoRA matrices).
-    skip_invalid: skip malformed records (listed in run.json) instead of stopping.
-    chunk_size: examples per resumable chunk.
-    overwrite: replace a finished run or an unfinished run with other settings.
-    seed: seeds every random choice of the run.
-    method_options: extra settings for a baseline method (recorded in run.json).
-    scoring: exact (default: one forward + one activation-only backward per batch),
-        fast (central finite differences along v in the model's dtype, two inference
-        forwards) or fd32 (the same on a float32 copy of the model: for a bf16 model the
-        scores match float32 exact scores, where bf16 exact scores do not quite; slower).
-        See docs/performance.md for speed and agreement.
-    fd_eps: relative finite-difference step of ``fast`` / ``fd32`` (None: the route's
-        default, see ``prism_select.fast``).
-    stream: read the pool a window at a time instead of loading it (host memory flat in
-        pool size); prism, equal and unpaired only. The curvature is then fitted on a
-        seeded sample of ``CurvatureSettings.fit_examples`` valid records
-        (``STREAM_FIT_EXAMPLES`` when unset).
-    stream_window: records read and tokenised at a time under ``stream``.
-    cuda_graphs: auto (default: on for CUDA devices and models below 1B parameters) | on |
-        off. Captures each padded batch shape's whole score computation (and curvature-fit
-        step) once and replays it, removing the host's kernel-launch cost; see
-        prism_select/graphs.py and docs/performance.md.
-    precision: model (default) | residual32 | split32, for half-precision models.
-        residual32 carries the residual stream (token embeddings, residual additions,
-        norms) in float32 while matmuls and attention stay in the model's dtype; split32
-        computes every activation in float32, the linear layers as two half-precision
-        GEMMs on a hi/lo split of their input: float32-accurate scores on tensor cores;
-        the target direction and the curvature fit then run in the same arithmetic
-        (prism_select/precision.py, docs/performance.md).
-    max_gpu_memory: cap on the device memory the run plans to use, in bytes (None: what the
-        device has); see :mod:`prism_select.plan`. Does not change the scores.
-    shard: none (default: under torchrun every rank holds the whole model and takes a share
-        of the examples) | fsdp (the model, the target direction and ``v`` are sharded over
-        the ranks with FSDP2, :mod:`prism_select.sharding`; for models that do not fit one
-        GPU). Does not change the scores.
-    cache_max_gb: bound on the cache directory's size; least recently used entries are
-        evicted to make room, and an artifact larger than the bound is not cached (None:
-        bounded by the free disk space only). Does not change the scores.
-    """
-
-    method: str = "prism"
-    max_length: int = DEFAULT_MAX_LENGTH
-    batch_size: int = 8
-    modules: list | None = None
-    skip_invalid: bool = False
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    overwrite: bool = False
-    progress: bool = True
-    seed: int = 0
-    method_options: dict = field(default_factory=dict)
-    scoring: str = "exact"
-    fd_eps: float | None = None
-    stream: bool = False
-    stream_window: int = DEFAULT_STREAM_WINDOW
-    cuda_graphs: str = "auto"
-    precision: str = "model"
-    max_gpu_memory: int | None = None
-    shard: str = "none"
-    cache_max_gb: float | None = None
-
-    def __post_init__(self):
-        if self.scoring not in SCORINGS:
-            raise ConfigError("scoring", f"unknown value {self.scoring!r}", f"use one of {', '.join(SCORINGS)}")
-        if self.fd_eps is not None and not (self.fd_eps > 0 and self.fd_eps < float("inf")):
-            raise ConfigError("fd_eps", f"must be a finite number > 0, got {self.fd_eps}")
-        check_graph_mode(self.cuda_graphs)
-        check_precision(self.precision)
-        check_precision_scoring(self.precision, self.scoring)
-        if self.max_length < 2:
-            raise ConfigError("max_length", f"must be >= 2, got {self.max_length}")
-        if self.batch_size < 1:
-            raise ConfigError("batch_size", f"must be >= 1, got {self.batch_size}")
-        if self.chunk_size < 1:
-            raise ConfigError("chunk_size", f"must be >= 1, got {self.chunk_size}")
-        known = set(DIRECTION_METHODS) | set(_baseline_names())
-        if self.method not in known:
-            raise ConfigError("method", f"unknown method {self.method!r}", f"use one of {', '.join(sorted(known))}")
-        if self.stream_window < 1:
-            raise ConfigError("stream_window", f"must be >= 1, got {self.stream_window}")
-        if self.max_gpu_memory is not None and not self.max_gpu_memory > 0:
-            raise ConfigError("max_gpu_memory", f"must be > 0 bytes, got {self.max_gpu_memory}",
-                              "pass e.g. --max-gpu-memory 70GiB, or leave it out")
-        if self.cache_max_gb is not None and not (self.cache_max_gb >= 0 and self.cache_max_gb < float("inf")):
-            raise ConfigError("cache_max_gb", f"must be a finite number >= 0, got {self.cache_max_gb}",
-                              "pass e.g. --cache-max-gb 50, or leave it out")
-        check_shard(self.shard, self.method, self.scoring)
-        if self.shard == "fsdp" and self.precision != "model":
-            raise ConfigError("precision", f"--precision {self.precision} does not run under --shard fsdp",
-                              "leave --precision out (model), or leave --shard out")
-        if self.stream and self.method not in DIRECTION_METHODS:
-            raise ConfigError("stream", f"method {self.method!r} needs the whole pool in memory; streaming "
-                              f"scores only {', '.join(DIRECTION_METHODS)}",
-                              f"drop --stream, or use --method {' / '.join(DIRECTION_METHODS)}")
-
-
-def _baseline_names() -> list:
-    from .baselines import REGISTRY
-    return list(REGISTRY)
 
 
 @dataclass
@@ -322,14 +207,13 @@ class RunContext:
             if groups is not None and store == "transient":
                 modules = {n: self.modules[n] for g in groups for n in g}
             st = self.settings
-            max_bytes = None if st.cache_max_gb is None else int(st.cache_max_gb * (1 << 30))
             cur, directory, reused = load_or_fit_curvature(
                 self.lm.model, modules, fit, cs,
                 pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
                 pool_fingerprint=encoded_fingerprint(fit),
                 max_length=st.max_length, progress=st.progress,
                 cuda_graphs=st.cuda_graphs, timings=phases, precision=st.precision,
-                groups=groups, store=store, on_group=on_group, cache_max_bytes=max_bytes)
+                groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes)
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             info = self.info.get("curvature", {})
@@ -747,9 +631,7 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     fingerprints = {"model": lm.fingerprint, "pool": inputs.pool_fingerprint,
                     "targets": encoded_fingerprint(inputs.chosen + inputs.rejected)}
     plan = plan_run(lm, modules, inputs, settings, curvature)
-    run_key = {"settings": {k: v for k, v in asdict(settings).items()
-                            if k not in ("overwrite", "progress", "batch_size", "max_gpu_memory", "cache_max_gb")},
-               "curvature": asdict(curvature), "fingerprints": fingerprints,
+    run_key = {"settings": settings.run_key(), "curvature": key_of(curvature), "fingerprints": fingerprints,
                "dtype": str(lm.dtype), "modules": sha256_json(list(modules))}
     if distributed.is_main():
         _prepare_out_dir(out_dir, run_key, settings.overwrite)

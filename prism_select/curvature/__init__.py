@@ -11,7 +11,7 @@ true Fisher) of the *summed* per-example SFT loss, averaged over fit examples:
 ``F = (1/N) sum_n vec(G_n) vec(G_n)^T``. See :mod:`prism_select.curvature.fit`.
 """
 
-from .base import Curvature, CurvatureSettings, KINDS
+from .base import KINDS, Curvature, CurvatureSettings, FitSettings, PreconditionSettings
 from .fit import fit_curvature, load_or_fit_curvature
 
-__all__ = ["Curvature", "CurvatureSettings", "KINDS", "fit_curvature", "load_or_fit_curvature"]
+__all__ = ["Curvature", "CurvatureSettings", "FitSettings", "PreconditionSettings", "KINDS", "fit_curvature", "load_or_fit_curvature"]

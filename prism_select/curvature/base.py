@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CacheError, ConfigError
 from ..io import atomic_write_json
+from ..settings import DEFAULT_BATCH_SIZE, setting
 
 KINDS = ("ekfac", "kfac", "diagonal", "identity")
 FISHERS = ("empirical", "sampled")
@@ -21,26 +22,55 @@ DEFAULT_SHRINKAGE = "off"
 
 
 @dataclass
-class CurvatureSettings:
-    """How to fit ``H``.
+class FitSettings:
+    """What determines the fitted factors (:func:`prism_select.curvature.fit.curvature_key`
+    keys the saved fit by these, less ``batch_size``, which does not change the sums).
 
-    kind: ekfac (default), kfac, diagonal or identity.
-    damping: explicit ``lambda`` added to every eigenvalue; ``None`` uses the
-        heuristic ``damping_factor * mean eigenvalue`` of each layer (for diagonal,
-        the mean diagonal entry), which keeps the ranking independent of the loss
-        scale.
+    fisher: "empirical" (gradients at the data's own labels, as kronfluence's default) or
+    "sampled" (labels drawn from the model's predictive distribution, a true-Fisher
+    estimate). seed: seeds the fit sample and the sampled labels.
+    """
+
+    kind: str = setting("ekfac", flag="--curvature", choices=KINDS, help="the Hessian approximation H")
+    fisher: str = setting("empirical", choices=FISHERS,
+                          help="labels of the Fisher: the pool's own (empirical) or drawn from the model (sampled)")
+    fit_examples: int | None = setting(None, help="fit on a seeded sample of N pool examples (if not given: the "
+                                       "whole pool)")
+    batch_size: int = setting(DEFAULT_BATCH_SIZE, key=False, help="examples per fitting batch")
+    seed: int = setting(0, help="seeds the fit sample and the sampled labels")
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ConfigError("curvature", f"unknown kind {self.kind!r}", f"use one of {', '.join(KINDS)}")
+        if self.fisher not in FISHERS:
+            raise ConfigError("fisher", f"unknown value {self.fisher!r}", f"use one of {', '.join(FISHERS)}")
+        if self.fit_examples is not None and (isinstance(self.fit_examples, bool) or self.fit_examples < 1):
+            raise ConfigError("fit_examples", "must be >= 1", "leave it out to fit on the whole pool")
+        if isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise ConfigError("batch_size", "must be >= 1")
+
+
+def _shrinkage_value(text):
+    """``--shrinkage``: a mode name, else a number (checked by PreconditionSettings)."""
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return text
+
+
+@dataclass
+class PreconditionSettings:
+    """How the fitted ``H`` is damped and shrunk before it is inverted; applied to a fit
+    (:func:`prism_select.curvature.fit.apply_damping`), so none of it is in the fit's key.
+
+    damping: explicit ``lambda`` added to every eigenvalue; ``None`` uses the heuristic
+        ``damping_factor * mean eigenvalue`` of each layer (for diagonal, the mean
+        diagonal entry), which keeps the ranking independent of the loss scale.
     damping_noise (EK-FAC, heuristic damping only): add to each layer's damping the
         root-mean-square standard error of its corrected eigenvalues,
         ``sqrt(LambdaVar / number of eigenvalues)`` (``LambdaVar``: see ``shrinkage``), so that
         eigenvalues within the sampling noise of their estimate are not inverted as if
-        known; it falls as ``1/sqrt(N)`` with the number of fit examples. Applied after
-        the fit, not part of its cache key.
-    fisher: "empirical" (gradients at the data's own labels, as kronfluence's
-        default) or "sampled" (labels drawn from the model's predictive distribution,
-        a true-Fisher estimate).
-    fit_examples: fit on a seeded sample of this many pool examples (None = all).
-    batch_size: examples per fitting batch.
-    seed: seeds the fit sample and the sampled labels.
+        known; it falls as ``1/sqrt(N)`` with the number of fit examples.
     shrinkage (EK-FAC only; other kinds ignore it): how far each layer's corrected
         eigenvalues ``Lambda`` are pulled toward its K-FAC eigenvalues
         ``outer(eig(S), eig(A))`` (rescaled to the same sum), ``(1 - rho) Lambda +
@@ -49,40 +79,47 @@ class CurvatureSettings:
         with ``Var(Lambda)`` (``LambdaVar``) the sampling variance of the per-example
         average that ``Lambda`` is, summed over its entries, estimated from the same fit
         (it shrinks as ``1/N``: few fit examples pull toward K-FAC, many leave EK-FAC);
-        a number in [0, 1]: that ``rho`` for every layer. Applied after the fit, like
-        the damping, so it is not part of the fit's cache key.
+        a number in [0, 1]: that ``rho`` for every layer.
     """
 
-    kind: str = "ekfac"
-    damping: float | None = None
-    damping_factor: float = DEFAULT_DAMPING_FACTOR
-    damping_noise: bool = False
-    fisher: str = "empirical"
-    fit_examples: int | None = None
-    batch_size: int = 8
-    seed: int = 0
-    shrinkage: str | float = DEFAULT_SHRINKAGE
+    damping: float | None = setting(None, help=f"explicit damping (if not given: {DEFAULT_DAMPING_FACTOR} x mean "
+                                    "eigenvalue per layer)")
+    damping_factor: float = setting(DEFAULT_DAMPING_FACTOR, metavar="F",
+                                    help="the heuristic damping is F x mean eigenvalue per layer")
+    damping_noise: bool = setting(False, help="EK-FAC: add the eigenvalues' root-mean-square standard error "
+                                  "(estimated from the fit) to the heuristic damping: large on small pools, "
+                                  "vanishing on large ones")
+    shrinkage: str | float = setting(DEFAULT_SHRINKAGE, metavar="{off,auto,RHO}", parse=_shrinkage_value,
+                                     help="EK-FAC: pull each layer's corrected eigenvalues toward its K-FAC "
+                                          "eigenvalues; auto: by the Ledoit-Wolf weight estimated from the fit "
+                                          "(strong on small pools, vanishing on large ones); RHO: a fixed weight "
+                                          "in [0, 1]")
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ConfigError("curvature", f"unknown kind {self.kind!r}", f"use one of {', '.join(KINDS)}")
-        if self.fisher not in FISHERS:
-            raise ConfigError("fisher", f"unknown value {self.fisher!r}", f"use one of {', '.join(FISHERS)}")
-        if self.damping is not None and not (self.damping >= 0 and self.damping < float("inf")):
+        if self.damping is not None and (isinstance(self.damping, bool) or not (
+                isinstance(self.damping, (int, float)) and self.damping >= 0 and self.damping < float("inf"))):
             raise ConfigError("damping", f"must be a finite number >= 0, got {self.damping}",
                               "pass e.g. --damping 1e-3, or leave it out for the heuristic")
-        if not (self.damping_factor > 0):
+        if isinstance(self.damping_factor, bool) or not (isinstance(self.damping_factor, (int, float))
+                                                         and self.damping_factor > 0):
             raise ConfigError("damping_factor", "must be > 0")
         if not isinstance(self.damping_noise, bool):
             raise ConfigError("damping_noise", f"must be true or false, got {self.damping_noise!r}")
-        if self.fit_examples is not None and self.fit_examples < 1:
-            raise ConfigError("fit_examples", "must be >= 1", "leave it out to fit on the whole pool")
-        if self.batch_size < 1:
-            raise ConfigError("batch_size", "must be >= 1")
         sh = self.shrinkage
         if isinstance(sh, bool) or not (sh in SHRINKAGE_MODES or isinstance(sh, (int, float)) and 0 <= sh <= 1):
             raise ConfigError("shrinkage", f"unknown value {sh!r}",
                               f"use {' or '.join(SHRINKAGE_MODES)}, or a weight within [0, 1]")
+
+
+@dataclass
+class CurvatureSettings(PreconditionSettings, FitSettings):
+    """How to fit ``H`` and precondition with it: the fields of :class:`FitSettings`
+    (what determines the factors) and :class:`PreconditionSettings` (damping and
+    shrinkage, applied after the fit) in one object."""
+
+    def __post_init__(self):
+        FitSettings.__post_init__(self)
+        PreconditionSettings.__post_init__(self)
 
 
 class Curvature:
@@ -262,6 +299,3 @@ def _host_tensors(tensors: dict) -> dict:
         out[k] = t
     return out
 
-
-def settings_dict(s: CurvatureSettings) -> dict:
-    return asdict(s)

@@ -35,7 +35,8 @@ from ..precision import fit_arithmetic, fit_policy, mm_acc, mm_acc_into
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
 from ..gradients import check_finite, has_bias, layer_shape
 from ..io import sha256_json
-from .base import Curvature, CurvatureSettings, settings_dict, shrinkage_weight
+from ..settings import key_of
+from .base import Curvature, CurvatureSettings, FitSettings, PreconditionSettings, shrinkage_weight
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def length_batches(encoded: list, indices: list, batch_size: int) -> list:
     return [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
 
 
-def fit_indices(n: int, settings: CurvatureSettings) -> list:
+def fit_indices(n: int, settings: FitSettings) -> list:
     if settings.fit_examples is None or settings.fit_examples >= n:
         return list(range(n))
     rng = random.Random(settings.seed)
@@ -564,8 +565,8 @@ def _eigh_many(factor, indices: list):
         yield i, _eigh(factor(i))
 
 
-def _shrinkage(settings: CurvatureSettings, cur: Curvature, name: str) -> float:
-    """Layer ``name``'s shrinkage weight ``rho`` (:class:`CurvatureSettings`)."""
+def _shrinkage(settings: PreconditionSettings, cur: Curvature, name: str) -> float:
+    """Layer ``name``'s shrinkage weight ``rho`` (:class:`PreconditionSettings`)."""
     if settings.shrinkage == "off":
         return 0.0
     if settings.shrinkage != "auto":
@@ -575,7 +576,7 @@ def _shrinkage(settings: CurvatureSettings, cur: Curvature, name: str) -> float:
     return shrinkage_weight(t[f"{name}::Lambda"], kfac, float(t[f"{name}::LambdaVar"]))
 
 
-def _damping(settings: CurvatureSettings, eig: torch.Tensor, noise: torch.Tensor | None = None) -> float:
+def _damping(settings: PreconditionSettings, eig: torch.Tensor, noise: torch.Tensor | None = None) -> float:
     """Explicit, else ``damping_factor`` x the mean eigenvalue, plus (``damping_noise``,
     EK-FAC: ``noise`` is the layer's ``LambdaVar``) the root-mean-square standard error of
     the eigenvalues, ``sqrt(LambdaVar / eig.numel())``."""
@@ -588,19 +589,17 @@ def _damping(settings: CurvatureSettings, eig: torch.Tensor, noise: torch.Tensor
     return lam if lam > 0 else 1e-12
 
 
-def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fingerprint: str,
+def curvature_key(settings: FitSettings, model_fingerprint: str, pool_fingerprint: str,
                   layers: list, max_length: int, arithmetic: str) -> dict:
     """What a saved curvature must match to be reused: exactly what determines the fitted
-    factors. The damping and the shrinkage are applied when preconditioning
-    (:func:`apply_damping`), so a new ``--damping`` or ``--shrinkage`` reuses the fit;
-    the batch size does not change the sums. ``arithmetic``
+    factors: the key fields of :class:`FitSettings` (not its batch size, which does not
+    change the sums). The damping and the shrinkage (:class:`PreconditionSettings`) are
+    applied when preconditioning (:func:`apply_damping`), so a new ``--damping`` or
+    ``--shrinkage`` reuses the fit. ``arithmetic``
     is how the fit computed (:func:`prism_select.precision.fit_arithmetic`: the weights'
     dtype, and whether ``--precision split32`` was active)."""
-    s = settings_dict(settings)
-    for k in ("batch_size", "damping", "damping_factor", "damping_noise", "shrinkage"):
-        s.pop(k)
     return {
-        "settings": s,
+        "settings": key_of(settings, FitSettings),
         "model_fingerprint": model_fingerprint,
         "pool_fingerprint": pool_fingerprint,
         "layers_key": sha256_json(layers),
@@ -609,7 +608,7 @@ def curvature_key(settings: CurvatureSettings, model_fingerprint: str, pool_fing
     }
 
 
-def apply_damping(cur: Curvature, settings: CurvatureSettings) -> Curvature:
+def apply_damping(cur: Curvature, settings: PreconditionSettings) -> Curvature:
     """Set each layer's shrinkage weight (EK-FAC) and then its damping from ``settings``
     (explicit, or the heuristic on the layer's eigenvalues, which the shrinkage leaves at
     the same mean, plus their noise under ``damping_noise``). A curvature saved without

@@ -18,28 +18,34 @@ from pathlib import Path
 from typing import Any
 
 from ..curvature import CurvatureSettings
-from ..data.tokenize import DEFAULT_MAX_LENGTH
 from ..errors import ConfigError
 from ..model import ModelSettings
-from ..scoring import DEFAULT_CHUNK_SIZE
+from ..settings import RunSettings, ScoreSettings, ScoringSettings
 
 PROTOCOLS = ("ranking", "repair", "select")
 PAIR_SELECTIONS = ("worsened", "wrong_after", "all")
 DATA_ROOT_ENV = "PRISM_DATA_ROOT"
 
 
+def _default(cls, name: str):
+    """The default of field ``name`` of settings dataclass ``cls`` (one source of defaults)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default
+
+
 @dataclass
 class ScoreConfig:
-    """Scoring settings shared by every method (see :class:`prism_select.pipeline.ScoreSettings`).
+    """Scoring settings shared by every method (see :class:`prism_select.settings.ScoreSettings`,
+    whose defaults these are, except ``progress``: off in experiments).
 
-    Any other field of ``ScoreSettings`` (e.g. ``skip_invalid``, ``scoring``) may be
+    Any other field of ``ScoreSettings`` (e.g. ``skip_invalid``, ``precision``) may be
     given here too; it is passed through (``extra``). ``method``, ``method_options``,
     ``seed`` and ``overwrite`` are set by the protocol."""
 
-    max_length: int = DEFAULT_MAX_LENGTH
-    batch_size: int = 8
+    max_length: int = _default(ScoringSettings, "max_length")
+    batch_size: int = _default(ScoringSettings, "batch_size")
     modules: list | None = None
-    chunk_size: int = DEFAULT_CHUNK_SIZE
+    chunk_size: int = _default(RunSettings, "chunk_size")
     progress: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -48,7 +54,6 @@ _SCORE_RESERVED = {"method", "method_options", "seed", "overwrite"}
 
 
 def _score_passthrough() -> set:
-    from ..pipeline import ScoreSettings
     return {f.name for f in dataclasses.fields(ScoreSettings)} - _SCORE_RESERVED - \
         {f.name for f in dataclasses.fields(ScoreConfig)}
 
@@ -653,8 +658,7 @@ def config_to_dict(cfg) -> dict:
 
 
 def score_settings(cfg, method: str, seed: int):
-    """The :class:`~prism_select.pipeline.ScoreSettings` of ``method`` in a protocol run."""
-    from ..pipeline import ScoreSettings
+    """The :class:`~prism_select.settings.ScoreSettings` of ``method`` in a protocol run."""
     s = cfg.score
     return ScoreSettings(method=method, max_length=s.max_length, batch_size=s.batch_size, modules=s.modules,
                          chunk_size=s.chunk_size, overwrite=False, progress=s.progress, seed=seed,

@@ -1,0 +1,112 @@
+"""How a run computes, resolved once and passed down: the execution context.
+
+:class:`Kernels` are the kernel choices of the arithmetic (which GEMMs a split32 linear
+layer runs, whether a backward splits its cotangent, how token dot products are reduced,
+which finite-difference route ``--scoring fast`` means). They are explicit arguments of
+the functions that use them (:func:`prism_select.precision.split32`,
+:func:`prism_select.precision.split_linear`, :class:`prism_select.fast.ExactScorer`,
+:func:`prism_select.fast.rowdot`, ...), with :data:`DEFAULT_KERNELS` as the default;
+benchmarks pass others to compare them.
+
+:class:`ExecutionContext` is what the pipeline resolves once, after the model is loaded
+and the memory plan made: the device, the precision policy, the CUDA-graph mode, the
+process group (rank and world size), the memory plan and the kernels. The stages read
+it from :attr:`prism_select.pipeline.RunContext.execution` instead of re-deriving it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ConfigError
+
+SPLIT_GEMMS = ("two", "kcat")
+ROWDOT_BACKENDS = ("auto", "mulsum", "triton", "bmm")
+FAST_ROUTES = ("fd", "fd-hp", "fd32", "jvp")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Kernel choices; the defaults are the measured best (docs/performance.md).
+
+    split_gemm: how :func:`~prism_select.precision.split_linear` runs its products on CUDA:
+        ``two`` (two GEMMs, the second accumulating into the float32 result of the first) |
+        ``kcat`` (one GEMM of ``[hi | lo]`` against ``[W | W]``, the doubled weight built
+        once per layer by :func:`~prism_select.precision.split32`).
+    split_backward: whether a split32 backward's products split the cotangent too
+        (float32-accurate gradients, one more GEMM per product) or round it to the weights'
+        dtype. The target direction always splits it
+        (:func:`~prism_select.precision.direction_policy`). On the embedded model with
+        PRISM's ``v`` (CPU, 96 GSM8K records) rounding it leaves a relative error of 6.3e-3
+        in the scores against float32 exact (Spearman 0.9998), splitting it 5e-5; plain
+        bf16 exact: 0.105.
+    rowdot: how half-precision token dot products are reduced on CUDA
+        (:func:`~prism_select.fast.rowdot`): mulsum (bf16 products summed in float32) |
+        triton (one fused kernel) | bmm (cuBLAS batched dot, float32 result) | auto
+        (mulsum: on an H200 it ties the Triton kernel where the GPU is the bottleneck, 1B:
+        110.1 vs 111.0 ex/s, and wins where kernel-launch overhead is, SmolLM2-135M: 324
+        vs 291 ex/s).
+    fast_route: the route behind ``scoring="fast"`` (:mod:`prism_select.fast`; chosen with
+        benchmarks/bench_scoring.py).
+    """
+
+    split_gemm: str = "two"
+    split_backward: bool = False
+    rowdot: str = "auto"
+    fast_route: str = "fd"
+
+    def __post_init__(self):
+        for name, allowed in (("split_gemm", SPLIT_GEMMS), ("rowdot", ROWDOT_BACKENDS),
+                              ("fast_route", FAST_ROUTES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(name, f"unknown value {getattr(self, name)!r}", f"use one of {', '.join(allowed)}")
+        if not isinstance(self.split_backward, bool):
+            raise ConfigError("split_backward", f"must be true or false, got {self.split_backward!r}")
+
+    @property
+    def rowdot_backend(self) -> str:
+        """The reduction ``rowdot`` runs (``auto`` resolved)."""
+        return "mulsum" if self.rowdot == "auto" else self.rowdot
+
+
+DEFAULT_KERNELS = Kernels()
+
+
+@dataclass
+class ExecutionContext:
+    """How this process runs the job, resolved once (:func:`resolve`).
+
+    device: where the model is. precision, cuda_graphs, shard: from
+    :class:`~prism_select.settings.ExecutionSettings`. rank, world: this process's place
+    in the process group (0 and 1 without torchrun). sharded: the model is sharded with
+    FSDP2. plan: the memory plan (:class:`prism_select.plan.MemoryPlan`), None until made.
+    kernels: the kernel choices.
+    """
+
+    device: torch.device
+    precision: str = "model"
+    cuda_graphs: str = "auto"
+    shard: str = "none"
+    rank: int = 0
+    world: int = 1
+    sharded: bool = False
+    plan: object | None = None
+    kernels: Kernels = field(default_factory=Kernels)
+
+    @property
+    def main(self) -> bool:
+        """Whether this is the process that writes the run's files."""
+        return self.rank == 0
+
+
+def resolve(settings, model, device, plan=None, kernels: Kernels = DEFAULT_KERNELS) -> ExecutionContext:
+    """The execution context of a run: ``settings`` (an
+    :class:`~prism_select.settings.ExecutionSettings`), the loaded ``model`` on ``device``
+    and its memory ``plan``."""
+    from . import distributed, sharding
+    return ExecutionContext(device=torch.device(device), precision=settings.precision,
+                            cuda_graphs=settings.cuda_graphs, shard=settings.shard, rank=distributed.rank(),
+                            world=distributed.world(), sharded=sharding.is_sharded(model), plan=plan,
+                            kernels=kernels)

@@ -1,0 +1,267 @@
+"""Settings of a scoring run, one validated dataclass per stage.
+
+Stage                    Class                         Determines
+model                    :class:`~prism_select.model.ModelSettings`   the loaded model
+direction                :class:`DirectionSettings`     the target direction (method, its options, seed)
+fit                      :class:`~prism_select.curvature.FitSettings`  the fitted curvature factors
+preconditioning          :class:`~prism_select.curvature.PreconditionSettings`  damping and shrinkage of H
+scoring                  :class:`ScoringSettings`       what is scored and how (length, layers, batch)
+run                      :class:`RunSettings`           chunks, resume, streaming, progress, cache bound
+execution                :class:`ExecutionSettings`     precision, CUDA graphs, sharding, memory cap
+
+Each stage checks its own fields once, in ``__post_init__``, raising
+:class:`~prism_select.errors.ConfigError` (field, problem, fix). :class:`ScoreSettings`
+(direction + scoring + run + execution) and
+:class:`~prism_select.curvature.CurvatureSettings` (fit + preconditioning) are the flat
+forms that callers and the CLI pass: one object holding every field of its stages
+(they inherit them), which also checks what involves two stages. :func:`part` gives one
+stage's own object.
+
+A field's metadata (:func:`setting`) is the one source of its CLI option (flag, help,
+choices, group; :func:`prism_select.cli.add_settings`) and says whether the field
+belongs in the key of the artifact its stage produces (:func:`key_of`): a setting that
+does not change the artifact (a batch size, a progress bar, a memory cap) is not in its
+key, so changing it reuses the cache or resumes the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import MISSING, dataclass
+
+from .data.tokenize import DEFAULT_MAX_LENGTH
+from .errors import ConfigError
+from .graphs import GRAPH_MODES, check_graph_mode
+from .precision import PRECISIONS, check_precision, check_precision_scoring
+from .preference import METHODS as DIRECTION_METHODS
+from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS
+from .sharding import SHARDS, check_shard
+
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_STREAM_WINDOW = 65_536
+# Under ``stream`` the curvature is fitted on a seeded sample of this many valid pool
+# records when ``FitSettings.fit_examples`` is not set (a fit costs about three
+# forward+backward passes over its examples; 10K is minutes on one GPU at 1B parameters).
+STREAM_FIT_EXAMPLES = 10_000
+
+
+def setting(default=MISSING, *, help: str, default_factory=MISSING, flag: str | None = None,
+            choices=None, metavar: str | None = None, parse=None, group: str | None = None,
+            key: bool = True, cli: bool = True):
+    """A settings field with what the CLI and the artifact keys need to know of it.
+
+    help: the option's help text (the CLI shows the default after it).
+    flag: the option's name (default ``--`` + the field name with ``-`` for ``_``); a
+        bool field defaulting to True becomes ``--no-<name>`` unless ``flag`` is given.
+    choices: the values the CLI accepts. metavar: the value's name in the help.
+    parse: turns the option's text into the field's value where the annotation's type
+        does not (applied after parsing, so its ConfigError is reported like any other).
+    group: the help section the option appears in (default: its stage's).
+    key: whether the field determines its stage's artifact (:func:`key_of`).
+    cli: False leaves the field off the command line (library and configs only).
+    """
+    meta = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "parse": parse,
+            "group": group, "key": key, "cli": cli}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
+
+
+def key_of(obj, cls=None) -> dict:
+    """The fields of stage ``cls`` (default: ``obj``'s class) that determine its artifact,
+    with ``obj``'s values: what a cache or run key holds of these settings."""
+    cls = cls or type(obj)
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(cls) if f.metadata.get("key", True)}
+
+
+def part(obj, cls):
+    """Stage ``cls``'s own object with ``obj``'s values of its fields (``obj`` holds them all,
+    e.g. a :class:`ScoreSettings` for :class:`RunSettings`)."""
+    return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})
+
+
+def _plain(value):
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def _finite(value, field: str, *, low: float, inclusive: bool = True, fix: str | None = None):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value < float("inf") and (
+        value >= low if inclusive else value > low)
+    if not ok:
+        raise ConfigError(field, f"must be a finite number {'>=' if inclusive else '>'} {low}, got {value!r}", fix)
+
+
+def _int(value, field: str, *, low: int, fix: str | None = None):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(field, f"must be >= {low}, got {value!r}", fix)
+
+
+def _baseline_names() -> list:
+    from .baselines import REGISTRY
+    return list(REGISTRY)
+
+
+@dataclass
+class DirectionSettings:
+    """The target direction: which method scores the pool, with which options and seed."""
+
+    method: str = setting("prism", help="prism, equal, unpaired, or a baseline (see `prism-select methods`)")
+    method_options: dict = setting(default_factory=dict, cli=False,
+                                   help="a baseline method's settings (the CLI's --option KEY=VALUE); "
+                                        "recorded in run.json")
+    seed: int = setting(0, help="seeds every random choice of the run")
+
+    def __post_init__(self):
+        known = set(DIRECTION_METHODS) | set(_baseline_names())
+        if self.method not in known:
+            raise ConfigError("method", f"unknown method {self.method!r}", f"use one of {', '.join(sorted(known))}")
+        if not isinstance(self.method_options, dict):
+            raise ConfigError("method_options", f"must be a mapping, got {self.method_options!r}")
+        _int(self.seed, "seed", low=0)
+
+
+@dataclass
+class ScoringSettings:
+    """What is scored and how: example length, tracked layers, batch size and route.
+
+    scoring: exact (one forward + one activation-only backward per batch), fast (central
+    finite differences along ``v`` in the model's dtype) or fd32 (the same on a float32
+    copy of the model); not on the CLI (see docs/performance.md). fd_eps: the relative
+    finite-difference step of fast / fd32 (None: the route's default).
+    """
+
+    max_length: int = setting(DEFAULT_MAX_LENGTH, help="tokens per example; a longer prompt is cut from the left")
+    batch_size: int = setting(DEFAULT_BATCH_SIZE, key=False, help="examples per forward/backward")
+    modules: list | None = setting(None, metavar="REGEX",
+                                   help="track only linear layers whose name matches one of these regexes "
+                                        "(if not given: every linear layer of the decoder blocks; with --adapter, "
+                                        "its LoRA matrices)")
+    scoring: str = setting("exact", choices=SCORINGS, cli=False, help="the scoring route")
+    fd_eps: float | None = setting(None, cli=False, help="relative finite-difference step of fast / fd32")
+
+    def __post_init__(self):
+        if self.scoring not in SCORINGS:
+            raise ConfigError("scoring", f"unknown value {self.scoring!r}", f"use one of {', '.join(SCORINGS)}")
+        if self.fd_eps is not None:
+            _finite(self.fd_eps, "fd_eps", low=0, inclusive=False)
+        _int(self.max_length, "max_length", low=2)
+        _int(self.batch_size, "batch_size", low=1)
+        if self.modules is not None and (not isinstance(self.modules, (list, tuple))
+                                         or not all(isinstance(m, str) for m in self.modules)):
+            raise ConfigError("modules", f"must be a list of regular expressions, got {self.modules!r}",
+                              "pass e.g. --modules 'mlp' 'self_attn\\.(q|v)_proj'")
+
+
+@dataclass
+class RunSettings:
+    """The run's bookkeeping: resumable chunks, streaming, skipped records, progress, cache bound."""
+
+    chunk_size: int = setting(DEFAULT_CHUNK_SIZE, help="examples per resumable chunk, at most (on the CPU a chunk "
+                              "also ends after about a minute's work, so an interrupted run keeps it)")
+    skip_invalid: bool = setting(False, help="skip malformed records (listed in run.json)")
+    overwrite: bool = setting(False, key=False, help="replace an existing run in --out")
+    progress: bool = setting(True, key=False, help="no progress bars")
+    stream: bool = setting(False, group="streaming (pools too large to load)",
+                           help="read and score the pool a window at a time (host memory flat in pool size; "
+                                f"prism, equal, unpaired only); the curvature is fitted on a seeded sample of "
+                                f"--fit-examples valid records ({STREAM_FIT_EXAMPLES} if not given)")
+    stream_window: int = setting(DEFAULT_STREAM_WINDOW, metavar="N", group="streaming (pools too large to load)",
+                                 help="records read and tokenised at a time under --stream")
+    cache_max_gb: float | None = setting(None, key=False, metavar="GB",
+                                         help="bound on the cache directory (least recently used entries are "
+                                              "evicted; a larger artifact is used from memory, not cached); "
+                                              "if not given: the free disk space")
+
+    def __post_init__(self):
+        _int(self.chunk_size, "chunk_size", low=1)
+        _int(self.stream_window, "stream_window", low=1)
+        for name in ("skip_invalid", "overwrite", "progress", "stream"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
+        if self.cache_max_gb is not None:
+            _finite(self.cache_max_gb, "cache_max_gb", low=0, fix="pass e.g. --cache-max-gb 50, or leave it out")
+
+    @property
+    def cache_max_bytes(self) -> int | None:
+        return None if self.cache_max_gb is None else int(self.cache_max_gb * (1 << 30))
+
+
+def _memory_size(text):
+    from .plan import parse_bytes
+    return parse_bytes(text)
+
+
+@dataclass
+class ExecutionSettings:
+    """How the arithmetic runs; none of these but ``precision`` changes the scores.
+
+    precision (half-precision models): model (as loaded); residual32 carries the residual
+    stream (token embeddings, residual additions, norms) in float32 while matmuls and
+    attention stay in the model's dtype; split32 computes every activation in float32, the
+    linear layers as two half-precision GEMMs on a hi/lo split of their input, and the
+    target direction and the curvature fit run in the same arithmetic
+    (:mod:`prism_select.precision`). cuda_graphs: :mod:`prism_select.graphs`. shard:
+    :mod:`prism_select.sharding`. max_gpu_memory: bytes (a text such as ``"70GiB"`` is
+    read as a size), the cap of the memory plan (:mod:`prism_select.plan`).
+    """
+
+    precision: str = setting("model", choices=PRECISIONS,
+                             help="arithmetic of a bf16/fp16 model while scoring: model (as loaded); residual32 "
+                                  "(residual stream in float32, matmuls unchanged); split32 (float32 activations, "
+                                  "each linear layer as two half-precision GEMMs on a hi/lo split: float32-accurate "
+                                  "scores on tensor cores; the target direction and the curvature fit run in the "
+                                  "same arithmetic)")
+    cuda_graphs: str = setting("auto", choices=GRAPH_MODES,
+                               help="capture each padded batch shape once and replay it (auto: on for CUDA devices "
+                                    "and models below 1B parameters)")
+    shard: str = setting("none", choices=SHARDS,
+                         help="under torchrun: none (every rank holds the whole model and scores a share of the "
+                              "pool) or fsdp (the model, the target direction and v sharded over the ranks with "
+                              "FSDP2, for models that do not fit one GPU; prism/equal/unpaired, exact scoring)")
+    max_gpu_memory: int | None = setting(None, key=False, metavar="SIZE", parse=_memory_size,
+                                         help="cap on the GPU memory the run plans to use, e.g. 70GiB (if not "
+                                              "given: the device's); the memory plan groups the curvature fit and "
+                                              "lowers batch sizes to fit it")
+
+    def __post_init__(self):
+        check_precision(self.precision)
+        check_graph_mode(self.cuda_graphs)
+        if self.shard not in SHARDS:
+            raise ConfigError("shard", f"unknown value {self.shard!r}", f"use one of {', '.join(SHARDS)}")
+        if isinstance(self.max_gpu_memory, str):
+            self.max_gpu_memory = _memory_size(self.max_gpu_memory)
+        if self.max_gpu_memory is not None and (isinstance(self.max_gpu_memory, bool) or not (
+                isinstance(self.max_gpu_memory, (int, float)) and self.max_gpu_memory > 0)):
+            raise ConfigError("max_gpu_memory", f"must be > 0 bytes, got {self.max_gpu_memory}",
+                              "pass e.g. --max-gpu-memory 70GiB, or leave it out")
+        if self.max_gpu_memory is not None:
+            self.max_gpu_memory = int(self.max_gpu_memory)
+
+
+#: the stages a ScoreSettings holds, in the order of its fields
+SCORE_STAGES = ("DirectionSettings", "ScoringSettings", "RunSettings", "ExecutionSettings")
+
+
+@dataclass
+class ScoreSettings(ExecutionSettings, RunSettings, ScoringSettings, DirectionSettings):
+    """How to score a pool: the fields of :class:`DirectionSettings`,
+    :class:`ScoringSettings`, :class:`RunSettings` and :class:`ExecutionSettings` in one
+    object (``part(settings, RunSettings)`` gives one stage). Each stage checks its own
+    fields; this checks the combinations: sharding and streaming by method, split32 by
+    scoring route, sharding with precision."""
+
+    def __post_init__(self):
+        for stage in (DirectionSettings, ScoringSettings, RunSettings, ExecutionSettings):
+            stage.__post_init__(self)
+        check_precision_scoring(self.precision, self.scoring)
+        check_shard(self.shard, self.method, self.scoring)
+        if self.shard == "fsdp" and self.precision != "model":
+            raise ConfigError("precision", f"--precision {self.precision} does not run under --shard fsdp",
+                              "leave --precision out (model), or leave --shard out")
+        if self.stream and self.method not in DIRECTION_METHODS:
+            raise ConfigError("stream", f"method {self.method!r} needs the whole pool in memory; streaming "
+                              f"scores only {', '.join(DIRECTION_METHODS)}",
+                              f"drop --stream, or use --method {' / '.join(DIRECTION_METHODS)}")
+
+    def run_key(self) -> dict:
+        """The settings that determine a run's scores and its resumable ``.partial`` state
+        (direction, scoring, run and execution fields marked as key fields)."""
+        return key_of(self)
