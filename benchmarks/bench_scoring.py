@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prism_select import fast  # noqa: E402
 from prism_select.curvature import CurvatureSettings, fit_curvature  # noqa: E402
 from prism_select.data.tokenize import Encoded, collate, encode  # noqa: E402
+from prism_select.execution import Kernels  # noqa: E402
 from prism_select.graphs import GraphedScorer  # noqa: E402
 from prism_select.scoring import make_scorer  # noqa: E402
 
@@ -455,11 +456,10 @@ def main():
     def exact_variant(name, backend="auto", fused_loss=True, impl="auto"):
         if name not in routes:
             return
-        fast.ROWDOT_BACKEND = backend
         if impl == "hooks":
             f, sc = scorer_fn("exact", impl="hooks")
         else:
-            sc = fast.ExactScorer(model, modules, V, fused_loss=fused_loss)
+            sc = fast.ExactScorer(model, modules, V, fused_loss=fused_loss, kernels=Kernels(rowdot=backend))
             sc.__enter__()
             f = sc.score
         try:
@@ -469,7 +469,6 @@ def main():
                 sc.__exit__(None, None, None)
             except Exception:
                 pass
-            fast.ROWDOT_BACKEND = "auto"
 
     exact_variant("exact", "auto")
     if "exact_fp32" in routes:  # the true exact: the same scores on a float32 copy of the model
@@ -501,9 +500,9 @@ def main():
         """The library's own scorer, as the CLI builds it (``make_scorer``)."""
         if name.split("@")[0] not in routes:
             return
-        prec.SPLIT_GEMM, prec.SPLIT_BACKWARD = split_gemm, split_backward
         sc = make_scorer(model, modules, V, scoring=kind, pad_id=pad_id, device=dev, fd_eps=eps,
-                         cuda_graphs="on" if graphs else "off", batch_size=a.batch, precision=precision)
+                         cuda_graphs="on" if graphs else "off", batch_size=a.batch, precision=precision,
+                         kernels=Kernels(split_gemm=split_gemm, split_backward=split_backward))
         try:
             with sc:
                 r = run_phase(name, sc.score, encoded, batches, pad_id, dev, results=R)
@@ -515,7 +514,6 @@ def main():
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
-    from prism_select import precision as prec
     lib_route("lib_exact", "exact", False)
     lib_route("lib_exact_graphs", "exact", True)
     # --precision residual32: the residual stream in float32, matmuls in the model dtype
@@ -526,7 +524,6 @@ def main():
     lib_route("lib_exact_s32_graphs", "exact", True, precision="split32")
     lib_route("lib_exact_s32k_graphs", "exact", True, precision="split32", split_gemm="kcat")
     lib_route("lib_exact_s32b_graphs", "exact", True, precision="split32", split_backward=True)
-    prec.SPLIT_GEMM, prec.SPLIT_BACKWARD = "two", False
     fd32_eps = [float(x) for x in a.fd32_eps.split(",") if x]
     for e in fd32_eps:
         lib_route(f"fd32@{e:g}", "fd32", False, e)

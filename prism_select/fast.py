@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from .data.tokenize import collate, token_losses
 from .gradients import has_bias
+from .execution import DEFAULT_KERNELS, FAST_ROUTES, Kernels
 from .precision import cotangent_mm, split_linear, split_of, triton_cdiv
 
 # ----------------------------------------------------------------------------- loss
@@ -91,7 +92,7 @@ class _FusedCE(torch.autograd.Function):
     in the forward (chunk by chunk) and scaled by the incoming gradient in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, need_grad: bool, index=None):
+    def forward(ctx, hidden, weight, bias, labels, need_grad: bool, index=None, kernels: Kernels = DEFAULT_KERNELS):
         B, T, d = hidden.shape
         tgt = labels[:, 1:]
         mask = tgt != -100
@@ -106,7 +107,7 @@ class _FusedCE(torch.autograd.Function):
         dh = torch.empty_like(h) if need_grad else None
         step = _ce_chunk_tokens(weight.shape[0])
         mixed = h.dtype != weight.dtype  # split32: float32 activations, half-precision head
-        linear = split_linear if mixed else F.linear
+        linear = (lambda a, w, b: split_linear(a, w, b, kernels)) if mixed else F.linear
         for c in range(0, h.shape[0], step):
             logits = linear(h[c:c + step], weight, bias).to(acc)
             lse = torch.logsumexp(logits, dim=-1)
@@ -116,7 +117,7 @@ class _FusedCE(torch.autograd.Function):
             if need_grad:
                 p = torch.exp(logits.sub_(lse[:, None]))
                 p[torch.arange(p.shape[0], device=p.device), yy] -= 1
-                dh[c:c + step] = cotangent_mm(p, weight) if mixed else p.to(h.dtype) @ weight
+                dh[c:c + step] = cotangent_mm(p, weight, kernels) if mixed else p.to(h.dtype) @ weight
             del logits
         ctx.shape, ctx.dtype = hidden.shape, hidden.dtype
         if need_grad:
@@ -128,7 +129,7 @@ class _FusedCE(torch.autograd.Function):
         dh, bi, ti = ctx.saved_tensors
         out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=dh.device)
         out[bi, ti] = dh * grad_losses[bi].to(dh.dtype)[:, None]
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 def loss_index(labels: torch.Tensor):
@@ -136,15 +137,17 @@ def loss_index(labels: torch.Tensor):
     return (labels[:, 1:] != -100).nonzero(as_tuple=True)
 
 
-def batch_losses(model, batch: dict, *, split=None, need_grad: bool = True):
+def batch_losses(model, batch: dict, *, split=None, need_grad: bool = True, kernels: Kernels = DEFAULT_KERNELS):
     """Per-example summed response loss (float32+, float64 for float64 models) and
-    response token counts, through the fused chunked loss where the model allows."""
+    response token counts, through the fused chunked loss where the model allows
+    (``kernels``: those of its split32 head product)."""
     mask = batch.get("attention_mask")
     if split is not None:
         dec, head = split
         hidden = dec(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False)[0]
         need = need_grad and hidden.requires_grad
-        return _FusedCE.apply(hidden, head.weight, head.bias, batch["labels"], need, batch.get("loss_index"))
+        return _FusedCE.apply(hidden, head.weight, head.bias, batch["labels"], need, batch.get("loss_index"),
+                              kernels)
     out = model(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False)
     return token_losses(out.logits, batch["labels"])
 
@@ -187,21 +190,10 @@ def _get_triton_kernel():
     return _triton_kernel
 
 
-#: how half-precision token dot products are reduced on CUDA: mulsum (bf16 products summed
-#: in float32) | triton (one fused kernel) | bmm (cuBLAS batched dot, float32 result)
-ROWDOT_BACKEND = "auto"
-
-
-def _resolve_backend():
-    # "auto" = mulsum: measured on an H200 it ties the Triton kernel where the GPU is the
-    # bottleneck (1B: 110.1 vs 111.0 ex/s) and wins where kernel-launch overhead is
-    # (SmolLM2-135M: 324 vs 291 ex/s); see docs/performance.md.
-    return "mulsum" if ROWDOT_BACKEND == "auto" else ROWDOT_BACKEND
-
-
-def rowdot(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def rowdot(g: torch.Tensor, u: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """``sum`` of ``g * u`` over every dim but the first: (B,), float32 (float64 for
-    float64 inputs); half-precision products accumulate in float32."""
+    float64 inputs); half-precision products accumulate in float32, on CUDA reduced as
+    ``backend`` says (:attr:`prism_select.execution.Kernels.rowdot`)."""
     B = g.shape[0]
     if g.is_cuda and g.dtype == torch.float32:  # einsum would be a batched GEMV: slow on CUDA
         return (g * u).reshape(B, -1).sum(1)
@@ -213,7 +205,7 @@ def rowdot(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     K = g.shape[-1]
     g2, u2 = g.reshape(-1, K).contiguous(), u.reshape(-1, K).contiguous()
     N = g2.shape[0]
-    backend = _resolve_backend()
+    backend = "mulsum" if backend == "auto" else backend
     if backend == "triton":
         out = torch.empty(N, dtype=torch.float32, device=g.device)
         ROWS = 16
@@ -277,7 +269,8 @@ class _ScoredLinear(torch.autograd.Function):
         # float32 activations of a half-precision model (precision "split32"): the
         # products run as split half-precision GEMMs with float32 results
         ctx.split = x.dtype != layer.W.dtype
-        linear = split_linear if ctx.split else F.linear
+        k = layer.state.kernels
+        linear = (lambda a, w, b: split_linear(a, w, b, k)) if ctx.split else F.linear
         if layer.mode == "u":
             ctx.t = linear(x, layer.Vw, layer.Vb)
         else:
@@ -288,11 +281,12 @@ class _ScoredLinear(torch.autograd.Function):
     def backward(ctx, g):
         layer, t = ctx.layer, ctx.t
         ctx.t = None
-        mm = cotangent_mm if ctx.split else torch.matmul
+        k = layer.state.kernels
+        mm = (lambda a, b: cotangent_mm(a, b, k)) if ctx.split else torch.matmul
         if layer.mode == "u":
-            s = rowdot(g, t)
+            s = rowdot(g, t, k.rowdot)
         else:
-            s = rowdot(mm(g, layer.Vw), t)
+            s = rowdot(mm(g, layer.Vw), t, k.rowdot)
             if layer.bias:
                 s = s + (g.reshape(g.shape[0], -1, g.shape[-1]).sum(1, dtype=s.dtype) @ layer.Vb.to(s.dtype))
         layer.state.parts.append(s)
@@ -300,8 +294,9 @@ class _ScoredLinear(torch.autograd.Function):
 
 
 class _State:
-    def __init__(self):
+    def __init__(self, kernels: Kernels = DEFAULT_KERNELS):
         self.parts = []
+        self.kernels = kernels
 
     def add(self, s):
         self.parts.append(s)
@@ -326,11 +321,14 @@ class ExactScorer:
     lifetime), then call :meth:`score` on collated batches.
     """
 
-    def __init__(self, model, modules: dict, V: dict | None, modes: dict | None = None, fused_loss: bool = False):
+    def __init__(self, model, modules: dict, V: dict | None, modes: dict | None = None, fused_loss: bool = False,
+                 kernels: Kernels = DEFAULT_KERNELS):
         """``V``: each layer's preconditioned target; None when the layers carry it as
-        FSDP2-sharded ``prism_v`` parameters (:func:`prism_select.sharding.set_v`)."""
+        FSDP2-sharded ``prism_v`` parameters (:func:`prism_select.sharding.set_v`).
+        ``kernels``: the kernel choices of the products and dot products."""
         self.model, self.modules = model, modules
-        self.state = _State()
+        self.kernels = kernels
+        self.state = _State(kernels)
         self.layers = {n: _Layer(m, None if V is None else V[n], self.state, (modes or {}).get(n))
                        for n, m in modules.items()}
         p = next(model.parameters())
@@ -362,7 +360,7 @@ class ExactScorer:
         B = batch["input_ids"].shape[0]
         self.state.parts = []
         with torch.enable_grad():
-            losses, _ = batch_losses(self.model, causal_only(batch), split=self.split)
+            losses, _ = batch_losses(self.model, causal_only(batch), split=self.split, kernels=self.kernels)
             losses.sum().backward()
         parts, self.state.parts = self.state.parts, []
         if not parts:
@@ -372,7 +370,7 @@ class ExactScorer:
 
 # ----------------------------------------------------------------------------- fast
 
-FAST_MODES = ("fd", "fd-hp", "fd32", "jvp")
+FAST_MODES = FAST_ROUTES
 DEFAULT_FD_EPS = 0.03
 #: ``fd32``'s relative step: float32 resolves loss changes of ~1e-6 of the loss, and a
 #: preconditioned PRISM ``v`` leaves the linear regime near 1e-4 (docs/performance.md)
@@ -510,13 +508,14 @@ class JVPScorer:
         return t
 
 
-def make_scorer(kind: str, model, modules: dict, V: dict, *, fd_eps: float | None = None):
+def make_scorer(kind: str, model, modules: dict, V: dict, *, fd_eps: float | None = None,
+                kernels: Kernels = DEFAULT_KERNELS):
     """``exact`` | ``fd`` | ``fd-hp`` | ``fd32`` | ``jvp`` scorer objects with a ``score(batch)``
-    method; ``fd_eps=None`` takes the route's default step."""
+    method; ``fd_eps=None`` takes the route's default step; ``kernels``: the exact route's."""
     if fd_eps is None:
         fd_eps = DEFAULT_FD32_EPS if kind == "fd32" else DEFAULT_FD_EPS
     if kind == "exact":
-        return ExactScorer(model, modules, V)
+        return ExactScorer(model, modules, V, kernels=kernels)
     if kind in ("fd", "fd-hp"):
         return FDScorer(model, modules, V, fd_eps=fd_eps, mode=kind)
     if kind == "fd32":
@@ -555,11 +554,12 @@ class _TapLinear(torch.autograd.Function):
     carry no accumulated half-precision drift."""
 
     @staticmethod
-    def forward(ctx, x, anchor, tap: Tap):
+    def forward(ctx, x, anchor, tap: Tap, kernels: Kernels = DEFAULT_KERNELS):
         m = tap.module
         ctx.split = x.dtype != m.weight.dtype
+        ctx.kernels = kernels
         if ctx.split:
-            out = split_linear(x, m.weight, m.bias)
+            out = split_linear(x, m.weight, m.bias, kernels)
             # the high half of the (shared, cached) split is x rounded to the weights'
             # dtype; one tensor per input, so layers reading it share their statistics
             x = split_of(x, m.weight.dtype)[:, :x.shape[-1]].unflatten(0, x.shape[:-1])
@@ -581,21 +581,22 @@ class _TapLinear(torch.autograd.Function):
         if not tap.paused:
             tap.on_backward(x, g.to(W.dtype) if ctx.split else g)
         if not ctx.needs_input_grad[0]:
-            return None, None, None
-        return (cotangent_mm(g, W) if ctx.split else g @ W), None, None
+            return None, None, None, None
+        return (cotangent_mm(g, W, ctx.kernels) if ctx.split else g @ W), None, None, None
 
 
 @contextmanager
-def tap_linears(model, taps: dict):
-    """Freeze the model and route each ``taps[name].module`` through :class:`_TapLinear`;
-    yields the anchor (a zero-size leaf requiring grad that roots the backward)."""
+def tap_linears(model, taps: dict, kernels: Kernels = DEFAULT_KERNELS):
+    """Freeze the model and route each ``taps[name].module`` through :class:`_TapLinear`
+    (with ``kernels`` under split32); yields the anchor (a zero-size leaf requiring grad
+    that roots the backward)."""
     p = next(model.parameters())
     anchor = torch.zeros(0, dtype=p.dtype, device=p.device, requires_grad=True)
     with frozen(model):
         try:
             for tap in taps.values():
                 def fwd(x, tap=tap):
-                    return _TapLinear.apply(x, anchor, tap)
+                    return _TapLinear.apply(x, anchor, tap, kernels)
                 tap.module.forward = fwd
             yield anchor
         finally:

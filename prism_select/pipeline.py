@@ -44,6 +44,8 @@ from .data.tokenize import (
     tokenizer_fingerprint,
 )
 from .errors import CacheError, ConfigError, InputError, OutputError, resource_error
+from .execution import ExecutionContext
+from .execution import resolve as resolve_execution
 from .precision import direction_policy
 from .io import (
     atomic_write_json,
@@ -178,9 +180,20 @@ class RunContext:
     timings: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     streamed: dict | None = None  # under stream: what score_stream returned, and the file it wrote
-    plan: MemoryPlan | None = None  # where each stage keeps what (prism_select.plan)
+    #: device, precision, CUDA graphs, process group, memory plan, kernels (resolved once;
+    #: from ``settings`` and the model when not given)
+    execution: ExecutionContext | None = None
     _curvature: Curvature | None = None
     _fit_timings: dict = field(default_factory=dict)  # the fit's running phase totals
+
+    def __post_init__(self):
+        if self.execution is None:
+            self.execution = resolve_execution(self.settings, self.lm.model, self.lm.device)
+
+    @property
+    def plan(self) -> MemoryPlan | None:
+        """Where each stage keeps what (:mod:`prism_select.plan`)."""
+        return self.execution.plan
 
     @property
     def pad_id(self) -> int:
@@ -212,7 +225,7 @@ class RunContext:
                 pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
                 pool_fingerprint=encoded_fingerprint(fit),
                 max_length=st.max_length, progress=st.progress,
-                cuda_graphs=st.cuda_graphs, timings=phases, precision=st.precision,
+                cuda_graphs=self.execution.cuda_graphs, timings=phases, precision=self.execution.precision,
                 groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes)
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
@@ -341,8 +354,9 @@ class RunContext:
         sample = (self.inputs.encoded or self.inputs.fit_encoded or [])[:n]
         if len(sample) < 3:
             return {"examples": len(sample), "skipped": "too few examples to compare"}
+        ex = self.execution
         kw = {"pad_id": self.pad_id, "batch_size": st.batch_size, "progress": False,
-              "cuda_graphs": st.cuda_graphs, "precision": st.precision}
+              "cuda_graphs": ex.cuda_graphs, "precision": ex.precision, "kernels": ex.kernels}
         exact = score_encoded(self.lm.model, self.modules, sample, v, scoring="exact", **kw)
         fast = score_encoded(self.lm.model, self.modules, sample, v, scoring=st.scoring, fd_eps=st.fd_eps, **kw)
         rho = spearman(exact.tolist(), fast.tolist())
@@ -400,7 +414,8 @@ class RunContext:
         batch = self.plan.scoring["batch_size"] if self.plan is not None and self.plan.scoring else st.batch_size
         common = {"batch_size": batch, "chunk_size": st.chunk_size, "partial_dir": partial / tag,
                   "run_key": self.info.get("run_key"), "progress": st.progress, "scoring": st.scoring,
-                  "fd_eps": st.fd_eps, "cuda_graphs": st.cuda_graphs, "precision": st.precision}
+                  "fd_eps": st.fd_eps, "cuda_graphs": self.execution.cuda_graphs,
+                  "precision": self.execution.precision, "kernels": self.execution.kernels}
         if st.stream:
             s = None
             out = partial / f"{tag}.jsonl"
@@ -442,8 +457,9 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     t = time.perf_counter()
     d = ctx.plan.direction if ctx.plan is not None and ctx.plan.direction else {}
     # split32 accumulates its float32 gradients itself (precision.float32_grads)
-    accumulate = d.get("accumulate", "device") if ctx.settings.precision != "split32" else "device"
-    with direction_policy(ctx.lm.model, ctx.settings.precision):
+    ex = ctx.execution
+    accumulate = d.get("accumulate", "device") if ex.precision != "split32" else "device"
+    with direction_policy(ctx.lm.model, ex.precision, ex.kernels):
         pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
                                   method=ctx.settings.method, pad_id=ctx.pad_id,
                                   batch_size=d.get("batch_size", ctx.settings.batch_size),
@@ -637,7 +653,8 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
         _prepare_out_dir(out_dir, run_key, settings.overwrite)
     distributed.barrier()
     ctx = RunContext(lm, modules, inputs, settings, curvature, out_dir, timings,
-                     info={"run_key": run_key, "memory_plan": plan.to_json()}, plan=plan)
+                     info={"run_key": run_key, "memory_plan": plan.to_json()},
+                     execution=resolve_execution(settings, lm.model, lm.device, plan))
     try:
         scores, pairs = _method_fn(settings.method)(ctx)
     except BaseException as exc:

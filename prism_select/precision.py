@@ -30,12 +30,14 @@ The half-precision GEMMs with float32 accumulation and result (:func:`mm_acc`,
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
+from .execution import DEFAULT_KERNELS, Kernels
 
 PRECISIONS = ("model", "residual32", "split32")
 HALF = (torch.bfloat16, torch.float16)
@@ -54,11 +56,12 @@ def check_precision_scoring(precision: str, scoring: str) -> None:
                           "use --scoring exact with --precision split32, or --scoring fd32 alone")
 
 
-def precision_policy(model, precision: str):
-    """The context manager that applies ``precision`` (one of :data:`PRECISIONS`) to ``model``."""
+def precision_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
+    """The context manager that applies ``precision`` (one of :data:`PRECISIONS`) to ``model``
+    (``kernels``: those of split32's products)."""
     check_precision(precision)
     if precision == "split32":
-        return split32(model)
+        return split32(model, kernels=kernels)
     return residual_fp32(model, precision == "residual32")
 
 
@@ -127,24 +130,19 @@ def float32_weights(model, enabled: bool = True):
 
 
 @contextmanager
-def direction_policy(model, precision: str):
+def direction_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
     """What ``precision`` means for the target direction: under ``split32`` the direction's
     forwards run as the scores' do (:func:`split32`), its backwards with the cotangent
-    split too (``SPLIT_BACKWARD``), and the weight gradients of the half-precision linear
+    split too (``kernels`` with ``split_backward``: a few target pairs, the split cotangent
+    costs little here), and the weight gradients of the half-precision linear
     layers are formed from split products and accumulated in float32
     (:func:`float32_grads`): a float32-accurate ``g_KL`` (1.5e-5 from a float32 copy's,
     tests/test_precision.py) without a float32 copy of the weights. Elsewhere the model
     as loaded."""
     check_precision(precision)
     on = precision == "split32"
-    global SPLIT_BACKWARD
-    before = SPLIT_BACKWARD
-    SPLIT_BACKWARD = before or on  # a few target pairs: the split cotangent costs little here
-    try:
-        with split32(model, on), float32_grads(model, on):
-            yield model
-    finally:
-        SPLIT_BACKWARD = before
+    with split32(model, on, replace(kernels, split_backward=True)), float32_grads(model, on):
+        yield model
 
 
 #: the float32 gradient accumulator of a half-precision weight under float32_grads
@@ -173,14 +171,14 @@ def _accumulate32(p: torch.Tensor, g: torch.Tensor) -> None:
     setattr(p, GRAD32, g if acc is None else acc.add_(g))
 
 
-def fit_policy(model, precision: str):
+def fit_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
     """What ``precision`` means for the curvature fit: under ``split32`` the fit's
     forwards and backwards run as the scores' do (:func:`split32`: float32 activations
     and cotangents, split GEMMs), and its statistics are formed from them rounded to the
     weights' dtype, on tensor cores (``fast._TapLinear``). Fitting on float32 weights
     instead cost 5.5x the bf16 fit at 0.3B (docs/performance.md, run 12)."""
     check_precision(precision)
-    return split32(model, precision == "split32")
+    return split32(model, precision == "split32", kernels)
 
 
 def fit_arithmetic(model, precision: str) -> str:
@@ -276,18 +274,6 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-#: how :func:`split_linear` runs its products on CUDA: ``two`` (two GEMMs, the second
-#: accumulating into the float32 result of the first) | ``kcat`` (one GEMM of ``[hi | lo]``
-#: against ``[W | W]``, the doubled weight built once per layer by :func:`split32`)
-SPLIT_GEMM = "two"
-#: whether the backward's products split the cotangent too (float32-accurate gradients,
-#: one more GEMM per product) or round it to the weights' dtype. On the embedded model
-#: with PRISM's ``v`` (CPU, 96 GSM8K records) rounding it leaves a relative error of
-#: 6.3e-3 in the scores against float32 exact (Spearman 0.9998), splitting it 5e-5;
-#: plain bf16 exact: 0.105
-SPLIT_BACKWARD = False
-
-
 def split_mm(a: torch.Tensor, B: torch.Tensor, split: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ B`` for a float32 matrix ``a`` and a half-precision ``B``: two
     half-precision GEMMs on ``split_half(a)``, float32 accumulation and result.
@@ -297,15 +283,16 @@ def split_mm(a: torch.Tensor, B: torch.Tensor, split: torch.Tensor | None = None
     return mm_acc_into(mm_acc(split[:, :K], B, a.dtype), split[:, K:], B)
 
 
-def split_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def split_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None,
+                 kernels: Kernels = DEFAULT_KERNELS) -> torch.Tensor:
     """``x @ W.T + b`` for float32 ``x`` and half-precision ``W`` (exact in its own
-    dtype), float32-accurate: :func:`split_mm` on tensor cores (``SPLIT_GEMM``). The
+    dtype), float32-accurate: :func:`split_mm` on tensor cores (``kernels.split_gemm``). The
     split of the latest input is reused by the next layer reading the same tensor
     (q/k/v, gate/up, and the scorer's ``V`` products)."""
     shape = x.shape
     split = split_of(x, W.dtype)
     W2 = getattr(W, "_split_w2", None)
-    if W2 is not None and SPLIT_GEMM == "kcat":
+    if W2 is not None and kernels.split_gemm == "kcat":
         y = mm_acc(split, W2.t(), x.dtype)
     else:
         y = split_mm(x.reshape(-1, shape[-1]), W.t(), split)
@@ -339,27 +326,27 @@ def split_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return buf
 
 
-def cotangent_mm(g: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+def cotangent_mm(g: torch.Tensor, B: torch.Tensor, kernels: Kernels = DEFAULT_KERNELS) -> torch.Tensor:
     """``g @ B`` in a backward under split32: float32 ``g`` against half-precision ``B``,
-    with ``g`` split (``SPLIT_BACKWARD``) or rounded to ``B``'s dtype; float32 result."""
+    with ``g`` split (``kernels.split_backward``) or rounded to ``B``'s dtype; float32 result."""
     g2 = g.reshape(-1, g.shape[-1])
-    y = split_mm(g2, B) if SPLIT_BACKWARD else mm_acc(g2.to(B.dtype), B, g.dtype)
+    y = split_mm(g2, B) if kernels.split_backward else mm_acc(g2.to(B.dtype), B, g.dtype)
     return y.view(*g.shape[:-1], B.shape[1])
 
 
 class _SplitLinear(torch.autograd.Function):
-    """:func:`split_linear`, and a backward through :func:`cotangent_mm`."""
+    """:func:`split_linear`, and a backward through :func:`cotangent_mm`, with ``kernels``."""
 
     @staticmethod
-    def forward(ctx, x, W, b):
+    def forward(ctx, x, W, b, kernels: Kernels = DEFAULT_KERNELS):
         ctx.save_for_backward(x if W.requires_grad else None, W)
-        ctx.bias = b
-        return split_linear(x, W, b)
+        ctx.bias, ctx.kernels = b, kernels
+        return split_linear(x, W, b, kernels)
 
     @staticmethod
     def backward(ctx, g):
         x, W = ctx.saved_tensors
-        gx = cotangent_mm(g, W) if ctx.needs_input_grad[0] else None
+        gx = cotangent_mm(g, W, ctx.kernels) if ctx.needs_input_grad[0] else None
         gW = gb = None
         g2 = g.reshape(-1, g.shape[-1])
         if ctx.needs_input_grad[1]:
@@ -376,7 +363,7 @@ class _SplitLinear(torch.autograd.Function):
                 _accumulate32(b, g2.sum(0))
             else:
                 gb = g2.sum(0).to(W.dtype)
-        return gx, gW, gb
+        return gx, gW, gb, None
 
 
 def _float32_sdpa(original):
@@ -429,10 +416,10 @@ def _float32_attention(model):
 
 
 @contextmanager
-def split32(model, enabled: bool = True):
+def split32(model, enabled: bool = True, kernels: Kernels = DEFAULT_KERNELS):
     """Within the block, ``model`` (half precision) computes with float32 activations
     everywhere (residual stream, norms, attention, loss) while every ``nn.Linear`` runs
-    as :func:`split_linear`: float32-accurate scores at tensor-core speed for the
+    as :func:`split_linear` with ``kernels``: float32-accurate scores at tensor-core speed for the
     matmuls. A no-op for float32/float64 models or with ``enabled=False``. Layers whose
     ``forward`` is replaced later (the exact scorer's tracked layers) handle float32
     inputs themselves."""
@@ -445,9 +432,9 @@ def split32(model, enabled: bool = True):
     for m in model.modules():
         if isinstance(m, nn.Linear):
             if "forward" not in m.__dict__:
-                m.forward = (lambda x, m=m: _SplitLinear.apply(x, m.weight, m.bias))
+                m.forward = (lambda x, m=m: _SplitLinear.apply(x, m.weight, m.bias, kernels))
                 patched.append(m)
-            if SPLIT_GEMM == "kcat" and m.weight.is_cuda and not hasattr(m.weight, "_split_w2"):
+            if kernels.split_gemm == "kcat" and m.weight.is_cuda and not hasattr(m.weight, "_split_w2"):
                 m.weight._split_w2 = torch.cat([m.weight.detach(), m.weight.detach()], 1)
                 doubled.append(m.weight)
     try:

@@ -40,6 +40,7 @@ from . import distributed
 from . import fast as _fast
 from .data.tokenize import collate, token_losses
 from .errors import CacheError, ConfigError
+from .execution import DEFAULT_KERNELS, Kernels
 from .fast import FAST_MODES, ExactScorer, collate_to
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
@@ -55,8 +56,6 @@ DEFAULT_CHUNK_SIZE = 1024
 #: examples in seconds and needs no such cap.
 CPU_CHUNK_FLOPS = 1e12
 SCORINGS = ("exact", "fast", "fd32")
-#: the route behind ``--scoring fast`` (chosen from benchmarks/bench_scoring.py; see docs/performance.md)
-FAST_MODE = "fd"
 
 
 class _ScoreHooks:
@@ -170,18 +169,19 @@ def chunk_token_limit(model, device) -> int | None:
 
 def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps: float | None = None,
                 pad_id: int = 0, device=None, impl: str = "auto", cuda_graphs: str = "off",
-                batch_size: int | None = None, precision: str = "model"):
+                batch_size: int | None = None, precision: str = "model", kernels: Kernels = DEFAULT_KERNELS):
     """A context-managed object with ``score(collated_batch) -> (B,) tensor``.
 
     scoring: ``exact`` (one forward + one activation-only backward) or ``fast``
-    (``FAST_MODE``, central finite differences by default), or one fast route by name
+    (``kernels.fast_route``, central finite differences by default), or one fast route by name
     (``fd``, ``fd-hp``, ``jvp``). impl: ``auto`` or ``hooks`` (the reference exact route).
     cuda_graphs: ``auto`` (on for CUDA devices and models below
     ``graphs.AUTO_MAX_PARAMS``) | ``on`` | ``off``; graphs capture the
     whole batch computation once per padded shape (:mod:`prism_select.graphs`) and need
     ``batch_size`` (every batch is padded to it). precision: ``model`` | ``residual32`` | ``split32``
     (half-precision models: float32 residual stream, or float32 activations everywhere
-    with split half-precision GEMMs; :mod:`prism_select.precision`).
+    with split half-precision GEMMs; :mod:`prism_select.precision`). kernels: the kernel
+    choices (:class:`prism_select.execution.Kernels`).
     """
     check_precision(precision)
     check_precision_scoring(precision, scoring)
@@ -194,14 +194,14 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
     if scoring == "exact":
         if impl == "hooks":
             return _HookScorer(model, modules, V, pad_id, device)
-        sc = ExactScorer(model, modules, V)
+        sc = ExactScorer(model, modules, V, kernels=kernels)
     else:
-        kind = FAST_MODE if scoring == "fast" else scoring
-        sc = _fast.make_scorer(kind, model, modules, V, fd_eps=fd_eps)
+        kind = kernels.fast_route if scoring == "fast" else scoring
+        sc = _fast.make_scorer(kind, model, modules, V, fd_eps=fd_eps, kernels=kernels)
         if not hasattr(sc, "__enter__"):  # jvp: not graphed
             return _Plain(sc)
     if precision != "model":
-        sc = _WithPrecision(sc, model, precision)
+        sc = _WithPrecision(sc, model, precision, kernels)
     if batch_size is not None and V is not None and graphs_wanted(cuda_graphs, device, model):
         return GraphedScorer(sc, batch_size, pad_id)
     return sc
@@ -210,11 +210,11 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
 class _WithPrecision:
     """Runs ``scorer`` under a precision policy (:func:`precision.precision_policy`)."""
 
-    def __init__(self, scorer, model, precision: str):
-        self.inner, self.model, self.precision = scorer, model, precision
+    def __init__(self, scorer, model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
+        self.inner, self.model, self.precision, self.kernels = scorer, model, precision, kernels
 
     def __enter__(self):
-        self._policy = precision_policy(self.model, self.precision)
+        self._policy = precision_policy(self.model, self.precision, self.kernels)
         self._policy.__enter__()
         if hasattr(self.inner, "__enter__"):
             self.inner.__enter__()
@@ -361,7 +361,7 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
                   run_key: dict | None = None, progress: bool = True, ids=None,
                   scoring: str = "exact", fd_eps: float | None = None, impl: str = "auto",
                   stats: dict | None = None, cuda_graphs: str = "auto",
-                  precision: str = "model") -> torch.Tensor:
+                  precision: str = "model", kernels: Kernels = DEFAULT_KERNELS) -> torch.Tensor:
     """Scores ``g_z . V`` for every encoded example (float64, input order).
 
     With ``partial_dir``, finished chunks are saved there and reused by a later call
@@ -374,7 +374,8 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
-                         impl=impl, cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision)
+                         impl=impl, cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision,
+                         kernels=kernels)
     results = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
                            partial_dir=partial_dir, progress=progress, ids=ids, stats=stats, owners=owners,
                            together=V is None)
@@ -419,7 +420,8 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
                  batch_size: int = 8, window: int = 65536, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  partial_dir=None, run_key: dict | None = None, scoring: str = "exact",
                  fd_eps: float | None = None, device=None, progress: bool = True,
-                 skip_invalid: bool = False, cuda_graphs: str = "auto", precision: str = "model") -> dict:
+                 skip_invalid: bool = False, cuda_graphs: str = "auto", precision: str = "model",
+                 kernels: Kernels = DEFAULT_KERNELS) -> dict:
     """Score a pool file without holding it in memory; write ``scores.jsonl`` lines
     (``id``, ``score``, ``rank``) to ``out_path``.
 
@@ -449,7 +451,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
-                         cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision)
+                         cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision, kernels=kernels)
     max_tokens = chunk_token_limit(model, device)
     invalid: list = []
     scores = np.zeros(0, dtype=np.float64)

@@ -249,24 +249,24 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @needs_cuda
 @pytest.mark.parametrize("gemm", ["two", "kcat"])
-def test_split32_on_gpu_graphed_equals_eager_and_float64(monkeypatch, gemm):
+def test_split32_on_gpu_graphed_equals_eager_and_float64(gemm):
     """On the GPU the split GEMMs run on tensor cores (mm with a float32 out_dtype);
     CUDA graphs replay the same computation; with either GEMM layout."""
-    from prism_select import precision
+    from prism_select.execution import Kernels
     from prism_select.scoring import score_encoded
-    monkeypatch.setattr(precision, "SPLIT_GEMM", gemm)
     m, V, _ = _setup(seed=0)
     m = m.cuda().eval()
     mods = tracked_linear_modules(m)
     V = {n: v.to(torch.bfloat16).double() for n, v in V.items()}
     tok = tiny_tokenizer()
     enc = [encode(tok, p, r) for p, r in POOL]
-    kw = dict(pad_id=tok.pad_token_id, batch_size=4, progress=False, precision="split32")
+    kw = dict(pad_id=tok.pad_token_id, batch_size=4, progress=False, precision="split32",
+              kernels=Kernels(split_gemm=gemm))
     eager = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="off", **kw).double()
     graphed = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="on", **kw).double()
     assert float((graphed - eager).norm() / eager.norm()) < GPU_REPLAY_TOL
     sc = make_scorer(m, mods, {k: v.cuda() for k, v in V.items()}, pad_id=tok.pad_token_id, cuda_graphs="on",
-                     batch_size=4, precision="split32")
+                     batch_size=4, precision="split32", kernels=Kernels(split_gemm=gemm))
     with sc:  # the graphs were captured, not replaced by the eager fallback
         sc.score(collate_to(enc[:4], tok.pad_token_id, "cuda"))
         assert sc.failed is None and sc.captures == 1, sc.failed
@@ -280,8 +280,9 @@ def test_split32_on_gpu_graphed_equals_eager_and_float64(monkeypatch, gemm):
     assert e_split * MIN_SPLIT_SCORE_GAIN < e_plain, (e_plain, e_split)
 
 
-def test_split_backward_gives_float32_accurate_gradients(monkeypatch):
+def test_split_backward_gives_float32_accurate_gradients():
     from prism_select import precision
+    from prism_select.execution import Kernels
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 48, generator=g, requires_grad=True)
     W = torch.randn(40, 48, generator=g).to(torch.bfloat16)
@@ -289,9 +290,8 @@ def test_split_backward_gives_float32_accurate_gradients(monkeypatch):
     want = cot.double() @ W.double()
     errs = {}
     for split in (False, True):
-        monkeypatch.setattr(precision, "SPLIT_BACKWARD", split)
         x.grad = None
-        precision._SplitLinear.apply(x, W, None).backward(cot)
+        precision._SplitLinear.apply(x, W, None, Kernels(split_backward=split)).backward(cot)
         errs[split] = float((x.grad.double() - want).norm() / want.norm())
     assert errs[True] < SPLIT_LINEAR_TOL < errs[False] < BF16_GRAD_TOL, errs
 
@@ -426,7 +426,7 @@ def test_split32_direction_is_the_float32_direction():
     bf16 (no float32 copy), accumulated in float32, and nothing is left on the model."""
     from conftest import PAIRS
 
-    from prism_select.precision import GRAD32, SPLIT_BACKWARD, direction_policy
+    from prism_select.precision import GRAD32, direction_policy
     from prism_select.preference import compute_preference
     tok = tiny_tokenizer()
     m, _, _ = _setup()
@@ -449,8 +449,6 @@ def test_split32_direction_is_the_float32_direction():
     # and it is not what the model computes in bf16
     worst = max(float((plain.direction[n].float() - g).norm() / g.norm()) for n, g in ref.direction.items())
     assert worst > 100 * SPLIT_DIRECTION_TOL
-    from prism_select import precision
-    assert precision.SPLIT_BACKWARD is SPLIT_BACKWARD is False
     assert not any(hasattr(p, GRAD32) or p.grad is not None for p in m.parameters())
     assert not any("forward" in mod.__dict__ for mod in m.modules())
 
