@@ -97,3 +97,48 @@ def test_score_prints_the_next_command(tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"next: prism-select select --run {out} --pool {pool} --keep 5% --out selected.jsonl" in text
     assert f"{out / 'pairs.jsonl'}" in text.splitlines()[-2]
+
+
+def test_score_options_are_generated_from_the_settings_fields(capsys):
+    """One source of defaults: parsing no option gives the dataclasses' defaults; every CLI
+    field of every stage has its option; values are parsed and checked as the fields say."""
+    import dataclasses
+
+    from prism_select.curvature import CurvatureSettings
+    from prism_select.pipeline import ScoreSettings
+    base = ["score", "--pool", "p.jsonl", "--out", "o"]
+    a = cli.build_parser().parse_args(base)
+    s, c = cli._score_settings(a)
+    assert s == ScoreSettings() and c == CurvatureSettings()
+    for cls in (ScoreSettings, CurvatureSettings, ModelSettings):
+        for f in dataclasses.fields(cls):
+            assert hasattr(a, f.name) == f.metadata.get("cli", False), f.name
+    a = cli.build_parser().parse_args(base + ["--max-gpu-memory", "70GiB", "--shrinkage", "auto", "--no-progress",
+                                              "--modules", "mlp", "q_proj", "--curvature", "kfac", "--seed", "3",
+                                              "--option", "layer=2", "--damping", "1e-3"])
+    s, c = cli._score_settings(a)
+    assert s.max_gpu_memory == 70 << 30 and c.shrinkage == "auto" and s.progress is False
+    assert s.modules == ["mlp", "q_proj"] and c.kind == "kfac" and s.seed == c.seed == 3
+    assert s.method_options == {"layer": 2} and c.damping == 1e-3
+    assert cli._score_settings(cli.build_parser().parse_args(base + ["--shrinkage", "0.3"]))[1].shrinkage == 0.3
+    for bad, field in ((["--max-gpu-memory", "lots"], "max_gpu_memory"), (["--shrinkage", "on"], "shrinkage"),
+                       (["--batch-size", "0"], "batch_size"), (["--stream", "--method", "random"], "stream")):
+        assert cli.main(base + bad) == 2
+        assert f"setting '{field}'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse's own checks: exit 2 too
+        cli.build_parser().parse_args(base + ["--curvature", "exact"])
+    assert e.value.code == 2
+
+
+def test_keys_hold_exactly_the_fields_that_change_the_artifact():
+    from prism_select.curvature import CurvatureSettings, FitSettings
+    from prism_select.pipeline import ScoreSettings
+    from prism_select.settings import key_of
+    a, b = ScoreSettings(), ScoreSettings(batch_size=2, overwrite=True, progress=False, max_gpu_memory=1 << 30,
+                                          cache_max_gb=5.0)
+    assert a.run_key() == b.run_key()
+    assert ScoreSettings(precision="split32").run_key() != a.run_key()
+    c = CurvatureSettings()
+    assert key_of(c) == key_of(CurvatureSettings(batch_size=2))
+    assert key_of(c, FitSettings) == key_of(CurvatureSettings(damping=1e-3, shrinkage="auto"), FitSettings)
+    assert key_of(c) != key_of(CurvatureSettings(damping=1e-3))
