@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prism_select import engine  # noqa: E402
 from prism_select import fast  # noqa: E402
 from prism_select.curvature import CurvatureSettings, fit_curvature  # noqa: E402
 from prism_select.data.tokenize import Encoded, collate, encode  # noqa: E402
@@ -86,7 +87,7 @@ def run_phase(name, fn, encoded, batches, pad_id, dev, warm=2, results=None):
     """Time ``fn(batch_dict) -> scores or None`` over all batches (after ``warm`` untimed)."""
     out = {}
     try:
-        cols = [fast.collate_to([encoded[i] for i in b], pad_id, dev) for b in batches]
+        cols = [engine.collate_to([encoded[i] for i in b], pad_id, dev) for b in batches]
         for b in (cols if WARM_ALL else cols[:warm]):
             fn(b)
         sync(dev)
@@ -347,7 +348,7 @@ def main():
                 sc = GraphedScorer(_Ref(train), a.batch, pad_id)
                 fn = sc.score
             elif nomask:
-                fn = lambda b: _Ref(train).score(fast.causal_only(b))  # noqa: E731
+                fn = lambda b: _Ref(train).score(engine.causal_only(b))  # noqa: E731
             else:
                 fn = fwd_bwd if train else fwd
             r = run_phase(name, fn, encoded, batches, pad_id, dev, results=R)
@@ -459,7 +460,7 @@ def main():
         if impl == "hooks":
             f, sc = scorer_fn("exact", impl="hooks")
         else:
-            sc = fast.ExactScorer(model, modules, V, fused_loss=fused_loss, kernels=Kernels(rowdot=backend))
+            sc = engine.ExactScorer(model, modules, V, fused_loss=fused_loss, kernels=Kernels(rowdot=backend))
             sc.__enter__()
             f = sc.score
         try:
@@ -475,7 +476,7 @@ def main():
         import copy
         m32 = copy.deepcopy(model).float()
         mods32 = tracked_linear_modules(m32)
-        sc = fast.ExactScorer(m32, mods32, {n: t.float() for n, t in V.items()})
+        sc = engine.ExactScorer(m32, mods32, {n: t.float() for n, t in V.items()})
         with sc:
             run_phase("exact_fp32", sc.score, encoded, batches, pad_id, dev, results=R)
         del sc, m32, mods32
@@ -580,7 +581,7 @@ def main():
     if "randv" in routes:  # the fast route on a random direction, for contrast with PRISM's v
         g = torch.Generator(device="cpu").manual_seed(3)
         Vr = {n: (torch.randn(tuple(V[n].shape), generator=g) * 1e-3).to(dev) for n in modules}
-        sc = fast.ExactScorer(model, modules, Vr)
+        sc = engine.ExactScorer(model, modules, Vr)
         with sc:
             run_phase("exact[randv]", sc.score, encoded, batches, pad_id, dev, results=R)
         sc = fast.FDScorer(model, modules, Vr, fd_eps=eps_list[0], mode="fd")

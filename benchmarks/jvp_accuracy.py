@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from prism_select import engine  # noqa: E402
 from prism_select import fast  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.evaluation_metrics import spearman  # noqa: E402
@@ -89,13 +90,13 @@ def variants(spec: str):
     return out
 
 
-class _PartsScorer(fast.ExactScorer):
+class _PartsScorer(engine.ExactScorer):
     """ExactScorer that also returns the per-layer terms ``s_l`` of each example."""
 
     def score_parts(self, batch):
         self.state.parts = []
         with torch.enable_grad():
-            losses, _ = fast.batch_losses(self.model, fast.causal_only(batch), split=self.split)
+            losses, _ = engine.batch_losses(self.model, engine.causal_only(batch), split=self.split)
             losses.sum().backward()
         parts, self.state.parts = self.state.parts, []
         return torch.stack([p.double() for p in parts])  # (layers, B)
@@ -111,7 +112,7 @@ def cancellation(model32, modules32, V, cols):
             P = sc.score_parts(col)
             lr += (P.abs().sum(0) / P.sum(0).abs()).tolist()
 
-    class _Kappa(fast.Tap):
+    class _Kappa(engine.Tap):
         keep_input = True
 
         def __init__(self, module, Vw, acc):
@@ -126,8 +127,8 @@ def cancellation(model32, modules32, V, cols):
         B = col["input_ids"].shape[0]
         acc = torch.zeros(B, dtype=torch.float64)
         taps = {n: _Kappa(m, V[n][:, :m.in_features].float(), acc) for n, m in modules32.items()}
-        with fast.tap_linears(model32, taps), torch.enable_grad():
-            losses, _ = fast.batch_losses(model32, fast.causal_only(col))
+        with engine.tap_linears(model32, taps), torch.enable_grad():
+            losses, _ = engine.batch_losses(model32, engine.causal_only(col))
             losses.sum().backward()
         with _PartsScorer(model32, modules32, V) as sc:
             s = sc.score_parts(col).sum(0)
@@ -216,7 +217,7 @@ def main():
         f"mean length {sum(lengths) / len(lengths):.0f}, max {max(lengths)}, response fraction {resp:.2f}")
     order = sorted(range(len(encoded)), key=lambda i: (lengths[i], i))
     batches = [order[k:k + a.batch] for k in range(0, len(order), a.batch)]
-    cols = [fast.collate_to([encoded[i] for i in b], pad_id, None) for b in batches]
+    cols = [engine.collate_to([encoded[i] for i in b], pad_id, None) for b in batches]
 
     info = {"argv": sys.argv, "torch": torch.__version__, "threads": a.threads, "n": len(encoded),
             "fit_n": len(fit_encoded), "targets": a.targets, "max_length": a.max_length,
@@ -274,8 +275,8 @@ def main():
             return full
 
         S = {}
-        S["exact fp32"] = run("exact_fp32", lambda: fast.ExactScorer(model32, modules32, V), model32)
-        S["exact bf16"] = run("exact_bf16", lambda: fast.ExactScorer(model, modules, V), model)
+        S["exact fp32"] = run("exact_fp32", lambda: engine.ExactScorer(model32, modules32, V), model32)
+        S["exact bf16"] = run("exact_bf16", lambda: engine.ExactScorer(model, modules, V), model)
         S["jvp fp32"] = run("jvp_fp32", lambda: MixedJVPScorer(model32, modules32, V), model32)
         for vn, kw in variants(a.variants).items():
             if vn.startswith("emu="):
@@ -290,7 +291,7 @@ def main():
                     self.sc = sc
 
                 def __enter__(self):
-                    self.fr = fast.frozen(model)
+                    self.fr = engine.frozen(model)
                     self.fr.__enter__()
                     return self
 
@@ -352,7 +353,7 @@ def main():
                 model(input_ids=col["input_ids"], use_cache=False)
 
         T_ = {"forward (HF, bf16)": timeit(fwd)}
-        with fast.ExactScorer(model, modules, Vt) as ex:
+        with engine.ExactScorer(model, modules, Vt) as ex:
             T_["exact (bf16)"] = timeit(lambda: ex.score(col))
         T_["jvp bf16 [none] (bf16 GEMM outputs)"] = timeit(lambda: MixedJVPScorer(model, modules, Vt, sites=()).score(col))
         sc = MixedJVPScorer(model, modules, Vt)

@@ -3,7 +3,7 @@ a diagnostic behind docs/performance.md run 10, not a scoring route of the libra
 
 ``MixedJVPScorer`` returns, per example, the directional derivative of the summed
 response-token loss along the preconditioned direction ``V`` -- the same quantity as
-:class:`prism_select.fast.ExactScorer` (``g_z . V``, same sign, no normalisation) --
+:class:`prism_select.engine.ExactScorer` (``g_z . V``, same sign, no normalisation) --
 with one pass that carries a primal and a tangent through the network:
 
     tracked linear  y = W x (+ b)      ydot = W xdot + V_w x (+ V_b)
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from prism_select.errors import ConfigError
-from prism_select.fast import _ce_chunk_tokens
+from prism_select.engine.loss import _ce_chunk_tokens
 from prism_select.gradients import has_bias
 
 #: tangent sites that can be kept in ``tangent_dtype`` (see the module docstring)

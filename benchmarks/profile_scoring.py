@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scoring import batches_of, build_random, load_embedded, random_data, read_gsm8k  # noqa: E402
 
 from prism_select.data.tokenize import encode  # noqa: E402
-from prism_select.fast import collate_to  # noqa: E402
+from prism_select.engine import collate_to  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.scoring import make_scorer  # noqa: E402
 

@@ -50,7 +50,7 @@ from prism_select.curvature.fit import apply_damping  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.evaluation import builders  # noqa: E402
 from prism_select.evaluation_metrics import auroc  # noqa: E402
-from prism_select.fast import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears  # noqa: E402
+from prism_select.engine import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.preference import compute_preference  # noqa: E402
 from prism_select.scoring import score_encoded  # noqa: E402

@@ -4,8 +4,8 @@
 layer runs, whether a backward splits its cotangent, how token dot products are reduced,
 which finite-difference route ``--scoring fast`` means). They are explicit arguments of
 the functions that use them (:func:`prism_select.precision.split32`,
-:func:`prism_select.precision.split_linear`, :class:`prism_select.fast.ExactScorer`,
-:func:`prism_select.fast.rowdot`, ...), with :data:`DEFAULT_KERNELS` as the default;
+:func:`prism_select.engine.arith.split_linear`, :class:`prism_select.engine.ExactScorer`,
+:func:`prism_select.engine.arith.rowdot`, ...), with :data:`DEFAULT_KERNELS` as the default;
 benchmarks pass others to compare them.
 
 :class:`ExecutionContext` is what the pipeline resolves once, after the model is loaded
@@ -31,7 +31,7 @@ FAST_ROUTES = ("fd", "fd-hp", "fd32", "jvp")
 class Kernels:
     """Kernel choices; the defaults are the measured best (docs/performance.md).
 
-    split_gemm: how :func:`~prism_select.precision.split_linear` runs its products on CUDA:
+    split_gemm: how :func:`~prism_select.engine.arith.split_linear` runs its products on CUDA:
         ``two`` (two GEMMs, the second accumulating into the float32 result of the first) |
         ``kcat`` (one GEMM of ``[hi | lo]`` against ``[W | W]``, the doubled weight built
         once per layer by :func:`~prism_select.precision.split32`).
@@ -43,7 +43,7 @@ class Kernels:
         in the scores against float32 exact (Spearman 0.9998), splitting it 5e-5; plain
         bf16 exact: 0.105.
     rowdot: how half-precision token dot products are reduced on CUDA
-        (:func:`~prism_select.fast.rowdot`): mulsum (bf16 products summed in float32) |
+        (:func:`~prism_select.engine.arith.rowdot`): mulsum (bf16 products summed in float32) |
         triton (one fused kernel) | bmm (cuBLAS batched dot, float32 result) | auto
         (mulsum: on an H200 it ties the Triton kernel where the GPU is the bottleneck, 1B:
         110.1 vs 111.0 ex/s, and wins where kernel-launch overhead is, SmolLM2-135M: 324

@@ -17,7 +17,10 @@ from contextlib import contextmanager
 import torch
 
 from .errors import NumericalError
-from .precision import GRAD32
+
+#: the attribute holding the float32 gradient accumulator of a half-precision weight under
+#: :func:`prism_select.precision.float32_grads` (read by :func:`weight_grad`)
+GRAD32 = "_prism_grad32"
 
 
 def has_bias(module: torch.nn.Linear) -> bool:

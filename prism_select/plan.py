@@ -190,7 +190,7 @@ def cap_device_memory(device, max_bytes: int | None) -> None:
 def measure_example_bytes(model, example, pad_id: int, device, copies: int = 1) -> int:
     """Peak device memory of one forward + activation backward of ``example`` (a batch of
     ``copies`` of it) above what was allocated before, as the fit and the scores run it."""
-    from .fast import batch_losses, causal_only, collate_to, split_causal_lm
+    from .engine import batch_losses, causal_only, collate_to, split_causal_lm
     from .gradients import activation_grad_mode
 
     dev = torch.device(device)

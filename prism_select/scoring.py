@@ -3,7 +3,7 @@
 For each tracked layer with preconditioned target ``V = (H^-1 g_KL)_l``:
 ``g_z . v = sum_l sum_t b_t^T V_l a_t``.
 
-``scoring="exact"`` (default) runs :class:`prism_select.fast.ExactScorer`: one forward
+``scoring="exact"`` (default) runs :class:`prism_select.engine.ExactScorer`: one forward
 and one backward *to the activations* (parameters frozen, no weight gradients, nothing
 below the first tracked layer), with each tracked layer contracting ``V`` in the
 model's dtype on tensor cores and the token dot products accumulated in float32
@@ -41,7 +41,8 @@ from . import fast as _fast
 from .data.tokenize import collate, token_losses
 from .errors import CacheError, ConfigError
 from .execution import DEFAULT_KERNELS, Kernels
-from .fast import FAST_MODES, ExactScorer, collate_to
+from .engine import ExactScorer, collate_to
+from .fast import FAST_MODES
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
 from .precision import check_precision, check_precision_scoring, precision_policy

@@ -15,7 +15,7 @@ How
       Before sharding, each tracked layer gets two frozen parameters of its own shape,
       ``prism_v`` (``out x in``) and, with a bias, ``prism_vb`` (``out``): ``v`` lives
       there, sharded and all-gathered with the weights of its block, so the exact
-      scorer (:class:`prism_select.fast.ExactScorer`) reads the full ``V`` of a layer
+      scorer (:class:`prism_select.engine.ExactScorer`) reads the full ``V`` of a layer
       exactly when it reads the full weight.
     * The target direction: every rank differentiates every target pair (they are few,
       and identical work keeps FSDP's collectives in step); FSDP reduce-scatters the

@@ -17,7 +17,7 @@ from prism_select.cli import main
 from prism_select.curvature import CurvatureSettings
 from prism_select.errors import OutOfResourceError
 from prism_select.examples import make_example
-from prism_select.fast import ExactScorer
+from prism_select.engine import ExactScorer
 from prism_select.model import ModelSettings
 from prism_select.pipeline import ScoreSettings, score_pool
 

@@ -4,7 +4,7 @@ float64 against unpadded eager scores; capture and replay against eager on a GPU
 import pytest
 import torch
 
-from prism_select import fast
+from prism_select import engine
 from prism_select.data.tokenize import encode
 from prism_select.errors import ConfigError
 from prism_select.graphs import BUCKET_FRACTION, MIN_BUCKET, GraphedScorer, bucket_length, graphs_wanted
@@ -87,7 +87,7 @@ def test_padded_bucketed_equals_eager(model, modules, tok, encoded_pool, scoring
     for sc, out in ((eager, ref), (padded, got)):
         with sc:
             for i in range(0, len(encoded_pool), 3):  # 3 rows into a 4-row graph batch
-                out.append(sc.score(fast.collate_to(encoded_pool[i:i + 3], pad, None)))
+                out.append(sc.score(engine.collate_to(encoded_pool[i:i + 3], pad, None)))
     ref, got = torch.cat(ref), torch.cat(got)
     assert got.shape == ref.shape
     assert rel_err(got, ref) <= PAD_RTOL[scoring]
@@ -98,7 +98,7 @@ def test_batch_larger_than_graph_batch_is_refused(model, modules, tok, encoded_p
     sc = GraphedScorer(make_scorer(model, modules, V, pad_id=tok.pad_token_id), batch_size=2,
                        pad_id=tok.pad_token_id, capture=False)
     with sc, pytest.raises(ValueError, match="exceeds"):
-        sc.score(fast.collate_to(encoded_pool[:3], tok.pad_token_id, None))
+        sc.score(engine.collate_to(encoded_pool[:3], tok.pad_token_id, None))
 
 
 def test_cpu_auto_is_eager(model, modules, tok):
@@ -137,7 +137,7 @@ def test_graph_replays_each_shape_and_counts_captures(gpu_model, tok, encoded_po
     pad = tok.pad_token_id
     sc = make_scorer(gpu_model, modules, V, pad_id=pad, cuda_graphs="on", batch_size=4)
     assert isinstance(sc, GraphedScorer)
-    batches = [fast.collate_to(encoded_pool[i:i + 2], pad, "cuda") for i in range(0, len(encoded_pool), 2)]
+    batches = [engine.collate_to(encoded_pool[i:i + 2], pad, "cuda") for i in range(0, len(encoded_pool), 2)]
     with sc:
         first = [sc.score(b) for b in batches]
         second = [sc.score(b) for b in batches]
@@ -163,9 +163,9 @@ def test_failed_capture_falls_back_to_eager(gpu_model, tok, encoded_pool):
     modules = tracked_linear_modules(gpu_model, None)
     V = {k: v.cuda() for k, v in _direction(modules, dtype=torch.float32).items()}
     pad = tok.pad_token_id
-    inner = fast.ExactScorer(gpu_model, modules, V)
+    inner = engine.ExactScorer(gpu_model, modules, V)
     sc = GraphedScorer(HostReader(inner), batch_size=4, pad_id=pad)
-    b = fast.collate_to(encoded_pool[:3], pad, "cuda")
+    b = engine.collate_to(encoded_pool[:3], pad, "cuda")
     with inner, sc:
         got = sc.score(b)
         ref = inner.score(b)
@@ -207,7 +207,7 @@ def test_fit_through_padded_graph_path_equals_plain_fit(monkeypatch, model, modu
 def test_fit_warmup_batch_adds_nothing(model, modules, tok, encoded_pool):
     """The graph warm-up runs the fit step on ``neutral`` batches: no statistics move."""
     from prism_select.curvature import fit as fit_mod
-    from prism_select.fast import tap_linears
+    from prism_select.engine import tap_linears
     from prism_select.graphs import pad_batch
     from prism_select.gradients import layer_shape
     stats = fit_mod._Stats(torch.float64)
@@ -215,7 +215,7 @@ def test_fit_warmup_batch_adds_nothing(model, modules, tok, encoded_pool):
     S = {n: torch.zeros(layer_shape(m)[0], layer_shape(m)[0], dtype=torch.float64) for n, m in modules.items()}
     taps = {n: fit_mod._CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
     step = fit_mod._FitStep(model, stats, "empirical", 0, None)
-    b = pad_batch(fast.collate_to(encoded_pool[:3], tok.pad_token_id, None), 4, 64, tok.pad_token_id)
+    b = pad_batch(engine.collate_to(encoded_pool[:3], tok.pad_token_id, None), 4, 64, tok.pad_token_id)
     with tap_linears(model, taps):
         step.score(step.neutral(b))
         assert float(stats.n_tokens) == 0
@@ -250,7 +250,7 @@ def test_mm_acc_into_accumulates_in_place_on_gpu():
     M = torch.randn(40, 40, device="cuda", generator=g)
     ref = M + a.float().T @ a.float()
     ptr = M.data_ptr()
-    from prism_select.precision import mm_acc_into
+    from prism_select.engine import mm_acc_into
     out = mm_acc_into(M, a.T, a)
     assert out.data_ptr() == ptr and M.data_ptr() == ptr
     assert rel_err(M.double(), ref.double()) <= 1e-5

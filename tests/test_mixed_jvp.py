@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from prism_select import fast
+from prism_select import engine
 from prism_select.data.tokenize import collate, encode
 from prism_select.errors import ConfigError
 
@@ -42,7 +42,7 @@ def _batch(tok, pool_examples):
 
 
 def _exact(model, modules, V, batch):
-    with fast.ExactScorer(model, modules, V) as sc:
+    with engine.ExactScorer(model, modules, V) as sc:
         return sc.score(batch)
 
 

@@ -14,7 +14,7 @@ from tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.errors import ConfigError  # noqa: E402
-from prism_select.fast import ExactScorer, collate_to  # noqa: E402
+from prism_select.engine import ExactScorer, collate_to  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.precision import residual_fp32  # noqa: E402
 from prism_select.scoring import make_scorer  # noqa: E402
@@ -142,7 +142,7 @@ GPU_REPLAY_TOL = 1e-4
 
 
 def test_split_half_reconstructs_float32():
-    from prism_select.precision import split_half
+    from prism_select.engine import split_half
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 1000)
     hi, lo = split_half(x, torch.bfloat16)
     assert hi.dtype == lo.dtype == torch.bfloat16
@@ -152,7 +152,7 @@ def test_split_half_reconstructs_float32():
 
 
 def test_split_linear_and_its_gradients_match_float64():
-    from prism_select.precision import _SplitLinear, split_linear
+    from prism_select.engine import SplitPrecisionLinear, split_linear
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 16, 48, generator=g, dtype=torch.float32) * 3
     W = torch.randn(40, 48, generator=g).to(torch.bfloat16)
@@ -168,7 +168,7 @@ def test_split_linear_and_its_gradients_match_float64():
     Wr = W.clone().requires_grad_(True)
     br = b.clone().requires_grad_(True)
     cot = torch.randn(4, 16, 40, generator=g)
-    _SplitLinear.apply(xr, Wr, br).backward(cot)
+    SplitPrecisionLinear.apply(xr, Wr, br).backward(cot)
     c64 = cot.double()
     for got, want in ((xr.grad, c64 @ W.double()),
                       (Wr.grad, c64.reshape(-1, 40).t() @ x.double().reshape(-1, 48)),
@@ -281,7 +281,7 @@ def test_split32_on_gpu_graphed_equals_eager_and_float64(gemm):
 
 
 def test_split_backward_gives_float32_accurate_gradients():
-    from prism_select import precision
+    from prism_select import engine
     from prism_select.execution import Kernels
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 48, generator=g, requires_grad=True)
@@ -291,7 +291,7 @@ def test_split_backward_gives_float32_accurate_gradients():
     errs = {}
     for split in (False, True):
         x.grad = None
-        precision._SplitLinear.apply(x, W, None, Kernels(split_backward=split)).backward(cot)
+        engine.SplitPrecisionLinear.apply(x, W, None, Kernels(split_backward=split)).backward(cot)
         errs[split] = float((x.grad.double() - want).norm() / want.norm())
     assert errs[True] < SPLIT_LINEAR_TOL < errs[False] < BF16_GRAD_TOL, errs
 
@@ -339,7 +339,7 @@ def test_split32_float32_attention_equals_transformers_sdpa(monkeypatch):
 
 @needs_cuda
 def test_split_kernel_matches_the_torch_split_bit_for_bit():
-    from prism_select.precision import split_cat
+    from prism_select.engine import split_cat
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in [(7, 5), (300, 576), (33, 1536)]:
         x = torch.randn(*shape, device="cuda", generator=g) * 10
@@ -426,7 +426,8 @@ def test_split32_direction_is_the_float32_direction():
     bf16 (no float32 copy), accumulated in float32, and nothing is left on the model."""
     from conftest import PAIRS
 
-    from prism_select.precision import GRAD32, direction_policy
+    from prism_select.engine import GRAD32
+    from prism_select.precision import direction_policy
     from prism_select.preference import compute_preference
     tok = tiny_tokenizer()
     m, _, _ = _setup()
@@ -531,7 +532,8 @@ def test_float32_grads_accumulate_split_weight_and_bias_gradients():
     from torch import nn
 
     from prism_select.gradients import weight_grad
-    from prism_select.precision import GRAD32, _SplitLinear, float32_grads
+    from prism_select.engine import GRAD32, SplitPrecisionLinear
+    from prism_select.precision import float32_grads
     g = torch.Generator().manual_seed(0)
     lin = nn.Linear(24, 16, bias=True).to(torch.bfloat16)
     xs = [torch.randn(3, 7, 24, generator=g) for _ in range(2)]
@@ -539,7 +541,7 @@ def test_float32_grads_accumulate_split_weight_and_bias_gradients():
     lin.requires_grad_(True)
     with float32_grads(lin):
         for x, w in zip(xs, ws):
-            (_SplitLinear.apply(x, lin.weight, lin.bias) * w).sum().backward()
+            (SplitPrecisionLinear.apply(x, lin.weight, lin.bias) * w).sum().backward()
         got = weight_grad(lin)
         assert got.dtype == torch.float32 and lin.weight.grad is None and lin.bias.grad is None
     assert not hasattr(lin.weight, GRAD32) and not hasattr(lin.bias, GRAD32)

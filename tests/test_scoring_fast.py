@@ -4,7 +4,7 @@ against the reference hook route and explicit per-example gradients, in float64.
 import pytest
 import torch
 
-from prism_select import fast
+from prism_select import engine
 from prism_select.data.tokenize import collate, encode, token_losses
 from prism_select.scoring import score_encoded
 
@@ -43,7 +43,7 @@ def test_both_contraction_orders_and_losses(model, modules, tok, encoded_pool, m
     V = _direction(modules, 1)
     ref = per_example_grads(model, modules, encoded_pool) @ flatten(V, modules)
     b = collate(encoded_pool, tok.pad_token_id)
-    with fast.ExactScorer(model, modules, V, modes={n: mode for n in modules}, fused_loss=fused_loss) as sc:
+    with engine.ExactScorer(model, modules, V, modes={n: mode for n in modules}, fused_loss=fused_loss) as sc:
         got = sc.score(b)
     assert rel_err(got, ref) <= 1e-10
     assert all(p.requires_grad for p in model.parameters())  # flags restored
@@ -66,15 +66,15 @@ def test_bias_layers(tok, encoded_pool):
     ref = per_example_grads(model, modules, encoded_pool) @ flat  # reference order: weight, then bias
     b = collate(encoded_pool, tok.pad_token_id)
     for mode in ("u", "w"):
-        with fast.ExactScorer(model, modules, V, modes={n: mode for n in modules}) as sc:
+        with engine.ExactScorer(model, modules, V, modes={n: mode for n in modules}) as sc:
             assert rel_err(sc.score(b), ref) <= 1e-10
 
 
 def test_fused_loss_equals_token_losses(model, tok, encoded_pool):
-    b = fast.collate_to(encoded_pool, tok.pad_token_id, "cpu")
-    split = fast.split_causal_lm(model)
+    b = engine.collate_to(encoded_pool, tok.pad_token_id, "cpu")
+    split = engine.split_causal_lm(model)
     assert split is not None
-    got, cnt = fast.batch_losses(model, b, split=split, need_grad=False)
+    got, cnt = engine.batch_losses(model, b, split=split, need_grad=False)
     with torch.no_grad():
         ref, rcnt = token_losses(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
                                  b["labels"])
@@ -145,6 +145,6 @@ def test_rowdot_cpu_paths():
     g = torch.randn(3, 5, 7, dtype=torch.bfloat16)
     u = torch.randn(3, 5, 7, dtype=torch.bfloat16)
     ref = (g.double() * u.double()).sum((1, 2))
-    got = fast.rowdot(g, u)
+    got = engine.rowdot(g, u)
     assert got.dtype == torch.float32
     assert torch.allclose(got.double(), ref, rtol=2e-2, atol=1e-1)

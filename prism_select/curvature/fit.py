@@ -30,8 +30,8 @@ from tqdm.auto import tqdm
 from .. import distributed, sharding
 from ..data.tokenize import token_losses
 from ..errors import CacheError
-from ..fast import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears
-from ..precision import fit_arithmetic, fit_policy, mm_acc, mm_acc_into
+from ..engine import Tap, batch_losses, causal_only, collate_to, mm_acc, mm_acc_into, split_causal_lm, tap_linears
+from ..precision import fit_arithmetic, fit_policy
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
 from ..gradients import check_finite, has_bias, layer_shape
 from ..io import sha256_json
