@@ -58,7 +58,6 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -69,6 +68,7 @@ from ..data.tokenize import collate, encoded_fingerprint, token_losses
 from ..errors import CacheError, ConfigError, InputError
 from ..gradients import Taps, activation_grad_mode, check_finite
 from ..io import atomic_write_json, sha256_json
+from ..settings import key_of
 from .common import compute_dtype, method, record, require_pairs, resolve_options
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
         raise ConfigError("warmup_fraction", f"must be in (0, 1], got {frac!r}")
     fs = _warmup_settings(opts, ctx.settings.max_length, seed, ctx.settings.progress)
     idx = warmup_subset(len(ctx.inputs.encoded), frac, seed)
-    train = {k: v for k, v in asdict(fs).items() if k not in ("progress", "logging_steps")}
+    train = key_of(fs)  # the fields that change the trained adapter
     key = sha256_json({"format": CACHE_FORMAT, "model": ctx.lm.fingerprint,
                        "pool": encoded_fingerprint(ctx.inputs.encoded), "warmup_fraction": frac,
                        "seed": seed, "train": train})

@@ -98,8 +98,8 @@ class FinetuneSettings:
     seed: int = 0
     gradient_checkpointing: bool = False
     skip_invalid: bool = False
-    logging_steps: int = 1
-    progress: bool = True
+    logging_steps: int = field(default=1, metadata={"key": False})  # not in a trained adapter's key
+    progress: bool = field(default=True, metadata={"key": False})
 
     def __post_init__(self):
         def positive(name, integer=False):
