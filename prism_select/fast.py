@@ -182,4 +182,3 @@ def make_scorer(kind: str, model, modules: dict, V: dict, *, fd_eps: float | Non
     raise ValueError(f"unknown scorer {kind!r}")
 
 
-

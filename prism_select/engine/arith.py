@@ -16,6 +16,7 @@ from ..execution import DEFAULT_KERNELS, Kernels
 from ..gradients import GRAD32
 from .kernels import rowdot_kernel, split_kernel, triton_cdiv
 
+
 def accumulate32(p: torch.Tensor, g: torch.Tensor) -> None:
     acc = getattr(p, GRAD32)
     setattr(p, GRAD32, g if acc is None else acc.add_(g))
