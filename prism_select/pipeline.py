@@ -252,7 +252,7 @@ class RunContext:
         def finish(v: dict) -> dict:
             return {n: t.to(dtype=vdt) for n, t in v.items()}
 
-        if sharding.is_sharded(self.lm.model):
+        if self.execution.sharded:
             return finish(self._precondition_sharded(direction))
         if self.plan is None or self.plan.curvature_store != "transient" or not self.plan.fit_groups:
             return finish(self.curvature().precondition(direction, device=dev))
@@ -265,7 +265,7 @@ class RunContext:
             self.plan.fit["groups"] = groups
         else:
             groups = self.plan.fit_groups
-            if distributed.is_main():
+            if self.execution.main:
                 partial.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(layout, groups)
         v: dict = {}
@@ -289,7 +289,7 @@ class RunContext:
             k = next(i for i in todo if groups[i] == list(layers))
             got = finish(part.precondition({n: direction[n] for n in layers}, device=dev))
             got = {n: t.to("cpu") for n, t in got.items()}
-            if distributed.is_main():
+            if self.execution.main:
                 partial.mkdir(parents=True, exist_ok=True)
                 tmp = partial / f".{tag}_v_group{k:04d}.tmp"
                 save_file({n: t.contiguous() for n, t in got.items()}, str(tmp))
@@ -380,8 +380,8 @@ class RunContext:
         """
         partial = self.out_dir / ".partial"
         # under --shard fsdp each rank keeps (and saves) its rows of v
-        fsdp = sharding.is_sharded(self.lm.model)
-        name = f"{tag}_v.rank{distributed.rank():05d}-of-{distributed.world():05d}" if fsdp else f"{tag}_v"
+        fsdp = self.execution.sharded
+        name = f"{tag}_v.rank{self.execution.rank:05d}-of-{self.execution.world:05d}" if fsdp else f"{tag}_v"
         v_path = partial / f"{name}.safetensors"
         info_path = partial / f"{tag}_curvature.json"  # run.json's "curvature" entry, for a resumed run
         if distributed.all_or_nothing(v_path.exists()) if fsdp else v_path.exists():
@@ -390,11 +390,11 @@ class RunContext:
                 self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
         else:
             v = self.precondition(direction, tag)
-            if distributed.is_main():
+            if self.execution.main:
                 partial.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(info_path, self.info["curvature"])
             distributed.barrier()
-            if distributed.is_main() or fsdp:
+            if self.execution.main or fsdp:
                 tmp = partial / f".{name}.tmp"
                 save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
                 tmp.replace(v_path)
@@ -433,7 +433,7 @@ class RunContext:
         self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + dt
         if stats.get("examples"):  # this rank's share; tokens/s counts real (non-padding) tokens
             self.info.setdefault("throughput", {})[tag] = {
-                **stats, "ranks": distributed.world(), "real_tokens_per_s_rank": stats["real_tokens"] / dt,
+                **stats, "ranks": self.execution.world, "real_tokens_per_s_rank": stats["real_tokens"] / dt,
                 "padding_fraction": 1 - stats["real_tokens"] / max(stats["padded_tokens"], 1)}
         return s
 
