@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError, ModelError
+from .io import canonical_json
 
 log = logging.getLogger(__name__)
 
@@ -667,7 +668,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     across devices and processes, and changed by any single-weight change.
     """
     h = hashlib.sha256()
-    h.update(json.dumps(_config_dict(model), sort_keys=True, default=str).encode())
+    h.update(canonical_json(_config_dict(model)).encode())
     peft_config = getattr(model, "peft_config", None)
     if peft_config:
         pc = {name: (c.to_dict() if hasattr(c, "to_dict") else str(c)) for name, c in peft_config.items()}
@@ -676,7 +677,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
                 c.pop("base_model_name_or_path", None)
                 c.pop("revision", None)
                 c.pop("inference_mode", None)
-        h.update(json.dumps(pc, sort_keys=True, default=str).encode())
+        h.update(canonical_json(pc).encode())
     with torch.no_grad():
         for name, p in model.named_parameters():
             h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
