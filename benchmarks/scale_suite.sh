@@ -11,6 +11,8 @@
 #                                              --shard fsdp and data-parallel: dist_report table
 #     fsdp-full                                every decoder linear layer, --shard fsdp on every GPU
 #     keep                                     run.json, scores.jsonl and logs of every run into $OUT/runs
+#     step                                     a training step and exact scoring side by side at
+#                                              the 8B shape, batch 8 x 512 tokens (bench_scoring.py)
 #   environment: S (work folder, default /tmp/s), OUT, BUDGET (seconds per score step),
 #   DATA (folder with GSM8K train.jsonl and test.jsonl, default .device/data), POOL and
 #   TARGETS (records and pairs of the setup steps, default 2000 and 64), MODS (modules of
@@ -60,6 +62,8 @@ for step in "$@"; do
       python3 benchmarks/dist_report.py "$S/run-shard-k1" "$S/run-fsdp-k$K" $([ -n "${NODDP:-}" ] || echo "$S/run-ddp-k$K") \
         --json "$OUT/shard${TAG:-}.json" | tee "$OUT/shard${TAG:-}.txt" ;;
     full) score full ;;
+    step) python3 benchmarks/bench_scoring.py --config llama8b --seq-len 512 --batch 8 --n 128 --fit-n 0 \
+            --routes forward,fwd_bwd,exact --json "$OUT/step_llama8b.json" 2>&1 | tail -25 ;;
     fsdp-full)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
       LAUNCH="python3 -m torch.distributed.run --nproc-per-node $(nvidia-smi -L | wc -l)"
