@@ -7,7 +7,8 @@ HF loss), exact scoring (the fused route and the hook-based route, ``impl="hooks
 EK-FAC. Prints a table (ex/s, real tokens/s, ratios, peak GPU memory) and writes JSON.
 
 Models: ``--config 0.3b`` (Llama, hidden 1024, 16 layers, 271M params), ``1b``
-(TinyLlama shape, 1.1B), ``tiny`` (CPU smoke test), random init, random tokens of
+(TinyLlama shape, 1.1B), ``llama8b`` (Llama-3.1-8B's shape; use ``--fit-n 0``), ``tiny``
+(CPU smoke test), random init, random tokens of
 ``--seq-len``; or ``--config embedded`` (SmolLM2-135M-Instruct, GGUF) on real text
 (``--pool`` GSM8K jsonl), where PRISM's own direction (``--targets``) and EK-FAC give
 ``v`` and the fast routes are compared to the exact one (Pearson, Spearman, top-5%).
@@ -45,6 +46,10 @@ CONFIGS = {
                  num_key_value_heads=16, vocab_size=32000),
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4, vocab_size=32000),
+    # Llama-3.1-8B's shape (benchmarks/scale_setup.py): with --fit-n 0, the training step and
+    # the exact scoring side by side at paper scale (the fit at 8B needs the memory plan)
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
 }
 
 
@@ -63,7 +68,11 @@ def build_random(name, dtype, dev, seq_len):
     cfg = LlamaConfig(**CONFIGS[name], max_position_embeddings=max(2048, seq_len), tie_word_embeddings=False,
                       attn_implementation="sdpa")
     with torch.device(dev):
-        model = LlamaForCausalLM(cfg).to(dtype)
+        torch.set_default_dtype(dtype)  # built in the dtype: an 8B model in float32 would take 32 GB first
+        try:
+            model = LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(torch.float32)
     model.eval()
     return model, None
 
@@ -307,8 +316,10 @@ def main():
         info["pi_mean"] = float(pref.pi.mean())
         direction = pref.direction
     else:
-        g = torch.Generator(device="cpu").manual_seed(2)
-        direction = {n: (torch.randn(m.weight.shape, generator=g) * 1e-3).to(dev) for n, m in modules.items()}
+        # drawn on the device in the model's dtype: at 8B a float32 direction alone is 28 GB
+        g = torch.Generator(device=dev).manual_seed(2)
+        direction = {n: torch.randn(m.weight.shape, generator=g, device=dev, dtype=dtype) * 1e-3
+                     for n, m in modules.items()}
     info["direction_s"] = time.perf_counter() - t
 
     # -- references

@@ -9,12 +9,17 @@
 #     report                                   table + JSON of the finished runs into $OUT
 #     shard                                    the same run on 1 GPU, then on every GPU with
 #                                              --shard fsdp and data-parallel: dist_report table
+#     fsdp-full                                every decoder linear layer, --shard fsdp on every GPU
+#     keep                                     run.json, scores.jsonl and logs of every run into $OUT/runs
+#     step                                     a training step and exact scoring side by side at
+#                                              the 8B shape, batch 8 x 512 tokens (bench_scoring.py)
 #   environment: S (work folder, default /tmp/s), OUT, BUDGET (seconds per score step),
 #   DATA (folder with GSM8K train.jsonl and test.jsonl, default .device/data), POOL and
 #   TARGETS (records and pairs of the setup steps, default 2000 and 64), MODS (modules of
 #   the shard step, default the attention projections: the fit's eigendecompositions, which
 #   do not divide over ranks, stay small next to the passes), EXTRA (more score flags),
-#   NODDP (shard step without the data-parallel run), TAG (suffix of its result files)
+#   NODDP (shard step without the data-parallel run), TAG (suffix of its result files),
+#   DEADLINE (epoch seconds: every score step stops 20 s before it, to fit a call limit)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 S="${S:-/tmp/s}"; OUT="${OUT:-/tmp/scale-out}"; DATA="${DATA:-.device/data}"
@@ -28,7 +33,12 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 LAUNCH="python3"
 score() {  # score NAME [extra args]
   local name="$1"; shift
-  timeout "${BUDGET:-540}" $LAUNCH -m prism_select.cli -v score --model "$S/model" --pool "$S/pool.jsonl" \
+  local budget="${BUDGET:-540}"
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$(( DEADLINE - $(date +%s) - 20 )); [ "$left" -lt "$budget" ] && budget="$left"
+    [ "$budget" -gt 30 ] || { echo "step $name: skipped, no time left before DEADLINE"; return; }
+  fi
+  timeout "$budget" $LAUNCH -m prism_select.cli -v score --model "$S/model" --pool "$S/pool.jsonl" \
     --targets "$S/targets.jsonl" --out "$S/run-$name" --max-length 512 --cache-dir "$S/cache" ${CAP:+--max-gpu-memory $CAP} --no-progress ${EXTRA:-} "$@" \
     2>&1 | grep -v "^INFO httpx" | tee -a "$OUT/log-$name.txt"
   echo "step $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/log-$name.txt"
@@ -52,6 +62,14 @@ for step in "$@"; do
       python3 benchmarks/dist_report.py "$S/run-shard-k1" "$S/run-fsdp-k$K" $([ -n "${NODDP:-}" ] || echo "$S/run-ddp-k$K") \
         --json "$OUT/shard${TAG:-}.json" | tee "$OUT/shard${TAG:-}.txt" ;;
     full) score full ;;
+    step) python3 benchmarks/bench_scoring.py --config llama8b --seq-len 512 --batch 8 --n 128 --fit-n 0 \
+            --routes forward,fwd_bwd,exact --json "$OUT/step_llama8b.json" 2>&1 | tail -25 ;;
+    fsdp-full)
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+      LAUNCH="python3 -m torch.distributed.run --nproc-per-node $(nvidia-smi -L | wc -l)"
+      score fsdp-full --shard fsdp --cache-dir "$S/cache-fsdp"; LAUNCH="python3" ;;
+    keep) for r in "$S"/run-*; do [ -f "$r/run.json" ] || continue; mkdir -p "$OUT/runs/${r##*/}"
+            cp "$r/run.json" "$r/scores.jsonl" "$OUT/runs/${r##*/}/" 2>/dev/null; done ;;
     lora-qkvo128|lora-all32) score "$step" --adapter "$S/$step" ;;
     report) python3 benchmarks/scale_report.py "$S"/run-* --json "$OUT/scale.json" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

@@ -9,6 +9,13 @@
 #   e.g. ... .cache/b 560 money-refusal:repair:money_refusal.yaml:0,1,2
 # (SEEDS: comma-separated, default the config's; a later call with more seeds reuses the
 # finished runs). Each job gets what is left of BUDGET_S.
+# PARALLEL=1 runs the jobs side by side on the one GPU (a 135M model's LoRA steps and
+# scoring leave most of the GPU idle, bound by kernel launches), each with the whole
+# BUDGET_S and its own log (log-NAME.txt). Jobs may share an output folder when they
+# run different seeds of one config (runs/<setting>/seed<k>/ are separate); a last
+# sequential call with every seed then reuses all finished steps and writes the
+# aggregated results.json and report. OUTNAME=DIR puts every job's output in
+# /tmp/prism-runs/DIR (default: each job in its own, named after the job).
 set -uo pipefail
 B="$(cd "${1:?bundle}" && pwd)"; BUDGET="${2:?budget in seconds}"; shift 2
 OUTDIR="${OUT:-/tmp/prism-out}"; mkdir -p "$OUTDIR" /tmp/prism-runs
@@ -24,18 +31,37 @@ export PRISM_SELECT_DEFAULT_GGUF="$GGUF" PRISM_DATA_ROOT="$B/run/data" PRISM_SEL
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
 end=$(( $(date +%s) + BUDGET )); status=0
-for job in "$@"; do
-  IFS=: read -r name proto cfg seeds <<<"$job"
-  seedargs=(); [ -n "${seeds:-}" ] && seedargs=(--seeds ${seeds//,/ })
-  left=$(( end - $(date +%s) )); [ "$left" -gt 20 ] || { echo "no time left for $name"; status=124; break; }
-  echo "== $name: prism-select experiment $proto --config $cfg ($left s left)"
+run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG: one experiment command, its exit status in /tmp/prism-runs/.rc-NAME
+  local name="$1" proto="$2" cfg="$3" seeds="$4" outname="$5" log="$6" left seedargs=() t0 s
+  [ -n "$seeds" ] && seedargs=(--seeds ${seeds//,/ })
+  left=$(( end - $(date +%s) )); [ "$left" -gt 20 ] || { echo "no time left for $name"; echo 124 >"/tmp/prism-runs/.rc-$name"; return; }
+  echo "== $name: prism-select experiment $proto --config $cfg ($left s left)" | tee -a "$log"
   t0=$(date +%s)
   # from the bundle's tree: `python3 -m` puts the current folder first on the path
   (cd "$B/run/tree" && timeout "$left" python3 -m prism_select.cli experiment "$proto" --config "$B/run/tree/experiments/$cfg" \
-      --out "/tmp/prism-runs/$name" "${seedargs[@]}" 2>&1; echo "rc=$?" >/tmp/prism-runs/.rc) | tee -a "$OUTDIR/log.txt"
-  s=$(sed 's/rc=//' /tmp/prism-runs/.rc); echo "== $name: exit $s after $(( $(date +%s) - t0 )) s" | tee -a "$OUTDIR/log.txt"
+      --out "/tmp/prism-runs/$outname" "${seedargs[@]}" 2>&1; echo "$?" >"/tmp/prism-runs/.rc-$name") >>"$log"
+  s=$(cat "/tmp/prism-runs/.rc-$name"); echo "== $name: exit $s after $(( $(date +%s) - t0 )) s" | tee -a "$log"
+}
+names=()
+for job in "$@"; do
+  IFS=: read -r name proto cfg seeds <<<"$job"
+  outname="${OUTNAME:-$name}"; names+=("$name")
+  if [ -n "${PARALLEL:-}" ]; then
+    run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log-$name.txt" &
+  else
+    n=$(cat "$OUTDIR/log.txt" 2>/dev/null | wc -l)
+    run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log.txt" >/dev/null; tail -n +$(( n + 1 )) "$OUTDIR/log.txt"
+    s=$(cat "/tmp/prism-runs/.rc-$name"); [ "$s" = 0 ] || { status=$s; [ "$s" = 124 ] && break; }
+  fi
+done
+wait
+for name in "${names[@]}"; do
+  s=$(cat "/tmp/prism-runs/.rc-$name" 2>/dev/null || echo 124); [ "$s" = 0 ] || status=$s
+  [ -n "${PARALLEL:-}" ] && tail -n 20 "$OUTDIR/log-$name.txt"
+done
+dirs=("${names[@]}"); [ -n "${OUTNAME:-}" ] && dirs=("$OUTNAME")
+for d in "${dirs[@]}"; do
   tar --exclude=adapter --exclude=.partial --exclude=checkpoints --exclude='*.safetensors' \
-      -czf "$OUTDIR/$name.tar.gz" -C /tmp/prism-runs "$name" 2>/dev/null
-  [ "$s" = 0 ] || { status=$s; [ "$s" = 124 ] && break; }
+      -czf "$OUTDIR/$d.tar.gz" -C /tmp/prism-runs "$d" 2>/dev/null
 done
 ls -la "$OUTDIR"; exit "$status"

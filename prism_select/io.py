@@ -187,8 +187,18 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def canonical_json(obj: Any) -> str:
+    """``obj`` as canonical JSON: sorted keys, no whitespace, ASCII, sets as sorted lists
+    and anything else JSON lacks as its ``str``. Equal settings give equal text whatever
+    their key order, and in every process: a set's iteration order (e.g. a PEFT config's
+    ``target_modules``) follows the process's string-hash seed."""
+    def default(o):
+        if isinstance(o, (set, frozenset)):
+            return sorted(o, key=lambda x: json.dumps(x, sort_keys=True, default=default))
+        return str(o)
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=default)
+
+
 def sha256_json(obj: Any) -> str:
-    """Hex SHA-256 of ``obj``'s canonical JSON (sorted keys, no whitespace, ASCII), so
-    equal settings give equal fingerprints whatever their key order."""
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode("ascii")).hexdigest()
+    """Hex SHA-256 of ``obj``'s :func:`canonical_json`."""
+    return hashlib.sha256(canonical_json(obj).encode("ascii")).hexdigest()

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError, ModelError
+from .io import canonical_json
 from .settings import setting
 
 log = logging.getLogger(__name__)
@@ -672,7 +673,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     across devices and processes, and changed by any single-weight change.
     """
     h = hashlib.sha256()
-    h.update(json.dumps(_config_dict(model), sort_keys=True, default=str).encode())
+    h.update(canonical_json(_config_dict(model)).encode())
     peft_config = getattr(model, "peft_config", None)
     if peft_config:
         pc = {name: (c.to_dict() if hasattr(c, "to_dict") else str(c)) for name, c in peft_config.items()}
@@ -681,7 +682,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
                 c.pop("base_model_name_or_path", None)
                 c.pop("revision", None)
                 c.pop("inference_mode", None)
-        h.update(json.dumps(pc, sort_keys=True, default=str).encode())
+        h.update(canonical_json(pc).encode())
     with torch.no_grad():
         for name, p in model.named_parameters():
             h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())

@@ -132,7 +132,8 @@ class _HookScorer:
         return self.hooks.scores
 
 
-def plan_chunks(encoded: list, chunk_size: int, parts: int = 1, max_tokens: int | None = None) -> tuple:
+def plan_chunks(encoded: list, chunk_size: int, parts: int = 1, max_tokens: int | None = None,
+                align: int = 1) -> tuple:
     """Length-sorted index chunks and the rank that owns each: ``(chunks, owners)``.
 
     The length-sorted order is first cut into ``parts`` contiguous shares of near-equal
@@ -140,12 +141,19 @@ def plan_chunks(encoded: list, chunk_size: int, parts: int = 1, max_tokens: int 
     into chunks of ``chunk_size`` examples; with ``max_tokens`` a chunk also ends before
     it would exceed that many tokens (it always holds at least one example). So each rank
     meets only its own range of lengths (graph captures divide with the work).
+    ``align`` (the batch size) moves each share's first example to a multiple of ``align``
+    in the sorted order: when it also divides ``chunk_size`` and no token limit applies,
+    every batch holds the same examples on any number of ranks as on one, and
+    half-precision scores, which depend slightly on the batch an example is padded with,
+    match the one-rank run's.
     Deterministic: the same pool, ``parts`` and limits give the same chunks, which is what
     resuming relies on (a resumed run with another world size or limit recomputes the
     chunks whose contents differ).
     """
     order = sorted(range(len(encoded)), key=lambda i: (len(encoded[i].input_ids), i))
     share = distributed.contiguous_owners([len(encoded[i].input_ids) for i in order], parts)
+    align = max(1, int(align))
+    share = [share[k - k % align] for k in range(len(share))]  # a batch-sized run stays together
     chunks, owners = [], []
     for k, i in enumerate(order):
         n = len(encoded[i].input_ids)
@@ -371,7 +379,8 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     full, gathered scores.
     """
     device = device or next(model.parameters()).device
-    chunks, owners = plan_chunks(encoded, chunk_size, distributed.world(), chunk_token_limit(model, device))
+    chunks, owners = plan_chunks(encoded, chunk_size, distributed.world(), chunk_token_limit(model, device),
+                                 align=batch_size)
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
@@ -467,7 +476,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
                 truncated += sum(e.truncated for e in encoded)
                 for rid, _ in win:
                     ids_f.write(_json.dumps(rid) + "\n")
-                chunks, owners = plan_chunks(encoded, chunk_size, distributed.world(), max_tokens)
+                chunks, owners = plan_chunks(encoded, chunk_size, distributed.world(), max_tokens, align=batch_size)
                 res = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
                                    partial_dir=partial_dir, progress=progress, index_base=n,
                                    chunk_base=chunk_base, stats=stats, owners=owners,

@@ -132,6 +132,13 @@ def shard_model(model: torch.nn.Module, modules: dict, device) -> torch.nn.Modul
                           "leave --shard out (one GPU, or data-parallel ranks)")
     for block in blocks:
         fully_shard(block, mesh=mesh)
+    # explicit prefetching: the next block's all-gather (its weights and V) is issued as
+    # this block starts, in either direction, so the transfer overlaps this block's compute
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks) and hasattr(block, "set_modules_to_forward_prefetch"):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0 and hasattr(block, "set_modules_to_backward_prefetch"):
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
     # the root unit (embeddings, head) computes first and its backward comes last: gathering
     # it once per step instead of twice costs only its own size
     fully_shard(model, mesh=mesh, reshard_after_forward=False)

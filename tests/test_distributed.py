@@ -201,3 +201,25 @@ def test_plan_chunks_token_limit():
     assert plan_chunks(enc, 8, parts=2, max_tokens=60) == (chunks, owners)  # deterministic
     order = sorted(range(50), key=lambda i: (lengths[i], i))
     assert plan_chunks(enc, 8)[0] == [order[k:k + 8] for k in range(0, 50, 8)]
+
+
+def test_plan_chunks_aligned_to_the_batch_gives_every_rank_count_the_one_rank_batches():
+    """With ``align`` = the batch size (dividing the chunk size), every batch holds the same
+    examples on 2, 3 or 5 ranks as on one: the padding, hence the half-precision scores, of
+    every example are those of the one-rank run. Without it the shares cut batches."""
+    from prism_select.data.tokenize import Encoded
+    from prism_select.scoring import plan_chunks
+
+    lengths = [5 + (i * 7) % 40 for i in range(50)]
+    enc = [Encoded(input_ids=[1] * n, response_start=1) for n in lengths]
+    batch = 4
+
+    def batches(plan):
+        return sorted(tuple(c[s:s + batch]) for c in plan[0] for s in range(0, len(c), batch))
+
+    one = batches(plan_chunks(enc, 8, align=batch))
+    for parts in (2, 3, 5):
+        plan = plan_chunks(enc, 8, parts=parts, align=batch)
+        assert batches(plan) == one
+        assert plan[1] == sorted(plan[1]) and len(set(plan[1])) == parts
+    assert any(batches(plan_chunks(enc, 8, parts=p)) != one for p in (2, 3, 5))

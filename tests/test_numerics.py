@@ -1,6 +1,7 @@
 """PRISM's numbers against brute-force float64 references on a tiny Llama."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -174,3 +175,18 @@ def test_kronecker_inverse_equals_explicit_damped_fisher_inverse(kind):
     ref = torch.linalg.solve(F + lam * torch.eye(F.shape[0], dtype=F.dtype), g.T.reshape(-1))
     got = cur.precondition({"proj": g})["proj"]
     assert rel_err(got.T.reshape(-1), ref) <= 1e-9
+
+
+@pytest.mark.parametrize("accumulate", ["device", "host"])
+def test_non_finite_direction_names_the_layer(model, modules, tok, encoded_pairs, accumulate):
+    """A layer whose gradient holds an inf stops the direction with NumericalError naming
+    that layer, whether the gradient is checked where autograd left it or in the host
+    accumulator."""
+    from prism_select.errors import NumericalError
+
+    chosen, rejected = encoded_pairs
+    name = sorted(modules)[3]
+    modules[name].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+    with pytest.raises(NumericalError, match=re.escape(name)):
+        compute_preference(model, modules, chosen, rejected, pad_id=tok.pad_token_id, batch_size=2,
+                           accumulate=accumulate)

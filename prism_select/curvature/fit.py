@@ -469,9 +469,14 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     t0 = time.perf_counter()
     Lam = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
     M4 = {n: zeros(1) for n in layers}
-    taps = {n: _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], group_of[n], M4[n])
-            for n, m in modules.items()}
-    if offload:  # the taps hold the eigenbases in the model's dtype; the float32 ones wait on the host
+    taps = {}
+    for n, m in modules.items():
+        taps[n] = _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], group_of[n], M4[n])
+        if offload:  # the taps hold the eigenbases in the model's dtype; the float32 ones wait on the
+            # host, moved there layer by layer: the group's float32 and half copies never coexist
+            for k in [k for k in tensors if k.startswith(f"{n}::")]:
+                tensors[k] = tensors[k].to("cpu")
+    if offload:
         for k in list(tensors):
             tensors[k] = tensors[k].to("cpu")
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,

@@ -40,6 +40,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -405,7 +406,9 @@ def finetune(model, pool, out_dir, settings: FinetuneSettings | None = None, sav
     cfg = LoraConfig(r=settings.lora_r, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
                      target_modules=settings.target_modules, bias="none", task_type="CAUSAL_LM")
     try:
-        peft_model = get_peft_model(base, cfg)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model = get_peft_model(base, cfg)
     except ValueError as e:
         raise ConfigError("target_modules", f"{settings.target_modules!r} does not fit this model: {e}",
                           "name the model's linear layers (e.g. q_proj) or use 'all-linear'") from e
