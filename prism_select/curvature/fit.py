@@ -91,6 +91,7 @@ class _Stats:
         self.n_tokens = None
         self.bad: list = []
         self.paused = False  # a stand-in step (see _passes): nothing is counted
+        self._scratch = None
 
     def start(self, b):
         if self.paused:
@@ -104,6 +105,13 @@ class _Stats:
             self.n_tokens = torch.zeros((), dtype=self.acc, device=self.sel.device)
         self.n_tokens += self.n_batch  # in place: a CUDA graph replays it
 
+    def scratch(self, *shape):
+        """A reused ``acc`` buffer of ``shape`` (its contents are the caller's)."""
+        n = math.prod(shape)
+        if self._scratch is None or self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=self.acc)
+        return self._scratch[:n].view(*shape)
+
     def mask(self, dtype):
         m = self._masks.get(dtype)
         if m is None:
@@ -115,6 +123,45 @@ def _key(x, *extra):
     """Identifies one input tensor within a batch. The cache entry also holds ``x``, so
     its memory cannot be reused by another tensor (with the same address) meanwhile."""
     return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x._version) + extra
+
+
+#: on the CPU a factor ``a^T a`` wider than this is formed block by block, the lower block
+#: triangle only (``_gram_into``), and mirrored once after the pass (``_mirror``): about
+#: 0.65 of the full product's time at 576 and 1536 wide (measured on a 2-core EPYC,
+#: benchmarks/results/INDEX.md, session 8). GPUs keep the one full product.
+GRAM_BLOCK = 384
+
+
+def _gram_into(M: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``M += a^T a`` in ``M``'s dtype. On the CPU, for a factor wider than GRAM_BLOCK,
+    only the lower block triangle of ``M`` (diagonal blocks whole) is added to, in place;
+    :func:`_mirror` completes the matrix once the sums are done."""
+    d = a.shape[-1]
+    k = -(-d // GRAM_BLOCK)
+    if M.device.type != "cpu" or k < 2:
+        return mm_acc_into(M, a.T, a)
+    a = a.to(M.dtype)
+    bs = -(-d // k)
+    for i in range(k):
+        r0, r1 = i * bs, min(d, (i + 1) * bs)
+        M[r0:r1, :r1].addmm_(a[:, r0:r1].T, a[:, :r1])
+    return M
+
+
+def _gram(a: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``a^T a`` as :func:`_gram_into` forms it (lower block triangle on the CPU)."""
+    if a.device.type != "cpu" or a.shape[-1] <= GRAM_BLOCK:
+        return mm_acc(a.T, a, acc)
+    return _gram_into(torch.zeros(a.shape[-1], a.shape[-1], dtype=acc), a)
+
+
+def _mirror(M: torch.Tensor) -> torch.Tensor:
+    """Complete a factor summed by :func:`_gram_into`: its upper triangle becomes the
+    transposed lower one (in place; on other devices nothing is done). The result is
+    exactly symmetric."""
+    if M.device.type == "cpu" and M.shape[-1] > GRAM_BLOCK:
+        M.copy_(M.tril() + M.tril(-1).mT)
+    return M
 
 
 def _with_ones(x):
@@ -135,7 +182,7 @@ class _CovTap(Tap):
         C = st.cache.get(k, (None, None))[1]
         if C is None:
             a = (x * st.mask(x.dtype)).reshape(-1, x.shape[-1])  # padding rows zeroed
-            C = mm_acc(a.T, a, st.acc)
+            C = _gram(a, st.acc)
             if self.bias:
                 s = a.sum(0, dtype=st.acc)
                 n = st.n_batch.reshape(1, 1)
@@ -144,8 +191,7 @@ class _CovTap(Tap):
         self.A += C
 
     def on_backward(self, x, g):
-        g2 = g.reshape(-1, g.shape[-1])
-        mm_acc_into(self.S, g2.T, g2)
+        _gram_into(self.S, g.reshape(-1, g.shape[-1]))
 
 
 def _rotate(x: torch.Tensor, Q: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -178,6 +224,18 @@ class _LambdaTap(Tap):
             aq = _rotate(xa, self.QA, st.acc)
             st.cache[k] = (x, aq)
         bq = _rotate(g, self.QS, st.acc)
+        if g.device.type == "cpu" and g.dtype == st.acc:
+            # example by example into one reused buffer: a (B, out, in) product, squared
+            # into a second one, cost three times the GEMMs on the CPU (memory traffic
+            # and page faults; session 8)
+            R = st.scratch(bq.shape[-1], aq.shape[-1])
+            flat = R.view(-1)
+            for n in range(bq.shape[0]):
+                torch.mm(bq[n].T, aq[n], out=R)
+                R.square_()
+                self.Lam += R
+                self.M4 += torch.dot(flat, flat)
+            return
         if g.dtype == st.acc:
             rot = bq.transpose(1, 2) @ aq
             sq = rot * rot
@@ -394,6 +452,9 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
             "curvature factors" + tag, progress, cuda_graphs, settings.batch_size)
     del taps
+    for n in layers:
+        _mirror(A[n])
+        _mirror(S[n])
     n_tok = stats.n_tokens if stats.n_tokens is not None else torch.zeros((), device=device)
     n_tok = n_tok.to(compute).reshape(1)
     distributed.all_reduce_sum(list(A.values()) + list(S.values()) + [n_tok])
