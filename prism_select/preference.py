@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from .data.tokenize import collate, token_losses
 from .errors import ConfigError
+from .fast import batch_losses, split_causal_lm
 from .gradients import check_finite, has_bias, tracked_param_grad_mode, weight_grad
 
 METHODS = ("prism", "equal", "unpaired")
@@ -45,11 +46,29 @@ class Preference:
     method: str
 
 
-def _mean_losses(model, encoded: list, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _mean_losses(model, encoded: list, pad_id: int, device, modules: dict | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     b = collate(encoded, pad_id, device)
-    out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
-    total, count = token_losses(out.logits, b["labels"])
+    split = _cpu_split(model, modules)
+    if split is not None:
+        total, count = batch_losses(model, b, split=split)
+    else:
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+        total, count = token_losses(out.logits, b["labels"])
     return total / count.clamp(min=1), count
+
+
+def _cpu_split(model, modules: dict | None):
+    """On the CPU: the model's ``(decoder, head)`` when the head is not tracked, so that
+    the logits are formed for the response positions only (:func:`fast.batch_losses`):
+    the head's GEMM over every prompt position is a tenth of a 135M model's forward
+    there. GPUs keep the full head (it measured faster there, docs/performance.md)."""
+    if next(model.parameters()).device.type != "cpu":
+        return None
+    split = split_causal_lm(model)
+    if split is None or any(m is split[1] for m in (modules or {}).values()):
+        return None
+    return split
 
 
 def compute_preference(model, modules: dict, chosen: list, rejected: list, *, method: str = "prism",
@@ -88,9 +107,9 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
             batch_ids = None if ids is None else ids[s:s + batch_size]
             joint = not one_graph and method != "unpaired"  # both halves' graphs alive at once
             with torch.set_grad_enabled(joint):
-                lr, _ = _mean_losses(model, rj, pad_id, device)
+                lr, _ = _mean_losses(model, rj, pad_id, device, modules)
             check_finite(lr.detach(), "the target loss (rejected)", record=batch_ids)
-            lc, _ = _mean_losses(model, ch, pad_id, device)
+            lc, _ = _mean_losses(model, ch, pad_id, device, modules)
             check_finite(lc.detach(), "the target loss (chosen)", record=batch_ids)
             with torch.no_grad():
                 margin = (lr - lc).double()
@@ -109,7 +128,7 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
             else:
                 (w.to(lc.dtype) * lc).sum().div(Q).backward()
                 if method != "unpaired":  # y- is only reported (pi, margin), not differentiated
-                    lr_g, _ = _mean_losses(model, rj, pad_id, device)
+                    lr_g, _ = _mean_losses(model, rj, pad_id, device, modules)
                     (w.to(lr_g.dtype) * lr_g).sum().div(-Q).backward()
                     del lr_g
             lc, lr = lc.detach(), lr.detach()
