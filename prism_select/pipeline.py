@@ -344,7 +344,7 @@ class RunContext:
             self._curvature = cur
         return self._curvature
 
-    def precondition(self, direction: dict, tag: str = "scores") -> dict:
+    def precondition(self, direction: dict, tag: str = "scores", consume: bool = False) -> dict:
         """``v = H^-1 direction`` in the dtype the scores use (the model's), layer by layer on
         the model's device. Under a ``transient`` memory plan each group of layers is
         preconditioned as soon as its curvature is fitted and saved in ``.partial`` (a
@@ -358,7 +358,7 @@ class RunContext:
         if sharding.is_sharded(self.lm.model):
             return finish(self._precondition_sharded(direction))
         if self.plan is None or self.plan.curvature_store != "transient" or not self.plan.fit_groups:
-            return finish(self.curvature().precondition(direction, device=dev))
+            return finish(self.curvature().precondition(direction, device=dev, consume=consume))
         partial = self.out_dir / ".partial"
         # the partition is fixed by the run's first process: a resumed run's plan may group
         # differently (another measurement, other free memory), the saved parts may not
@@ -491,7 +491,7 @@ class RunContext:
             if "curvature" not in self.info and info_path.exists():
                 self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
         else:
-            v = self.precondition(direction, tag)
+            v = self.precondition(direction, tag, consume=last)  # last: direction's layers freed as done
             if distributed.is_main():
                 partial.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(info_path, self.info["curvature"])
@@ -505,6 +505,8 @@ class RunContext:
         if last:
             direction = None
             self._curvature = None
+            from .gradients import release_host_memory
+            release_host_memory()
         if fsdp:  # v moves into the layers' sharded prism_v parameters
             sharding.set_v(self.modules, v)
             v = None

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from .data.tokenize import collate, token_losses
 from .errors import ConfigError
 from .fast import batch_losses, split_causal_lm
-from .gradients import check_finite, has_bias, tracked_param_grad_mode, weight_grad
+from .gradients import check_finite, has_bias, release_host_memory, tracked_param_grad_mode, weight_grad
 
 METHODS = ("prism", "equal", "unpaired")
 
@@ -138,6 +138,7 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
             lrs.append(lr.double())
             ws.append(w)
         direction = host.result() if host.active else _take_grads(modules, store)
+    release_host_memory()  # the batches' graphs are gone: their heap goes back to the system
     for n, g in direction.items():
         check_finite(g, "the target direction", layer=n)
     cat = lambda xs: torch.cat([x.cpu() for x in xs])

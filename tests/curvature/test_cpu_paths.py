@@ -51,3 +51,64 @@ def test_blocked_fit_matches_explicit_factors(model, modules, tok, encoded_pool,
         assert rel_err(cur.tensors[f"{layer}::Lambda"], R2.mean(0)) <= CPU_PATH_REL_TOL
         var = float(R2.var(0, unbiased=True).sum()) / G.shape[0]
         assert float(cur.tensors[f"{layer}::LambdaVar"]) == pytest.approx(var, rel=CPU_PATH_REL_TOL)
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "sampled"])
+def test_spilled_eigenvalue_pass_equals_running_the_model_again(model, modules, tok, encoded_pool, monkeypatch,
+                                                               fisher):
+    """EK-FAC's eigenvalue pass read from the factor pass's spill file gives the same
+    curvature as the pass that runs the model again."""
+    calls = []
+    spilled = fit_mod._spilled_pass
+    monkeypatch.setattr(fit_mod, "_spilled_pass", lambda *a, **k: (calls.append(1), spilled(*a, **k))[1])
+    settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3, fisher=fisher)
+    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
+    assert calls == [1]
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
+    assert calls == [1]
+    for k, t in ref.tensors.items():
+        assert rel_err(got.tensors[k], t) <= 1e-14, k
+
+
+def test_spill_is_bounded(model, modules, tok, encoded_pool, monkeypatch):
+    from prism_select.curvature.fit import _spill_bytes, length_batches
+    batches = length_batches(encoded_pool, list(range(len(encoded_pool))), 3)
+    need = _spill_bytes(modules, encoded_pool, batches, 8)
+    s = CurvatureSettings(kind="ekfac", batch_size=3)
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", need)
+    assert fit_mod._spill_wanted(model, modules, encoded_pool, batches, None, s, None)
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", need - 1)
+    assert not fit_mod._spill_wanted(model, modules, encoded_pool, batches, None, s, None)
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", need)
+    assert not fit_mod._spill_wanted(model, modules, encoded_pool, batches, None,
+                                     CurvatureSettings(kind="kfac", batch_size=3), None)
+
+
+def test_fitted_eigenbases_are_row_major(model, modules, tok, encoded_pool):
+    """LAPACK returns column-major eigenvectors; kept so, every one would be copied
+    whole when the curvature is saved (host memory, session 8)."""
+    cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", batch_size=3),
+                        pad_id=tok.pad_token_id)
+    from prism_select.curvature.base import _host_tensors
+    host = _host_tensors(cur.tensors)
+    assert all(host[k].data_ptr() == t.data_ptr() for k, t in cur.tensors.items())
+
+
+def test_precondition_consuming_its_input_gives_the_same_result(model, modules, tok, encoded_pool):
+    cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3),
+                        pad_id=tok.pad_token_id)
+    g = {n: torch.randn(m.weight.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+         for i, (n, m) in enumerate(modules.items())}
+    ref = cur.precondition(dict(g))
+    given = dict(g)
+    got = cur.precondition(given, consume=True)
+    assert given == {}
+    assert list(got) == list(ref)
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_release_host_memory_is_safe_to_call():
+    from prism_select.gradients import release_host_memory
+    release_host_memory()
+    release_host_memory()
