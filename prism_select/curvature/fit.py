@@ -166,13 +166,22 @@ class _Spill:
     def input(self, name, x):
         k = _key(x)
         if k not in self._inputs:
-            self._inputs[k] = (x, self._write(x))
+            # detached: an input with its graph, held by the taps' spill, would be a
+            # reference cycle through autograd's C++ graph that Python's gc cannot free
+            # (it kept the factor accumulators alive to the end of the fit)
+            self._inputs[k] = (x.detach(), self._write(x))
         self._pending[name] = self._inputs[k][1]
 
     def gradient(self, name, g):
         self.batches[-1].append((name, self._pending.pop(name), self._write(g)))
 
+    def finish(self):
+        """The factor pass is over: nothing of its last batch is held."""
+        self._inputs.clear()
+        self._pending = {}
+
     def close(self):
+        self.finish()
         self.f.close()
 
 
@@ -286,7 +295,7 @@ class _CovTap(Tap):
                 s = a.sum(0, dtype=st.acc)
                 n = st.n_batch.reshape(1, 1)
                 C = torch.cat([torch.cat([C, s[:, None]], 1), torch.cat([s[None, :], n], 1)], 0)
-            st.cache[k] = (x, C)
+            st.cache[k] = (x.detach(), C)  # detached: see _Spill.input
         self.A += C
 
     def on_backward(self, x, g):
@@ -323,7 +332,7 @@ class _LambdaTap(Tap):
         if aq is None:
             xa = _with_ones(x) if self.bias else x
             aq = _rotate(xa, self.QA, st.acc)
-            st.cache[k] = (x, aq)
+            st.cache[k] = (x.detach(), aq)
         bq = _rotate(g, self.QS, st.acc)
         if g.device.type == "cpu" and g.dtype == st.acc:
             # example by example into one reused buffer: a (B, out, in) product, squared
@@ -562,6 +571,8 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
             "curvature factors" + tag, progress, cuda_graphs, settings.batch_size)
     stats.spill = None
+    if spill is not None:
+        spill.finish()
     del taps
     release_host_memory()
     for n in layers:
