@@ -678,6 +678,7 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         check_finite(lam, "the EK-FAC eigenvalues", layer=n)
         tensors[f"{n}::LambdaVar"] = _lambda_variance(M4[n] / n_examples, lam, n_examples)
     del Lam, M4
+    release_host_memory()  # the pass's batches
     sync()
     timings["lambda_s"] += time.perf_counter() - t0
     return tensors
