@@ -46,6 +46,9 @@ def main():
     ap.add_argument("--methods", default=DEFAULT_METHODS)
     ap.add_argument("--model", default="default")
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-length", type=int, default=None, help="passed to the runs (default: theirs)")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="passed to the runs as --option (repeatable)")
     ap.add_argument("--compare", action="store_true", help="also run `compare` over all methods in one process")
     ap.add_argument("--dir", default="/tmp/prism-bench-compare-memory")
     ap.add_argument("--json", default=None)
@@ -65,7 +68,7 @@ def main():
         cmd = [sys.executable, __file__, "--child", "--", *argv]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "{}"
-        row = {"records": size, "method": name, **json.loads(last)}
+        row = {"records": size, "method": name, **json.loads(last), "load_average_end": os.getloadavg()}
         if r.returncode != 0 or row.get("code"):
             row["error"] = r.stderr.strip().splitlines()[-1:] or ["exit %d" % r.returncode]
         rows.append(row)
@@ -80,6 +83,10 @@ def main():
         common = ["--model", a.model, "--pool", str(pool), "--targets", str(targets), "--device", "cpu",
                   "--batch-size", str(a.batch_size), "--cache-dir", str(d / f"cache{size}"), "--no-progress",
                   "--overwrite"]
+        if a.max_length:
+            common += ["--max-length", str(a.max_length)]
+        for o in a.option:
+            common += ["--option", o]
         for m in methods:
             run(size, m, ["score", "--method", m, "--out", str(d / f"run{size}" / m), *common])
         if a.compare:

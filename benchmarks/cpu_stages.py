@@ -6,9 +6,11 @@
 The stages are timed by wrapping the library's functions (model load, target direction,
 the fit's two passes, curvature save, preconditioning, scoring); the eigendecompositions
 are the rest of the curvature stage (their workers overlap, so they are not timed call
-by call). CPU seconds are the process's user + system time over all threads, which on a
-machine shared with other work says more than wall time. Set ``$PRISM_SELECT_CACHE`` to
-an empty directory to include the model conversion and the fit (a cached curvature is
+by call). Each stage also records the resident memory at its start and end and the
+process's peak RSS so far (so the stage that set the peak shows). CPU seconds are the
+process's user + system time over all threads, which on a machine shared with other work
+says more than wall time. Set ``$PRISM_SELECT_CACHE`` to an empty directory to include
+the model conversion and the fit (a cached curvature is
 reused). Prints a table and writes ``--json``.
 """
 
@@ -20,6 +22,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,35 +30,63 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI does, before t
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rss-every", type=float, default=0.5,
+                    help="sample the resident memory every this many seconds (0: off); the samples, "
+                         "with the stage running, go to --json as rss_trace")
     ap.add_argument("argv", nargs="+", help="the prism-select command line (after --)")
     a = ap.parse_args()
     from prism_select import cli, pipeline
     from prism_select.curvature import base, fit
 
     rec: dict = {}
+    stack = ["start"]
+    trace: list = []  # (seconds, RSS MiB, innermost stage) every --rss-every seconds
+
+    def sample():
+        t0 = time.perf_counter()
+        while True:
+            trace.append((round(time.perf_counter() - t0, 2), round(rss_mib()), stack[-1]))
+            time.sleep(a.rss_every)
+
+    if a.rss_every > 0:
+        threading.Thread(target=sample, daemon=True).start()
 
     def wrap(owner, name, label):
         f = getattr(owner, name)
 
         @functools.wraps(f)
         def g(*args, **kw):
-            c, w = time.process_time(), time.perf_counter()
+            c, w, m0 = time.process_time(), time.perf_counter(), rss_mib()
+            stack.append(label(args) if callable(label) else label)
             try:
                 return f(*args, **kw)
             finally:
+                stack.pop()
                 lab = label(args) if callable(label) else label
                 r = rec.setdefault(lab, {"cpu_s": 0.0, "wall_s": 0.0})
                 r["cpu_s"] += time.process_time() - c
                 r["wall_s"] += time.perf_counter() - w
+                # resident memory when the stage began and ended, and the process's peak so far
+                r["rss_mib_start"], r["rss_mib_end"] = m0, rss_mib()
+                r["peak_rss_mib_so_far"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         setattr(owner, name, g)
 
     wrap(pipeline, "load_model", "load model")
     wrap(pipeline, "compute_preference", "target direction")
     wrap(fit, "_passes", lambda args: "fit: " + args[9].split(" (")[0])
+    if hasattr(fit, "_spilled_pass"):  # the eigenvalue pass read from the factor pass's spill
+        wrap(fit, "_spilled_pass", lambda args: "fit: " + args[3].split(" (")[0])
     wrap(base.Curvature, "save", "curvature save")
+    wrap(fit, "fit_curvature", "fit_curvature (all)")
+    wrap(fit, "apply_damping", "apply damping")
     wrap(pipeline, "load_or_fit_curvature", "curvature (all)")
     wrap(base.Curvature, "precondition", "precondition")
     wrap(pipeline, "score_encoded", "scoring")
@@ -67,13 +98,20 @@ def main():
         rec["eigendecompositions (rest of curvature)"] = {
             k: rec["curvature (all)"][k] - sum(p[k] for p in parts) for k in ("cpu_s", "wall_s")}
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    print(f"{'stage':42s} {'CPU s':>8s} {'wall s':>8s}")
+    print(f"{'stage':42s} {'CPU s':>8s} {'wall s':>8s} {'RSS MiB start/end, peak so far':>32s}")
     for k, v in rec.items():
-        print(f"{k:42s} {v['cpu_s']:8.1f} {v['wall_s']:8.1f}")
+        mem = (f"{v['rss_mib_start']:8.0f} {v['rss_mib_end']:8.0f} {v['peak_rss_mib_so_far']:8.0f}"
+               if "rss_mib_start" in v else "")
+        print(f"{k:42s} {v['cpu_s']:8.1f} {v['wall_s']:8.1f} {mem}")
     info = {"argv": a.argv, "exit_code": code, "stages": rec, "peak_rss_mib": ru.ru_maxrss / 1024,
             "load_average_end": os.getloadavg(), "cpus": os.cpu_count(),
             "threads": __import__("torch").get_num_threads()}
     print(f"peak RSS {info['peak_rss_mib']:.0f} MiB; load average at the end {info['load_average_end']}")
+    if trace:
+        top = max(trace, key=lambda x: x[1])
+        info["rss_trace_peak"] = top
+        info["rss_trace"] = trace
+        print(f"highest sampled RSS {top[1]} MiB at {top[0]} s, in stage {top[2]!r}")
     if a.json:
         Path(a.json).write_text(json.dumps(info, indent=1))
 

@@ -241,7 +241,7 @@ class RunContext:
             self._curvature = cur
         return self._curvature
 
-    def precondition(self, direction: dict, tag: str = "scores") -> dict:
+    def precondition(self, direction: dict, tag: str = "scores", consume: bool = False) -> dict:
         """``v = H^-1 direction`` in the dtype the scores use (the model's), layer by layer on
         the model's device. Under a ``transient`` memory plan each group of layers is
         preconditioned as soon as its curvature is fitted and saved in ``.partial`` (a
@@ -255,7 +255,7 @@ class RunContext:
         if self.execution.sharded:
             return finish(self._precondition_sharded(direction))
         if self.plan is None or self.plan.curvature_store != "transient" or not self.plan.fit_groups:
-            return finish(self.curvature().precondition(direction, device=dev))
+            return finish(self.curvature().precondition(direction, device=dev, consume=consume))
         partial = self.out_dir / ".partial"
         # the partition is fixed by the run's first process: a resumed run's plan may group
         # differently (another measurement, other free memory), the saved parts may not
@@ -389,7 +389,7 @@ class RunContext:
             if "curvature" not in self.info and info_path.exists():
                 self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
         else:
-            v = self.precondition(direction, tag)
+            v = self.precondition(direction, tag, consume=last)  # last: direction's layers freed as done
             if self.execution.main:
                 partial.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(info_path, self.info["curvature"])
@@ -403,6 +403,8 @@ class RunContext:
         if last:
             direction = None
             self._curvature = None
+            from .gradients import release_host_memory
+            release_host_memory()
         if fsdp:  # v moves into the layers' sharded prism_v parameters
             sharding.set_v(self.modules, v)
             v = None
@@ -465,7 +467,8 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
                                   batch_size=d.get("batch_size", ctx.settings.batch_size),
                                   progress=ctx.settings.progress, ids=[p.id for p in ctx.inputs.pairs],
                                   accumulate=accumulate, store=d.get("store", "device"),
-                                  one_graph=ctx.plan is not None and ctx.plan.bounded)
+                                  one_graph=ctx.plan is not None and ctx.plan.bounded,
+                                  kernels=replace(ex.kernels, split_backward=True))  # as direction_policy's
     ctx.timings["preference_s"] = time.perf_counter() - t
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
              ctx.timings["preference_s"])

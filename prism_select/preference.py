@@ -27,7 +27,9 @@ from tqdm.auto import tqdm
 
 from .data.tokenize import collate, token_losses
 from .errors import ConfigError
-from .gradients import check_finite, has_bias, tracked_param_grad_mode, weight_grad
+from .execution import DEFAULT_KERNELS, Kernels
+from .fast import batch_losses, split_causal_lm
+from .gradients import check_finite, has_bias, release_host_memory, tracked_param_grad_mode, weight_grad
 
 METHODS = ("prism", "equal", "unpaired")
 
@@ -45,17 +47,35 @@ class Preference:
     method: str
 
 
-def _mean_losses(model, encoded: list, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _mean_losses(model, encoded: list, pad_id: int, device, modules: dict | None = None,
+                 kernels: Kernels = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
     b = collate(encoded, pad_id, device)
-    out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
-    total, count = token_losses(out.logits, b["labels"])
+    split = _cpu_split(model, modules)
+    if split is not None:
+        total, count = batch_losses(model, b, split=split, kernels=kernels)
+    else:
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+        total, count = token_losses(out.logits, b["labels"])
     return total / count.clamp(min=1), count
+
+
+def _cpu_split(model, modules: dict | None):
+    """On the CPU: the model's ``(decoder, head)`` when the head is not tracked, so that
+    the logits are formed for the response positions only (:func:`fast.batch_losses`):
+    the head's GEMM over every prompt position is a tenth of a 135M model's forward
+    there. GPUs keep the full head (it measured faster there, docs/performance.md)."""
+    if next(model.parameters()).device.type != "cpu":
+        return None
+    split = split_causal_lm(model)
+    if split is None or any(m is split[1] for m in (modules or {}).values()):
+        return None
+    return split
 
 
 def compute_preference(model, modules: dict, chosen: list, rejected: list, *, method: str = "prism",
                        pad_id: int, batch_size: int = 8, device=None, progress: bool = True,
                        ids=None, accumulate: str = "device", store: str = "device",
-                       one_graph: bool = False) -> Preference:
+                       one_graph: bool = False, kernels: Kernels = DEFAULT_KERNELS) -> Preference:
     """Margins, ``pi`` and the target direction for encoded pairs.
 
     ``chosen[i]`` / ``rejected[i]`` are the :class:`~prism_select.data.tokenize.Encoded`
@@ -71,7 +91,8 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
     float32 host accumulator as soon as autograd has formed it (one layer's gradient on
     the device at a time). ``store``: where the finished direction is kept (``device``:
     the model's device, ``host``), float32 for half-precision models, one layer at a time
-    taken out of ``.grad`` (no full copy next to the gradients).
+    taken out of ``.grad`` (no full copy next to the gradients). ``kernels``: those of the
+    fused loss's head product on the CPU (the pipeline passes the split32 direction's).
     """
     if method not in METHODS:
         raise ConfigError("method", f"unknown target direction {method!r}", f"use one of {', '.join(METHODS)}")
@@ -88,9 +109,9 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
             batch_ids = None if ids is None else ids[s:s + batch_size]
             joint = not one_graph and method != "unpaired"  # both halves' graphs alive at once
             with torch.set_grad_enabled(joint):
-                lr, _ = _mean_losses(model, rj, pad_id, device)
+                lr, _ = _mean_losses(model, rj, pad_id, device, modules, kernels)
             check_finite(lr.detach(), "the target loss (rejected)", record=batch_ids)
-            lc, _ = _mean_losses(model, ch, pad_id, device)
+            lc, _ = _mean_losses(model, ch, pad_id, device, modules, kernels)
             check_finite(lc.detach(), "the target loss (chosen)", record=batch_ids)
             with torch.no_grad():
                 margin = (lr - lc).double()
@@ -109,7 +130,7 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
             else:
                 (w.to(lc.dtype) * lc).sum().div(Q).backward()
                 if method != "unpaired":  # y- is only reported (pi, margin), not differentiated
-                    lr_g, _ = _mean_losses(model, rj, pad_id, device)
+                    lr_g, _ = _mean_losses(model, rj, pad_id, device, modules, kernels)
                     (w.to(lr_g.dtype) * lr_g).sum().div(-Q).backward()
                     del lr_g
             lc, lr = lc.detach(), lr.detach()
@@ -119,6 +140,7 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
             lrs.append(lr.double())
             ws.append(w)
         direction = host.result() if host.active else _take_grads(modules, store)
+    release_host_memory()  # the batches' graphs are gone: their heap goes back to the system
     if host.active:  # (_take_grads checks each gradient where autograd left it)
         for n, g in direction.items():
             check_finite(g, "the target direction", layer=n)

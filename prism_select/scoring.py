@@ -203,7 +203,9 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
     if scoring == "exact":
         if impl == "hooks":
             return _HookScorer(model, modules, V, pad_id, device)
-        sc = ExactScorer(model, modules, V, kernels=kernels)
+        # on the CPU the logits only at response positions (see preference._cpu_split)
+        from .preference import _cpu_split
+        sc = ExactScorer(model, modules, V, kernels=kernels, fused_loss=_cpu_split(model, modules) is not None)
     else:
         kind = kernels.fast_route if scoring == "fast" else scoring
         sc = _fast.make_scorer(kind, model, modules, V, fd_eps=fd_eps, kernels=kernels)

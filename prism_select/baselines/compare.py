@@ -21,11 +21,13 @@ scores against it (positive = label true; higher score = predicted positive).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from pathlib import Path
 
 from ..curvature import CurvatureSettings
 from ..errors import ConfigError, InputError
+from ..gradients import release_host_memory
 from ..evaluation_metrics import auprc, auroc, labels_by_id
 from ..io import atomic_write_json, atomic_write_text, check_writable_dir
 from ..model import LoadedModel, load_model
@@ -140,6 +142,10 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
             s, y = [r["score"] for r in scored], [labels[r["id"]] for r in scored]
             row["auroc"], row["auprc"] = auroc(s, y), auprc(s, y)
         rows.append(row)
+        # the method's run (its curvature, direction, graphs) is over: free it now, and hand
+        # the heap back, so the next method starts from the model alone (host memory)
+        gc.collect()
+        release_host_memory()
     any_summary = next(iter(summaries.values()))
     result = {
         "pool": str(pool), "targets": str(targets or ""), "label": label,

@@ -166,16 +166,19 @@ class Curvature:
             return get("D")
         raise ConfigError("curvature", "identity has no eigenvalues")
 
-    def precondition(self, grads: dict, device=None) -> dict:
+    def precondition(self, grads: dict, device=None, consume: bool = False) -> dict:
         """``H^-1 g`` layer by layer for the layers of ``grads`` (``grads[name]`` is an
         ``out x in'`` matrix). Each layer is computed on ``device`` (default: where its
         gradient is; e.g. the GPU for a direction or factors kept in host memory) and
-        returned where its gradient was."""
+        returned where its gradient was. ``consume``: each layer is taken out of
+        ``grads`` as it is done (the caller's last use: the input and the result are not
+        held whole side by side)."""
         out = {}
         unknown = [n for n in grads if n not in self.damping]
         if unknown:
             raise ConfigError("curvature", f"no fitted curvature for layer(s) {', '.join(unknown[:3])}")
-        for name, g in grads.items():
+        for name in list(grads):
+            g = grads.pop(name) if consume else grads[name]
             if self.kind == "identity":
                 out[name] = g.clone()
                 continue

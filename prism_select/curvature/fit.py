@@ -33,7 +33,7 @@ from ..errors import CacheError
 from ..engine import Tap, batch_losses, causal_only, collate_to, mm_acc, mm_acc_into, split_causal_lm, tap_linears
 from ..precision import fit_arithmetic, fit_policy
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
-from ..gradients import check_finite, has_bias, layer_shape
+from ..gradients import check_finite, has_bias, layer_shape, release_host_memory
 from ..io import sha256_json
 from ..settings import key_of
 from .base import Curvature, CurvatureSettings, FitSettings, PreconditionSettings, shrinkage_weight
@@ -92,6 +92,8 @@ class _Stats:
         self.n_tokens = None
         self.bad: list = []
         self.paused = False  # a stand-in step (see _passes): nothing is counted
+        self._scratch = None
+        self.spill = None  # a _Spill the factor pass writes
 
     def start(self, b):
         if self.paused:
@@ -100,10 +102,19 @@ class _Stats:
         self.sel = b["attention_mask"] if sel is None else sel
         self._masks = {}
         self.cache.clear()
+        if self.spill is not None:
+            self.spill.start()
         self.n_batch = self.sel.sum().to(self.acc)
         if self.n_tokens is None:
             self.n_tokens = torch.zeros((), dtype=self.acc, device=self.sel.device)
         self.n_tokens += self.n_batch  # in place: a CUDA graph replays it
+
+    def scratch(self, *shape):
+        """A reused ``acc`` buffer of ``shape`` (its contents are the caller's)."""
+        n = math.prod(shape)
+        if self._scratch is None or self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=self.acc)
+        return self._scratch[:n].view(*shape)
 
     def mask(self, dtype):
         m = self._masks.get(dtype)
@@ -112,10 +123,151 @@ class _Stats:
         return m
 
 
+#: on the CPU, EK-FAC's eigenvalue pass reads every layer's inputs and output gradients,
+#: as the factor pass saw them, back from a temporary file instead of running the model
+#: again, when they take at most this many bytes (and at most a quarter of the free disk
+#: space where the file goes). The demo: about 3 GB for 40 records (1 MB a token at 135M),
+#: a forward and backward of the pool saved (session 8). 0 turns it off.
+SPILL_MAX_BYTES = 8 << 30
+
+
+class _Spill:
+    """Layer inputs and output gradients of the factor pass in an unnamed temporary file
+    (removed when closed), read back batch by batch by the eigenvalue pass. Each batch
+    is a list of ``(layer, input entry, gradient entry)``; an input shared by several
+    layers (q/k/v, gate/up) is written once."""
+
+    def __init__(self, directory=None):
+        import tempfile
+        self.f = tempfile.TemporaryFile(dir=directory)
+        self.batches: list = []
+        # this batch's recent inputs: key -> (input, entry); the input is held so that its
+        # address is not reused by another tensor while the key is known (see _key)
+        self._inputs = _Recent()
+        self._pending: dict = {}  # this batch: layer -> input entry (until its gradient arrives)
+
+    def start(self):
+        self._inputs.clear()
+        self._pending = {}
+        self.batches.append([])
+
+    def _write(self, t: torch.Tensor):
+        t = t.detach().contiguous()
+        off = self.f.seek(0, 2)
+        self.f.write(memoryview(t.numpy()).cast("B"))
+        return off, tuple(t.shape), t.dtype
+
+    def read(self, entry) -> torch.Tensor:
+        off, shape, dtype = entry
+        t = torch.empty(shape, dtype=dtype)
+        self.f.seek(off)
+        self.f.readinto(memoryview(t.numpy()).cast("B"))
+        return t
+
+    def input(self, name, x):
+        k = _key(x)
+        if k not in self._inputs:
+            # detached: an input with its graph, held by the taps' spill, would be a
+            # reference cycle through autograd's C++ graph that Python's gc cannot free
+            # (it kept the factor accumulators alive to the end of the fit)
+            self._inputs[k] = (x.detach(), self._write(x))
+        self._pending[name] = self._inputs[k][1]
+
+    def gradient(self, name, g):
+        self.batches[-1].append((name, self._pending.pop(name), self._write(g)))
+
+    def finish(self):
+        """The factor pass is over: nothing of its last batch is held."""
+        self._inputs.clear()
+        self._pending = {}
+
+    def close(self):
+        self.finish()
+        self.f.close()
+
+
+def _spill_bytes(modules: dict, encoded: list, batches: list, itemsize: int) -> int:
+    """An upper bound of what the factor pass spills: every padded token's input and
+    output of every tracked layer (shared inputs counted once per layer)."""
+    per_token = sum(sum(layer_shape(m)) for m in modules.values()) * itemsize
+    return per_token * sum(len(b) * max(len(encoded[i].input_ids) for i in b) for b in batches)
+
+
+def _spill_wanted(model, modules, encoded, batches, device, settings, directory) -> bool:
+    import shutil
+    import tempfile
+    p = next(model.parameters())
+    if (settings.kind != "ekfac" or SPILL_MAX_BYTES <= 0 or torch.device(device or p.device).type != "cpu"
+            or p.dtype not in (torch.float32, torch.float64) or distributed.world() > 1
+            or sharding.is_sharded(model)):
+        return False
+    need = _spill_bytes(modules, encoded, batches, p.element_size())
+    try:
+        free = shutil.disk_usage(directory or tempfile.gettempdir()).free
+    except OSError:
+        return False
+    return need <= min(SPILL_MAX_BYTES, free // 4)
+
+
+def _spilled_pass(taps: dict, stats, spill: _Spill, desc: str, progress: bool = True):
+    """The eigenvalue pass from the spill: each batch's layers in the factor pass's
+    backward order, each shared input read once (consecutive layers share it)."""
+    with tqdm(total=len(spill.batches), desc=desc, unit="batch", leave=False,
+              disable=not progress or not distributed.is_main()) as bar:
+        for rec in spill.batches:
+            stats.cache.clear()
+            last, x = None, None
+            for name, xe, ge in rec:
+                if xe != last:
+                    x, last = spill.read(xe), xe
+                taps[name].on_backward(x, spill.read(ge))
+            bar.update()
+    stats.cache.clear()
+
+
 def _key(x, *extra):
     """Identifies one input tensor within a batch. The cache entry also holds ``x``, so
     its memory cannot be reused by another tensor (with the same address) meanwhile."""
     return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x._version) + extra
+
+
+#: on the CPU a factor ``a^T a`` wider than this is formed block by block, the lower block
+#: triangle only (``_gram_into``), and mirrored once after the pass (``_mirror``): about
+#: 0.65 of the full product's time at 576 and 1536 wide (measured on a 2-core EPYC,
+#: benchmarks/results/INDEX.md, session 8). GPUs keep the one full product.
+GRAM_BLOCK = 384
+
+
+def _gram_into(M: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``M += a^T a`` in ``M``'s dtype. On the CPU, for a factor wider than GRAM_BLOCK,
+    only the lower block triangle of ``M`` (diagonal blocks whole) is added to, in place;
+    :func:`_mirror` completes the matrix once the sums are done."""
+    d = a.shape[-1]
+    k = -(-d // GRAM_BLOCK)
+    if M.device.type != "cpu" or k < 2:
+        return mm_acc_into(M, a.T, a)
+    a = a.to(M.dtype)
+    bs = -(-d // k)
+    for i in range(k):
+        r0, r1 = i * bs, min(d, (i + 1) * bs)
+        M[r0:r1, :r1].addmm_(a[:, r0:r1].T, a[:, :r1])
+    return M
+
+
+def _gram(a: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``a^T a`` as :func:`_gram_into` forms it (lower block triangle on the CPU)."""
+    if a.device.type != "cpu" or a.shape[-1] <= GRAM_BLOCK:
+        return mm_acc(a.T, a, acc)
+    return _gram_into(torch.zeros(a.shape[-1], a.shape[-1], dtype=acc), a)
+
+
+def _mirror(M: torch.Tensor) -> torch.Tensor:
+    """Complete a factor summed by :func:`_gram_into`: its upper triangle becomes the
+    transposed lower one (in place; on other devices nothing is done). The result is
+    exactly symmetric."""
+    if M.device.type == "cpu" and M.shape[-1] > GRAM_BLOCK:
+        M.copy_(M.tril() + M.tril(-1).mT)
+    return M
 
 
 def _with_ones(x):
@@ -126,27 +278,31 @@ class _CovTap(Tap):
     """Pass 1: ``A += a a^T`` over real tokens (once per distinct input, shared by the
     layers that read it), ``S += b b^T``."""
 
-    def __init__(self, module, stats, A, S):
+    def __init__(self, module, stats, A, S, name=None, spill=None):
         super().__init__(module)
         self.stats, self.A, self.S, self.bias = stats, A, S, has_bias(module)
+        self.name, self.spill = name, spill
 
     def on_forward(self, x):
         st = self.stats
+        if self.spill is not None:
+            self.spill.input(self.name, x)
         k = _key(x, self.bias)
         C = st.cache.get(k, (None, None))[1]
         if C is None:
             a = (x * st.mask(x.dtype)).reshape(-1, x.shape[-1])  # padding rows zeroed
-            C = mm_acc(a.T, a, st.acc)
+            C = _gram(a, st.acc)
             if self.bias:
                 s = a.sum(0, dtype=st.acc)
                 n = st.n_batch.reshape(1, 1)
                 C = torch.cat([torch.cat([C, s[:, None]], 1), torch.cat([s[None, :], n], 1)], 0)
-            st.cache[k] = (x, C)
+            st.cache[k] = (x.detach(), C)  # detached: see _Spill.input
         self.A += C
 
     def on_backward(self, x, g):
-        g2 = g.reshape(-1, g.shape[-1])
-        mm_acc_into(self.S, g2.T, g2)
+        _gram_into(self.S, g.reshape(-1, g.shape[-1]))
+        if self.spill is not None:
+            self.spill.gradient(self.name, g)
 
 
 def _rotate(x: torch.Tensor, Q: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -177,8 +333,20 @@ class _LambdaTap(Tap):
         if aq is None:
             xa = _with_ones(x) if self.bias else x
             aq = _rotate(xa, self.QA, st.acc)
-            st.cache[k] = (x, aq)
+            st.cache[k] = (x.detach(), aq)
         bq = _rotate(g, self.QS, st.acc)
+        if g.device.type == "cpu" and g.dtype == st.acc:
+            # example by example into one reused buffer: a (B, out, in) product, squared
+            # into a second one, cost three times the GEMMs on the CPU (memory traffic
+            # and page faults; session 8)
+            R = st.scratch(bq.shape[-1], aq.shape[-1])
+            flat = R.view(-1)
+            for n in range(bq.shape[0]):
+                torch.mm(bq[n].T, aq[n], out=R)
+                R.square_()
+                self.Lam += R
+                self.M4 += torch.dot(flat, flat)
+            return
         if g.dtype == st.acc:
             rot = bq.transpose(1, 2) @ aq
             sq = rot * rot
@@ -288,7 +456,7 @@ def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, 
 def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettings,
                   *, pad_id: int, device=None, progress: bool = True, timings: dict | None = None,
                   cuda_graphs: str = "auto", precision: str = "model", groups: list | None = None,
-                  store: str = "device", on_group=None) -> Curvature:
+                  store: str = "device", on_group=None, spill_dir=None) -> Curvature:
     """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples.
 
     ``groups`` (lists of layer names covering ``modules``, from the memory plan,
@@ -310,7 +478,9 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     times) captures each padded fit-batch shape once and replays it
     (:mod:`prism_select.graphs`); the statistics are the same sums. ``precision``
     (``ScoreSettings.precision``): under ``split32`` the fit computes as the scores do
-    (:func:`prism_select.precision.fit_policy`).
+    (:func:`prism_select.precision.fit_policy`). ``spill_dir``: where the CPU's EK-FAC
+    fit may keep the factor pass's layer inputs and gradients for the eigenvalue pass
+    (an unnamed temporary file, SPILL_MAX_BYTES; None: the system's temporary directory).
     """
     if store not in ("device", "host", "transient"):
         raise ValueError(f"unknown curvature store {store!r}")
@@ -337,7 +507,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
             before = dict(timings)
             t = _fit_group(model, sub, encoded, batches, len(idx), settings, pad_id=pad_id, device=device,
                            progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag,
-                           offload=store != "device")
+                           offload=store != "device", spill_dir=spill_dir)
             log.info("curvature%s: %d layers, factors %.1f s, eigendecompositions %.1f s, eigenvalues %.1f s",
                      tag, len(group), *(timings[k] - before[k] for k in ("factors_s", "eigh_s", "lambda_s")))
             if store == "host":
@@ -355,7 +525,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
 
 
 def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id, device, progress, timings,
-               cuda_graphs, tag="", offload=False):
+               cuda_graphs, tag="", offload=False, spill_dir=None):
     """The fit of one group of layers: the tensors :class:`Curvature` holds.
     ``offload``: the finished tensors go to host memory as soon as the device copies that
     the eigenvalue pass needs are made (the pass then holds only those)."""
@@ -391,10 +561,24 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     t0 = time.perf_counter()
     A = {n: zeros(layer_shape(m)[1], layer_shape(m)[1]) for n, m in modules.items()}
     S = {n: zeros(layer_shape(m)[0], layer_shape(m)[0]) for n, m in modules.items()}
-    taps = {n: _CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
+    spill = None
+    if _spill_wanted(model, modules, encoded, batches, device, settings, spill_dir):
+        try:
+            spill = _Spill(spill_dir)
+        except OSError as exc:  # an unwritable directory: run the model again in pass 2
+            log.info("no spill file for the eigenvalue pass (%s); the pass runs the model again", exc)
+    stats.spill = spill
+    taps = {n: _CovTap(m, stats, A[n], S[n], n, spill) for n, m in modules.items()}
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
             "curvature factors" + tag, progress, cuda_graphs, settings.batch_size)
+    stats.spill = None
+    if spill is not None:
+        spill.finish()
     del taps
+    release_host_memory()
+    for n in layers:
+        _mirror(A[n])
+        _mirror(S[n])
     n_tok = stats.n_tokens if stats.n_tokens is not None else torch.zeros((), device=device)
     n_tok = n_tok.to(compute).reshape(1)
     distributed.all_reduce_sum(list(A.values()) + list(S.values()) + [n_tok])
@@ -446,7 +630,10 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
             del M
         for i, (lam, Q) in _eigh_many(factor, mine):
             k, n = tasks[i]
-            results[(k, n)] = (lam.clamp(min=0).to(compute), Q.to(compute))
+            # row-major: LAPACK's column-major Q would be copied whole when the curvature is
+            # saved (+0.8 GB of host memory for the embedded model, session 8)
+            results[(k, n)] = (lam.clamp(min=0).to(compute), Q.to(compute).contiguous())
+            del lam, Q
             (A if k == "A" else S)[n] = None  # each factor is freed once decomposed
             bar.update()
         bar.update(len(tasks) - len(mine))
@@ -459,6 +646,8 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         tensors[f"{n}::lamA"] = lamA
         tensors[f"{n}::lamS"], tensors[f"{n}::QS"] = results[("S", n)]
     del A, S, results
+    # the decomposed factors and LAPACK's outputs were freed in the workers' heaps
+    release_host_memory()
     sync()
     timings["eigh_s"] += time.perf_counter() - t0
 
@@ -479,15 +668,23 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     if offload:
         for k in list(tensors):
             tensors[k] = tensors[k].to("cpu")
-    _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-            "curvature eigenvalues" + tag, progress, cuda_graphs, settings.batch_size)
+    if spill is not None:
+        try:
+            _spilled_pass(taps, stats, spill, "curvature eigenvalues" + tag, progress)
+        finally:
+            spill.close()
+    else:
+        _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
+                "curvature eigenvalues" + tag, progress, cuda_graphs, settings.batch_size)
     del taps
     distributed.all_reduce_sum(list(Lam.values()) + list(M4.values()))
-    for n in layers:
-        lam = tensors[f"{n}::Lambda"] = Lam[n] / n_examples
+    release_host_memory()
+    for n in layers:  # in place: no second copy of every layer's eigenvalues
+        lam = tensors[f"{n}::Lambda"] = Lam[n].div_(n_examples)
         check_finite(lam, "the EK-FAC eigenvalues", layer=n)
         tensors[f"{n}::LambdaVar"] = _lambda_variance(M4[n] / n_examples, lam, n_examples)
     del Lam, M4
+    release_host_memory()  # the pass's batches
     sync()
     timings["lambda_s"] += time.perf_counter() - t0
     return tensors
@@ -669,9 +866,15 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
         if on_group is not None:
             on_group(list(cur.layers), cur)
         return cur, directory, True
+    spill_dir = None  # the spill goes where the cache is (a disk, not a RAM-backed /tmp)
+    try:
+        Path(cache_root).mkdir(parents=True, exist_ok=True)
+        spill_dir = str(cache_root)
+    except OSError:
+        pass
     cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
                         cuda_graphs=cuda_graphs, timings=timings, precision=precision, groups=groups,
-                        store=store, on_group=on_group)
+                        store=store, on_group=on_group, spill_dir=spill_dir)
     if settings.kind == "identity":
         return cur, directory, False
     if store == "transient":

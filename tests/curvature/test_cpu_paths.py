@@ -1,0 +1,114 @@
+"""The CPU-only paths of the fit (session 8): factors formed as their lower block triangle
+and mirrored (``fit.GRAM_BLOCK``), and the EK-FAC eigenvalues summed example by example
+into a reused buffer, against float64 references from explicit per-example gradients."""
+
+import pytest
+import torch
+
+from prism_select.curvature import CurvatureSettings, fit_curvature
+from prism_select.curvature import fit as fit_mod
+
+from reference import rel_err
+from test_numerics import _explicit_fisher_pieces
+
+# float64 end to end: summation order and the eigensolver only (as test_numerics)
+CPU_PATH_REL_TOL = 1e-9
+#: blocks this narrow cut the tiny model's 16- and 32-wide factors into 4 and 7 blocks
+TINY_BLOCK = 5
+
+
+def test_gram_lower_blocks_mirrored_equal_the_full_product():
+    g = torch.Generator().manual_seed(0)
+    for d in (4, 5, 6, 13, 32):
+        a = torch.randn(11, d, dtype=torch.float64, generator=g)
+        M = torch.randn(d, d, dtype=torch.float64, generator=g)
+        M = M + M.T
+        ref = M + a.T @ a
+        old = fit_mod.GRAM_BLOCK
+        fit_mod.GRAM_BLOCK = TINY_BLOCK
+        try:
+            got = fit_mod._mirror(fit_mod._gram_into(M.clone(), a))
+            got2 = fit_mod._mirror(fit_mod._gram(a, torch.float64))
+        finally:
+            fit_mod.GRAM_BLOCK = old
+        assert rel_err(got, ref) <= 1e-14, d
+        assert rel_err(got2, a.T @ a) <= 1e-14, d
+        assert torch.equal(got, got.T)
+
+
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+@pytest.mark.parametrize("layer", ["model.layers.1.mlp.down_proj", "model.layers.0.self_attn.q_proj"])
+def test_blocked_fit_matches_explicit_factors(model, modules, tok, encoded_pool, monkeypatch, kind, layer):
+    monkeypatch.setattr(fit_mod, "GRAM_BLOCK", TINY_BLOCK)
+    cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind=kind, damping=1e-3, batch_size=3),
+                        pad_id=tok.pad_token_id)
+    A, S, G = _explicit_fisher_pieces(model, modules, layer, encoded_pool, tok)
+    QA, QS = cur.tensors[f"{layer}::QA"], cur.tensors[f"{layer}::QS"]
+    assert rel_err(QA @ torch.diag(cur.tensors[f"{layer}::lamA"]) @ QA.T, A) <= CPU_PATH_REL_TOL
+    assert rel_err(QS @ torch.diag(cur.tensors[f"{layer}::lamS"]) @ QS.T, S) <= CPU_PATH_REL_TOL
+    if kind == "ekfac":
+        R2 = (QS.T @ G @ QA) ** 2
+        assert rel_err(cur.tensors[f"{layer}::Lambda"], R2.mean(0)) <= CPU_PATH_REL_TOL
+        var = float(R2.var(0, unbiased=True).sum()) / G.shape[0]
+        assert float(cur.tensors[f"{layer}::LambdaVar"]) == pytest.approx(var, rel=CPU_PATH_REL_TOL)
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "sampled"])
+def test_spilled_eigenvalue_pass_equals_running_the_model_again(model, modules, tok, encoded_pool, monkeypatch,
+                                                               fisher):
+    """EK-FAC's eigenvalue pass read from the factor pass's spill file gives the same
+    curvature as the pass that runs the model again."""
+    calls = []
+    spilled = fit_mod._spilled_pass
+    monkeypatch.setattr(fit_mod, "_spilled_pass", lambda *a, **k: (calls.append(1), spilled(*a, **k))[1])
+    settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3, fisher=fisher)
+    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
+    assert calls == [1]
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
+    assert calls == [1]
+    for k, t in ref.tensors.items():
+        assert rel_err(got.tensors[k], t) <= 1e-14, k
+
+
+def test_spill_is_bounded(model, modules, tok, encoded_pool, monkeypatch):
+    from prism_select.curvature.fit import _spill_bytes, length_batches
+    batches = length_batches(encoded_pool, list(range(len(encoded_pool))), 3)
+    need = _spill_bytes(modules, encoded_pool, batches, 8)
+    s = CurvatureSettings(kind="ekfac", batch_size=3)
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", need)
+    assert fit_mod._spill_wanted(model, modules, encoded_pool, batches, None, s, None)
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", need - 1)
+    assert not fit_mod._spill_wanted(model, modules, encoded_pool, batches, None, s, None)
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", need)
+    assert not fit_mod._spill_wanted(model, modules, encoded_pool, batches, None,
+                                     CurvatureSettings(kind="kfac", batch_size=3), None)
+
+
+def test_fitted_eigenbases_are_row_major(model, modules, tok, encoded_pool):
+    """LAPACK returns column-major eigenvectors; kept so, every one would be copied
+    whole when the curvature is saved (host memory, session 8)."""
+    cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", batch_size=3),
+                        pad_id=tok.pad_token_id)
+    from prism_select.curvature.base import _host_tensors
+    host = _host_tensors(cur.tensors)
+    assert all(host[k].data_ptr() == t.data_ptr() for k, t in cur.tensors.items())
+
+
+def test_precondition_consuming_its_input_gives_the_same_result(model, modules, tok, encoded_pool):
+    cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3),
+                        pad_id=tok.pad_token_id)
+    g = {n: torch.randn(m.weight.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+         for i, (n, m) in enumerate(modules.items())}
+    ref = cur.precondition(dict(g))
+    given = dict(g)
+    got = cur.precondition(given, consume=True)
+    assert given == {}
+    assert list(got) == list(ref)
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_release_host_memory_is_safe_to_call():
+    from prism_select.gradients import release_host_memory
+    release_host_memory()
+    release_host_memory()
