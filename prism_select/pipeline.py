@@ -226,7 +226,8 @@ class RunContext:
                 pool_fingerprint=encoded_fingerprint(fit),
                 max_length=st.max_length, progress=st.progress,
                 cuda_graphs=self.execution.cuda_graphs, timings=phases, precision=self.execution.precision,
-                groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes)
+                groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes,
+                kernels=self.execution.kernels)
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             info = self.info.get("curvature", {})
@@ -468,7 +469,7 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
                                   progress=ctx.settings.progress, ids=[p.id for p in ctx.inputs.pairs],
                                   accumulate=accumulate, store=d.get("store", "device"),
                                   one_graph=ctx.plan is not None and ctx.plan.bounded,
-                                  kernels=replace(ex.kernels, split_backward=True))  # as direction_policy's
+                                  kernels=replace(ex.kernels, split_backward=True))  # as DIRECTION_KERNELS
     ctx.timings["preference_s"] = time.perf_counter() - t
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
              ctx.timings["preference_s"])

@@ -20,7 +20,7 @@ Ablations (paper Sec. 4.4):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -28,6 +28,10 @@ from tqdm.auto import tqdm
 from .data.tokenize import collate, token_losses
 from .errors import ConfigError
 from .execution import DEFAULT_KERNELS, Kernels
+
+#: the direction's kernels: under split32 its backwards split the cotangent too (as
+#: :func:`prism_select.precision.direction_policy` sets for the linear layers)
+DIRECTION_KERNELS = replace(DEFAULT_KERNELS, split_backward=True)
 from .fast import batch_losses, split_causal_lm
 from .gradients import check_finite, has_bias, release_host_memory, tracked_param_grad_mode, weight_grad
 
@@ -48,7 +52,7 @@ class Preference:
 
 
 def _mean_losses(model, encoded: list, pad_id: int, device, modules: dict | None = None,
-                 kernels: Kernels = DEFAULT_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
+                 kernels: Kernels = DIRECTION_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
     b = collate(encoded, pad_id, device)
     split = _cpu_split(model, modules)
     if split is not None:
@@ -75,7 +79,7 @@ def _cpu_split(model, modules: dict | None):
 def compute_preference(model, modules: dict, chosen: list, rejected: list, *, method: str = "prism",
                        pad_id: int, batch_size: int = 8, device=None, progress: bool = True,
                        ids=None, accumulate: str = "device", store: str = "device",
-                       one_graph: bool = False, kernels: Kernels = DEFAULT_KERNELS) -> Preference:
+                       one_graph: bool = False, kernels: Kernels = DIRECTION_KERNELS) -> Preference:
     """Margins, ``pi`` and the target direction for encoded pairs.
 
     ``chosen[i]`` / ``rejected[i]`` are the :class:`~prism_select.data.tokenize.Encoded`
@@ -92,7 +96,7 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
     the device at a time). ``store``: where the finished direction is kept (``device``:
     the model's device, ``host``), float32 for half-precision models, one layer at a time
     taken out of ``.grad`` (no full copy next to the gradients). ``kernels``: those of the
-    fused loss's head product on the CPU (the pipeline passes the split32 direction's).
+    fused loss's head product on the CPU (under split32, with the cotangent split).
     """
     if method not in METHODS:
         raise ConfigError("method", f"unknown target direction {method!r}", f"use one of {', '.join(METHODS)}")

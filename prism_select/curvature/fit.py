@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from .. import distributed, sharding
 from ..data.tokenize import token_losses
 from ..errors import CacheError
+from ..execution import DEFAULT_KERNELS, Kernels
 from ..engine import Tap, batch_losses, causal_only, collate_to, mm_acc, mm_acc_into, split_causal_lm, tap_linears
 from ..precision import fit_arithmetic, fit_policy
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
@@ -456,7 +457,8 @@ def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, 
 def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettings,
                   *, pad_id: int, device=None, progress: bool = True, timings: dict | None = None,
                   cuda_graphs: str = "auto", precision: str = "model", groups: list | None = None,
-                  store: str = "device", on_group=None, spill_dir=None) -> Curvature:
+                  store: str = "device", on_group=None, spill_dir=None,
+                  kernels: Kernels = DEFAULT_KERNELS) -> Curvature:
     """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples.
 
     ``groups`` (lists of layer names covering ``modules``, from the memory plan,
@@ -478,7 +480,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     times) captures each padded fit-batch shape once and replays it
     (:mod:`prism_select.graphs`); the statistics are the same sums. ``precision``
     (``ScoreSettings.precision``): under ``split32`` the fit computes as the scores do
-    (:func:`prism_select.precision.fit_policy`). ``spill_dir``: where the CPU's EK-FAC
+    (:func:`prism_select.precision.fit_policy`, with ``kernels``). ``spill_dir``: where the CPU's EK-FAC
     fit may keep the factor pass's layer inputs and gradients for the eigenvalue pass
     (an unnamed temporary file, SPILL_MAX_BYTES; None: the system's temporary directory).
     """
@@ -500,7 +502,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     idx = fit_indices(len(encoded), settings)
     batches = length_batches(encoded, idx, settings.batch_size)
     tensors, damping, shrinkage = {}, {}, {}
-    with fit_policy(model, precision):
+    with fit_policy(model, precision, kernels):
         for k, group in enumerate(groups):
             tag = f" (group {k + 1}/{len(groups)})" if len(groups) > 1 else ""
             sub = {n: modules[n] for n in group}
@@ -832,7 +834,7 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
                           model_fingerprint, pool_fingerprint, max_length, device=None, progress=True,
                           cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model",
                           groups: list | None = None, store: str = "device", on_group=None,
-                          cache_max_bytes: int | None = None):
+                          cache_max_bytes: int | None = None, kernels: Kernels = DEFAULT_KERNELS):
     """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
     and save it (``timings``, ``precision``, ``groups``, ``store`` and ``on_group`` as in
     :func:`fit_curvature`; a reused curvature is handed to ``on_group`` whole).
@@ -874,7 +876,7 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
         pass
     cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
                         cuda_graphs=cuda_graphs, timings=timings, precision=precision, groups=groups,
-                        store=store, on_group=on_group, spill_dir=spill_dir)
+                        store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels)
     if settings.kind == "identity":
         return cur, directory, False
     if store == "transient":
