@@ -16,7 +16,7 @@ it from :attr:`prism_select.pipeline.RunContext.execution` instead of re-derivin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -72,6 +72,12 @@ class Kernels:
 
 
 DEFAULT_KERNELS = Kernels()
+
+
+def direction_kernels(kernels: Kernels = DEFAULT_KERNELS) -> Kernels:
+    """``kernels`` as the target direction uses them: its backwards split the cotangent too
+    (a few target pairs: the extra GEMM costs little, and ``g_KL`` stays float32-accurate)."""
+    return replace(kernels, split_backward=True)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from .data.tokenize import (
     tokenizer_fingerprint,
 )
 from .errors import CacheError, ConfigError, InputError, OutputError, resource_error
-from .execution import ExecutionContext
+from .execution import ExecutionContext, direction_kernels
 from .execution import resolve as resolve_execution
 from .precision import direction_policy
 from .io import (
@@ -469,7 +469,7 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
                                   progress=ctx.settings.progress, ids=[p.id for p in ctx.inputs.pairs],
                                   accumulate=accumulate, store=d.get("store", "device"),
                                   one_graph=ctx.plan is not None and ctx.plan.bounded,
-                                  kernels=replace(ex.kernels, split_backward=True))  # as DIRECTION_KERNELS
+                                  kernels=direction_kernels(ex.kernels))
     ctx.timings["preference_s"] = time.perf_counter() - t
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
              ctx.timings["preference_s"])

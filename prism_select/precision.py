@@ -32,7 +32,6 @@ that put a model into one precision or another.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +40,7 @@ from torch import nn
 from .engine.arith import forget_split
 from .engine.linear import SplitPrecisionLinear
 from .errors import ConfigError
-from .execution import DEFAULT_KERNELS, Kernels
+from .execution import DEFAULT_KERNELS, Kernels, direction_kernels
 from .gradients import GRAD32
 
 PRECISIONS = ("model", "residual32", "split32")
@@ -146,7 +145,7 @@ def direction_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
     as loaded."""
     check_precision(precision)
     on = precision == "split32"
-    with split32(model, on, replace(kernels, split_backward=True)), float32_grads(model, on):
+    with split32(model, on, direction_kernels(kernels)), float32_grads(model, on):
         yield model
 
 

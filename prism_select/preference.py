@@ -20,22 +20,21 @@ Ablations (paper Sec. 4.4):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from .data.tokenize import collate, token_losses
 from .errors import ConfigError
-from .execution import DEFAULT_KERNELS, Kernels
-
-#: the direction's kernels: under split32 its backwards split the cotangent too (as
-#: :func:`prism_select.precision.direction_policy` sets for the linear layers)
-DIRECTION_KERNELS = replace(DEFAULT_KERNELS, split_backward=True)
-from .fast import batch_losses, split_causal_lm
+from .engine import batch_losses, cpu_response_split
+from .execution import Kernels, direction_kernels
 from .gradients import check_finite, has_bias, release_host_memory, tracked_param_grad_mode, weight_grad
 
 METHODS = ("prism", "equal", "unpaired")
+#: the direction's default kernels (:func:`prism_select.execution.direction_kernels`: under
+#: split32 its backwards split the cotangent too)
+DIRECTION_KERNELS = direction_kernels()
 
 
 @dataclass
@@ -54,26 +53,13 @@ class Preference:
 def _mean_losses(model, encoded: list, pad_id: int, device, modules: dict | None = None,
                  kernels: Kernels = DIRECTION_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
     b = collate(encoded, pad_id, device)
-    split = _cpu_split(model, modules)
+    split = cpu_response_split(model, modules)
     if split is not None:
         total, count = batch_losses(model, b, split=split, kernels=kernels)
     else:
         out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
         total, count = token_losses(out.logits, b["labels"])
     return total / count.clamp(min=1), count
-
-
-def _cpu_split(model, modules: dict | None):
-    """On the CPU: the model's ``(decoder, head)`` when the head is not tracked, so that
-    the logits are formed for the response positions only (:func:`fast.batch_losses`):
-    the head's GEMM over every prompt position is a tenth of a 135M model's forward
-    there. GPUs keep the full head (it measured faster there, docs/performance.md)."""
-    if next(model.parameters()).device.type != "cpu":
-        return None
-    split = split_causal_lm(model)
-    if split is None or any(m is split[1] for m in (modules or {}).values()):
-        return None
-    return split
 
 
 def compute_preference(model, modules: dict, chosen: list, rejected: list, *, method: str = "prism",

@@ -41,7 +41,7 @@ from . import fast as _fast
 from .data.tokenize import collate, token_losses
 from .errors import CacheError, ConfigError
 from .execution import DEFAULT_KERNELS, Kernels
-from .engine import ExactScorer, collate_to
+from .engine import ExactScorer, collate_to, cpu_response_split
 from .fast import FAST_MODES
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
@@ -203,9 +203,8 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
     if scoring == "exact":
         if impl == "hooks":
             return _HookScorer(model, modules, V, pad_id, device)
-        # on the CPU the logits only at response positions (see preference._cpu_split)
-        from .preference import _cpu_split
-        sc = ExactScorer(model, modules, V, kernels=kernels, fused_loss=_cpu_split(model, modules) is not None)
+        # on the CPU the logits only at response positions
+        sc = ExactScorer(model, modules, V, kernels=kernels, fused_loss=cpu_response_split(model, modules) is not None)
     else:
         kind = kernels.fast_route if scoring == "fast" else scoring
         sc = _fast.make_scorer(kind, model, modules, V, fd_eps=fd_eps, kernels=kernels)

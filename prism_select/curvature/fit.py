@@ -665,11 +665,8 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         taps[n] = _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], group_of[n], M4[n])
         if offload:  # the taps hold the eigenbases in the model's dtype; the float32 ones wait on the
             # host, moved there layer by layer: the group's float32 and half copies never coexist
-            for k in [k for k in tensors if k.startswith(f"{n}::")]:
-                tensors[k] = tensors[k].to("cpu")
-    if offload:
-        for k in list(tensors):
-            tensors[k] = tensors[k].to("cpu")
+            for k in ("QA", "lamA", "lamS", "QS"):
+                tensors[f"{n}::{k}"] = tensors[f"{n}::{k}"].to("cpu")
     if spill is not None:
         try:
             _spilled_pass(taps, stats, spill, "curvature eigenvalues" + tag, progress)

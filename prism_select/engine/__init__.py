@@ -14,8 +14,8 @@ What is explicit here and not a module setting: the kernel choices
 
 from .arith import GRAD32, cotangent_mm, mm_acc, mm_acc_into, rowdot, split_cat, split_half, split_linear, split_mm
 from .linear import ExactScorer, FitTapLinear, ScoringLinear, SplitPrecisionLinear, Tap, frozen, tap_linears
-from .loss import batch_losses, causal_only, collate_to, loss_index, split_causal_lm
+from .loss import batch_losses, causal_only, collate_to, cpu_response_split, loss_index, split_causal_lm
 
 __all__ = ["GRAD32", "ExactScorer", "FitTapLinear", "ScoringLinear", "SplitPrecisionLinear", "Tap", "batch_losses",
-           "causal_only", "collate_to", "cotangent_mm", "frozen", "loss_index", "mm_acc", "mm_acc_into", "rowdot",
+           "causal_only", "collate_to", "cotangent_mm", "cpu_response_split", "frozen", "loss_index", "mm_acc", "mm_acc_into", "rowdot",
            "split_cat", "split_causal_lm", "split_half", "split_linear", "split_mm", "tap_linears"]

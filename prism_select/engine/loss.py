@@ -43,6 +43,20 @@ def split_causal_lm(model):
     return dec, head
 
 
+def cpu_response_split(model, modules: dict | None = None):
+    """On the CPU: the model's ``(decoder, head)`` (:func:`split_causal_lm`) when the head is
+    not among the tracked ``modules``, so that the logits are formed for the response
+    positions only (:func:`batch_losses`): the head's GEMM over every prompt position is a
+    tenth of a 135M model's forward there. None on other devices: GPUs keep the full head
+    (it measured faster there, docs/performance.md)."""
+    if next(model.parameters()).device.type != "cpu":
+        return None
+    split = split_causal_lm(model)
+    if split is None or any(m is split[1] for m in (modules or {}).values()):
+        return None
+    return split
+
+
 def _ce_chunk_tokens(vocab: int) -> int:
     # ~256 MiB of float32 logits per chunk
     return max(256, (1 << 26) // max(vocab, 1))
