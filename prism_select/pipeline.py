@@ -46,6 +46,7 @@ from .data.tokenize import (
 from .errors import CacheError, ConfigError, InputError, OutputError, resource_error
 from .execution import ExecutionContext, direction_kernels
 from .execution import resolve as resolve_execution
+from .gradients import SpilledLayers, release_host_memory
 from .precision import direction_policy
 from .io import (
     atomic_write_json,
@@ -242,11 +243,16 @@ class RunContext:
             self._curvature = cur
         return self._curvature
 
-    def precondition(self, direction: dict, tag: str = "scores", consume: bool = False) -> dict:
+    def precondition(self, direction: dict, tag: str = "scores", last: bool = False) -> dict:
         """``v = H^-1 direction`` in the dtype the scores use (the model's), layer by layer on
         the model's device. Under a ``transient`` memory plan each group of layers is
         preconditioned as soon as its curvature is fitted and saved in ``.partial`` (a
-        resumed run fits only the groups not done)."""
+        resumed run fits only the groups not done).
+
+        ``last``: the caller's last use of ``direction`` and of the curvature (see
+        :meth:`last_use`): the direction waits on disk while the curvature is fitted or
+        loaded, each layer of both is freed once used, and the run's curvature is dropped
+        (it stays in the cache); ``direction`` is left empty."""
         dev = self.lm.device
         vdt = self.lm.dtype
 
@@ -256,7 +262,9 @@ class RunContext:
         if self.execution.sharded:
             return finish(self._precondition_sharded(direction))
         if self.plan is None or self.plan.curvature_store != "transient" or not self.plan.fit_groups:
-            return finish(self.curvature().precondition(direction, device=dev, consume=consume))
+            if last:
+                return finish(self.last_use(direction, device=dev))
+            return finish(self.curvature().precondition(direction, device=dev))
         partial = self.out_dir / ".partial"
         # the partition is fixed by the run's first process: a resumed run's plan may group
         # differently (another measurement, other free memory), the saved parts may not
@@ -312,6 +320,31 @@ class RunContext:
             for key, val in done_phases.items():  # the whole fit's phases, earlier processes included
                 ph[key] = ph.get(key, 0) + val
         return {n: v[n] for n in self.modules}
+
+    def last_use(self, direction: dict, device=None) -> dict:
+        """``H^-1 direction`` (in the direction's dtype) when neither the direction nor the
+        curvature is needed afterwards, holding the least host memory: a direction whose
+        layers are all in host memory waits in a temporary file (in the cache directory,
+        :class:`prism_select.gradients.SpilledLayers`) while the curvature is fitted or
+        loaded (without the file when the disk refuses it); then each layer of the
+        direction is read back and each layer's curvature freed as it is used, and the
+        run's curvature is dropped (the fit stays in the cache). ``direction`` is left
+        empty. On the CPU the embedded model's fit held its 540 MB direction to the end."""
+        if self._curvature is None and direction and all(t.device.type == "cpu" for t in direction.values()):
+            cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
+            try:
+                cache_root.mkdir(parents=True, exist_ok=True)
+                direction = SpilledLayers(direction, cache_root)
+            except OSError as exc:  # e.g. a full disk: the direction stays in memory
+                log.info("the direction stays in memory during the fit (no temporary file: %s)", exc)
+            release_host_memory()
+        cur = self.curvature()
+        self._curvature = None
+        try:
+            return cur.precondition(direction, device=device, consume=True, release=True)
+        finally:
+            if isinstance(direction, SpilledLayers):
+                direction.close()
 
     def _precondition_sharded(self, direction_rows: dict) -> dict:
         """Under ``--shard fsdp``: this rank's rows of ``v``. Every rank takes part in the fit
@@ -390,7 +423,7 @@ class RunContext:
             if "curvature" not in self.info and info_path.exists():
                 self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
         else:
-            v = self.precondition(direction, tag, consume=last)  # last: direction's layers freed as done
+            v = self.precondition(direction, tag, last=last)  # last: direction and curvature freed as used
             if self.execution.main:
                 partial.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(info_path, self.info["curvature"])
@@ -404,7 +437,6 @@ class RunContext:
         if last:
             direction = None
             self._curvature = None
-            from .gradients import release_host_memory
             release_host_memory()
         if fsdp:  # v moves into the layers' sharded prism_v parameters
             sharding.set_v(self.modules, v)

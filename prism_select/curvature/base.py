@@ -166,13 +166,16 @@ class Curvature:
             return get("D")
         raise ConfigError("curvature", "identity has no eigenvalues")
 
-    def precondition(self, grads: dict, device=None, consume: bool = False) -> dict:
+    def precondition(self, grads, device=None, consume: bool = False, release: bool = False) -> dict:
         """``H^-1 g`` layer by layer for the layers of ``grads`` (``grads[name]`` is an
-        ``out x in'`` matrix). Each layer is computed on ``device`` (default: where its
-        gradient is; e.g. the GPU for a direction or factors kept in host memory) and
-        returned where its gradient was. ``consume``: each layer is taken out of
-        ``grads`` as it is done (the caller's last use: the input and the result are not
-        held whole side by side)."""
+        ``out x in'`` matrix; a dict, or a mapping with ``pop`` such as
+        :class:`prism_select.gradients.SpilledLayers`). Each layer is computed on ``device``
+        (default: where its gradient is; e.g. the GPU for a direction or factors kept in
+        host memory) and returned where its gradient was. ``consume``: each layer is taken
+        out of ``grads`` as it is done (the caller's last use: the input and the result are
+        not held whole side by side). ``release``: each layer's fitted tensors are dropped
+        from this curvature once used (the caller's last use of it: the curvature and the
+        result are not held whole side by side); the layer cannot be preconditioned again."""
         out = {}
         unknown = [n for n in grads if n not in self.damping]
         if unknown:
@@ -185,7 +188,8 @@ class Curvature:
             if self.kind == "diagonal" and f"{name}::D" not in self.tensors or \
                     self.kind != "diagonal" and f"{name}::QA" not in self.tensors:
                 raise ConfigError("curvature", f"the fitted curvature of layer {name!r} was not kept "
-                                  "(a transient memory plan preconditions while it fits)",
+                                  "(a transient memory plan preconditions while it fits; a released "
+                                  "curvature preconditions once)",
                                   "precondition through the run's context, or give the run more memory")
             lam = self.damping[name]
             t = self.tensors
@@ -195,6 +199,8 @@ class Curvature:
             if self.kind == "diagonal":
                 d = t[f"{name}::D"].to(device=dev, dtype=dt)
                 out[name] = (gd / (d + lam)).to(device=g.device, dtype=g.dtype)
+                if release:
+                    del t[f"{name}::D"]
                 continue
             QA = t[f"{name}::QA"].to(device=dev, dtype=dt)
             QS = t[f"{name}::QS"].to(device=dev, dtype=dt)
@@ -202,6 +208,9 @@ class Curvature:
             rot = QS.T @ gd @ QA
             out[name] = (QS @ (rot / (eig + lam)) @ QA.T).to(device=g.device, dtype=g.dtype)
             del QA, QS, eig, rot, gd
+            if release:
+                for k in [k for k in t if k.startswith(f"{name}::")]:
+                    del t[k]
         return out
 
     # -- persistence ---------------------------------------------------------------
