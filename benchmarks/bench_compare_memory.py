@@ -51,6 +51,9 @@ def main():
     ap.add_argument("--max-length", type=int, default=None, help="passed to the runs (default: theirs)")
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="passed to the runs as --option (repeatable)")
+    ap.add_argument("--fit-examples", type=int, default=None,
+                    help="passed to the runs: fit the curvature on a seeded sample of N pool records (default: "
+                         "the whole pool; on 2 CPU cores a 1,000-record fit takes most of an hour)")
     ap.add_argument("--compare", action="store_true", help="also run `compare` over all methods in one process")
     ap.add_argument("--dir", default="/tmp/prism-bench-compare-memory")
     ap.add_argument("--models-from", default=None,
@@ -96,6 +99,8 @@ def main():
                   "--overwrite"]
         if a.max_length:
             common += ["--max-length", str(a.max_length)]
+        if a.fit_examples:
+            common += ["--fit-examples", str(a.fit_examples)]
         for o in a.option:
             common += ["--option", o]
         for m in methods:

@@ -243,6 +243,25 @@ def test_last_use_fits_with_the_direction_on_disk_and_frees_the_curvature(module
     assert list(v) == list(ref) and all(torch.equal(v[n], ref[n]) for n in ref)
 
 
+def test_cpu_direction_holds_one_half_of_a_batch_at_a_time(make_ctx, monkeypatch):
+    """On the CPU the direction differentiates the chosen and the rejected half each with
+    its own forward (``one_graph``): both halves' activations alive at once were the
+    stage's host-memory peak."""
+    from prism_select import pipeline
+    seen = []
+    real = pipeline.compute_preference
+
+    def spy(*a, **kw):
+        seen.append(kw.get("one_graph"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "compute_preference", spy)
+    ctx = make_ctx("prism")
+    assert ctx.lm.device.type == "cpu"
+    pipeline.prism_method(ctx)
+    assert seen == [True]
+
+
 # --------------------------------------------------------------------------- concept methods
 
 def test_vecfilter_matches_explicit_hidden_states(model, make_ctx):
