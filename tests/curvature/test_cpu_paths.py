@@ -171,6 +171,31 @@ def test_precondition_releasing_the_curvature_gives_the_same_result(model, modul
         cur.precondition(dict(g))
 
 
+def test_loaded_curvature_is_read_into_memory_of_its_own(model, modules, tok, encoded_pool, tmp_path):
+    """On the host a saved curvature is read, not memory-mapped: a mapping's pages stay
+    resident until every tensor of the file is gone, so releasing the curvature layer by
+    layer freed nothing. Overwriting the file after the load shows the difference (a
+    mapped tensor reads the new bytes); the loaded tensors equal ``load_file``'s, in its
+    order."""
+    from safetensors.torch import load_file
+
+    from prism_select.curvature.base import Curvature
+    cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3),
+                        pad_id=tok.pad_token_id)
+    cur.save(tmp_path, {"k": 1})
+    f = tmp_path / "factors.safetensors"
+    ref = {k: v.clone() for k, v in load_file(str(f)).items()}
+    back = Curvature.load(tmp_path, expect={"k": 1})
+    assert list(back.tensors) == list(ref)
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:  # the header stays, every tensor's bytes become 0xFF (NaN)
+        n = int.from_bytes(fh.read(8), "little")
+        fh.seek(8 + n)
+        fh.write(b"\xff" * (size - 8 - n))
+    assert all(torch.equal(back.tensors[k], ref[k]) for k in ref)
+    assert all(t.dtype == ref[k].dtype and t.shape == ref[k].shape for k, t in back.tensors.items())
+
+
 def test_release_host_memory_is_safe_to_call():
     from prism_select.gradients import release_host_memory
     release_host_memory()
