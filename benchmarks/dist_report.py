@@ -55,6 +55,8 @@ def main():
                "max_rel_diff_vs_first": float((s - b).abs().max() / b.abs().max()),
                "model_gib_per_rank": [x / 2**30 for x in mem.get("model") or []],
                "peak_gib_per_rank": [x / 2**30 for x in mem.get("peak") or []],
+               "factor_gib_per_rank": [x / 2**30 for x in (meta.get("curvature", {}).get("factor_shards") or {})
+                                       .get("stored_bytes_per_rank", [])],
                "pool": len(ids), "throughput": meta.get("throughput"),
                "fit_phases_s": meta.get("curvature", {}).get("phases_s")}
         rows.append(row)

@@ -7,9 +7,11 @@
 #     setup-llama8b | setup-llama8b-4l | setup-qwen14b   model + adapters (8B) + data into $S
 #     full | lora-qkvo128 | lora-all32         score with every decoder linear layer / an adapter
 #     report                                   table + JSON of the finished runs into $OUT
-#     shard                                    the same run on 1 GPU, then on every GPU with
+#     shard                                    the same run on 1 GPU (kept if already there), then
+#                                              on K GPUs for each K in KS (default: all) with
 #                                              --shard fsdp and data-parallel: dist_report table
-#     fsdp-full                                every decoder linear layer, --shard fsdp on every GPU
+#     fsdp-full                                every decoder linear layer, --shard fsdp on FSDP_GPUS
+#                                              GPUs (default all; FSDP_DEVICES: which ones)
 #     keep                                     run.json, scores.jsonl and logs of every run into $OUT/runs
 #     step                                     a training step and exact scoring side by side at
 #                                              the 8B shape, batch 8 x 512 tokens (bench_scoring.py)
@@ -53,21 +55,29 @@ for step in "$@"; do
                      --pool "${POOL:-2000}" --targets "${TARGETS:-64}" ;;
     shard)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-      K=$(nvidia-smi -L | wc -l); MODS="${MODS:-self_attn\.(q|k|v|o)_proj}"
-      LAUNCH="python3"; score shard-k1 --modules "$MODS" --cache-dir "$S/cache-k1"
-      LAUNCH="python3 -m torch.distributed.run --nproc-per-node $K"
-      score "fsdp-k$K" --modules "$MODS" --shard fsdp --cache-dir "$S/cache-fsdp"
-      [ -n "${NODDP:-}" ] || score "ddp-k$K" --modules "$MODS" --cache-dir "$S/cache-ddp"
+      MODS="${MODS:-self_attn\.(q|k|v|o)_proj}"; runs="$S/run-shard-k1"
+      [ -d "$S/run-shard-k1" ] && [ -f "$S/run-shard-k1/run.json" ] || { LAUNCH="python3"; CUDA_VISIBLE_DEVICES=0 \
+        score shard-k1 --modules "$MODS" --cache-dir "$S/cache-k1"; }
+      for K in ${KS:-$(nvidia-smi -L | wc -l)}; do  # KS: GPU counts to run, e.g. "2 4" (default: all)
+        LAUNCH="python3 -m torch.distributed.run --standalone --nproc-per-node $K"
+        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((K - 1))) score "fsdp-k$K" --modules "$MODS" --shard fsdp \
+          --cache-dir "$S/cache-fsdp-k$K"
+        runs="$runs $S/run-fsdp-k$K"
+        if [ -z "${NODDP:-}" ]; then
+          CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((K - 1))) score "ddp-k$K" --modules "$MODS" --cache-dir "$S/cache-ddp-k$K"
+          runs="$runs $S/run-ddp-k$K"
+        fi
+      done
       LAUNCH="python3"
-      python3 benchmarks/dist_report.py "$S/run-shard-k1" "$S/run-fsdp-k$K" $([ -n "${NODDP:-}" ] || echo "$S/run-ddp-k$K") \
-        --json "$OUT/shard${TAG:-}.json" | tee "$OUT/shard${TAG:-}.txt" ;;
+      python3 benchmarks/dist_report.py $runs --json "$OUT/shard${TAG:-}.json" | tee "$OUT/shard${TAG:-}.txt" ;;
     full) score full ;;
     step) python3 benchmarks/bench_scoring.py --config llama8b --seq-len 512 --batch 8 --n 128 --fit-n 0 \
             --routes forward,fwd_bwd,exact --json "$OUT/step_llama8b.json" 2>&1 | tail -25 ;;
     fsdp-full)
       export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-      LAUNCH="python3 -m torch.distributed.run --nproc-per-node $(nvidia-smi -L | wc -l)"
-      score fsdp-full --shard fsdp --cache-dir "$S/cache-fsdp"; LAUNCH="python3" ;;
+      K="${FSDP_GPUS:-$(nvidia-smi -L | wc -l)}"; LAUNCH="python3 -m torch.distributed.run --standalone --nproc-per-node $K"
+      CUDA_VISIBLE_DEVICES=${FSDP_DEVICES:-$(seq -s, 0 $((K - 1)))} score "fsdp-full-k$K" --shard fsdp \
+        --cache-dir "$S/cache-fsdp"; LAUNCH="python3" ;;
     keep) for r in "$S"/run-*; do [ -f "$r/run.json" ] || continue; mkdir -p "$OUT/runs/${r##*/}"
             cp "$r/run.json" "$r/scores.jsonl" "$OUT/runs/${r##*/}/" 2>/dev/null; done ;;
     lora-qkvo128|lora-all32) score "$step" --adapter "$S/$step" ;;

@@ -198,6 +198,50 @@ def share_from_owners(tensors: list, owners: list):
                 off += t.numel()
 
 
+def max_shape(shape: tuple, device=None) -> tuple:
+    """The entrywise maximum of ``shape`` (a tuple of ints) over the ranks."""
+    if not active():
+        return tuple(shape)
+    t = torch.tensor(list(shape), dtype=torch.int64, device=device if device is not None else
+                     _comm_device(torch.empty(0)))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(int(v) for v in t.tolist())
+
+
+def gather_padded(x, dst: int, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """Rank ``dst`` receives every rank's ``x`` zero-padded to ``shape`` (``x`` may be
+    smaller in any dimension, or None: zeros), stacked along dim 0 as one
+    ``(world * shape[0], *shape[1:])`` tensor; the other ranks get None. Every rank calls
+    it with the same ``shape``, ``dtype`` and ``dst``."""
+    if x is not None and tuple(x.shape) == tuple(shape):
+        buf = x.to(dtype).contiguous()
+    else:
+        buf = torch.zeros(shape, dtype=dtype, device=device)
+        if x is not None:
+            buf[tuple(slice(0, k) for k in x.shape)] = x
+    if not active():
+        return buf
+    if rank() == dst:
+        out = torch.empty((world(), *shape), dtype=dtype, device=device)
+        dist.gather(buf, list(out.unbind(0)), dst=dst)
+        return out.flatten(0, 1)
+    dist.gather(buf, None, dst=dst)
+    return None
+
+
+def merge_dicts(d: dict) -> dict:
+    """The union of every rank's ``d`` (small, picklable values; on a key present on
+    several ranks the lowest rank's value wins)."""
+    if not active():
+        return dict(d)
+    parts: list = [None] * world()
+    dist.all_gather_object(parts, d)
+    out: dict = {}
+    for p in reversed(parts):
+        out.update(p)
+    return out
+
+
 def all_or_nothing(flag: bool) -> bool:
     """True only if ``flag`` is true on every rank."""
     if not active():

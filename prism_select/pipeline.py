@@ -44,6 +44,7 @@ from .data.tokenize import (
     tokenizer_fingerprint,
 )
 from .errors import CacheError, ConfigError, InputError, OutputError, resource_error
+from .gradients import layer_shape
 from .execution import ExecutionContext, direction_kernels
 from .execution import resolve as resolve_execution
 from .gradients import SpilledLayers, release_host_memory
@@ -56,7 +57,7 @@ from .io import (
     sha256_json,
 )
 from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
-from .plan import MemoryPlan, cap_device_memory, make_plan, measure_example_bytes
+from .plan import MemoryPlan, cap_device_memory, make_plan, measure_example_bytes, stored_bytes
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
 from .scoring import score_encoded, score_stream
@@ -238,6 +239,13 @@ class RunContext:
                                       "reused": reused, "damping": _summary(damping), "store": store,
                                       "groups": len(plan.fit_groups) if plan is not None and plan.fit_groups else 1,
                                       "phases_s": merged}  # factors / eigendecompositions / eigenvalues
+            if cur.meta.get("owners"):  # each rank's share of the fitted curvature (sharded factors)
+                acc = 8 if next(self.lm.model.parameters()).dtype == torch.float64 else 4
+                per = [0] * self.execution.world
+                for n, r in cur.meta["owners"].items():
+                    per[r] += stored_bytes(cur.kind, *layer_shape(self.modules[n]), acc)
+                self.info["curvature"]["factor_shards"] = {"ranks": self.execution.world,
+                                                           "stored_bytes_per_rank": per}
             if on_group is not None:
                 return cur
             self._curvature = cur
@@ -348,22 +356,26 @@ class RunContext:
 
     def _precondition_sharded(self, direction_rows: dict) -> dict:
         """Under ``--shard fsdp``: this rank's rows of ``v``. Every rank takes part in the fit
-        (its share of the batches); each layer's curvature is then kept by one rank
-        (:func:`prism_select.sharding.curvature_owners`), which preconditions that layer
-        for all. A transient plan preconditions each group as it is fitted (no per-group
-        resume: a stopped run fits again)."""
+        (its share of the batches); each layer's curvature is kept by one rank, which
+        preconditions that layer for all: the rank that fitted its factors
+        (``meta["owners"]`` of a sharded fit), or for a curvature every rank holds whole
+        (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`.
+        A transient plan preconditions each group as it is fitted (no per-group resume: a
+        stopped run fits again)."""
         sizes = {n: m.out_features ** 3 + m.in_features ** 3 for n, m in self.modules.items()}
         owners = sharding.curvature_owners(list(self.modules), sizes)
         dev = self.lm.device
         rows: dict = {}
-        if self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups:
-            def on_group(layers, part):
-                rows.update(sharding.precondition_rows(part, direction_rows, self.modules, owners, dev))
 
-            self.curvature(on_group=on_group, groups=self.plan.fit_groups)
+        def precondition(part):
+            own = part.meta.get("owners") or owners
+            rows.update(sharding.precondition_rows(sharding.keep_owned(part, own), direction_rows,
+                                                   self.modules, own, dev))
+
+        if self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups:
+            self.curvature(on_group=lambda layers, part: precondition(part), groups=self.plan.fit_groups)
         else:
-            cur = sharding.keep_owned(self.curvature(), owners)
-            rows = sharding.precondition_rows(cur, direction_rows, self.modules, owners, dev)
+            precondition(self.curvature())
         return {n: rows[n] for n in self.modules}
 
     def _group_phases(self, last: dict) -> dict:

@@ -249,8 +249,9 @@ class MemoryPlan:
         if f.get("groups"):
             kept = (f"kept on the {self.curvature_store}" if self.curvature_store != "transient"
                     else "not kept: each group preconditions the direction")
+            sharded = f" over {f['factor_shards']} ranks" if f.get("factor_shards", 1) > 1 else ""
             lines.append(f"  fit: {len(f['groups'])} group(s) of layers, batch {f['batch_size']}, "
-                         f"peak {_gib(f['peak'])}; curvature ({_gib(f['stored_bytes'])}) {kept}")
+                         f"peak {_gib(f['peak'])}; curvature ({_gib(f['stored_bytes'])}{sharded}) {kept}")
         if s:
             lines.append(f"  scoring: batch {s['batch_size']}, peak {_gib(s['peak'])}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -275,7 +276,10 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
     device bytes already taken (default: what CUDA has allocated, i.e. the model).
     ``shards``: ranks the model is sharded over (FSDP2, :mod:`prism_select.sharding`): each
     holds ``1/shards`` of the gradients and the direction, and ``v`` inside the weights'
-    shards (already counted in ``weights``); the curvature fit's factors are not sharded.
+    shards (already counted in ``weights``); K-FAC and EK-FAC factors are sharded too
+    (each layer's on one rank, :func:`prism_select.curvature.fit.factors_sharded`), so a
+    fit group may be about ``shards`` times larger, while each owner receives the other
+    ranks' layer inputs and output gradients (``shards`` batches of them) in every step.
     """
     dev = torch.device(device)
     names = list(modules)
@@ -361,15 +365,25 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
         plan.fit = {"groups": [], "batch_size": fit_batch_size, "peak": 0, "stored_bytes": 0}
     else:
         total_stored = sum(stored.values())
+        fsh = shards if kind in ("ekfac", "kfac") else 1  # ranks the factors are sharded over
         eigh = EIGH_BUFFERS * acc * max_dim * max_dim if kind in ("ekfac", "kfac") else 0
-        rot = lambda bs: bs * largest * (half + acc) if kind in ("ekfac", "diagonal") else 0  # noqa: E731
+        # an owner rotates the examples of every rank's batch
+        rot = lambda bs: bs * fsh * largest * (half + acc) if kind in ("ekfac", "diagonal") else 0  # noqa: E731
         max_in = max(i for _, i in shapes.values())
         # pass 1's per-batch products: RECENT_INPUTS in' x in' products kept for the layers
         # sharing an input, and one float32 copy of a batch's inputs
         taps = lambda bs: acc * (RECENT_INPUTS * max_in * max_in + bs * longest * max_in)  # noqa: E731
-        work = lambda bs: max(eigh, rot(bs), taps(bs))  # noqa: E731
+        # sharded factors: one layer's padded send buffer, and the owner's gathered inputs
+        # and output gradients of every rank
+        gathered = lambda bs: 0 if fsh == 1 else half * (2 * fsh + 1) * bs * longest * max_dim  # noqa: E731
+        work = lambda bs: max(eigh, rot(bs), taps(bs)) + gathered(bs)  # noqa: E731
         cost = {n: max(p1[n], p2[n]) if kind == "ekfac" else (stored[n] if kind == "diagonal" else p1[n])
                 for n in names}
+        # per rank, a group's factors are 1/fsh of it, plus at most one layer (the owners
+        # cut the group into contiguous runs, sharding.factor_owners)
+        one = max(cost.values())
+        share = lambda c: c if fsh == 1 else min(c, c / fsh + one)  # noqa: E731
+        budget = lambda room: room if fsh == 1 or room <= one else fsh * (room - one)  # noqa: E731
         # Each group costs two passes over the fit sample, while a smaller batch costs little
         # on a large model: take the batch size that needs the fewest groups (the largest
         # such batch size on a tie).
@@ -382,10 +396,11 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
                 break
             if room > 0:
                 # everything at once (and kept there), as without a plan
-                if sum(cost.values()) + total_stored <= room and fits(weights + total_stored + v_bytes + act(sbs)):
+                if share(sum(cost.values())) + total_stored / fsh <= room \
+                        and fits(weights + total_stored / fsh + v_bytes + act(sbs)):
                     fbs, groups = b, [names]
                     break
-                g = make_groups(names, cost, room)
+                g = make_groups(names, cost, budget(room))
                 if g is not None and (groups is None or len(g) < len(groups)):
                     fbs, groups = b, g
             b //= 2
@@ -394,7 +409,7 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
             raise PlanError(f"the curvature fit does not fit on {dev}: layer {worst!r} alone needs "
                             f"{_gib(cost[worst])} of factors next to the weights ({_gib(weights)}) within "
                             f"{_gib(usable)}; " + _suggestions(len(names), "or --curvature diagonal / identity"))
-        if len(groups) == 1 and bounded and fits(weights + total_stored + v_bytes + act(sbs)):
+        if len(groups) == 1 and bounded and fits(weights + total_stored / fsh + v_bytes + act(sbs)):
             store = "device"
         elif not bounded:
             store = "device"
@@ -406,10 +421,10 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
                               f"{HOST_FRACTION:.0%} of the host's {_gib(host_available)} available: each group "
                               "preconditions the direction and is dropped (not cached)")
         plan.curvature_store = store
-        gpeak = max(sum(cost[n] for n in g) for g in groups)
-        fit_peak = weights + held + act(fbs) + gpeak + work(fbs) + (total_stored if store == "device" else 0)
+        gpeak = max(share(sum(cost[n] for n in g)) for g in groups)
+        fit_peak = int(weights + held + act(fbs) + gpeak + work(fbs) + (total_stored / fsh if store == "device" else 0))
         plan.fit = {"groups": groups, "batch_size": fbs, "peak": fit_peak, "stored_bytes": total_stored,
-                    "largest_factor": max_dim}
+                    "largest_factor": max_dim, "factor_shards": fsh}
         if fbs < fit_batch_size:
             plan.notes.append(f"curvature fit in batches of {fbs} (not {fit_batch_size}) to fit the device")
         if len(groups) > 1:

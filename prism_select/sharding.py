@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from . import distributed
 from .errors import ConfigError
-from .gradients import has_bias, local
+from .gradients import has_bias, layer_shape, local
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,16 @@ def curvature_owners(layers: list, sizes: dict) -> dict:
     preconditioning (``~out^3 + in^3``), so the kept factors divide over the ranks."""
     where = distributed.balance([sizes[n] for n in layers])
     return dict(zip(layers, where))
+
+
+def factor_owners(layers: list, modules: dict) -> dict:
+    """The rank that accumulates, decomposes and keeps each layer's curvature factors in a
+    sharded fit (:mod:`prism_select.curvature.fit`): ``layers`` (one fit group, in model
+    order) cut into contiguous runs of near-equal factor size (``in^2 + out^2``), so
+    each rank holds about ``1/K`` of the group's factors and layers reading one input
+    (q/k/v, gate/up) mostly share an owner, which then receives that input once."""
+    costs = [i * i + o * o for o, i in (layer_shape(modules[n]) for n in layers)]
+    return dict(zip(layers, distributed.contiguous_owners(costs)))
 
 
 def keep_owned(curvature, owners: dict):

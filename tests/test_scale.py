@@ -168,6 +168,33 @@ def test_plan_groups_the_fit_only_when_needed(model, modules):
     json.dumps(small_host.to_json())  # recorded in run.json
 
 
+def test_sharded_factors_need_fewer_fit_groups(model, modules):
+    """Under FSDP each rank holds about 1/K of a fit group's K-FAC / EK-FAC factors, so the
+    same device fits the fit in fewer groups; a diagonal fit (not sharded) plans as before."""
+    from prism_select.plan import HEADROOM_BYTES
+    kw = dict(device="cuda", batch_size=8, fit_batch_size=8, example_bytes=1 << 10, longest=1, vocab=1,
+              weights=0, host_available=1 << 40)
+
+    def groups(total):
+        try:
+            return len(make_plan(model, modules, kind="ekfac", gpu_total=total, **kw).fit_groups)
+        except PlanError:
+            return 0
+
+    # the most memory with which one rank still needs four groups or more
+    total = max(t for t in range(HEADROOM_BYTES, HEADROOM_BYTES + (8 << 20), 4096) if groups(t) >= 4)
+    one = make_plan(model, modules, kind="ekfac", gpu_total=total, **kw)
+    four = make_plan(model, modules, kind="ekfac", gpu_total=total, shards=4, **kw)
+    assert four.fit["factor_shards"] == 4 and one.fit["factor_shards"] == 1
+    assert sum(four.fit_groups, []) == list(modules)
+    assert len(four.fit_groups) < len(one.fit_groups)
+    assert four.fit["peak"] <= four.usable
+    assert "over 4 ranks" in four.describe()
+    diag_one = make_plan(model, modules, kind="diagonal", gpu_total=total, **kw)
+    diag_four = make_plan(model, modules, kind="diagonal", gpu_total=total, shards=4, **kw)
+    assert diag_four.fit_groups == diag_one.fit_groups and diag_four.fit["factor_shards"] == 1
+
+
 def test_plan_lowers_batch_sizes_then_fails_with_what_would_fit(model, modules):
     from prism_select.plan import HEADROOM_BYTES
     example = 1 << 26  # 64 MiB of activations per example: 8 of them do not fit below

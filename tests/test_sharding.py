@@ -48,13 +48,19 @@ def test_fsdp_scores_equal_one_process(tmp_path, curvature):
     r = subprocess.run([sys.executable, *_args(tmp_path, tmp_path / "one", "--curvature", curvature)],
                        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    _torchrun(2, _args(tmp_path, tmp_path / "fsdp", "--curvature", curvature, "--shard", "fsdp"), tmp_path)
+    # its own cache: the sharded run fits (not reuses) the curvature
+    _torchrun(2, _args(tmp_path, tmp_path / "fsdp", "--curvature", curvature, "--shard", "fsdp",
+                       "--cache-dir", str(tmp_path / "cache-fsdp")), tmp_path)
     one, two = _scores(tmp_path / "one"), _scores(tmp_path / "fsdp")
     assert list(one) == list(two)
     for k in one:
         assert two[k] == pytest.approx(one[k], rel=SHARDED_REL_TOL, abs=1e-12), k
     run = json.loads((tmp_path / "fsdp" / "run.json").read_text())
     assert run["settings"]["shard"] == "fsdp" and run["distributed"]["world_size"] == 2
+    if curvature == "ekfac":  # each rank fitted and kept its own layers' factors
+        per = run["curvature"]["factor_shards"]["stored_bytes_per_rank"]
+        assert len(per) == 2 and min(per) > 0 and max(per) <= 0.75 * sum(per)
+        assert run["curvature"]["path"] is None  # a sharded curvature is not cached
     assert not (tmp_path / "fsdp" / ".partial").exists()
 
 

@@ -95,8 +95,12 @@ class _Stats:
         self.paused = False  # a stand-in step (see _passes): nothing is counted
         self._scratch = None
         self.spill = None  # a _Spill the factor pass writes
+        self.sharded = False  # factors sharded over the ranks: see _ShardedCovTap
+        self.step_shape = None  # (B, T): the largest batch shape of this step over the ranks
 
     def start(self, b):
+        if self.sharded:  # every step, stand-ins too: the taps' transfers are padded to it
+            self.step_shape = distributed.max_shape(tuple(b["input_ids"].shape[:2]))
         if self.paused:
             return
         sel = b.get("token_mask")
@@ -335,8 +339,13 @@ class _LambdaTap(Tap):
             xa = _with_ones(x) if self.bias else x
             aq = _rotate(xa, self.QA, st.acc)
             st.cache[k] = (x.detach(), aq)
-        bq = _rotate(g, self.QS, st.acc)
-        if g.device.type == "cpu" and g.dtype == st.acc:
+        self.add(aq, _rotate(g, self.QS, st.acc))
+
+    def add(self, aq: torch.Tensor, bq: torch.Tensor):
+        """Add the examples of rotated inputs ``aq`` (``B x T x in'``) and output gradients
+        ``bq`` (``B x T x out``) to ``Lambda`` and ``M4``."""
+        st = self.stats
+        if bq.device.type == "cpu" and bq.dtype == st.acc:
             # example by example into one reused buffer: a (B, out, in) product, squared
             # into a second one, cost three times the GEMMs on the CPU (memory traffic
             # and page faults; session 8)
@@ -348,7 +357,7 @@ class _LambdaTap(Tap):
                 self.Lam += R
                 self.M4 += torch.dot(flat, flat)
             return
-        if g.dtype == st.acc:
+        if bq.dtype == st.acc:
             rot = bq.transpose(1, 2) @ aq
             sq = rot * rot
             self.Lam += sq.sum(0)
@@ -357,6 +366,80 @@ class _LambdaTap(Tap):
             self.Lam += sq.sum(0, dtype=st.acc)
         flat = sq.reshape(-1)
         self.M4 += torch.dot(flat, flat).to(st.acc)  # no copy of the batch's squares
+
+
+def _to_owner(tap, x, like: torch.Tensor, width: int):
+    """``x`` (``B x T x width``; None in a stand-in step: zeros) from every rank, padded to
+    the step's shape, on the owner of ``tap``'s layer as one ``world*B x T x width`` tensor
+    in ``like``'s dtype and device; None on the other ranks."""
+    return distributed.gather_padded(x, tap.owner, (*tap.stats.step_shape, width), like.dtype, like.device)
+
+
+class _ShardedCovTap(_CovTap):
+    """Pass 1 with the factors sharded over the ranks (FSDP, ``owner`` from
+    :func:`prism_select.sharding.factor_owners`): every rank sends its batch's masked inputs
+    (with the bias's ones column, masked too) and output gradients to the layer's owner,
+    which alone accumulates ``A`` and ``S`` (None elsewhere), with the same sums as one
+    process. An input read by several layers of one owner is sent once. A stand-in step
+    sends zeros, and the owner still adds what the other ranks sent."""
+
+    collective = True
+
+    def __init__(self, module, stats, A, S, owner: int):
+        super().__init__(module, stats, A, S)
+        self.owner = owner
+
+    def on_forward(self, x):
+        st = self.stats
+        k = _key(x, self.bias, "owner", self.owner)
+        if k in st.cache:
+            C = st.cache[k][1]
+        else:
+            a = None
+            if not self.paused:
+                m = st.mask(x.dtype)
+                a = torch.cat([x * m, m], -1) if self.bias else x * m
+            full = _to_owner(self, a, x, x.shape[-1] + int(self.bias))
+            C = None if full is None else _gram(full.reshape(-1, full.shape[-1]), st.acc)
+            st.cache[k] = (x.detach(), C)
+        if C is not None:
+            self.A += C
+
+    def on_backward(self, x, g):
+        full = _to_owner(self, None if self.paused else g, g, g.shape[-1])
+        if full is not None:
+            _gram_into(self.S, full.reshape(-1, full.shape[-1]))
+
+
+class _ShardedLambdaTap(_LambdaTap):
+    """Pass 2 with sharded factors: every rank sends its batch's inputs and output
+    gradients to the layer's owner, which rotates them with its eigenbases and adds the
+    examples to ``Lambda`` (padding examples and tokens have ``b = 0`` and add nothing)."""
+
+    collective = True
+
+    def __init__(self, module, stats, QA, QS, Lam, qa_group, M4, owner: int):
+        Tap.__init__(self, module)
+        self.stats, self.Lam, self.M4, self.bias = stats, Lam, M4, has_bias(module)
+        dt = module.weight.dtype
+        self.QA = None if QA is None else QA.to(dt)
+        self.QS = None if QS is None else QS.to(dt)
+        self.qa_id, self.owner = qa_group, owner
+
+    def on_backward(self, x, g):
+        st = self.stats
+        k = _key(x, self.bias, self.qa_id, "owner", self.owner)
+        if k in st.cache:
+            aq = st.cache[k][1]
+        else:
+            full = _to_owner(self, None if self.paused else x, x, x.shape[-1])
+            aq = None
+            if full is not None:
+                aq = _rotate(_with_ones(full) if self.bias else full, self.QA, st.acc)
+            st.cache[k] = (x.detach(), aq)
+        full = _to_owner(self, None if self.paused else g, g, g.shape[-1])
+        if full is not None:
+            self.add(aq, _rotate(full, self.QS, st.acc))
 
 
 class _DiagTap(Tap):
@@ -472,8 +555,11 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     :class:`Curvature` of its layers (e.g. to precondition a direction with it).
 
     Under ``torchrun`` (an initialised process group), each rank runs its share of the
-    fit batches and the statistics are summed across ranks (all-reduce) before each
-    eigendecomposition, so every rank ends with the same curvature. ``timings``, if
+    fit batches. Data-parallel ranks sum the statistics (all-reduce) before each
+    eigendecomposition, so every rank ends with the same curvature. With the model sharded
+    by FSDP (:func:`factors_sharded`) each layer's statistics go to its owner rank as the
+    passes run, and each rank ends with its own layers' curvature (``meta["owners"]``;
+    the damping and shrinkage of every layer). ``timings``, if
     given, receives ``factors_s``, ``eigh_s`` and ``lambda_s`` (summed over groups).
     ``cuda_graphs`` (empirical Fisher only; ``auto``: CUDA devices, models below
     ``graphs.AUTO_MAX_PARAMS``, and passes that replay each shape FIT_GRAPH_MIN_REPLAYS
@@ -501,20 +587,29 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     device = device or next(model.parameters()).device
     idx = fit_indices(len(encoded), settings)
     batches = length_batches(encoded, idx, settings.batch_size)
-    tensors, damping, shrinkage = {}, {}, {}
+    tensors, damping, shrinkage, owned_by = {}, {}, {}, {}
+    sharded = factors_sharded(model, settings.kind)
     with fit_policy(model, precision, kernels):
         for k, group in enumerate(groups):
             tag = f" (group {k + 1}/{len(groups)})" if len(groups) > 1 else ""
             sub = {n: modules[n] for n in group}
+            owners = sharding.factor_owners(group, sub) if sharded else None
             before = dict(timings)
             t = _fit_group(model, sub, encoded, batches, len(idx), settings, pad_id=pad_id, device=device,
                            progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag,
-                           offload=store != "device", spill_dir=spill_dir)
+                           offload=store != "device", spill_dir=spill_dir, owners=owners)
             log.info("curvature%s: %d layers, factors %.1f s, eigendecompositions %.1f s, eigenvalues %.1f s",
                      tag, len(group), *(timings[k] - before[k] for k in ("factors_s", "eigh_s", "lambda_s")))
             if store == "host":
                 t = {name: x.to("cpu") for name, x in t.items()}
-            part = apply_damping(Curvature(settings.kind, group, t, {}), settings)
+            if owners is None:
+                part = apply_damping(Curvature(settings.kind, group, t, {}), settings)
+            else:  # this rank's layers; every rank learns every layer's damping and shrinkage
+                mine = apply_damping(Curvature(settings.kind, [n for n in group if owners[n] == distributed.rank()],
+                                               t, {}), settings)
+                part = Curvature(settings.kind, group, t, distributed.merge_dicts(mine.damping),
+                                 meta={"owners": owners}, shrinkage=distributed.merge_dicts(mine.shrinkage))
+                owned_by.update(owners)
             if on_group is not None:
                 on_group(group, part)
             damping.update(part.damping)
@@ -522,18 +617,34 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
             if store != "transient":
                 tensors.update(t)
             del t, part
-    return Curvature(settings.kind, layers, tensors, damping, meta={"store": store, "groups": len(groups)},
-                     shrinkage=shrinkage)
+    meta = {"store": store, "groups": len(groups)}
+    if sharded:
+        meta["owners"] = owned_by
+    return Curvature(settings.kind, layers, tensors, damping, meta=meta, shrinkage=shrinkage)
+
+
+def factors_sharded(model, kind: str) -> bool:
+    """Whether a fit of ``kind`` shards its factors over the ranks: K-FAC and EK-FAC of a
+    model sharded with FSDP (:mod:`prism_select.sharding`). Each layer's factors then live
+    on one rank (:func:`prism_select.sharding.factor_owners`), which receives the other
+    ranks' layer inputs and output gradients in every step, so per-rank factor memory
+    falls as ``1/K``; data-parallel ranks (a whole model each) sum full factors instead."""
+    return kind in ("ekfac", "kfac") and distributed.active() and sharding.is_sharded(model)
 
 
 def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id, device, progress, timings,
-               cuda_graphs, tag="", offload=False, spill_dir=None):
+               cuda_graphs, tag="", offload=False, spill_dir=None, owners: dict | None = None):
     """The fit of one group of layers: the tensors :class:`Curvature` holds.
     ``offload``: the finished tensors go to host memory as soon as the device copies that
-    the eigenvalue pass needs are made (the pass then holds only those)."""
+    the eigenvalue pass needs are made (the pass then holds only those). ``owners``
+    (K-FAC / EK-FAC under FSDP, :func:`prism_select.sharding.factor_owners`): each layer's
+    statistics are accumulated, decomposed and kept by its owner rank alone, and this
+    rank returns the tensors of the layers it owns."""
     import time
 
     layers = list(modules)
+    me = distributed.rank()
+    own = [n for n in layers if owners is None or owners[n] == me]
     compute = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
     tensors: dict = {}
     stats = _Stats(compute)
@@ -561,8 +672,8 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
 
     # Pass 1: Kronecker factors.
     t0 = time.perf_counter()
-    A = {n: zeros(layer_shape(m)[1], layer_shape(m)[1]) for n, m in modules.items()}
-    S = {n: zeros(layer_shape(m)[0], layer_shape(m)[0]) for n, m in modules.items()}
+    A = {n: zeros(layer_shape(modules[n])[1], layer_shape(modules[n])[1]) for n in own}
+    S = {n: zeros(layer_shape(modules[n])[0], layer_shape(modules[n])[0]) for n in own}
     spill = None
     if _spill_wanted(model, modules, encoded, batches, device, settings, spill_dir):
         try:
@@ -570,7 +681,11 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         except OSError as exc:  # an unwritable directory: run the model again in pass 2
             log.info("no spill file for the eigenvalue pass (%s); the pass runs the model again", exc)
     stats.spill = spill
-    taps = {n: _CovTap(m, stats, A[n], S[n], n, spill) for n, m in modules.items()}
+    stats.sharded = owners is not None
+    if owners is not None:
+        taps = {n: _ShardedCovTap(m, stats, A.get(n), S.get(n), owners[n]) for n, m in modules.items()}
+    else:
+        taps = {n: _CovTap(m, stats, A[n], S[n], n, spill) for n, m in modules.items()}
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
             "curvature factors" + tag, progress, cuda_graphs, settings.batch_size)
     stats.spill = None
@@ -578,12 +693,13 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         spill.finish()
     del taps
     release_host_memory()
-    for n in layers:
+    for n in own:
         _mirror(A[n])
         _mirror(S[n])
     n_tok = stats.n_tokens if stats.n_tokens is not None else torch.zeros((), device=device)
     n_tok = n_tok.to(compute).reshape(1)
-    distributed.all_reduce_sum(list(A.values()) + list(S.values()) + [n_tok])
+    # sharded factors were summed on their owners as the pass went
+    distributed.all_reduce_sum(([] if owners is not None else list(A.values()) + list(S.values())) + [n_tok])
     n_tokens = int(round(float(n_tok)))
     sync()
     timings["factors_s"] += time.perf_counter() - t0
@@ -591,10 +707,11 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     # Layers reading the same input have bitwise-identical A (one product per input in
     # the pass): group them by a fingerprint (one host sync), confirm with torch.equal,
     # and decompose each distinct A once.
-    fps = torch.stack([torch.stack([A[n].sum(), A[n].diagonal().sum(), A[n][0].sum()]) for n in layers]).tolist()
-    fp = dict(zip(layers, fps))
+    fps = torch.stack([torch.stack([A[n].sum(), A[n].diagonal().sum(), A[n][0].sum()]) for n in own]).tolist() \
+        if own else []
+    fp = dict(zip(own, fps))
     group_of, reps = {}, []  # layer -> group id; group id -> representative layer
-    for n in layers:
+    for n in own:
         for gid, r in enumerate(reps):
             if A[r].shape == A[n].shape and fp[r] == fp[n] and torch.equal(A[r], A[n]):
                 group_of[n] = gid
@@ -602,20 +719,22 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         else:
             group_of[n] = len(reps)
             reps.append(n)
-    for n in layers:
+    for n in own:
         A[n] /= max(n_tokens, 1)
         S[n] /= n_examples
         check_finite(A[n], "the activation covariance", layer=n)
         check_finite(S[n], "the gradient covariance", layer=n)
-    for n in layers:  # the duplicates' accumulators are not needed any more
+    for n in own:  # the duplicates' accumulators are not needed any more
         if n != reps[group_of[n]]:
             A[n] = None
     # Tasks: one eigh per distinct A and one per layer's S. Under torchrun they are
     # spread over the ranks by cost (~size^3, largest first), and each result is then
-    # broadcast by the rank that computed it. Each factor is freed once decomposed.
-    tasks = [("A", r) for r in reps] + [("S", n) for n in layers]
-    where = distributed.balance([(A[n] if k == "A" else S[n]).shape[0] ** 3 for k, n in tasks])
-    results, owners = {}, [r for r in where for _ in range(2)]
+    # broadcast by the rank that computed it; sharded factors are decomposed by their owner.
+    # Each factor is freed once decomposed.
+    tasks = [("A", r) for r in reps] + [("S", n) for n in own]
+    where = distributed.balance([(A[n] if k == "A" else S[n]).shape[0] ** 3 for k, n in tasks]) \
+        if owners is None else [me] * len(tasks)
+    results = {}
 
     def factor(i):
         k, n = tasks[i]
@@ -639,8 +758,9 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
             (A if k == "A" else S)[n] = None  # each factor is freed once decomposed
             bar.update()
         bar.update(len(tasks) - len(mine))
-    distributed.share_from_owners([t for kn in tasks for t in results[kn]], owners)
-    for n in layers:
+    if owners is None:
+        distributed.share_from_owners([t for kn in tasks for t in results[kn]], [r for r in where for _ in range(2)])
+    for n in own:
         lamA, QA = results[("A", reps[group_of[n]])]
         if n != reps[group_of[n]]:  # stored once per layer (safetensors refuses shared storage)
             lamA, QA = lamA.clone(), QA.clone()
@@ -658,11 +778,18 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
 
     # Pass 2 (EK-FAC): eigenvalues corrected with per-example gradients in the eigenbasis.
     t0 = time.perf_counter()
-    Lam = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
-    M4 = {n: zeros(1) for n in layers}
+    Lam = {n: zeros(*layer_shape(modules[n])) for n in own}
+    M4 = {n: zeros(1) for n in own}
     taps = {}
     for n, m in modules.items():
-        taps[n] = _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], group_of[n], M4[n])
+        if owners is not None:
+            mine = owners[n] == me
+            taps[n] = _ShardedLambdaTap(m, stats, tensors.get(f"{n}::QA"), tensors.get(f"{n}::QS"), Lam.get(n),
+                                        group_of.get(n), M4.get(n), owners[n])
+            if not mine:
+                continue
+        else:
+            taps[n] = _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], group_of[n], M4[n])
         if offload:  # the taps hold the eigenbases in the model's dtype; the float32 ones wait on the
             # host, moved there layer by layer: the group's float32 and half copies never coexist
             for k in ("QA", "lamA", "lamS", "QS"):
@@ -676,9 +803,10 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
                 "curvature eigenvalues" + tag, progress, cuda_graphs, settings.batch_size)
     del taps
-    distributed.all_reduce_sum(list(Lam.values()) + list(M4.values()))
+    if owners is None:
+        distributed.all_reduce_sum(list(Lam.values()) + list(M4.values()))
     release_host_memory()
-    for n in layers:  # in place: no second copy of every layer's eigenvalues
+    for n in own:  # in place: no second copy of every layer's eigenvalues
         lam = tensors[f"{n}::Lambda"] = Lam[n].div_(n_examples)
         check_finite(lam, "the EK-FAC eigenvalues", layer=n)
         tensors[f"{n}::LambdaVar"] = _lambda_variance(M4[n] / n_examples, lam, n_examples)
@@ -878,6 +1006,9 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
         return cur, directory, False
     if store == "transient":
         log.info("the curvature was not kept (transient memory plan), so it is not cached")
+        return cur, None, False
+    if cur.meta.get("owners"):
+        log.info("the curvature's factors are sharded over the ranks (FSDP), so it is not cached")
         return cur, None, False
     size = sum(t.numel() * t.element_size() for t in cur.tensors.values())
     root = Path(cache_root).parent

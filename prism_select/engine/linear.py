@@ -234,6 +234,9 @@ class Tap:
     keep_input = False
     #: set for a step whose statistics are discarded (a rank keeping in step with the others)
     paused = False
+    #: called in paused steps too: the tap takes part in collectives that every rank must
+    #: run in every step (a sharded curvature fit); it checks ``paused`` itself
+    collective = False
 
     def __init__(self, module):
         self.module = module
@@ -264,7 +267,7 @@ class FitTapLinear(torch.autograd.Function):
             x = split_of(x, m.weight.dtype)[:, :x.shape[-1]].unflatten(0, x.shape[:-1])
         else:
             out = F.linear(x, m.weight, m.bias)
-        if not tap.paused:
+        if not tap.paused or tap.collective:
             tap.on_forward(x)
         if tap.keep_input:
             ctx.save_for_backward(x)
@@ -277,7 +280,7 @@ class FitTapLinear(torch.autograd.Function):
         x = ctx.saved_tensors[0] if tap.keep_input else None
         g = g.contiguous()
         W = tap.module.weight
-        if not tap.paused:
+        if not tap.paused or tap.collective:
             tap.on_backward(x, g.to(W.dtype) if ctx.split else g)
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
