@@ -257,10 +257,11 @@ class RunContext:
         preconditioned as soon as its curvature is fitted and saved in ``.partial`` (a
         resumed run fits only the groups not done).
 
-        ``last``: the caller's last use of ``direction`` and of the curvature (see
-        :meth:`last_use`): the direction waits on disk while the curvature is fitted or
-        loaded, each layer of both is freed once used, and the run's curvature is dropped
-        (it stays in the cache); ``direction`` is left empty."""
+        ``last``: the caller's last use of ``direction`` and of the curvature. With one
+        group and no sharding this goes through :meth:`last_use`: the direction waits on
+        disk while the curvature is fitted or loaded, each layer of both is freed once
+        used, the run's curvature is dropped (it stays in the cache), and ``direction`` is
+        left empty. The sharded and transient routes ignore it."""
         dev = self.lm.device
         vdt = self.lm.dtype
 
