@@ -190,22 +190,28 @@ def cap_device_memory(device, max_bytes: int | None) -> None:
 def measure_example_bytes(model, example, pad_id: int, device, copies: int = 1) -> int:
     """Peak device memory of one forward + activation backward of ``example`` (a batch of
     ``copies`` of it) above what was allocated before, as the fit and the scores run it."""
-    from .engine import batch_losses, causal_only, collate_to, split_causal_lm
-    from .gradients import activation_grad_mode
-
     dev = torch.device(device)
     if dev.type != "cuda":
         return 0
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev)
-    b = collate_to([example] * copies, pad_id, dev)
+    example_step(model, example, pad_id, dev, copies)
+    torch.cuda.synchronize(dev)
+    return max(torch.cuda.max_memory_allocated(dev) - base, 0)
+
+
+def example_step(model, example, pad_id: int, device, copies: int = 1) -> None:
+    """The step :func:`measure_example_bytes` measures: one forward and activation backward
+    of ``copies`` of ``example`` (tests measure it on the CPU with their own tracker)."""
+    from .engine import batch_losses, causal_only, collate_to, split_causal_lm
+    from .gradients import activation_grad_mode
+
+    b = collate_to([example] * copies, pad_id, torch.device(device))
     with activation_grad_mode(model), torch.enable_grad():
         losses, _ = batch_losses(model, causal_only(b), split=split_causal_lm(model))
         losses.sum().backward()
     del losses, b
-    torch.cuda.synchronize(dev)
-    return max(torch.cuda.max_memory_allocated(dev) - base, 0)
 
 
 # ----------------------------------------------------------------------------- plan
@@ -409,7 +415,12 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
             raise PlanError(f"the curvature fit does not fit on {dev}: layer {worst!r} alone needs "
                             f"{_gib(cost[worst])} of factors next to the weights ({_gib(weights)}) within "
                             f"{_gib(usable)}; " + _suggestions(len(names), "or --curvature diagonal / identity"))
-        if len(groups) == 1 and bounded and fits(weights + total_stored / fsh + v_bytes + act(sbs)):
+        gpeak = max(share(sum(cost[n] for n in g)) for g in groups)
+        base_peak = int(weights + held + act(fbs) + gpeak + work(fbs))
+        # kept on the device only where the fit holding it as well still fits (the figure
+        # recorded below), not only the scoring next to it
+        if len(groups) == 1 and bounded and fits(weights + total_stored / fsh + v_bytes + act(sbs)) \
+                and fits(base_peak + total_stored / fsh):
             store = "device"
         elif not bounded:
             store = "device"
@@ -421,8 +432,7 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
                               f"{HOST_FRACTION:.0%} of the host's {_gib(host_available)} available: each group "
                               "preconditions the direction and is dropped (not cached)")
         plan.curvature_store = store
-        gpeak = max(share(sum(cost[n] for n in g)) for g in groups)
-        fit_peak = int(weights + held + act(fbs) + gpeak + work(fbs) + (total_stored / fsh if store == "device" else 0))
+        fit_peak = int(base_peak + (total_stored / fsh if store == "device" else 0))
         plan.fit = {"groups": groups, "batch_size": fbs, "peak": fit_peak, "stored_bytes": total_stored,
                     "largest_factor": max_dim, "factor_shards": fsh}
         if fbs < fit_batch_size:

@@ -399,3 +399,55 @@ def test_new_damping_reuses_the_fit(run_files):
     assert s1["curvature"]["path"] == s2["curvature"]["path"]
     assert s2["curvature"]["damping"]["max"] == pytest.approx(1e-3)
     assert rel_err(a, b) > 1e-6  # the damping was applied, not the cached one
+
+
+# ----------------------------------------------------------------------------- the fit's device memory
+
+def _gpu_like_fit(monkeypatch, tracker):
+    """The fit on the CPU taking its GPU code paths where memory differs: factors formed
+    whole and summed in place (one GEMM into ``S``, as ``torch.addmm(out=)`` on CUDA), no
+    spill file, eigendecompositions one after the other, and the tensors it moves to host
+    memory leaving the tracker's device count."""
+    from prism_select.curvature import fit as fitmod
+    monkeypatch.setattr(fitmod, "GRAM_BLOCK", 1 << 30)
+    monkeypatch.setattr(fitmod, "SPILL_MAX_BYTES", 0)
+    monkeypatch.setattr(fitmod, "mm_acc_into", lambda M, a, b: M.addmm_(a.to(M.dtype), b.to(M.dtype)))
+    monkeypatch.setattr(fitmod, "_to_host", tracker.to_host)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return threads
+
+
+def test_fit_device_memory_stays_within_the_plan(tok, encoded_pool, monkeypatch):
+    """The live tensor bytes of a grouped, offloaded EK-FAC fit of a bf16 model whose
+    factors outweigh its activations (3 blocks, hidden 512) stay within the plan's figure
+    for the fit. The eigenvalue pass once allocated every layer's Lambda while the group's
+    float32 eigenbases were still on the device (p1 + Lambda, above the plan's
+    max(pass 1, pass 2) per layer plus its work space)."""
+    from memtrack import LiveBytes
+    from tiny import tiny_llama
+    from prism_select.plan import ACTIVATION_SAFETY, HEADROOM_BYTES, example_step
+    m = tiny_llama(len(tok), dtype=torch.bfloat16, layers=3, hidden=512)
+    mods = {n: x for n, x in m.named_modules() if isinstance(x, torch.nn.Linear) and ".layers." in n}
+    pool = encoded_pool[:8]
+    longest = max(pool, key=lambda e: len(e.input_ids))
+    with LiveBytes(list(m.parameters())) as probe:
+        example_step(m, longest, tok.pad_token_id, "cpu")
+    common = dict(kind="ekfac", device="cuda", batch_size=2, fit_batch_size=2, example_bytes=probe.peak,
+                  longest=len(longest.input_ids), vocab=len(tok), weights=0, host_available=1 << 40)
+    roomy = make_plan(m, mods, gpu_total=1 << 40, **common)
+    # a device that holds the group's factors and work space, not the kept curvature as well
+    room = roomy.fit["peak"] - roomy.fit["stored_bytes"]
+    plan = make_plan(m, mods, gpu_total=HEADROOM_BYTES + room, **common)
+    assert plan.curvature_store == "host" and len(plan.fit_groups) == 1, plan.describe()
+    tracker = LiveBytes(list(m.parameters()))
+    threads = _gpu_like_fit(monkeypatch, tracker)
+    try:
+        with tracker:
+            fit_curvature(m, mods, pool, CurvatureSettings(kind="ekfac", batch_size=plan.fit["batch_size"]),
+                          pad_id=tok.pad_token_id, progress=False, groups=plan.fit_groups,
+                          store=plan.curvature_store)
+    finally:
+        torch.set_num_threads(threads)
+    assert probe.peak > 0 and tracker.peak > 0.5 * plan.fit["peak"]
+    assert tracker.peak <= plan.fit["peak"], (tracker.peak, plan.fit["peak"], ACTIVATION_SAFETY)
