@@ -229,7 +229,7 @@ class RunContext:
                 max_length=st.max_length, progress=st.progress,
                 cuda_graphs=self.execution.cuda_graphs, timings=phases, precision=self.execution.precision,
                 groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes,
-                kernels=self.execution.kernels)
+                kernels=self.execution.kernels, offload=plan.fit.get("offload") if plan is not None else None)
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             info = self.info.get("curvature", {})
@@ -255,12 +255,13 @@ class RunContext:
         """``v = H^-1 direction`` in the dtype the scores use (the model's), layer by layer on
         the model's device. Under a ``transient`` memory plan each group of layers is
         preconditioned as soon as its curvature is fitted and saved in ``.partial`` (a
-        resumed run fits only the groups not done)."""
+        resumed run fits only the groups not done). ``consume``: the direction's layers are
+        taken out of ``direction`` as their ``v`` is formed (the caller's last use)."""
         dev = self.lm.device
         vdt = self.lm.dtype
 
-        def finish(v: dict) -> dict:
-            return {n: t.to(dtype=vdt) for n, t in v.items()}
+        def finish(v: dict) -> dict:  # consumes v: its float32 layers are let go one by one
+            return {n: v.pop(n).to(dtype=vdt) for n in list(v)}
 
         if self.execution.sharded:
             return finish(self._precondition_sharded(direction))
@@ -285,6 +286,9 @@ class RunContext:
             f = partial / f"{tag}_v_group{k:04d}.safetensors"
             if f.exists():
                 v.update(load_file(str(f)))
+                if consume:  # preconditioned by an earlier process: the direction's layers are not needed
+                    for n in g:
+                        direction.pop(n, None)
                 meta = f.with_suffix(".json")  # what the group cost when it was fitted
                 if meta.exists():
                     m = json.loads(meta.read_text())
@@ -297,7 +301,10 @@ class RunContext:
 
         def on_group(layers, part):
             k = next(i for i in todo if groups[i] == list(layers))
-            got = finish(part.precondition({n: direction[n] for n in layers}, device=dev))
+            # layer by layer: one layer's float32 v in host memory at a time (the plan's figure)
+            got = {}
+            for n in layers:  # consume: the direction's layer is let go once its v is formed
+                got.update(finish(part.precondition({n: direction.pop(n) if consume else direction[n]}, device=dev)))
             got = {n: t.to("cpu") for n, t in got.items()}
             if self.execution.main:
                 partial.mkdir(parents=True, exist_ok=True)

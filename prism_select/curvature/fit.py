@@ -547,7 +547,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
                   *, pad_id: int, device=None, progress: bool = True, timings: dict | None = None,
                   cuda_graphs: str = "auto", precision: str = "model", groups: list | None = None,
                   store: str = "device", on_group=None, spill_dir=None,
-                  kernels: Kernels = DEFAULT_KERNELS) -> Curvature:
+                  kernels: Kernels = DEFAULT_KERNELS, offload: bool | None = None) -> Curvature:
     """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples.
 
     ``groups`` (lists of layer names covering ``modules``, from the memory plan,
@@ -559,6 +559,9 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     ``transient`` (dropped after ``on_group``: the returned curvature holds only the
     damping). ``on_group(layers, part)`` is called with each finished group as a
     :class:`Curvature` of its layers (e.g. to precondition a direction with it).
+    ``offload`` (EK-FAC; default: ``store != "device"``): a group's float32 eigenbases wait
+    in host memory during its eigenvalue pass (the memory plan turns it off when the host
+    cannot hold a group's; the numbers are the same).
 
     Under ``torchrun`` (an initialised process group), each rank runs its share of the
     fit batches. Data-parallel ranks sum the statistics (all-reduce) before each
@@ -603,7 +606,8 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
             before = dict(timings)
             t = _fit_group(model, sub, encoded, batches, len(idx), settings, pad_id=pad_id, device=device,
                            progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag,
-                           offload=store != "device", spill_dir=spill_dir, owners=owners)
+                           offload=store != "device" if offload is None else offload, spill_dir=spill_dir,
+                           owners=owners)
             log.info("curvature%s: %d layers, factors %.1f s, eigendecompositions %.1f s, eigenvalues %.1f s",
                      tag, len(group), *(timings[k] - before[k] for k in ("factors_s", "eigh_s", "lambda_s")))
             if store == "host":
@@ -967,9 +971,10 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
                           model_fingerprint, pool_fingerprint, max_length, device=None, progress=True,
                           cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model",
                           groups: list | None = None, store: str = "device", on_group=None,
-                          cache_max_bytes: int | None = None, kernels: Kernels = DEFAULT_KERNELS):
+                          cache_max_bytes: int | None = None, kernels: Kernels = DEFAULT_KERNELS,
+                          offload: bool | None = None):
     """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
-    and save it (``timings``, ``precision``, ``groups``, ``store`` and ``on_group`` as in
+    and save it (``timings``, ``precision``, ``groups``, ``store``, ``offload`` and ``on_group`` as in
     :func:`fit_curvature`; a reused curvature is handed to ``on_group`` whole).
 
     The cache (:mod:`prism_select.cache`) is bounded by ``cache_max_bytes``: older entries
@@ -1009,7 +1014,7 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
         pass
     cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
                         cuda_graphs=cuda_graphs, timings=timings, precision=precision, groups=groups,
-                        store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels)
+                        store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels, offload=offload)
     if settings.kind == "identity":
         return cur, directory, False
     if store == "transient":
