@@ -268,22 +268,22 @@ class RunContext:
         if self.plan is None or self.plan.curvature_store != "transient" or not self.plan.fit_groups:
             return finish(self.curvature().precondition(direction, device=dev, consume=consume))
         partial = self.out_dir / ".partial"
-        # the partition is fixed by the run's first process: a resumed run's plan may group
-        # differently (another measurement, other free memory), the saved parts may not
         layout = partial / f"{tag}_v_groups.json"
+        groups = self.plan.fit_groups
         if layout.exists():
-            groups = json.loads(layout.read_text())
-            self.plan.fit["groups"] = groups
-        else:
-            groups = self.plan.fit_groups
-            if self.execution.main:
-                partial.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(layout, groups)
+            groups = resume_groups(json.loads(layout.read_text()), groups,
+                                   lambda k: (partial / f"{tag}_v_group{k:04d}.safetensors").exists())
+        self.plan.fit["groups"] = [g for g in groups if g]
+        if self.execution.main:
+            partial.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(layout, groups)
         v: dict = {}
         todo = []
         done_phases: dict = {}
         for k, g in enumerate(groups):
             f = partial / f"{tag}_v_group{k:04d}.safetensors"
+            if not g:  # a position a resumed run's plan left empty
+                continue
             if f.exists():
                 v.update(load_file(str(f)))
                 if consume:  # preconditioned by an earlier process: the direction's layers are not needed
@@ -316,14 +316,15 @@ class RunContext:
                 tmp.replace(partial / f"{tag}_v_group{k:04d}.safetensors")
             v.update(got)
 
-        if len(todo) < len(groups):
+        n_groups = sum(1 for g in groups if g)
+        if len(todo) < n_groups:
             log.info("resuming: %d of %d fit groups were preconditioned earlier; fitting the other %d",
-                     len(groups) - len(todo), len(groups), len(todo))
+                     n_groups - len(todo), n_groups, len(todo))
         if todo:
             self.curvature(on_group=on_group, groups=[groups[k] for k in todo])
-        if len(todo) < len(groups):
+        if len(todo) < n_groups:
             cur = self.info.setdefault("curvature", {})
-            cur["resumed_groups"] = len(groups) - len(todo)
+            cur["resumed_groups"] = n_groups - len(todo)
             ph = cur.setdefault("phases_s", {})
             for key, val in done_phases.items():  # the whole fit's phases, earlier processes included
                 ph[key] = ph.get(key, 0) + val
@@ -459,6 +460,28 @@ class RunContext:
                 **stats, "ranks": self.execution.world, "real_tokens_per_s_rank": stats["real_tokens"] / dt,
                 "padding_fraction": 1 - stats["real_tokens"] / max(stats["padded_tokens"], 1)}
         return s
+
+
+def resume_groups(saved: list, planned: list, finished) -> list:
+    """The fit groups of a resumed transient run: the saved layout's finished groups
+    (``finished(k)``: group ``k``'s part of ``v`` is saved) where they are, and the other
+    layers grouped as this process's plan groups them (each a part of a planned group, so
+    it fits), in the unfinished positions, then appended; positions left over are empty.
+    The saved layout is the earlier process's plan, made for other memory: kept whole, a
+    2-group layout of an uncapped H200 run was fitted under a 79.6 GiB cap (5 groups
+    planned) and ran out of GPU memory in its first group. Idempotent: the result given
+    back as ``saved`` gives itself."""
+    done = [k for k, g in enumerate(saved) if g and finished(k)]
+    kept = {n for k in done for n in saved[k]}
+    fresh = [f for f in ([n for n in g if n not in kept] for g in planned) if f]
+    out = [g if k in done else [] for k, g in enumerate(saved)]
+    free = [k for k in range(len(saved)) if k not in done]
+    for g in fresh:
+        if free:
+            out[free.pop(0)] = g
+        else:
+            out.append(g)
+    return out
 
 
 def _summary(xs: list) -> dict:

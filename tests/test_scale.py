@@ -407,6 +407,54 @@ def test_transient_run_resumes_finished_groups(run_files, monkeypatch):
     assert rel_err(got, ref) <= GROUP_TOL
 
 
+def test_resumed_transient_run_fits_its_own_plan_where_no_group_finished(run_files, monkeypatch):
+    """The 14B failure under --max-gpu-memory 79.6GiB: the run resumed one whose first
+    (uncapped) process, planned in 2 groups, had been killed before any group finished,
+    and fitted the saved 2-group layout instead of its own 5 groups (out of GPU memory in
+    the first group). A resumed run keeps only the finished groups of the saved layout."""
+    import prism_select.pipeline as pipeline
+    from prism_select.curvature import fit as fitmod
+    _, ref = _score(run_files, "ref")
+    real_plan, real_fit = pipeline.make_plan, fitmod._fit_group
+    names = []
+
+    def one_group(model, modules, **kw):  # the first process: a larger device, one group
+        plan = real_plan(model, modules, **kw)
+        names[:] = list(modules)
+        plan.fit["groups"], plan.curvature_store = [list(modules)], "transient"
+        return plan
+
+    def dying(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "make_plan", one_group)
+    monkeypatch.setattr(fitmod, "_fit_group", dying)
+    monkeypatch.setattr(pipeline, "_drop_partial_without_chunks", lambda d: None)  # killed: nothing cleaned
+    with pytest.raises(KeyboardInterrupt):
+        _score(run_files, "run")
+    assert json.loads((run_files / "run" / ".partial" / "scores_v_groups.json").read_text()) == [names]
+    _forced_plan(monkeypatch, "transient")  # the resumed process plans three groups
+    fitted = []
+    monkeypatch.setattr(fitmod, "_fit_group", lambda m, sub, *a, **kw: (fitted.append(list(sub)),
+                                                                         real_fit(m, sub, *a, **kw))[1])
+    summary, got = _score(run_files, "run")
+    assert fitted == _three_groups(dict.fromkeys(names))
+    assert rel_err(got, ref) <= GROUP_TOL
+
+
+def test_resume_groups_keeps_finished_groups_and_regroups_the_rest():
+    from prism_select.pipeline import resume_groups
+    saved = [["a", "b", "c"], ["d", "e", "f"], ["g", "h"]]
+    planned = [["a", "b"], ["c", "d"], ["e"], ["f", "g"], ["h"]]
+    got = resume_groups(saved, planned, lambda k: k == 1)  # only the second group finished
+    assert got == [["a", "b"], ["d", "e", "f"], ["c"], ["g"], ["h"]]
+    assert resume_groups(got, planned, lambda k: k == 1) == got  # idempotent
+    assert resume_groups(saved, [["a"], ["b", "c", "d", "e", "f", "g", "h"]], lambda k: k == 1) == \
+        [["a"], ["d", "e", "f"], ["b", "c", "g", "h"]]
+    assert resume_groups(saved, [saved[0] + saved[1] + saved[2]], lambda k: False) == [saved[0] + saved[1] + saved[2],
+                                                                                       [], []]
+
+
 def test_new_damping_reuses_the_fit(run_files):
     s1, a = _score(run_files, "d1")
     s2, b = _score(run_files, "d2", damping=1e-3)
