@@ -255,37 +255,62 @@ class RunContext:
         """``v = H^-1 direction`` in the dtype the scores use (the model's), layer by layer on
         the model's device. Under a ``transient`` memory plan each group of layers is
         preconditioned as soon as its curvature is fitted and saved in ``.partial`` (a
-        resumed run fits only the groups not done)."""
+        resumed run fits only the groups not done). Under ``--shard fsdp`` ``direction``
+        holds this rank's rows and so does the result; each layer's curvature is kept by one
+        rank, which preconditions that layer for all: the rank that fitted its factors
+        (``meta["owners"]`` of a sharded fit), or for a curvature every rank holds whole
+        (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`."""
         dev = self.lm.device
         vdt = self.lm.dtype
-
-        def finish(v: dict) -> dict:
-            return {n: t.to(dtype=vdt) for n, t in v.items()}
+        transient = self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups
 
         if self.execution.sharded:
-            return finish(self._precondition_sharded(direction))
-        if self.plan is None or self.plan.curvature_store != "transient" or not self.plan.fit_groups:
-            return finish(self.curvature().precondition(direction, device=dev, consume=consume))
+            sizes = {n: m.out_features ** 3 + m.in_features ** 3 for n, m in self.modules.items()}
+            owners = sharding.curvature_owners(list(self.modules), sizes)
+
+            def compute(part, layers):
+                own = part.meta.get("owners") or owners
+                return sharding.precondition_rows(sharding.keep_owned(part, own), direction, self.modules, own, dev)
+        else:
+            def compute(part, layers):
+                return part.precondition({n: direction[n] for n in layers}, device=dev)
+
+        if transient:
+            v = self._precondition_by_group(tag, compute)
+        elif self.execution.sharded:
+            v = compute(self.curvature(), list(self.modules))
+        else:
+            v = self.curvature().precondition(direction, device=dev, consume=consume)
+        return {n: v[n].to(dtype=vdt) for n in self.modules}
+
+    def _precondition_by_group(self, tag: str, compute) -> dict:
+        """A transient plan's preconditioning: ``compute(part, layers)`` for each fit group
+        as soon as it is fitted, each group's result saved in ``.partial`` (under
+        ``--shard fsdp`` every rank saves its rows, and a group is done when every rank's
+        file is there); a resumed run loads the finished groups and fits only the others."""
         partial = self.out_dir / ".partial"
+        ex = self.execution
         # the partition is fixed by the run's first process: a resumed run's plan may group
         # differently (another measurement, other free memory), the saved parts may not
         layout = partial / f"{tag}_v_groups.json"
-        if layout.exists():
+        if distributed.all_or_nothing(layout.exists()):
             groups = json.loads(layout.read_text())
             self.plan.fit["groups"] = groups
         else:
             groups = self.plan.fit_groups
-            if self.execution.main:
+            if ex.main:
                 partial.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(layout, groups)
+        mine = f".rank{ex.rank:05d}-of-{ex.world:05d}" if ex.sharded else ""  # whose part a file holds
+        writes = ex.sharded or ex.main
         v: dict = {}
         todo = []
         done_phases: dict = {}
         for k, g in enumerate(groups):
-            f = partial / f"{tag}_v_group{k:04d}.safetensors"
-            if f.exists():
+            f = partial / f"{tag}_v_group{k:04d}{mine}.safetensors"
+            if distributed.all_or_nothing(f.exists()):
                 v.update(load_file(str(f)))
-                meta = f.with_suffix(".json")  # what the group cost when it was fitted
+                meta = partial / f"{tag}_v_group{k:04d}.json"  # what the group cost when it was fitted
                 if meta.exists():
                     m = json.loads(meta.read_text())
                     for key, val in m.get("phases_s", {}).items():
@@ -294,19 +319,21 @@ class RunContext:
             else:
                 todo.append(k)
         last: dict = {}
+        dev = self.lm.device
 
         def on_group(layers, part):
             k = next(i for i in todo if groups[i] == list(layers))
-            got = finish(part.precondition({n: direction[n] for n in layers}, device=dev))
-            got = {n: t.to("cpu") for n, t in got.items()}
-            if self.execution.main:
+            got = {n: t.to(device="cpu", dtype=self.lm.dtype) for n, t in compute(part, list(layers)).items()}
+            phases = self._group_phases(last)
+            if writes:
                 partial.mkdir(parents=True, exist_ok=True)
-                tmp = partial / f".{tag}_v_group{k:04d}.tmp"
+                tmp = partial / f".{tag}_v_group{k:04d}{mine}.tmp"
                 save_file({n: t.contiguous() for n, t in got.items()}, str(tmp))
-                phases = self._group_phases(last)
-                peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
-                atomic_write_json(partial / f"{tag}_v_group{k:04d}.json", {"phases_s": phases, "gpu_peak_bytes": peak})
-                tmp.replace(partial / f"{tag}_v_group{k:04d}.safetensors")
+                if ex.main:
+                    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+                    atomic_write_json(partial / f"{tag}_v_group{k:04d}.json",
+                                      {"phases_s": phases, "gpu_peak_bytes": peak})
+                tmp.replace(partial / f"{tag}_v_group{k:04d}{mine}.safetensors")
             v.update(got)
 
         if len(todo) < len(groups):
@@ -320,31 +347,7 @@ class RunContext:
             ph = cur.setdefault("phases_s", {})
             for key, val in done_phases.items():  # the whole fit's phases, earlier processes included
                 ph[key] = ph.get(key, 0) + val
-        return {n: v[n] for n in self.modules}
-
-    def _precondition_sharded(self, direction_rows: dict) -> dict:
-        """Under ``--shard fsdp``: this rank's rows of ``v``. Every rank takes part in the fit
-        (its share of the batches); each layer's curvature is kept by one rank, which
-        preconditions that layer for all: the rank that fitted its factors
-        (``meta["owners"]`` of a sharded fit), or for a curvature every rank holds whole
-        (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`.
-        A transient plan preconditions each group as it is fitted (no per-group resume: a
-        stopped run fits again)."""
-        sizes = {n: m.out_features ** 3 + m.in_features ** 3 for n, m in self.modules.items()}
-        owners = sharding.curvature_owners(list(self.modules), sizes)
-        dev = self.lm.device
-        rows: dict = {}
-
-        def precondition(part):
-            own = part.meta.get("owners") or owners
-            rows.update(sharding.precondition_rows(sharding.keep_owned(part, own), direction_rows,
-                                                   self.modules, own, dev))
-
-        if self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups:
-            self.curvature(on_group=lambda layers, part: precondition(part), groups=self.plan.fit_groups)
-        else:
-            precondition(self.curvature())
-        return {n: rows[n] for n in self.modules}
+        return v
 
     def _group_phases(self, last: dict) -> dict:
         """The fit phases of the group just finished (the running totals minus ``last``,
