@@ -255,41 +255,73 @@ class RunContext:
         """``v = H^-1 direction`` in the dtype the scores use (the model's), layer by layer on
         the model's device. Under a ``transient`` memory plan each group of layers is
         preconditioned as soon as its curvature is fitted and saved in ``.partial`` (a
-        resumed run fits only the groups not done). ``consume``: the direction's layers are
-        taken out of ``direction`` as their ``v`` is formed (the caller's last use)."""
+        resumed run fits only the groups not done). Under ``--shard fsdp`` ``direction``
+        holds this rank's rows and so does the result; each layer's curvature is kept by one
+        rank, which preconditions that layer for all: the rank that fitted its factors
+        (``meta["owners"]`` of a sharded fit), or for a curvature every rank holds whole
+        (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`.
+        ``consume`` (one process): the direction's layers are taken out of ``direction`` as
+        their ``v`` is formed (the caller's last use)."""
         dev = self.lm.device
         vdt = self.lm.dtype
-
-        def finish(v: dict) -> dict:  # consumes v: its float32 layers are let go one by one
-            return {n: v.pop(n).to(dtype=vdt) for n in list(v)}
+        transient = self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups
 
         if self.execution.sharded:
-            return finish(self._precondition_sharded(direction))
-        if self.plan is None or self.plan.curvature_store != "transient" or not self.plan.fit_groups:
-            return finish(self.curvature().precondition(direction, device=dev, consume=consume))
+            sizes = {n: m.out_features ** 3 + m.in_features ** 3 for n, m in self.modules.items()}
+            owners = sharding.curvature_owners(list(self.modules), sizes)
+
+            def compute(part, layers):
+                own = part.meta.get("owners") or owners
+                return sharding.precondition_rows(sharding.keep_owned(part, own), direction, self.modules, own, dev)
+        else:
+            def compute(part, layers):
+                # layer by layer, in the model's dtype: one layer's float32 v at a time in host
+                # memory (the plan's figure)
+                out = {}
+                for n in layers:
+                    g = {n: direction.pop(n) if consume else direction[n]}
+                    out[n] = part.precondition(g, device=dev)[n].to(dtype=vdt)
+                return out
+
+        if transient:
+            v = self._precondition_by_group(tag, compute)
+        elif self.execution.sharded:
+            v = compute(self.curvature(), list(self.modules))
+        else:
+            v = self.curvature().precondition(direction, device=dev, consume=consume)
+        return {n: v.pop(n).to(dtype=vdt) for n in self.modules}  # each float32 layer let go once converted
+
+    def _precondition_by_group(self, tag: str, compute) -> dict:
+        """A transient plan's preconditioning: ``compute(part, layers)`` for each fit group
+        as soon as it is fitted, each group's result saved in ``.partial`` (under
+        ``--shard fsdp`` every rank saves its rows, and a group is done when every rank's
+        file is there); a resumed run loads the finished groups and fits only the others."""
         partial = self.out_dir / ".partial"
+        ex = self.execution
+        mine = f".rank{ex.rank:05d}-of-{ex.world:05d}" if ex.sharded else ""  # whose part a file holds
+        # a resumed run keeps the saved layout's finished groups (their parts are saved) and
+        # groups the other layers as its own plan does (resume_groups)
         layout = partial / f"{tag}_v_groups.json"
         groups = self.plan.fit_groups
-        if layout.exists():
-            groups = resume_groups(json.loads(layout.read_text()), groups,
-                                   lambda k: (partial / f"{tag}_v_group{k:04d}.safetensors").exists())
+        if distributed.all_or_nothing(layout.exists()):
+            groups = resume_groups(json.loads(layout.read_text()), groups, lambda k: distributed.all_or_nothing(
+                (partial / f"{tag}_v_group{k:04d}{mine}.safetensors").exists()))
+            distributed.barrier()  # every rank has read the saved layout before it is replaced
         self.plan.fit["groups"] = [g for g in groups if g]
-        if self.execution.main:
+        if ex.main:
             partial.mkdir(parents=True, exist_ok=True)
             atomic_write_json(layout, groups)
+        writes = ex.sharded or ex.main
         v: dict = {}
         todo = []
         done_phases: dict = {}
         for k, g in enumerate(groups):
-            f = partial / f"{tag}_v_group{k:04d}.safetensors"
+            f = partial / f"{tag}_v_group{k:04d}{mine}.safetensors"
             if not g:  # a position a resumed run's plan left empty
                 continue
-            if f.exists():
+            if distributed.all_or_nothing(f.exists()):
                 v.update(load_file(str(f)))
-                if consume:  # preconditioned by an earlier process: the direction's layers are not needed
-                    for n in g:
-                        direction.pop(n, None)
-                meta = f.with_suffix(".json")  # what the group cost when it was fitted
+                meta = partial / f"{tag}_v_group{k:04d}.json"  # what the group cost when it was fitted
                 if meta.exists():
                     m = json.loads(meta.read_text())
                     for key, val in m.get("phases_s", {}).items():
@@ -298,22 +330,21 @@ class RunContext:
             else:
                 todo.append(k)
         last: dict = {}
+        dev = self.lm.device
 
         def on_group(layers, part):
             k = next(i for i in todo if groups[i] == list(layers))
-            # layer by layer: one layer's float32 v in host memory at a time (the plan's figure)
-            got = {}
-            for n in layers:  # consume: the direction's layer is let go once its v is formed
-                got.update(finish(part.precondition({n: direction.pop(n) if consume else direction[n]}, device=dev)))
-            got = {n: t.to("cpu") for n, t in got.items()}
-            if self.execution.main:
+            got = {n: t.to(device="cpu", dtype=self.lm.dtype) for n, t in compute(part, list(layers)).items()}
+            phases = self._group_phases(last)
+            if writes:
                 partial.mkdir(parents=True, exist_ok=True)
-                tmp = partial / f".{tag}_v_group{k:04d}.tmp"
+                tmp = partial / f".{tag}_v_group{k:04d}{mine}.tmp"
                 save_file({n: t.contiguous() for n, t in got.items()}, str(tmp))
-                phases = self._group_phases(last)
-                peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
-                atomic_write_json(partial / f"{tag}_v_group{k:04d}.json", {"phases_s": phases, "gpu_peak_bytes": peak})
-                tmp.replace(partial / f"{tag}_v_group{k:04d}.safetensors")
+                if ex.main:
+                    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+                    atomic_write_json(partial / f"{tag}_v_group{k:04d}.json",
+                                      {"phases_s": phases, "gpu_peak_bytes": peak})
+                tmp.replace(partial / f"{tag}_v_group{k:04d}{mine}.safetensors")
             v.update(got)
 
         n_groups = sum(1 for g in groups if g)
@@ -328,31 +359,7 @@ class RunContext:
             ph = cur.setdefault("phases_s", {})
             for key, val in done_phases.items():  # the whole fit's phases, earlier processes included
                 ph[key] = ph.get(key, 0) + val
-        return {n: v[n] for n in self.modules}
-
-    def _precondition_sharded(self, direction_rows: dict) -> dict:
-        """Under ``--shard fsdp``: this rank's rows of ``v``. Every rank takes part in the fit
-        (its share of the batches); each layer's curvature is kept by one rank, which
-        preconditions that layer for all: the rank that fitted its factors
-        (``meta["owners"]`` of a sharded fit), or for a curvature every rank holds whole
-        (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`.
-        A transient plan preconditions each group as it is fitted (no per-group resume: a
-        stopped run fits again)."""
-        sizes = {n: m.out_features ** 3 + m.in_features ** 3 for n, m in self.modules.items()}
-        owners = sharding.curvature_owners(list(self.modules), sizes)
-        dev = self.lm.device
-        rows: dict = {}
-
-        def precondition(part):
-            own = part.meta.get("owners") or owners
-            rows.update(sharding.precondition_rows(sharding.keep_owned(part, own), direction_rows,
-                                                   self.modules, own, dev))
-
-        if self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups:
-            self.curvature(on_group=lambda layers, part: precondition(part), groups=self.plan.fit_groups)
-        else:
-            precondition(self.curvature())
-        return {n: rows[n] for n in self.modules}
+        return v
 
     def _group_phases(self, last: dict) -> dict:
         """The fit phases of the group just finished (the running totals minus ``last``,
