@@ -229,7 +229,7 @@ class RunContext:
                 max_length=st.max_length, progress=st.progress,
                 cuda_graphs=self.execution.cuda_graphs, timings=phases, precision=self.execution.precision,
                 groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes,
-                kernels=self.execution.kernels)
+                kernels=self.execution.kernels, offload=plan.fit.get("offload") if plan is not None else None)
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             info = self.info.get("curvature", {})
@@ -259,7 +259,9 @@ class RunContext:
         holds this rank's rows and so does the result; each layer's curvature is kept by one
         rank, which preconditions that layer for all: the rank that fitted its factors
         (``meta["owners"]`` of a sharded fit), or for a curvature every rank holds whole
-        (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`."""
+        (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`.
+        ``consume`` (one process): the direction's layers are taken out of ``direction`` as
+        their ``v`` is formed (the caller's last use)."""
         dev = self.lm.device
         vdt = self.lm.dtype
         transient = self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups
@@ -273,7 +275,13 @@ class RunContext:
                 return sharding.precondition_rows(sharding.keep_owned(part, own), direction, self.modules, own, dev)
         else:
             def compute(part, layers):
-                return part.precondition({n: direction[n] for n in layers}, device=dev)
+                # layer by layer, in the model's dtype: one layer's float32 v at a time in host
+                # memory (the plan's figure)
+                out = {}
+                for n in layers:
+                    g = {n: direction.pop(n) if consume else direction[n]}
+                    out[n] = part.precondition(g, device=dev)[n].to(dtype=vdt)
+                return out
 
         if transient:
             v = self._precondition_by_group(tag, compute)
@@ -281,7 +289,7 @@ class RunContext:
             v = compute(self.curvature(), list(self.modules))
         else:
             v = self.curvature().precondition(direction, device=dev, consume=consume)
-        return {n: v[n].to(dtype=vdt) for n in self.modules}
+        return {n: v.pop(n).to(dtype=vdt) for n in self.modules}  # each float32 layer let go once converted
 
     def _precondition_by_group(self, tag: str, compute) -> dict:
         """A transient plan's preconditioning: ``compute(part, layers)`` for each fit group
@@ -290,24 +298,27 @@ class RunContext:
         file is there); a resumed run loads the finished groups and fits only the others."""
         partial = self.out_dir / ".partial"
         ex = self.execution
-        # the partition is fixed by the run's first process: a resumed run's plan may group
-        # differently (another measurement, other free memory), the saved parts may not
-        layout = partial / f"{tag}_v_groups.json"
-        if distributed.all_or_nothing(layout.exists()):
-            groups = json.loads(layout.read_text())
-            self.plan.fit["groups"] = groups
-        else:
-            groups = self.plan.fit_groups
-            if ex.main:
-                partial.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(layout, groups)
         mine = f".rank{ex.rank:05d}-of-{ex.world:05d}" if ex.sharded else ""  # whose part a file holds
+        # a resumed run keeps the saved layout's finished groups (their parts are saved) and
+        # groups the other layers as its own plan does (resume_groups)
+        layout = partial / f"{tag}_v_groups.json"
+        groups = self.plan.fit_groups
+        if distributed.all_or_nothing(layout.exists()):
+            groups = resume_groups(json.loads(layout.read_text()), groups, lambda k: distributed.all_or_nothing(
+                (partial / f"{tag}_v_group{k:04d}{mine}.safetensors").exists()))
+            distributed.barrier()  # every rank has read the saved layout before it is replaced
+        self.plan.fit["groups"] = [g for g in groups if g]
+        if ex.main:
+            partial.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(layout, groups)
         writes = ex.sharded or ex.main
         v: dict = {}
         todo = []
         done_phases: dict = {}
         for k, g in enumerate(groups):
             f = partial / f"{tag}_v_group{k:04d}{mine}.safetensors"
+            if not g:  # a position a resumed run's plan left empty
+                continue
             if distributed.all_or_nothing(f.exists()):
                 v.update(load_file(str(f)))
                 meta = partial / f"{tag}_v_group{k:04d}.json"  # what the group cost when it was fitted
@@ -336,14 +347,15 @@ class RunContext:
                 tmp.replace(partial / f"{tag}_v_group{k:04d}{mine}.safetensors")
             v.update(got)
 
-        if len(todo) < len(groups):
+        n_groups = sum(1 for g in groups if g)
+        if len(todo) < n_groups:
             log.info("resuming: %d of %d fit groups were preconditioned earlier; fitting the other %d",
-                     len(groups) - len(todo), len(groups), len(todo))
+                     n_groups - len(todo), n_groups, len(todo))
         if todo:
             self.curvature(on_group=on_group, groups=[groups[k] for k in todo])
-        if len(todo) < len(groups):
+        if len(todo) < n_groups:
             cur = self.info.setdefault("curvature", {})
-            cur["resumed_groups"] = len(groups) - len(todo)
+            cur["resumed_groups"] = n_groups - len(todo)
             ph = cur.setdefault("phases_s", {})
             for key, val in done_phases.items():  # the whole fit's phases, earlier processes included
                 ph[key] = ph.get(key, 0) + val
@@ -455,6 +467,28 @@ class RunContext:
                 **stats, "ranks": self.execution.world, "real_tokens_per_s_rank": stats["real_tokens"] / dt,
                 "padding_fraction": 1 - stats["real_tokens"] / max(stats["padded_tokens"], 1)}
         return s
+
+
+def resume_groups(saved: list, planned: list, finished) -> list:
+    """The fit groups of a resumed transient run: the saved layout's finished groups
+    (``finished(k)``: group ``k``'s part of ``v`` is saved) where they are, and the other
+    layers grouped as this process's plan groups them (each a part of a planned group, so
+    it fits), in the unfinished positions, then appended; positions left over are empty.
+    The saved layout is the earlier process's plan, made for other memory: kept whole, a
+    2-group layout of an uncapped H200 run was fitted under a 79.6 GiB cap (5 groups
+    planned) and ran out of GPU memory in its first group. Idempotent: the result given
+    back as ``saved`` gives itself."""
+    done = [k for k, g in enumerate(saved) if g and finished(k)]
+    kept = {n for k in done for n in saved[k]}
+    fresh = [f for f in ([n for n in g if n not in kept] for g in planned) if f]
+    out = [g if k in done else [] for k, g in enumerate(saved)]
+    free = [k for k in range(len(saved)) if k not in done]
+    for g in fresh:
+        if free:
+            out[free.pop(0)] = g
+        else:
+            out.append(g)
+    return out
 
 
 def _summary(xs: list) -> dict:
