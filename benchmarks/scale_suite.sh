@@ -21,7 +21,12 @@
 #   the shard step, default the attention projections: the fit's eigendecompositions, which
 #   do not divide over ranks, stay small next to the passes), EXTRA (more score flags),
 #   NODDP (shard step without the data-parallel run), TAG (suffix of its result files),
-#   DEADLINE (epoch seconds: every score step stops 20 s before it, to fit a call limit)
+#   DEADLINE (epoch seconds: every score step stops 20 s before it, to fit a call limit),
+#   KS (GPU counts of the shard step), K1NOGRAPHS (shard step: also one GPU without CUDA
+#   graphs, the FSDP runs' arithmetic), FSDP_GPUS / FSDP_DEVICES (fsdp-full step).
+#   A step longer than a call: start it in its own process session on the warm machine,
+#   `setsid nohup bash benchmarks/scale_suite.sh STEP > /tmp/STEP.log 2>&1 &`, and look at
+#   the log in the next calls (it runs until the machine goes back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 S="${S:-/tmp/s}"; OUT="${OUT:-/tmp/scale-out}"; DATA="${DATA:-.device/data}"
@@ -58,6 +63,11 @@ for step in "$@"; do
       MODS="${MODS:-self_attn\.(q|k|v|o)_proj}"; runs="$S/run-shard-k1"
       [ -d "$S/run-shard-k1" ] && [ -f "$S/run-shard-k1/run.json" ] || { LAUNCH="python3"; CUDA_VISIBLE_DEVICES=0 \
         score shard-k1 --modules "$MODS" --cache-dir "$S/cache-k1"; }
+      if [ -n "${K1NOGRAPHS:-}" ]; then  # one GPU without CUDA graphs (as FSDP runs): the agreement baseline
+        LAUNCH="python3"; CUDA_VISIBLE_DEVICES=0 score shard-k1-nographs --modules "$MODS" --cuda-graphs off \
+          --cache-dir "$S/cache-k1-nographs"
+        runs="$runs $S/run-shard-k1-nographs"
+      fi
       for K in ${KS:-$(nvidia-smi -L | wc -l)}; do  # KS: GPU counts to run, e.g. "2 4" (default: all)
         LAUNCH="python3 -m torch.distributed.run --standalone --nproc-per-node $K"
         CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((K - 1))) score "fsdp-k$K" --modules "$MODS" --shard fsdp \
@@ -69,7 +79,8 @@ for step in "$@"; do
         fi
       done
       LAUNCH="python3"
-      python3 benchmarks/dist_report.py $runs --json "$OUT/shard${TAG:-}.json" | tee "$OUT/shard${TAG:-}.txt" ;;
+      python3 benchmarks/dist_report.py $runs ${K1NOGRAPHS:+--agree-with 1} --json "$OUT/shard${TAG:-}.json" \
+        | tee "$OUT/shard${TAG:-}.txt" ;;
     full) score full ;;
     step) python3 benchmarks/bench_scoring.py --config llama8b --seq-len 512 --batch 8 --n 128 --fit-n 0 \
             --routes forward,fwd_bwd,exact --json "$OUT/step_llama8b.json" 2>&1 | tail -25 ;;

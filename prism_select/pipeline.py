@@ -57,7 +57,8 @@ from .io import (
     sha256_json,
 )
 from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
-from .plan import MemoryPlan, cap_device_memory, make_plan, measure_example_bytes, stored_bytes
+from .plan import (MemoryPlan, cap_device_memory, host_available_bytes, make_plan, measure_example_bytes,
+                   stored_bytes)
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
 from .scoring import score_encoded, score_stream
@@ -229,7 +230,7 @@ class RunContext:
                 max_length=st.max_length, progress=st.progress,
                 cuda_graphs=self.execution.cuda_graphs, timings=phases, precision=self.execution.precision,
                 groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes,
-                kernels=self.execution.kernels)
+                kernels=self.execution.kernels, offload=plan.fit.get("offload") if plan is not None else None)
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             info = self.info.get("curvature", {})
@@ -255,45 +256,78 @@ class RunContext:
         """``v = H^-1 direction`` in the dtype the scores use (the model's), layer by layer on
         the model's device. Under a ``transient`` memory plan each group of layers is
         preconditioned as soon as its curvature is fitted and saved in ``.partial`` (a
-        resumed run fits only the groups not done).
-
-        ``last``: the caller's last use of ``direction`` and of the curvature. With one
-        group and no sharding this goes through :meth:`last_use`: the direction waits on
-        disk while the curvature is fitted or loaded, each layer of both is freed once
-        used, the run's curvature is dropped (it stays in the cache), and ``direction`` is
-        left empty. The sharded and transient routes ignore it."""
+        resumed run fits only the groups not done). Under ``--shard fsdp`` ``direction``
+        holds this rank's rows and so does the result; each layer's curvature is kept by one
+        rank, which preconditions that layer for all: the rank that fitted its factors
+        (``meta["owners"]`` of a sharded fit), or for a curvature every rank holds whole
+        (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`.
+        ``last`` (one process): the caller's last use of ``direction`` and of the curvature.
+        The direction's layers are taken out of ``direction`` as their ``v`` is formed; with
+        one fit group this goes through :meth:`last_use` (the direction waits on disk while
+        the curvature is fitted or loaded, each layer's curvature is freed once used, and
+        the run's curvature is dropped; it stays in the cache)."""
         dev = self.lm.device
         vdt = self.lm.dtype
-
-        def finish(v: dict) -> dict:
-            return {n: t.to(dtype=vdt) for n, t in v.items()}
+        transient = self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups
 
         if self.execution.sharded:
-            return finish(self._precondition_sharded(direction))
-        if self.plan is None or self.plan.curvature_store != "transient" or not self.plan.fit_groups:
-            if last:
-                return finish(self.last_use(direction, device=dev))
-            return finish(self.curvature().precondition(direction, device=dev))
-        partial = self.out_dir / ".partial"
-        # the partition is fixed by the run's first process: a resumed run's plan may group
-        # differently (another measurement, other free memory), the saved parts may not
-        layout = partial / f"{tag}_v_groups.json"
-        if layout.exists():
-            groups = json.loads(layout.read_text())
-            self.plan.fit["groups"] = groups
+            sizes = {n: m.out_features ** 3 + m.in_features ** 3 for n, m in self.modules.items()}
+            owners = sharding.curvature_owners(list(self.modules), sizes)
+
+            def compute(part, layers):
+                own = part.meta.get("owners") or owners
+                return sharding.precondition_rows(sharding.keep_owned(part, own), direction, self.modules, own, dev)
         else:
-            groups = self.plan.fit_groups
-            if self.execution.main:
-                partial.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(layout, groups)
+            def compute(part, layers):
+                # layer by layer, in the model's dtype: one layer's float32 v at a time in host
+                # memory (the plan's figure)
+                out = {}
+                for n in layers:
+                    g = {n: direction.pop(n) if last else direction[n]}
+                    out[n] = part.precondition(g, device=dev)[n].to(dtype=vdt)
+                return out
+
+        if transient:
+            v = self._precondition_by_group(tag, compute)
+        elif self.execution.sharded:
+            v = compute(self.curvature(), list(self.modules))
+        elif last:
+            v = self.last_use(direction, device=dev)
+        else:
+            v = self.curvature().precondition(direction, device=dev)
+        return {n: v.pop(n).to(dtype=vdt) for n in self.modules}  # each float32 layer let go once converted
+
+    def _precondition_by_group(self, tag: str, compute) -> dict:
+        """A transient plan's preconditioning: ``compute(part, layers)`` for each fit group
+        as soon as it is fitted, each group's result saved in ``.partial`` (under
+        ``--shard fsdp`` every rank saves its rows, and a group is done when every rank's
+        file is there); a resumed run loads the finished groups and fits only the others."""
+        partial = self.out_dir / ".partial"
+        ex = self.execution
+        mine = f".rank{ex.rank:05d}-of-{ex.world:05d}" if ex.sharded else ""  # whose part a file holds
+        # a resumed run keeps the saved layout's finished groups (their parts are saved) and
+        # groups the other layers as its own plan does (resume_groups)
+        layout = partial / f"{tag}_v_groups.json"
+        groups = self.plan.fit_groups
+        if distributed.all_or_nothing(layout.exists()):
+            groups = resume_groups(json.loads(layout.read_text()), groups, lambda k: distributed.all_or_nothing(
+                (partial / f"{tag}_v_group{k:04d}{mine}.safetensors").exists()))
+            distributed.barrier()  # every rank has read the saved layout before it is replaced
+        self.plan.fit["groups"] = [g for g in groups if g]
+        if ex.main:
+            partial.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(layout, groups)
+        writes = ex.sharded or ex.main
         v: dict = {}
         todo = []
         done_phases: dict = {}
         for k, g in enumerate(groups):
-            f = partial / f"{tag}_v_group{k:04d}.safetensors"
-            if f.exists():
+            f = partial / f"{tag}_v_group{k:04d}{mine}.safetensors"
+            if not g:  # a position a resumed run's plan left empty
+                continue
+            if distributed.all_or_nothing(f.exists()):
                 v.update(load_file(str(f)))
-                meta = f.with_suffix(".json")  # what the group cost when it was fitted
+                meta = partial / f"{tag}_v_group{k:04d}.json"  # what the group cost when it was fitted
                 if meta.exists():
                     m = json.loads(meta.read_text())
                     for key, val in m.get("phases_s", {}).items():
@@ -302,33 +336,36 @@ class RunContext:
             else:
                 todo.append(k)
         last: dict = {}
+        dev = self.lm.device
 
         def on_group(layers, part):
             k = next(i for i in todo if groups[i] == list(layers))
-            got = finish(part.precondition({n: direction[n] for n in layers}, device=dev))
-            got = {n: t.to("cpu") for n, t in got.items()}
-            if self.execution.main:
+            got = {n: t.to(device="cpu", dtype=self.lm.dtype) for n, t in compute(part, list(layers)).items()}
+            phases = self._group_phases(last)
+            if writes:
                 partial.mkdir(parents=True, exist_ok=True)
-                tmp = partial / f".{tag}_v_group{k:04d}.tmp"
+                tmp = partial / f".{tag}_v_group{k:04d}{mine}.tmp"
                 save_file({n: t.contiguous() for n, t in got.items()}, str(tmp))
-                phases = self._group_phases(last)
-                peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
-                atomic_write_json(partial / f"{tag}_v_group{k:04d}.json", {"phases_s": phases, "gpu_peak_bytes": peak})
-                tmp.replace(partial / f"{tag}_v_group{k:04d}.safetensors")
+                if ex.main:
+                    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+                    atomic_write_json(partial / f"{tag}_v_group{k:04d}.json",
+                                      {"phases_s": phases, "gpu_peak_bytes": peak})
+                tmp.replace(partial / f"{tag}_v_group{k:04d}{mine}.safetensors")
             v.update(got)
 
-        if len(todo) < len(groups):
+        n_groups = sum(1 for g in groups if g)
+        if len(todo) < n_groups:
             log.info("resuming: %d of %d fit groups were preconditioned earlier; fitting the other %d",
-                     len(groups) - len(todo), len(groups), len(todo))
+                     n_groups - len(todo), n_groups, len(todo))
         if todo:
             self.curvature(on_group=on_group, groups=[groups[k] for k in todo])
-        if len(todo) < len(groups):
+        if len(todo) < n_groups:
             cur = self.info.setdefault("curvature", {})
-            cur["resumed_groups"] = len(groups) - len(todo)
+            cur["resumed_groups"] = n_groups - len(todo)
             ph = cur.setdefault("phases_s", {})
             for key, val in done_phases.items():  # the whole fit's phases, earlier processes included
                 ph[key] = ph.get(key, 0) + val
-        return {n: v[n] for n in self.modules}
+        return v
 
     def last_use(self, direction: dict, device=None) -> dict:
         """``H^-1 direction`` (in the direction's dtype) when neither the direction nor the
@@ -354,30 +391,6 @@ class RunContext:
         finally:
             if isinstance(direction, SpilledLayers):
                 direction.close()
-
-    def _precondition_sharded(self, direction_rows: dict) -> dict:
-        """Under ``--shard fsdp``: this rank's rows of ``v``. Every rank takes part in the fit
-        (its share of the batches); each layer's curvature is kept by one rank, which
-        preconditions that layer for all: the rank that fitted its factors
-        (``meta["owners"]`` of a sharded fit), or for a curvature every rank holds whole
-        (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`.
-        A transient plan preconditions each group as it is fitted (no per-group resume: a
-        stopped run fits again)."""
-        sizes = {n: m.out_features ** 3 + m.in_features ** 3 for n, m in self.modules.items()}
-        owners = sharding.curvature_owners(list(self.modules), sizes)
-        dev = self.lm.device
-        rows: dict = {}
-
-        def precondition(part):
-            own = part.meta.get("owners") or owners
-            rows.update(sharding.precondition_rows(sharding.keep_owned(part, own), direction_rows,
-                                                   self.modules, own, dev))
-
-        if self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups:
-            self.curvature(on_group=lambda layers, part: precondition(part), groups=self.plan.fit_groups)
-        else:
-            precondition(self.curvature())
-        return {n: rows[n] for n in self.modules}
 
     def _group_phases(self, last: dict) -> dict:
         """The fit phases of the group just finished (the running totals minus ``last``,
@@ -484,6 +497,28 @@ class RunContext:
                 **stats, "ranks": self.execution.world, "real_tokens_per_s_rank": stats["real_tokens"] / dt,
                 "padding_fraction": 1 - stats["real_tokens"] / max(stats["padded_tokens"], 1)}
         return s
+
+
+def resume_groups(saved: list, planned: list, finished) -> list:
+    """The fit groups of a resumed transient run: the saved layout's finished groups
+    (``finished(k)``: group ``k``'s part of ``v`` is saved) where they are, and the other
+    layers grouped as this process's plan groups them (each a part of a planned group, so
+    it fits), in the unfinished positions, then appended; positions left over are empty.
+    The saved layout is the earlier process's plan, made for other memory: kept whole, a
+    2-group layout of an uncapped H200 run was fitted under a 79.6 GiB cap (5 groups
+    planned) and ran out of GPU memory in its first group. Idempotent: the result given
+    back as ``saved`` gives itself."""
+    done = [k for k, g in enumerate(saved) if g and finished(k)]
+    kept = {n for k in done for n in saved[k]}
+    fresh = [f for f in ([n for n in g if n not in kept] for g in planned) if f]
+    out = [g if k in done else [] for k, g in enumerate(saved)]
+    free = [k for k in range(len(saved)) if k not in done]
+    for g in fresh:
+        if free:
+            out[free.pop(0)] = g
+        else:
+            out.append(g)
+    return out
 
 
 def _summary(xs: list) -> dict:
@@ -608,11 +643,21 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
             nbytes = per
     head = lm.model.get_output_embeddings() if hasattr(lm.model, "get_output_embeddings") else None
     vocab = head.out_features if isinstance(head, torch.nn.Linear) else len(lm.tokenizer)
+    gpu_total = host = None
+    if distributed.active():
+        # one plan on every rank: the ranks split the same fit batches and run the same
+        # collectives, so each plans for the largest measurement and the smallest memory
+        if lm.device.type == "cuda":
+            mine = fixed if fixed is not None else torch.cuda.memory_allocated(lm.device)
+            fixed = max(distributed.gather_values(mine))
+            gpu_total = min(distributed.gather_values(torch.cuda.get_device_properties(lm.device).total_memory))
+        nbytes = max(distributed.gather_values(nbytes))
+        host = min(distributed.gather_values(host_available_bytes()))
     plan = make_plan(lm.model, modules, kind=curvature.kind, device=lm.device, batch_size=settings.batch_size,
                      fit_batch_size=curvature.batch_size, example_bytes=nbytes,
                      longest=len(longest.input_ids) if longest is not None else 1, vocab=vocab,
-                     max_gpu_memory=settings.max_gpu_memory, weights=fixed,
-                     shards=distributed.world() if sharded else 1)
+                     max_gpu_memory=settings.max_gpu_memory, weights=fixed, gpu_total=gpu_total,
+                     host_available=host, shards=distributed.world() if sharded else 1)
     if distributed.is_main():
         log.info("%s", plan.describe())
         if settings.progress and (plan.bounded and (len(plan.fit_groups) > 1 or plan.notes)):

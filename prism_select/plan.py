@@ -12,7 +12,9 @@ fit, pass 1    the float32 factors ``A`` (in' x in') and ``S`` (out x out) of on
                of layers, one fit batch's activations
 eigh           the largest factor's eigendecomposition workspace
 fit, pass 2    (EK-FAC) ``Q_A``, ``Q_S`` in the model's dtype and ``Lambda`` (float32,
-               out x in') of the group, and one batch of rotated per-example gradients
+               out x in') of the group, and one batch of rotated per-example gradients;
+               layer by layer, the float32 eigenbases leave (to the host, unless the
+               curvature stays on the device) before that layer's ``Lambda`` is allocated
 scoring        ``V`` (the preconditioned direction, model dtype) and one batch
 =============  ==========================================================================
 
@@ -23,11 +25,20 @@ Activations are *measured*: one forward and activation backward of the longest e
   whose pass-1 factors fit next to the weights: the fit runs group by group, two passes
   over the fit sample per group (:func:`prism_select.curvature.fit.fit_curvature`);
 - chooses where the fitted curvature lives (``curvature_store``): ``device`` when every
-  group's factors fit there at once (one group, as without a plan), ``host`` when they fit
-  in ``HOST_FRACTION`` of the host's available memory (moved there group by group and
-  brought back a layer at a time to precondition), else ``transient``: each group's
+  group's factors fit there at once and the fit holding them still fits (one group, as
+  without a plan), ``host`` when they fit in ``HOST_FRACTION`` of the host's available
+  memory and in host memory next to the direction and ``v`` (moved there group by group
+  and brought back a layer at a time to precondition), else ``transient``: each group's
   factors precondition the run's direction as soon as they are fitted and are dropped
   (``v`` is kept; nothing is cached, and a second direction means a second fit);
+- budgets host memory too (``HOST_USABLE`` of what the host has available when planning):
+  the float32 direction where it is kept there, ``v`` (formed there, and under
+  ``transient`` collected there group by group), a host-kept curvature, and under
+  ``transient`` EK-FAC a group's float32 eigenbases, which wait there during the group's
+  eigenvalue pass (``fit["offload"]``): groups are made small enough for that too, or the
+  eigenbases stay on the device (more, smaller groups), and :class:`PlanError` names host
+  memory when neither fits. ``host`` records the figures (available, usable, and the most
+  the direction, the fit and the scoring keep there);
 - chooses where the target direction accumulates (``device`` ``.grad``, or ``host``:
   each layer's gradient is moved to a float32 host accumulator as soon as autograd
   finishes it) and where the finished direction is kept;
@@ -66,7 +77,13 @@ ACTIVATION_SAFETY = 1.25
 #: solver workspace)
 EIGH_BUFFERS = 4
 #: share of the host's available memory the fitted curvature may take under ``host``
+#: (besides the budget of everything the run keeps there, HOST_USABLE)
 HOST_FRACTION = 0.6
+#: share of the host's available memory (when planning, after the model is loaded) that
+#: what the run keeps there may take: the float32 target direction, a fit group's float32
+#: eigenbases waiting there during the eigenvalue pass, a host-kept curvature, and ``v``
+#: (the rest is for the process's own heap, the tokenised inputs and the page cache)
+HOST_USABLE = 0.9
 #: the finished target direction stays on the device only below this share of the usable
 #: memory (it is alive through the fit and the scoring)
 DIRECTION_ON_DEVICE = 0.05
@@ -155,22 +172,31 @@ def units(names: list) -> list:
     return out
 
 
-def make_groups(names: list, cost: dict, budget: int) -> list | None:
-    """Contiguous groups of ``names`` whose summed ``cost`` stays within ``budget`` (whole
-    units where one fits, single layers otherwise); None if one layer alone does not fit."""
-    groups, cur, used = [], [], 0
+def make_groups(names: list, cost: dict, budget: int, cost2: dict | None = None,
+                budget2: int | None = None, carry2: dict | None = None) -> list | None:
+    """Contiguous groups of ``names`` whose summed ``cost`` stays within ``budget`` (and
+    ``cost2`` within ``budget2``, e.g. host memory, where given): whole units where one
+    fits, single layers otherwise; None if one layer alone does not fit. ``carry2``: bytes
+    of ``budget2`` that a finished group's layers keep for the rest of the run (e.g. their
+    part of ``v``), so that later groups have less of it."""
+    limits = [(cost, budget, {})] + ([(cost2, budget2, carry2 or {})] if cost2 is not None else [])
+    base = [0] * len(limits)  # carried by the finished groups
+
+    def over(piece, used):
+        return any(b0 + u + sum(c[n] for n in piece) > b for (c, b, _), u, b0 in zip(limits, used, base))
+
+    groups, cur, used = [], [], [0] * len(limits)
     for unit in units(names):
-        c = sum(cost[n] for n in unit)
-        pieces = [unit] if c <= budget else [[n] for n in unit]
+        pieces = [unit] if not over(unit, [0] * len(limits)) else [[n] for n in unit]
         for piece in pieces:
-            pc = sum(cost[n] for n in piece)
-            if pc > budget:
-                return None
-            if cur and used + pc > budget:
+            if cur and over(piece, used):
                 groups.append(cur)
-                cur, used = [], 0
+                base = [b0 + sum(k.get(n, 0) for n in cur) for (_, _, k), b0 in zip(limits, base)]
+                cur, used = [], [0] * len(limits)
+            if over(piece, used):
+                return None
             cur = cur + piece
-            used += pc
+            used = [u + sum(c[n] for n in piece) for (c, _, _), u in zip(limits, used)]
     if cur:
         groups.append(cur)
     return groups
@@ -190,22 +216,28 @@ def cap_device_memory(device, max_bytes: int | None) -> None:
 def measure_example_bytes(model, example, pad_id: int, device, copies: int = 1) -> int:
     """Peak device memory of one forward + activation backward of ``example`` (a batch of
     ``copies`` of it) above what was allocated before, as the fit and the scores run it."""
-    from .engine import batch_losses, causal_only, collate_to, split_causal_lm
-    from .gradients import activation_grad_mode
-
     dev = torch.device(device)
     if dev.type != "cuda":
         return 0
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev)
-    b = collate_to([example] * copies, pad_id, dev)
+    example_step(model, example, pad_id, dev, copies)
+    torch.cuda.synchronize(dev)
+    return max(torch.cuda.max_memory_allocated(dev) - base, 0)
+
+
+def example_step(model, example, pad_id: int, device, copies: int = 1) -> None:
+    """The step :func:`measure_example_bytes` measures: one forward and activation backward
+    of ``copies`` of ``example`` (tests measure it on the CPU with their own tracker)."""
+    from .engine import batch_losses, causal_only, collate_to, split_causal_lm
+    from .gradients import activation_grad_mode
+
+    b = collate_to([example] * copies, pad_id, torch.device(device))
     with activation_grad_mode(model), torch.enable_grad():
         losses, _ = batch_losses(model, causal_only(b), split=split_causal_lm(model))
         losses.sum().backward()
     del losses, b
-    torch.cuda.synchronize(dev)
-    return max(torch.cuda.max_memory_allocated(dev) - base, 0)
 
 
 # ----------------------------------------------------------------------------- plan
@@ -223,6 +255,9 @@ class MemoryPlan:
     fit: dict = field(default_factory=dict)  # groups, batch_size, peak, factor bytes
     curvature_store: str = "device"
     scoring: dict = field(default_factory=dict)  # batch_size, peak
+    #: host memory (bounded plans): available, usable, and what the direction, the fit and
+    #: the scoring keep there at most
+    host: dict = field(default_factory=dict)
     peak: int = 0
     notes: list = field(default_factory=list)
 
@@ -254,6 +289,11 @@ class MemoryPlan:
                          f"peak {_gib(f['peak'])}; curvature ({_gib(f['stored_bytes'])}{sharded}) {kept}")
         if s:
             lines.append(f"  scoring: batch {s['batch_size']}, peak {_gib(s['peak'])}")
+        h = self.host
+        if h:
+            lines.append(f"  host memory: {_gib(h['peak'])} of {_gib(h['usable'])} usable "
+                         f"({HOST_USABLE:.0%} of {_gib(h['available'])} available): direction "
+                         f"{_gib(h['direction'])}, fit {_gib(h['fit'])}, scoring {_gib(h['scoring'])}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -341,7 +381,17 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
     dir_bytes = tracked * acc // shards
     dir_store = "device" if not bounded or (accumulate == "device" and dir_bytes <= DIRECTION_ON_DEVICE * usable) \
         else "host"
+    host_usable = int(HOST_USABLE * host_available)
+    if bounded and dir_store == "host" and dir_bytes + largest * acc > host_usable:
+        # the host cannot hold it: on the device, if it fits there next to v and a batch
+        if accumulate == "device" and fits(weights + dir_bytes + tracked * half // shards + act(1)):
+            dir_store = "device"
+        else:
+            raise PlanError(f"the target direction ({_gib(dir_bytes)} in float32) fits neither host memory "
+                            f"({_gib(host_usable)} usable of {_gib(host_available)} available) nor {dev} next to "
+                            f"the weights; " + _suggestions(len(names), "or a host with more memory"))
     held = dir_bytes if dir_store == "device" and bounded else 0
+    dir_host = dir_bytes if dir_store == "host" and bounded else 0
     plan.direction = {"accumulate": accumulate, "store": dir_store, "batch_size": bs, "peak": need(bs)}
     if bs < batch_size:
         plan.notes.append(f"target pairs in batches of {bs} (not {batch_size}) to fit the device")
@@ -409,26 +459,80 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
             raise PlanError(f"the curvature fit does not fit on {dev}: layer {worst!r} alone needs "
                             f"{_gib(cost[worst])} of factors next to the weights ({_gib(weights)}) within "
                             f"{_gib(usable)}; " + _suggestions(len(names), "or --curvature diagonal / identity"))
-        if len(groups) == 1 and bounded and fits(weights + total_stored / fsh + v_bytes + act(sbs)):
+        # host memory besides the direction: v in the model's dtype (formed on the host where
+        # the direction is, and under ``transient`` collected there group by group) and one
+        # layer's float32 v while it is preconditioned
+        v_parts = {n: half * o * i // shards for n, (o, i) in shapes.items()}
+        v_host = lambda transient: sum(v_parts.values()) if dir_host or transient else 0  # noqa: E731
+        spare = lambda transient: host_usable - dir_host - v_host(transient) - largest * acc  # noqa: E731
+        spare_fit = host_usable - dir_host - largest * acc  # a transient fit: v grows group by group
+        gpeak = max(share(sum(cost[n] for n in g)) for g in groups)
+        base_peak = int(weights + held + act(fbs) + gpeak + work(fbs))
+        offload, group_host = None, 0  # None: the fit's default (off where the curvature stays on the device)
+        # kept on the device only where the fit holding it as well still fits (the figure
+        # recorded below), not only the scoring next to it
+        if not bounded or (len(groups) == 1 and fits(weights + total_stored / fsh + v_bytes + act(sbs))
+                           and fits(base_peak + total_stored / fsh)):
             store = "device"
-        elif not bounded:
-            store = "device"
-        elif total_stored <= HOST_FRACTION * host_available:
-            store = "host"
+        elif total_stored <= min(spare(False), HOST_FRACTION * host_available):
+            # every group's tensors end up there (a group's float32 eigenbases wait there
+            # during its eigenvalue pass)
+            store, offload, group_host = "host", kind == "ekfac", total_stored
         else:
             store = "transient"
-            plan.notes.append(f"the fitted curvature ({_gib(total_stored)}) fits neither the device nor "
-                              f"{HOST_FRACTION:.0%} of the host's {_gib(host_available)} available: each group "
+            room = usable - weights - held - act(fbs) - work(fbs)
+            # a group's float32 eigenbases wait in host memory during its eigenvalue pass
+            # (EK-FAC), and its part of v is saved from there: groups small enough for the
+            # host too; else the eigenbases stay on the device (beside their half-precision
+            # copies and Lambda: more, smaller groups)
+            waits = {n: acc * (o * o + i * i + o + i) if kind == "ekfac" else 0 for n, (o, i) in shapes.items()}
+            # (with sharded factors each rank's share of a group, as for the device: budget)
+            g = make_groups(names, cost, budget(room), {n: waits[n] / fsh + v_parts[n] for n in names},
+                            spare_fit - (max(waits.values()) if fsh > 1 else 0), v_parts)
+            offload = kind == "ekfac" and g is not None
+            if g is None and kind == "ekfac":
+                cost = {n: p1[n] + p2[n] for n in names}
+                g = make_groups(names, cost, budget(room), v_parts, spare_fit, v_parts)
+                if g is not None:
+                    plan.notes.append("the float32 eigenbases stay on the device during the eigenvalue pass: "
+                                      "host memory does not hold a group's")
+            if g is None:
+                raise PlanError(f"the curvature fit does not fit host memory: the target direction "
+                                f"({_gib(dir_host)}) leaves {_gib(max(spare_fit, 0))} of {_gib(host_usable)} usable "
+                                f"({HOST_USABLE:.0%} of {_gib(host_available)} available) for v ({_gib(v_host(True))}, "
+                                f"collected group by group) and a group's eigenbases; "
+                                + _suggestions(len(names), "or a host with more memory"))
+            if len(g) > len(groups):
+                plan.notes.append(f"{len(g)} fit groups (not {len(groups)}) to fit host memory")
+            groups = g
+            # the largest of: the groups before this one's v, and this one's eigenbases and v
+            done, group_host = 0, 0
+            for grp in groups:
+                held_back = share(sum(waits[n] for n in grp)) if offload else 0
+                group_host = max(group_host, done + held_back + sum(v_parts[n] for n in grp))
+                done += sum(v_parts[n] for n in grp)
+            gpeak = max(share(sum(cost[n] for n in grp)) for grp in groups)
+            base_peak = int(weights + held + act(fbs) + gpeak + work(fbs))
+            plan.notes.append(f"the fitted curvature ({_gib(total_stored)}) fits neither the device nor host "
+                              f"memory ({HOST_FRACTION:.0%} of the host's {_gib(host_available)} available, and "
+                              f"{_gib(host_usable)} usable next to the direction and v): each group "
                               "preconditions the direction and is dropped (not cached)")
         plan.curvature_store = store
-        gpeak = max(share(sum(cost[n] for n in g)) for g in groups)
-        fit_peak = int(weights + held + act(fbs) + gpeak + work(fbs) + (total_stored / fsh if store == "device" else 0))
+        fit_peak = int(base_peak + (total_stored / fsh if store == "device" else 0))
+        kept = group_host if store == "transient" else v_host(False) + group_host
+        fit_host = int(dir_host + largest * acc + kept) if bounded else 0
         plan.fit = {"groups": groups, "batch_size": fbs, "peak": fit_peak, "stored_bytes": total_stored,
-                    "largest_factor": max_dim, "factor_shards": fsh}
+                    "largest_factor": max_dim, "factor_shards": fsh, "offload": offload, "host_peak": fit_host}
         if fbs < fit_batch_size:
             plan.notes.append(f"curvature fit in batches of {fbs} (not {fit_batch_size}) to fit the device")
         if len(groups) > 1:
             plan.notes.append(f"the fit runs in {len(groups)} groups of layers: two passes over the fit "
                               "sample per group")
     plan.peak = max(plan.direction["peak"], plan.scoring["peak"], plan.fit.get("peak", 0))
+    if bounded:
+        v_host_s = tracked * half // shards if dir_host or plan.curvature_store == "transient" else 0
+        plan.host = {"available": host_available, "usable": host_usable,
+                     "direction": dir_host + (largest * acc if dir_host else 0),
+                     "fit": plan.fit.get("host_peak", dir_host), "scoring": v_host_s}
+        plan.host["peak"] = max(plan.host["direction"], plan.host["fit"], plan.host["scoring"])
     return plan

@@ -50,7 +50,8 @@ def test_grouped_fit_equals_one_group(model, modules, tok, encoded_pool, kind, s
         assert rel_err(b[n], a[n]) <= GROUP_TOL
 
 
-def test_transient_fit_preconditions_group_by_group(model, modules, tok, encoded_pool):
+@pytest.mark.parametrize("offload", [None, False])  # False: the eigenbases stay on the device (plan)
+def test_transient_fit_preconditions_group_by_group(model, modules, tok, encoded_pool, offload):
     s = CurvatureSettings(kind="ekfac", batch_size=4)
     one = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False)
     g = {n: torch.randn(*one.eigenvalues(n).shape, dtype=torch.float64) for n in modules}
@@ -61,7 +62,7 @@ def test_transient_fit_preconditions_group_by_group(model, modules, tok, encoded
         v.update(part.precondition({n: g[n] for n in layers}))
 
     cur = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False,
-                        groups=_three_groups(modules), store="transient", on_group=on_group)
+                        groups=_three_groups(modules), store="transient", on_group=on_group, offload=offload)
     assert seen == _three_groups(modules)
     assert cur.tensors == {} and set(cur.damping) == set(modules)
     ref = one.precondition(g)
@@ -159,13 +160,27 @@ def test_plan_groups_the_fit_only_when_needed(model, modules):
                       host_available=1 << 40)
     assert len(tight.fit_groups) == 2 and sum(tight.fit_groups, []) == list(modules)
     assert tight.curvature_store == "host"
+    # a host that holds a group's eigenbases while it is fitted, not the whole curvature
     small_host = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
                            example_bytes=1 << 10, longest=1, vocab=1, gpu_total=usable, weights=0,
-                           host_available=1)
-    assert small_host.curvature_store == "transient"
-    assert small_host.fit_groups == tight.fit_groups
+                           host_available=int(1.5 * tight.fit["stored_bytes"]))
+    assert small_host.curvature_store == "transient" and small_host.fit["offload"]
+    assert sum(small_host.fit_groups, []) == list(modules) and len(small_host.fit_groups) >= 2
     assert any("precondition" in n for n in small_host.notes)
+    assert small_host.host["peak"] <= small_host.host["usable"]
+    assert "host memory" in small_host.describe()
     json.dumps(small_host.to_json())  # recorded in run.json
+    # a host that holds v but no group's float32 eigenbases: they stay on the device
+    largest = 8 * max(o * i for o, i in shapes)
+    host = small_host.host["direction"] + small_host.host["scoring"] + 2 * largest
+    keep = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
+                     example_bytes=1 << 10, longest=1, vocab=1, gpu_total=usable, weights=0,
+                     host_available=int(host / 0.9))
+    assert keep.curvature_store == "transient" and keep.fit["offload"] is False
+    assert len(keep.fit_groups) > len(small_host.fit_groups) and any("stay on the device" in n for n in keep.notes)
+    with pytest.raises(PlanError, match="does not fit host memory"):
+        make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
+                  example_bytes=1 << 10, longest=1, vocab=1, gpu_total=usable, weights=0, host_available=1)
 
 
 def test_sharded_factors_need_fewer_fit_groups(model, modules):
@@ -392,6 +407,54 @@ def test_transient_run_resumes_finished_groups(run_files, monkeypatch):
     assert rel_err(got, ref) <= GROUP_TOL
 
 
+def test_resumed_transient_run_fits_its_own_plan_where_no_group_finished(run_files, monkeypatch):
+    """The 14B failure under --max-gpu-memory 79.6GiB: the run resumed one whose first
+    (uncapped) process, planned in 2 groups, had been killed before any group finished,
+    and fitted the saved 2-group layout instead of its own 5 groups (out of GPU memory in
+    the first group). A resumed run keeps only the finished groups of the saved layout."""
+    import prism_select.pipeline as pipeline
+    from prism_select.curvature import fit as fitmod
+    _, ref = _score(run_files, "ref")
+    real_plan, real_fit = pipeline.make_plan, fitmod._fit_group
+    names = []
+
+    def one_group(model, modules, **kw):  # the first process: a larger device, one group
+        plan = real_plan(model, modules, **kw)
+        names[:] = list(modules)
+        plan.fit["groups"], plan.curvature_store = [list(modules)], "transient"
+        return plan
+
+    def dying(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "make_plan", one_group)
+    monkeypatch.setattr(fitmod, "_fit_group", dying)
+    monkeypatch.setattr(pipeline, "_drop_partial_without_chunks", lambda d: None)  # killed: nothing cleaned
+    with pytest.raises(KeyboardInterrupt):
+        _score(run_files, "run")
+    assert json.loads((run_files / "run" / ".partial" / "scores_v_groups.json").read_text()) == [names]
+    _forced_plan(monkeypatch, "transient")  # the resumed process plans three groups
+    fitted = []
+    monkeypatch.setattr(fitmod, "_fit_group", lambda m, sub, *a, **kw: (fitted.append(list(sub)),
+                                                                         real_fit(m, sub, *a, **kw))[1])
+    summary, got = _score(run_files, "run")
+    assert fitted == _three_groups(dict.fromkeys(names))
+    assert rel_err(got, ref) <= GROUP_TOL
+
+
+def test_resume_groups_keeps_finished_groups_and_regroups_the_rest():
+    from prism_select.pipeline import resume_groups
+    saved = [["a", "b", "c"], ["d", "e", "f"], ["g", "h"]]
+    planned = [["a", "b"], ["c", "d"], ["e"], ["f", "g"], ["h"]]
+    got = resume_groups(saved, planned, lambda k: k == 1)  # only the second group finished
+    assert got == [["a", "b"], ["d", "e", "f"], ["c"], ["g"], ["h"]]
+    assert resume_groups(got, planned, lambda k: k == 1) == got  # idempotent
+    assert resume_groups(saved, [["a"], ["b", "c", "d", "e", "f", "g", "h"]], lambda k: k == 1) == \
+        [["a"], ["d", "e", "f"], ["b", "c", "g", "h"]]
+    assert resume_groups(saved, [saved[0] + saved[1] + saved[2]], lambda k: False) == [saved[0] + saved[1] + saved[2],
+                                                                                       [], []]
+
+
 def test_new_damping_reuses_the_fit(run_files):
     s1, a = _score(run_files, "d1")
     s2, b = _score(run_files, "d2", damping=1e-3)
@@ -399,3 +462,100 @@ def test_new_damping_reuses_the_fit(run_files):
     assert s1["curvature"]["path"] == s2["curvature"]["path"]
     assert s2["curvature"]["damping"]["max"] == pytest.approx(1e-3)
     assert rel_err(a, b) > 1e-6  # the damping was applied, not the cached one
+
+
+# ----------------------------------------------------------------------------- the fit's device memory
+
+def _gpu_like_fit(monkeypatch, tracker):
+    """The fit on the CPU taking its GPU code paths where memory differs: factors formed
+    whole and summed in place (one GEMM into ``S``, as ``torch.addmm(out=)`` on CUDA), no
+    spill file, eigendecompositions one after the other, and the tensors it moves to host
+    memory leaving the tracker's device count."""
+    from prism_select.curvature import fit as fitmod
+    monkeypatch.setattr(fitmod, "GRAM_BLOCK", 1 << 30)
+    monkeypatch.setattr(fitmod, "SPILL_MAX_BYTES", 0)
+    monkeypatch.setattr(fitmod, "mm_acc_into", lambda M, a, b: M.addmm_(a.to(M.dtype), b.to(M.dtype)))
+    monkeypatch.setattr(fitmod, "_to_host", tracker.to_host)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return threads
+
+
+def test_fit_device_memory_stays_within_the_plan(tok, encoded_pool, monkeypatch):
+    """The live tensor bytes of a grouped, offloaded EK-FAC fit of a bf16 model whose
+    factors outweigh its activations (3 blocks, hidden 512) stay within the plan's figure
+    for the fit. The eigenvalue pass once allocated every layer's Lambda while the group's
+    float32 eigenbases were still on the device (p1 + Lambda, above the plan's
+    max(pass 1, pass 2) per layer plus its work space)."""
+    from memtrack import LiveBytes
+    from tiny import tiny_llama
+    from prism_select.plan import ACTIVATION_SAFETY, HEADROOM_BYTES, example_step
+    m = tiny_llama(len(tok), dtype=torch.bfloat16, layers=3, hidden=512)
+    mods = {n: x for n, x in m.named_modules() if isinstance(x, torch.nn.Linear) and ".layers." in n}
+    pool = encoded_pool[:8]
+    longest = max(pool, key=lambda e: len(e.input_ids))
+    with LiveBytes(list(m.parameters())) as probe:
+        example_step(m, longest, tok.pad_token_id, "cpu")
+    common = dict(kind="ekfac", device="cuda", batch_size=2, fit_batch_size=2, example_bytes=probe.peak,
+                  longest=len(longest.input_ids), vocab=len(tok), weights=0, host_available=1 << 40)
+    roomy = make_plan(m, mods, gpu_total=1 << 40, **common)
+    # a device that holds the group's factors and work space, not the kept curvature as well
+    room = roomy.fit["peak"] - roomy.fit["stored_bytes"]
+    plan = make_plan(m, mods, gpu_total=HEADROOM_BYTES + room, **common)
+    assert plan.curvature_store == "host" and len(plan.fit_groups) == 1, plan.describe()
+    tracker = LiveBytes(list(m.parameters()))
+    threads = _gpu_like_fit(monkeypatch, tracker)
+    try:
+        with tracker:
+            fit_curvature(m, mods, pool, CurvatureSettings(kind="ekfac", batch_size=plan.fit["batch_size"]),
+                          pad_id=tok.pad_token_id, progress=False, groups=plan.fit_groups,
+                          store=plan.curvature_store)
+    finally:
+        torch.set_num_threads(threads)
+    assert probe.peak > 0 and tracker.peak > 0.5 * plan.fit["peak"]
+    assert tracker.peak <= plan.fit["peak"], (tracker.peak, plan.fit["peak"], ACTIVATION_SAFETY)
+
+
+# ----------------------------------------------------------------------------- host memory
+
+def _qwen14b_on_meta():
+    """Qwen3-14B's shapes (as benchmarks/scale_setup.py builds them), bf16, no weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, vocab_size=151936, head_dim=128, tie_word_embeddings=False)
+    with torch.device("meta"):
+        m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return m, {n: x for n, x in m.named_modules() if isinstance(x, torch.nn.Linear) and ".layers." in n}
+
+
+def _host_held(plan, modules) -> int:
+    """What the run keeps in host memory at once, by the plan's choices: the float32
+    direction, and while a group is fitted its float32 eigenbases (offloaded EK-FAC) or the
+    whole kept curvature (``host``)."""
+    from prism_select.gradients import layer_shape
+    shapes = {n: layer_shape(m) for n, m in modules.items()}
+    direction = sum(4 * o * i for o, i in shapes.values()) if plan.direction["store"] == "host" else 0
+    if plan.curvature_store == "host":
+        return direction + plan.fit["stored_bytes"]
+    if plan.curvature_store == "transient" and plan.fit.get("offload", True):
+        return direction + max(sum(4 * (o * o + i * i) for o, i in (shapes[n] for n in g)) for g in plan.fit_groups)
+    return direction
+
+
+def test_plan_keeps_host_memory_within_the_host():
+    """The 14B measurement: an H200 (139.8 GiB) and 123.5 GiB of host memory available. The
+    plan fitted in 2 groups, whose float32 eigenbases (~85 GiB) waited in host memory next
+    to the float32 direction (~49 GiB): the process was killed for host memory. The plan
+    now counts the host and groups (or keeps on the device) so that it holds."""
+    m, mods = _qwen14b_on_meta()
+    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example_bytes=int(3.56 * GiB),
+              longest=512, vocab=151936, weights=int(27.6 * GiB), host_available=int(123.5 * GiB))
+    for gpu in (139.8, 79.6):
+        plan = make_plan(m, mods, gpu_total=int(gpu * GiB), **kw)
+        assert plan.direction["store"] == "host" and plan.curvature_store == "transient"
+        assert _host_held(plan, mods) <= 0.9 * kw["host_available"], (gpu, plan.describe())
+        assert plan.host["peak"] <= plan.host["usable"] and plan.fit["peak"] <= plan.usable
+        assert plan.to_json()["host"]["available"] == kw["host_available"]
+    # a host that cannot hold the float32 direction (49 GiB), nor the device beside V
+    with pytest.raises(PlanError, match="host memory"):
+        make_plan(m, mods, gpu_total=int(79.6 * GiB), **{**kw, "host_available": 40 * GiB})

@@ -12,7 +12,7 @@ from prism_select import sharding
 from prism_select.errors import ConfigError
 from prism_select.pipeline import ScoreSettings
 
-from test_distributed import HERE, _env, _torchrun
+from test_distributed import HERE, _env, _free_port, _torchrun
 
 #: float64 model, same examples and arithmetic per layer: only the order of sums differs
 SHARDED_REL_TOL = 1e-9
@@ -62,6 +62,78 @@ def test_fsdp_scores_equal_one_process(tmp_path, curvature):
         assert len(per) == 2 and min(per) > 0 and max(per) <= 0.75 * sum(per)
         assert run["curvature"]["path"] is None  # a sharded curvature is not cached
     assert not (tmp_path / "fsdp" / ".partial").exists()
+
+
+GROUPED = r"""
+import os, sys
+import prism_select.pipeline as pipeline
+from prism_select import cli, distributed
+from prism_select.curvature import fit as fitmod
+
+planned = pipeline.make_plan
+
+
+def three_groups(model, modules, **kw):  # a transient plan in three groups, as a small GPU makes it
+    plan = planned(model, modules, **kw)
+    names = list(modules)
+    k = len(names) // 3
+    plan.fit["groups"] = [names[:k], names[k:2 * k], names[2 * k:]]
+    plan.curvature_store = "transient"
+    return plan
+
+
+pipeline.make_plan = three_groups
+fitted = fitmod._fit_group
+calls = []
+
+
+def counted(*a, **kw):
+    calls.append(1)
+    with open(os.environ["CALLS"] + str(distributed.rank()), "w") as f:
+        f.write(str(len(calls)))
+    if len(calls) == int(os.environ.get("DIE_AT", "0")):
+        distributed.barrier()  # every rank has saved the groups before
+        os._exit(3)  # every rank dies while fitting this group
+    return fitted(*a, **kw)
+
+
+fitmod._fit_group = counted
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sharded_transient_run_resumes_finished_groups(tmp_path):
+    """--shard fsdp with a transient plan of three groups: every rank saves its rows of each
+    group's v; killed in the third group, the same command fits only that group again and
+    gives the one-process scores."""
+    _write_inputs(tmp_path)
+    r = subprocess.run([sys.executable, *_args(tmp_path, tmp_path / "one", "--curvature", "ekfac")],
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    script = tmp_path / "grouped.py"
+    script.write_text(GROUPED)
+    args = [str(script), *_args(tmp_path, tmp_path / "fsdp", "--curvature", "ekfac", "--shard", "fsdp",
+                                "--cache-dir", str(tmp_path / "cache-fsdp"))[2:]]
+    env = dict(_env(), CALLS=str(tmp_path / "calls"), DIE_AT="3")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
+           f"--master-port={_free_port()}", "--master-addr=127.0.0.1", *args]
+    died = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert died.returncode != 0
+    partial = tmp_path / "fsdp" / ".partial"
+    assert sorted(p.name for p in partial.glob("scores_v_group0001*")) == [
+        "scores_v_group0001.json", "scores_v_group0001.rank00000-of-00002.safetensors",
+        "scores_v_group0001.rank00001-of-00002.safetensors"]
+    assert not list(partial.glob("scores_v_group0002*"))
+    env["DIE_AT"] = "0"
+    cmd[5] = f"--master-port={_free_port()}"
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "calls0").read_text() == "1"  # only the unfinished group was fitted again
+    one, two = _scores(tmp_path / "one"), _scores(tmp_path / "fsdp")
+    for k in one:
+        assert two[k] == pytest.approx(one[k], rel=SHARDED_REL_TOL, abs=1e-12), k
+    run = json.loads((tmp_path / "fsdp" / "run.json").read_text())
+    assert run["curvature"]["resumed_groups"] == 2
 
 
 WORKER = r"""

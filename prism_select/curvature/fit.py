@@ -275,6 +275,11 @@ def _mirror(M: torch.Tensor) -> torch.Tensor:
     return M
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A fitted tensor moved to host memory (one place, so that a test can follow it)."""
+    return t.to("cpu")
+
+
 def _with_ones(x):
     return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)], dim=-1)
 
@@ -324,9 +329,10 @@ class _LambdaTap(Tap):
 
     keep_input = True
 
-    def __init__(self, module, stats, QA, QS, Lam, qa_group, M4):
+    def __init__(self, module, stats, QA, QS, qa_group):
         super().__init__(module)
-        self.stats, self.Lam, self.M4, self.bias = stats, Lam, M4, has_bias(module)
+        self.stats, self.bias = stats, has_bias(module)
+        self.Lam = self.M4 = None  # the sums, set by the fit (zeros of out x in', and of one element)
         dt = module.weight.dtype
         self.QA, self.QS = QA.to(dt), QS.to(dt)
         self.qa_id = qa_group
@@ -541,7 +547,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
                   *, pad_id: int, device=None, progress: bool = True, timings: dict | None = None,
                   cuda_graphs: str = "auto", precision: str = "model", groups: list | None = None,
                   store: str = "device", on_group=None, spill_dir=None,
-                  kernels: Kernels = DEFAULT_KERNELS) -> Curvature:
+                  kernels: Kernels = DEFAULT_KERNELS, offload: bool | None = None) -> Curvature:
     """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples.
 
     ``groups`` (lists of layer names covering ``modules``, from the memory plan,
@@ -553,6 +559,9 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     ``transient`` (dropped after ``on_group``: the returned curvature holds only the
     damping). ``on_group(layers, part)`` is called with each finished group as a
     :class:`Curvature` of its layers (e.g. to precondition a direction with it).
+    ``offload`` (EK-FAC; default: ``store != "device"``): a group's float32 eigenbases wait
+    in host memory during its eigenvalue pass (the memory plan turns it off when the host
+    cannot hold a group's; the numbers are the same).
 
     Under ``torchrun`` (an initialised process group), each rank runs its share of the
     fit batches. Data-parallel ranks sum the statistics (all-reduce) before each
@@ -597,11 +606,12 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
             before = dict(timings)
             t = _fit_group(model, sub, encoded, batches, len(idx), settings, pad_id=pad_id, device=device,
                            progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag,
-                           offload=store != "device", spill_dir=spill_dir, owners=owners)
+                           offload=store != "device" if offload is None else offload, spill_dir=spill_dir,
+                           owners=owners)
             log.info("curvature%s: %d layers, factors %.1f s, eigendecompositions %.1f s, eigenvalues %.1f s",
                      tag, len(group), *(timings[k] - before[k] for k in ("factors_s", "eigh_s", "lambda_s")))
             if store == "host":
-                t = {name: x.to("cpu") for name, x in t.items()}
+                t = {name: _to_host(x) for name, x in t.items()}
             if owners is None:
                 part = apply_damping(Curvature(settings.kind, group, t, {}), settings)
             else:  # this rank's layers; every rank learns every layer's damping and shrinkage
@@ -778,22 +788,24 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
 
     # Pass 2 (EK-FAC): eigenvalues corrected with per-example gradients in the eigenbasis.
     t0 = time.perf_counter()
-    Lam = {n: zeros(*layer_shape(modules[n])) for n in own}
-    M4 = {n: zeros(1) for n in own}
-    taps = {}
+    Lam, M4, taps = {}, {}, {}
     for n, m in modules.items():
         if owners is not None:
-            mine = owners[n] == me
-            taps[n] = _ShardedLambdaTap(m, stats, tensors.get(f"{n}::QA"), tensors.get(f"{n}::QS"), Lam.get(n),
-                                        group_of.get(n), M4.get(n), owners[n])
-            if not mine:
+            tap = taps[n] = _ShardedLambdaTap(m, stats, tensors.get(f"{n}::QA"), tensors.get(f"{n}::QS"), None,
+                                              group_of.get(n), None, owners[n])
+            if owners[n] != me:
                 continue
         else:
-            taps[n] = _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], Lam[n], group_of[n], M4[n])
+            tap = taps[n] = _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], group_of[n])
         if offload:  # the taps hold the eigenbases in the model's dtype; the float32 ones wait on the
             # host, moved there layer by layer: the group's float32 and half copies never coexist
             for k in ("QA", "lamA", "lamS", "QS"):
-                tensors[f"{n}::{k}"] = tensors[f"{n}::{k}"].to("cpu")
+                tensors[f"{n}::{k}"] = _to_host(tensors[f"{n}::{k}"])
+        # a layer's sums are allocated once its float32 eigenbases have left: allocated for
+        # the whole group first, they stood next to all of its float32 eigenbases (the
+        # pass-1 factors' size) and exceeded the plan's figure for the fit (tests/test_scale.py)
+        Lam[n] = tap.Lam = zeros(*layer_shape(m))
+        M4[n] = tap.M4 = zeros(1)
     if spill is not None:
         try:
             _spilled_pass(taps, stats, spill, "curvature eigenvalues" + tag, progress)
@@ -959,9 +971,10 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
                           model_fingerprint, pool_fingerprint, max_length, device=None, progress=True,
                           cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model",
                           groups: list | None = None, store: str = "device", on_group=None,
-                          cache_max_bytes: int | None = None, kernels: Kernels = DEFAULT_KERNELS):
+                          cache_max_bytes: int | None = None, kernels: Kernels = DEFAULT_KERNELS,
+                          offload: bool | None = None):
     """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
-    and save it (``timings``, ``precision``, ``groups``, ``store`` and ``on_group`` as in
+    and save it (``timings``, ``precision``, ``groups``, ``store``, ``offload`` and ``on_group`` as in
     :func:`fit_curvature`; a reused curvature is handed to ``on_group`` whole).
 
     The cache (:mod:`prism_select.cache`) is bounded by ``cache_max_bytes``: older entries
@@ -1001,7 +1014,7 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
         pass
     cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
                         cuda_graphs=cuda_graphs, timings=timings, precision=precision, groups=groups,
-                        store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels)
+                        store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels, offload=offload)
     if settings.kind == "identity":
         return cur, directory, False
     if store == "transient":
