@@ -9,7 +9,9 @@ Pool and targets: the generated arithmetic example (``prism_select.examples``: r
 text, a quarter of the answers wrong) at each size, 8 target pairs. Model: ``--model``
 (default: the embedded SmolLM2-135M GGUF). Per size, one curvature cache is shared by
 the methods in the order given, as in `compare` (the first gradient method fits and
-saves, the next ones load). Peak RSS is ``ru_maxrss`` of the child (the whole run:
+saves, the next ones load). The converted model comes from ``--models-from`` (default:
+the user's cache, linked into each size's cache directory; ``none``: converted by the
+first method, whose peak then includes the conversion). Peak RSS is ``ru_maxrss`` of the child (the whole run:
 imports, model, fit or load, scoring, writing); CPU seconds are user + system of the
 child. Prints a table and writes ``--json``.
 """
@@ -49,8 +51,14 @@ def main():
     ap.add_argument("--max-length", type=int, default=None, help="passed to the runs (default: theirs)")
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="passed to the runs as --option (repeatable)")
+    ap.add_argument("--fit-examples", type=int, default=None,
+                    help="passed to the runs: fit the curvature on a seeded sample of N pool records (default: "
+                         "the whole pool; on 2 CPU cores a 1,000-record fit takes most of an hour)")
     ap.add_argument("--compare", action="store_true", help="also run `compare` over all methods in one process")
     ap.add_argument("--dir", default="/tmp/prism-bench-compare-memory")
+    ap.add_argument("--models-from", default=None,
+                    help="a cache's converted models to link into each size's cache (default: the user's "
+                         "cache; 'none': convert in the first run)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("argv", nargs="*", help=argparse.SUPPRESS)
@@ -78,13 +86,21 @@ def main():
         if a.json:
             Path(a.json).write_text(json.dumps(rows, indent=1))
 
+    from prism_select.model import default_cache_dir
+    models = None if a.models_from == "none" else Path(a.models_from or default_cache_dir() / "models")
     for size in [int(x) for x in a.sizes.split(",") if x]:
         pool, targets = make_example(d / f"data{size}", n_pool=size, n_pairs=8)
+        link = d / f"cache{size}" / "models"
+        if models is not None and models.is_dir() and not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(models.resolve(), target_is_directory=True)
         common = ["--model", a.model, "--pool", str(pool), "--targets", str(targets), "--device", "cpu",
                   "--batch-size", str(a.batch_size), "--cache-dir", str(d / f"cache{size}"), "--no-progress",
                   "--overwrite"]
         if a.max_length:
             common += ["--max-length", str(a.max_length)]
+        if a.fit_examples:
+            common += ["--fit-examples", str(a.fit_examples)]
         for o in a.option:
             common += ["--option", o]
         for m in methods:

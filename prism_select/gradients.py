@@ -188,3 +188,59 @@ def release_host_memory() -> None:
 
 
 _libc = None
+
+
+class SpilledLayers:
+    """Layer matrices moved from host memory into an unnamed temporary file (removed when
+    closed or collected) and read back one at a time: a read-only mapping with ``pop``,
+    which is all :meth:`prism_select.curvature.base.Curvature.precondition` uses.
+
+    ``SpilledLayers(tensors, directory)`` writes every tensor of ``tensors`` (host
+    tensors, any dtype) and then empties ``tensors``, so the caller's dict no longer holds
+    them: while the curvature is fitted next to it, the direction takes disk, not memory
+    (540 MB for the embedded model). Writing raises ``OSError`` (a full disk) before
+    anything is removed from ``tensors``. ``pop(name)`` reads a layer back and forgets it;
+    ``[name]`` reads it and keeps it on disk."""
+
+    def __init__(self, tensors: dict, directory=None):
+        import tempfile
+        self._f = tempfile.TemporaryFile(dir=directory)
+        self._where: dict = {}
+        try:
+            for n, t in tensors.items():
+                t = t.detach().contiguous()
+                off = self._f.seek(0, 2)
+                self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                self._where[n] = (off, tuple(t.shape), t.dtype)
+            self._f.flush()
+        except BaseException:
+            self._f.close()
+            raise
+        tensors.clear()
+
+    def __getitem__(self, name) -> torch.Tensor:
+        off, shape, dtype = self._where[name]
+        t = torch.empty(shape, dtype=dtype)
+        self._f.seek(off)
+        self._f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        return t
+
+    def pop(self, name) -> torch.Tensor:
+        t = self[name]
+        del self._where[name]
+        if not self._where:
+            self.close()
+        return t
+
+    def __iter__(self):
+        return iter(list(self._where))
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name) -> bool:
+        return name in self._where
+
+    def close(self) -> None:
+        self._where.clear()
+        self._f.close()

@@ -47,6 +47,7 @@ from .errors import CacheError, ConfigError, InputError, OutputError, resource_e
 from .gradients import layer_shape
 from .execution import ExecutionContext, direction_kernels
 from .execution import resolve as resolve_execution
+from .gradients import SpilledLayers, release_host_memory
 from .precision import direction_policy
 from .io import (
     atomic_write_json,
@@ -251,7 +252,7 @@ class RunContext:
             self._curvature = cur
         return self._curvature
 
-    def precondition(self, direction: dict, tag: str = "scores", consume: bool = False) -> dict:
+    def precondition(self, direction: dict, tag: str = "scores", last: bool = False) -> dict:
         """``v = H^-1 direction`` in the dtype the scores use (the model's), layer by layer on
         the model's device. Under a ``transient`` memory plan each group of layers is
         preconditioned as soon as its curvature is fitted and saved in ``.partial`` (a
@@ -260,8 +261,11 @@ class RunContext:
         rank, which preconditions that layer for all: the rank that fitted its factors
         (``meta["owners"]`` of a sharded fit), or for a curvature every rank holds whole
         (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`.
-        ``consume`` (one process): the direction's layers are taken out of ``direction`` as
-        their ``v`` is formed (the caller's last use)."""
+        ``last`` (one process): the caller's last use of ``direction`` and of the curvature.
+        The direction's layers are taken out of ``direction`` as their ``v`` is formed; with
+        one fit group this goes through :meth:`last_use` (the direction waits on disk while
+        the curvature is fitted or loaded, each layer's curvature is freed once used, and
+        the run's curvature is dropped; it stays in the cache)."""
         dev = self.lm.device
         vdt = self.lm.dtype
         transient = self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups
@@ -279,7 +283,7 @@ class RunContext:
                 # memory (the plan's figure)
                 out = {}
                 for n in layers:
-                    g = {n: direction.pop(n) if consume else direction[n]}
+                    g = {n: direction.pop(n) if last else direction[n]}
                     out[n] = part.precondition(g, device=dev)[n].to(dtype=vdt)
                 return out
 
@@ -287,8 +291,10 @@ class RunContext:
             v = self._precondition_by_group(tag, compute)
         elif self.execution.sharded:
             v = compute(self.curvature(), list(self.modules))
+        elif last:
+            v = self.last_use(direction, device=dev)
         else:
-            v = self.curvature().precondition(direction, device=dev, consume=consume)
+            v = self.curvature().precondition(direction, device=dev)
         return {n: v.pop(n).to(dtype=vdt) for n in self.modules}  # each float32 layer let go once converted
 
     def _precondition_by_group(self, tag: str, compute) -> dict:
@@ -361,6 +367,31 @@ class RunContext:
                 ph[key] = ph.get(key, 0) + val
         return v
 
+    def last_use(self, direction: dict, device=None) -> dict:
+        """``H^-1 direction`` (in the direction's dtype) when neither the direction nor the
+        curvature is needed afterwards, holding the least host memory: a direction whose
+        layers are all in host memory waits in a temporary file (in the cache directory,
+        :class:`prism_select.gradients.SpilledLayers`) while the curvature is fitted or
+        loaded (without the file when the disk refuses it); then each layer of the
+        direction is read back and each layer's curvature freed as it is used, and the
+        run's curvature is dropped (the fit stays in the cache). ``direction`` is left
+        empty. On the CPU the embedded model's fit held its 540 MB direction to the end."""
+        if self._curvature is None and direction and all(t.device.type == "cpu" for t in direction.values()):
+            cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
+            try:
+                cache_root.mkdir(parents=True, exist_ok=True)
+                direction = SpilledLayers(direction, cache_root)
+            except OSError as exc:  # e.g. a full disk: the direction stays in memory
+                log.info("the direction stays in memory during the fit (no temporary file: %s)", exc)
+            release_host_memory()
+        cur = self.curvature()
+        self._curvature = None
+        try:
+            return cur.precondition(direction, device=device, consume=True, release=True)
+        finally:
+            if isinstance(direction, SpilledLayers):
+                direction.close()
+
     def _group_phases(self, last: dict) -> dict:
         """The fit phases of the group just finished (the running totals minus ``last``,
         which is updated): the fit timings arrive per call, so a group's share is a difference."""
@@ -418,7 +449,7 @@ class RunContext:
             if "curvature" not in self.info and info_path.exists():
                 self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
         else:
-            v = self.precondition(direction, tag, consume=last)  # last: direction's layers freed as done
+            v = self.precondition(direction, tag, last=last)  # last: direction and curvature freed as used
             if self.execution.main:
                 partial.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(info_path, self.info["curvature"])
@@ -432,7 +463,6 @@ class RunContext:
         if last:
             direction = None
             self._curvature = None
-            from .gradients import release_host_memory
             release_host_memory()
         if fsdp:  # v moves into the layers' sharded prism_v parameters
             sharding.set_v(self.modules, v)
@@ -512,13 +542,18 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     # split32 accumulates its float32 gradients itself (precision.float32_grads)
     ex = ctx.execution
     accumulate = d.get("accumulate", "device") if ex.precision != "split32" else "device"
+    # one half's graph alive at a time: under a bounded plan (GPU) and on the CPU (host
+    # memory: with both halves' activations at once the direction stage reached 2.7-2.9 GB
+    # at 60 records, model and gradients included, session 9), for one more forward of the
+    # rejected half without a graph
+    one_graph = ctx.plan is not None and ctx.plan.bounded or ctx.lm.device.type == "cpu"
     with direction_policy(ctx.lm.model, ex.precision, ex.kernels):
         pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
                                   method=ctx.settings.method, pad_id=ctx.pad_id,
                                   batch_size=d.get("batch_size", ctx.settings.batch_size),
                                   progress=ctx.settings.progress, ids=[p.id for p in ctx.inputs.pairs],
                                   accumulate=accumulate, store=d.get("store", "device"),
-                                  one_graph=ctx.plan is not None and ctx.plan.bounded,
+                                  one_graph=one_graph,
                                   kernels=direction_kernels(ex.kernels))
     ctx.timings["preference_s"] = time.perf_counter() - t
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),

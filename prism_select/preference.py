@@ -71,7 +71,7 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
     ``chosen[i]`` / ``rejected[i]`` are the :class:`~prism_select.data.tokenize.Encoded`
     ``(q, y+)`` and ``(q, y-)`` of pair ``i``; memory is bounded by ``batch_size``. A batch
     of pairs is differentiated in one backward through both halves' forwards, or, with
-    ``one_graph`` (the memory plan sets it on a GPU), half by half: the rejected losses
+    ``one_graph`` (the run sets it on a GPU with a memory plan and on the CPU), half by half: the rejected losses
     first without a graph (for the weights), then the chosen and the rejected half each
     with its own forward and backward, so one forward's activations are alive at a time
     (one more forward per batch).

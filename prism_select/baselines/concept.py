@@ -192,7 +192,8 @@ def conceptinf_method(ctx) -> tuple[torch.Tensor, list]:
                               batch_size=ctx.settings.batch_size)
     ctx.timings["concept_gradient_s"] = time.perf_counter() - t
     direction = {n: -g for n, g in grad_f.items()}
-    scores = ctx.score_direction(direction, tag="conceptinf")
+    del grad_f
+    scores = ctx.score_direction(direction, tag="conceptinf", last=True)
     record(ctx, "conceptinf", {**opts, "layer": layer}, concept_norm=float(v.norm()),
            f=float((hc @ vhat).mean()))
     return scores, _pair_rows(ctx, hc, hr, vhat)

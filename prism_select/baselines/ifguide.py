@@ -108,7 +108,12 @@ def contrastive_target(model, modules: dict, chosen: list, rejected: list, *, pa
                 check_finite(total.detach(), f"the target loss ({side})")
                 (sign * total.sum() / Q).backward()
                 losses[side].append(total.detach().double().cpu())
-        g = {n: weight_grad(m).detach().clone() for n, m in modules.items()}
+        g = {}
+        for n, m in modules.items():  # taken out of .grad, not copied next to it
+            g[n] = weight_grad(m).detach()
+            m.weight.grad = None
+            if has_bias(m):
+                m.bias.grad = None
     for n, t in g.items():
         check_finite(t, "the IF-Guide target", layer=n)
     return g, torch.cat(losses["chosen"]), torch.cat(losses["rejected"])
@@ -261,14 +266,14 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     pairs = [{"id": p.id, "loss_chosen": float(lc[i]), "loss_rejected": float(lr[i]),
               **({"task": p.task} if p.task else {})} for i, p in enumerate(ctx.inputs.pairs)]
     if opts["ranking"] == "sum":
-        scores = ctx.score_direction(g, tag="ifguide")
+        scores = ctx.score_direction(g, tag="ifguide", last=True)
         record(ctx, "ifguide", opts)
         return scores, pairs
-    # the target and the curvature are not needed once V is formed: not held through the
-    # token scores (at 60 records this run peaked at 5158 MiB holding both, session 8)
-    V = ctx.curvature().precondition(g, consume=True)
+    # the target and the curvature are not needed once V is formed: neither is held through
+    # the token scores (at 60 records this run peaked at 5158 MiB holding both, session 8),
+    # and the target waits on disk while the curvature is fitted
+    V = ctx.last_use(g)
     del g
-    ctx._curvature = None
     release_host_memory()
     t = time.perf_counter()
     ts = token_scores(lm.model, ctx.modules, ctx.inputs.encoded, V, pad_id=ctx.pad_id,

@@ -211,6 +211,57 @@ def test_ifguide_method_rankings(model, modules, tok, make_ctx):
         REGISTRY["ifguide"](make_ctx("ifguide", {"ranking": "mean"}))
 
 
+@pytest.mark.parametrize("disk", ["writable", "full"])
+def test_last_use_fits_with_the_direction_on_disk_and_frees_the_curvature(modules, make_ctx, monkeypatch, disk):
+    """``RunContext.last_use``: the caller's direction is out of memory while the curvature
+    is fitted (a full disk: it stays, and the result is the same), the run's curvature is
+    dropped, and ``v`` equals preconditioning with the kept curvature."""
+    import errno
+    import tempfile
+
+    from prism_select import pipeline
+    g = {n: torch.randn(m.weight.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+         for i, (n, m) in enumerate(modules.items())}
+    given = dict(g)
+    held_during_fit = []
+    real = pipeline.load_or_fit_curvature
+
+    def spy(*a, **kw):
+        held_during_fit.append(len(given))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "load_or_fit_curvature", spy)
+    if disk == "full":
+        def refuse(**kw):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    ctx = make_ctx("prism", curvature="ekfac")
+    v = ctx.last_use(given)
+    assert held_during_fit == [0 if disk == "writable" else len(g)]
+    assert given == {} and ctx._curvature is None
+    ref = make_ctx("prism", curvature="ekfac").curvature().precondition(dict(g))  # from the cache
+    assert list(v) == list(ref) and all(torch.equal(v[n], ref[n]) for n in ref)
+
+
+def test_cpu_direction_holds_one_half_of_a_batch_at_a_time(make_ctx, monkeypatch):
+    """On the CPU the direction differentiates the chosen and the rejected half each with
+    its own forward (``one_graph``): both halves' activations alive at once were the
+    stage's host-memory peak."""
+    from prism_select import pipeline
+    seen = []
+    real = pipeline.compute_preference
+
+    def spy(*a, **kw):
+        seen.append(kw.get("one_graph"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "compute_preference", spy)
+    ctx = make_ctx("prism")
+    assert ctx.lm.device.type == "cpu"
+    pipeline.prism_method(ctx)
+    assert seen == [True]
+
+
 # --------------------------------------------------------------------------- concept methods
 
 def test_vecfilter_matches_explicit_hidden_states(model, make_ctx):

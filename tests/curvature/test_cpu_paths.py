@@ -108,6 +108,94 @@ def test_precondition_consuming_its_input_gives_the_same_result(model, modules, 
     assert all(torch.equal(got[n], ref[n]) for n in ref)
 
 
+def test_spilled_layers_read_back_every_dtype_and_empty_the_source(tmp_path):
+    from prism_select.gradients import SpilledLayers
+    g = torch.Generator().manual_seed(0)
+    src = {"a": torch.randn(3, 5, dtype=torch.float64, generator=g),
+           "b": torch.randn(4, 2, generator=g).to(torch.bfloat16),
+           "c": torch.arange(6, dtype=torch.float32).reshape(2, 3).T,  # not contiguous
+           "d": torch.zeros(0, 3)}
+    ref = {k: v.clone() for k, v in src.items()}
+    s = SpilledLayers(src, tmp_path)
+    assert src == {}  # the caller's dict no longer holds the tensors
+    assert list(s) == ["a", "b", "c", "d"] and len(s) == 4 and "b" in s
+    assert torch.equal(s["c"], ref["c"]) and "c" in s  # [] reads and keeps
+    for k in ("b", "a", "d", "c"):
+        got = s.pop(k)
+        assert got.dtype == ref[k].dtype and got.shape == ref[k].shape and torch.equal(got, ref[k]), k
+        assert k not in s
+    assert len(s) == 0 and s._f.closed  # the file goes with the last layer
+
+
+def test_spilled_layers_leave_the_source_whole_when_the_disk_refuses(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    from prism_select.gradients import SpilledLayers
+
+    class Full:
+        closed = False
+
+        def seek(self, *a):
+            return 0
+
+        def write(self, b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.closed = True
+
+    full = Full()
+    monkeypatch.setattr(tempfile, "TemporaryFile", lambda **kw: full)
+    src = {"a": torch.ones(2, 2), "b": torch.zeros(3)}
+    with pytest.raises(OSError):
+        SpilledLayers(src, tmp_path)
+    assert list(src) == ["a", "b"] and full.closed
+
+
+@pytest.mark.parametrize("kind", ["ekfac", "kfac", "diagonal"])
+def test_precondition_releasing_the_curvature_gives_the_same_result(model, modules, tok, encoded_pool, kind,
+                                                                    tmp_path):
+    from prism_select.errors import ConfigError
+    from prism_select.gradients import SpilledLayers
+    cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind=kind, damping=1e-3, batch_size=3),
+                        pad_id=tok.pad_token_id)
+    g = {n: torch.randn(m.weight.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+         for i, (n, m) in enumerate(modules.items())}
+    ref = cur.precondition(dict(g))
+    got = cur.precondition(SpilledLayers(dict(g), tmp_path), consume=True, release=True)
+    assert list(got) == list(ref)
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+    assert cur.tensors == {}  # each layer's factors freed once used
+    with pytest.raises(ConfigError, match="released"):
+        cur.precondition(dict(g))
+
+
+def test_loaded_curvature_is_read_into_memory_of_its_own(model, modules, tok, encoded_pool, tmp_path):
+    """On the host a saved curvature is read, not memory-mapped: a mapping's pages stay
+    resident until every tensor of the file is gone, so releasing the curvature layer by
+    layer freed nothing. Overwriting the file after the load shows the difference (a
+    mapped tensor reads the new bytes); the loaded tensors equal ``load_file``'s, in its
+    order."""
+    from safetensors.torch import load_file
+
+    from prism_select.curvature.base import Curvature
+    cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3),
+                        pad_id=tok.pad_token_id)
+    cur.save(tmp_path, {"k": 1})
+    f = tmp_path / "factors.safetensors"
+    ref = {k: v.clone() for k, v in load_file(str(f)).items()}
+    back = Curvature.load(tmp_path, expect={"k": 1})
+    assert list(back.tensors) == list(ref)
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:  # the header stays, every tensor's bytes become 0xFF (NaN)
+        n = int.from_bytes(fh.read(8), "little")
+        fh.seek(8 + n)
+        fh.write(b"\xff" * (size - 8 - n))
+    assert all(torch.equal(back.tensors[k], ref[k]) for k in ref)
+    assert all(t.dtype == ref[k].dtype and t.shape == ref[k].shape for k, t in back.tensors.items())
+
+
 def test_release_host_memory_is_safe_to_call():
     from prism_select.gradients import release_host_memory
     release_host_memory()
