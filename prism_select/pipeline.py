@@ -57,7 +57,7 @@ from .io import (
     sha256_json,
 )
 from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
-from .plan import (MemoryPlan, cap_device_memory, host_available_bytes, make_plan, measure_example_bytes,
+from .plan import (MemoryPlan, cap_device_memory, host_share_bytes, make_plan, measure_example_bytes,
                    stored_bytes)
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
@@ -652,7 +652,7 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
             fixed = max(distributed.gather_values(mine))
             gpu_total = min(distributed.gather_values(torch.cuda.get_device_properties(lm.device).total_memory))
         nbytes = max(distributed.gather_values(nbytes))
-        host = min(distributed.gather_values(host_available_bytes()))
+        host = min(distributed.gather_values(host_share_bytes()))
     plan = make_plan(lm.model, modules, kind=curvature.kind, device=lm.device, batch_size=settings.batch_size,
                      fit_batch_size=curvature.batch_size, example_bytes=nbytes,
                      longest=len(longest.input_ids) if longest is not None else 1, vocab=vocab,

@@ -134,6 +134,17 @@ def host_available_bytes() -> int:
         return 1 << 40
 
 
+def host_share_bytes() -> int:
+    """This process's share of the host's available memory: MemAvailable divided among the
+    ranks torchrun started on this host (``LOCAL_WORLD_SIZE``), which plan at the same time
+    and keep their direction, ``v`` and curvature in the same memory."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    except ValueError:
+        local = 1
+    return host_available_bytes() // max(local, 1)
+
+
 # ----------------------------------------------------------------------------- sizes
 
 def pass1_bytes(out: int, inp: int, acc: int = 4) -> int:
@@ -312,7 +323,8 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
 
     ``example_bytes``: measured activation bytes of one example of ``longest`` tokens
     (:func:`measure_example_bytes`); ``gpu_total``: the device's memory (default: asked
-    from CUDA); ``host_available``: host bytes free (default: /proc/meminfo); ``weights``:
+    from CUDA); ``host_available``: host bytes free for this process (default: /proc/meminfo's
+    MemAvailable shared among the ranks on this host, :func:`host_share_bytes`); ``weights``:
     device bytes already taken (default: what CUDA has allocated, i.e. the model).
     ``shards``: ranks the model is sharded over (FSDP2, :mod:`prism_select.sharding`): each
     holds ``1/shards`` of the gradients and the direction, and ``v`` inside the weights'
@@ -333,7 +345,7 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
     p2 = {n: pass2_bytes(o, i, half, acc) for n, (o, i) in shapes.items()}
     stored = {n: stored_bytes(kind, o, i, acc) for n, (o, i) in shapes.items()}
     max_dim = max(max(o, i) for o, i in shapes.values())
-    host_available = host_available if host_available is not None else host_available_bytes()
+    host_available = host_available if host_available is not None else host_share_bytes()
     bounded = dev.type == "cuda"
     if bounded:
         weights = weights if weights is not None else torch.cuda.memory_allocated(dev)

@@ -210,6 +210,20 @@ def test_sharded_factors_need_fewer_fit_groups(model, modules):
     assert diag_four.fit_groups == diag_one.fit_groups and diag_four.fit["factor_shards"] == 1
 
 
+def test_ranks_of_one_host_share_its_memory(model, modules, monkeypatch):
+    """torchrun's ranks on one host plan at the same time against the same memory: each
+    plans with its share of what is available."""
+    import prism_select.plan as plan_mod
+    monkeypatch.setattr(plan_mod, "host_available_bytes", lambda: 100 * GiB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert plan_mod.host_share_bytes() == 25 * GiB
+    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example_bytes=1 << 10, longest=1,
+              vocab=1, gpu_total=80 * GiB, weights=0)
+    assert make_plan(model, modules, **kw).host["available"] == 25 * GiB
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert make_plan(model, modules, **kw).host["available"] == 100 * GiB
+
+
 def test_plan_lowers_batch_sizes_then_fails_with_what_would_fit(model, modules):
     from prism_select.plan import HEADROOM_BYTES
     example = 1 << 26  # 64 MiB of activations per example: 8 of them do not fit below
