@@ -198,12 +198,11 @@ def share_from_owners(tensors: list, owners: list):
                 off += t.numel()
 
 
-def max_shape(shape: tuple, device=None) -> tuple:
+def max_shape(shape: tuple) -> tuple:
     """The entrywise maximum of ``shape`` (a tuple of ints) over the ranks."""
     if not active():
         return tuple(shape)
-    t = torch.tensor(list(shape), dtype=torch.int64, device=device if device is not None else
-                     _comm_device(torch.empty(0)))
+    t = torch.tensor(list(shape), dtype=torch.int64, device=_comm_device(torch.empty(0)))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return tuple(int(v) for v in t.tolist())
 

@@ -44,10 +44,9 @@ from .data.tokenize import (
     tokenizer_fingerprint,
 )
 from .errors import CacheError, ConfigError, InputError, OutputError, resource_error
-from .gradients import layer_shape
 from .execution import ExecutionContext, direction_kernels
 from .execution import resolve as resolve_execution
-from .gradients import SpilledLayers, release_host_memory
+from .gradients import SpilledLayers, layer_shape, release_host_memory
 from .precision import direction_policy
 from .io import (
     atomic_write_json,

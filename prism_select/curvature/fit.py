@@ -334,7 +334,9 @@ class _LambdaTap(Tap):
         self.stats, self.bias = stats, has_bias(module)
         self.Lam = self.M4 = None  # the sums, set by the fit (zeros of out x in', and of one element)
         dt = module.weight.dtype
-        self.QA, self.QS = QA.to(dt), QS.to(dt)
+        # None: another rank owns the layer (sharded factors, _ShardedLambdaTap)
+        self.QA = None if QA is None else QA.to(dt)
+        self.QS = None if QS is None else QS.to(dt)
         self.qa_id = qa_group
 
     def on_backward(self, x, g):
@@ -424,13 +426,9 @@ class _ShardedLambdaTap(_LambdaTap):
 
     collective = True
 
-    def __init__(self, module, stats, QA, QS, Lam, qa_group, M4, owner: int):
-        Tap.__init__(self, module)
-        self.stats, self.Lam, self.M4, self.bias = stats, Lam, M4, has_bias(module)
-        dt = module.weight.dtype
-        self.QA = None if QA is None else QA.to(dt)
-        self.QS = None if QS is None else QS.to(dt)
-        self.qa_id, self.owner = qa_group, owner
+    def __init__(self, module, stats, QA, QS, qa_group, owner: int):
+        super().__init__(module, stats, QA, QS, qa_group)
+        self.owner = owner
 
     def on_backward(self, x, g):
         st = self.stats
@@ -791,8 +789,8 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     Lam, M4, taps = {}, {}, {}
     for n, m in modules.items():
         if owners is not None:
-            tap = taps[n] = _ShardedLambdaTap(m, stats, tensors.get(f"{n}::QA"), tensors.get(f"{n}::QS"), None,
-                                              group_of.get(n), None, owners[n])
+            tap = taps[n] = _ShardedLambdaTap(m, stats, tensors.get(f"{n}::QA"), tensors.get(f"{n}::QS"),
+                                              group_of.get(n), owners[n])
             if owners[n] != me:
                 continue
         else:
