@@ -43,7 +43,7 @@ from .data.tokenize import (
     has_chat_template,
     tokenizer_fingerprint,
 )
-from .errors import CacheError, ConfigError, InputError, OutputError, resource_error
+from .errors import CacheError, ConfigError, InputError, OutOfResourceError, OutputError, resource_error
 from .execution import ExecutionContext, direction_kernels
 from .execution import resolve as resolve_execution
 from .gradients import SpilledLayers, layer_shape, release_host_memory
@@ -267,7 +267,7 @@ class RunContext:
         the run's curvature is dropped; it stays in the cache)."""
         dev = self.lm.device
         vdt = self.lm.dtype
-        transient = self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups
+        transient = self._transient()
 
         if self.execution.sharded:
             sizes = {n: m.out_features ** 3 + m.in_features ** 3 for n, m in self.modules.items()}
@@ -295,6 +295,11 @@ class RunContext:
         else:
             v = self.curvature().precondition(direction, device=dev)
         return {n: v.pop(n).to(dtype=vdt) for n in self.modules}  # each float32 layer let go once converted
+
+    def _transient(self) -> bool:
+        """The memory plan keeps no curvature: each fit group preconditions its layers and
+        is dropped, its part of ``v`` saved in ``.partial``."""
+        return bool(self.plan is not None and self.plan.curvature_store == "transient" and self.plan.fit_groups)
 
     def _precondition_by_group(self, tag: str, compute) -> dict:
         """A transient plan's preconditioning: ``compute(part, layers)`` for each fit group
@@ -448,12 +453,19 @@ class RunContext:
             if "curvature" not in self.info and info_path.exists():
                 self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
         else:
+            # written below once v is whole: every fit group of a transient plan was
+            # preconditioned by an earlier process of this run
+            earlier = json.loads(info_path.read_text()) if info_path.exists() else None
             v = self.precondition(direction, tag, last=last)  # last: direction and curvature freed as used
+            if earlier is not None and self.info.get("curvature", {}).get("resumed_groups"):
+                self.info["curvature"] = {**earlier, **self.info["curvature"], "resumed": True}
             if self.execution.main:
                 partial.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(info_path, self.info["curvature"])
             distributed.barrier()
-            if self.execution.main or fsdp:
+            # a transient plan's group files already hold v: a merged copy beside them would
+            # need v's size again on disk at once (26 GiB at Qwen3-14B's shape)
+            if (self.execution.main or fsdp) and not self._transient():
                 tmp = partial / f".{name}.tmp"
                 save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
                 tmp.replace(v_path)
@@ -664,6 +676,32 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
     return plan
 
 
+#: free disk kept beside the saved ``v`` of a transient plan (score chunks, run.json, logs)
+DISK_MARGIN_BYTES = 1 << 30
+
+
+def check_disk_for_v(plan: MemoryPlan | None, modules: dict, dtype: torch.dtype, out_dir: Path,
+                     shards: int = 1) -> None:
+    """Before a transient plan's fit: its preconditioned direction ``v`` (the tracked
+    weights' size in ``dtype``; this rank's ``1 / shards`` under FSDP) is saved in
+    ``<out>/.partial`` group by group, and a run whose disk cannot hold it would stop only
+    after the whole fit. Raises :class:`OutOfResourceError` (``disk``) in seconds instead;
+    what earlier processes of this run saved there counts as written."""
+    if plan is None or plan.curvature_store != "transient" or not plan.fit_groups:
+        return
+    size = torch.tensor([], dtype=dtype).element_size()
+    need = sum(o * i for o, i in map(layer_shape, modules.values())) * size // max(shards, 1)
+    partial = Path(out_dir) / ".partial"
+    saved = sum(f.stat().st_size for f in partial.glob("*_v_group*.safetensors")) if partial.is_dir() else 0
+    free = shutil.disk_usage(out_dir).free
+    if free + saved < need + DISK_MARGIN_BYTES:
+        raise OutOfResourceError(
+            "disk", f"the fit saves the preconditioned direction ({need / 2**30:.1f} GiB) group by group in "
+            f"{partial}, and {out_dir}'s filesystem has {free / 2**30:.1f} GiB free", "free disk space there "
+            "(e.g. prism-select cache prune, if the cache shares that disk) or pass an --out on a larger disk",
+            "nothing had started yet")
+
+
 def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_path,
                          settings: ScoreSettings) -> Loaded | None:
     """What can be checked without the model, so that a mistake fails in a second rather
@@ -750,6 +788,7 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     if distributed.is_main():
         _prepare_out_dir(out_dir, run_key, settings.overwrite)
     distributed.barrier()
+    check_disk_for_v(plan, modules, lm.dtype, out_dir, distributed.world() if sharding.is_sharded(lm.model) else 1)
     ctx = RunContext(lm, modules, inputs, settings, curvature, out_dir, timings,
                      info={"run_key": run_key, "memory_plan": plan.to_json()},
                      execution=resolve_execution(settings, lm.model, lm.device, plan))

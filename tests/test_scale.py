@@ -421,6 +421,52 @@ def test_transient_run_resumes_finished_groups(run_files, monkeypatch):
     assert rel_err(got, ref) <= GROUP_TOL
 
 
+def test_transient_run_keeps_v_once_on_disk_and_resumes_after_the_fit(run_files, monkeypatch):
+    """The Qwen3-14B run on one GPU fitted all five groups, then ran out of disk writing a
+    merged copy of v (26 GiB) beside its group files (26 GiB). The group files are v's one
+    saved copy; a run stopped after the fit (here: in scoring) refits nothing and gives
+    the same scores and the same curvature record."""
+    import prism_select.pipeline as pipeline
+    from prism_select.curvature import fit as fitmod
+    _, ref = _score(run_files, "ref")
+    _forced_plan(monkeypatch, "transient")
+    real_score = pipeline.score_encoded
+
+    def dying(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "score_encoded", dying)
+    with pytest.raises(KeyboardInterrupt):
+        _score(run_files, "run")
+    partial = run_files / "run" / ".partial"
+    assert not (partial / "scores_v.safetensors").exists()
+    assert len(list(partial.glob("scores_v_group*.safetensors"))) == 3
+    monkeypatch.setattr(pipeline, "score_encoded", real_score)
+    real_fit, fitted = fitmod._fit_group, []
+    monkeypatch.setattr(fitmod, "_fit_group", lambda *a, **kw: (fitted.append(1), real_fit(*a, **kw))[1])
+    summary, got = _score(run_files, "run")
+    assert fitted == []
+    assert rel_err(got, ref) <= GROUP_TOL
+    assert summary["curvature"]["store"] == "transient" and summary["curvature"]["groups"] == 3
+    assert summary["curvature"]["resumed"] and summary["curvature"]["resumed_groups"] == 3
+
+
+def test_transient_run_without_disk_for_v_fails_before_the_fit(run_files, monkeypatch):
+    from collections import namedtuple
+
+    import prism_select.pipeline as pipeline
+    from prism_select.curvature import fit as fitmod
+    from prism_select.errors import OutOfResourceError
+    _forced_plan(monkeypatch, "transient")
+    fitted = []
+    monkeypatch.setattr(fitmod, "_fit_group", lambda *a, **kw: fitted.append(1))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 1 << 20))
+    with pytest.raises(OutOfResourceError, match="preconditioned direction") as e:
+        _score(run_files, "run")
+    assert e.value.resource == "disk" and fitted == []
+
+
 def test_resumed_transient_run_fits_its_own_plan_where_no_group_finished(run_files, monkeypatch):
     """The 14B failure under --max-gpu-memory 79.6GiB: the run resumed one whose first
     (uncapped) process, planned in 2 groups, had been killed before any group finished,
