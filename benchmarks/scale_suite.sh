@@ -47,7 +47,7 @@ score() {  # score NAME [extra args]
   fi
   timeout "$budget" $LAUNCH -m prism_select.cli -v score --model "$S/model" --pool "$S/pool.jsonl" \
     --targets "$S/targets.jsonl" --out "$S/run-$name" --max-length 512 --cache-dir "$S/cache" ${CAP:+--max-gpu-memory $CAP} --no-progress ${EXTRA:-} "$@" \
-    2>&1 | grep -v "^INFO httpx" | tee -a "$OUT/log-$name.txt"
+    2>&1 | grep --line-buffered -v "^INFO httpx" | tee -a "$OUT/log-$name.txt"
   echo "step $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/log-$name.txt"
 }
 for step in "$@"; do
