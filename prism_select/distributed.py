@@ -228,6 +228,17 @@ def gather_padded(x, dst: int, shape: tuple, dtype: torch.dtype, device) -> torc
     return None
 
 
+def reduce_sum_to(t: torch.Tensor, dst: int) -> torch.Tensor | None:
+    """The sum of every rank's ``t`` (same shape and dtype everywhere) on rank ``dst``,
+    returned there; the other ranks get None (their ``t`` is used as the send buffer)."""
+    if not active():
+        return t
+    comm = _comm_device(t)
+    buf = t.contiguous() if t.device == comm else t.to(comm)
+    dist.reduce(buf, dst=dst, op=dist.ReduceOp.SUM)
+    return buf.to(t.device) if rank() == dst else None
+
+
 def merge_dicts(d: dict) -> dict:
     """The union of every rank's ``d`` (small, picklable values; on a key present on
     several ranks the lowest rank's value wins)."""

@@ -385,11 +385,15 @@ def _to_owner(tap, x, like: torch.Tensor, width: int):
 
 class _ShardedCovTap(_CovTap):
     """Pass 1 with the factors sharded over the ranks (FSDP, ``owner`` from
-    :func:`prism_select.sharding.factor_owners`): every rank sends its batch's masked inputs
-    (with the bias's ones column, masked too) and output gradients to the layer's owner,
-    which alone accumulates ``A`` and ``S`` (None elsewhere), with the same sums as one
-    process. An input read by several layers of one owner is sent once. A stand-in step
-    sends zeros, and the owner still adds what the other ranks sent."""
+    :func:`prism_select.sharding.factor_owners`): every rank forms the products of its own
+    batch (masked inputs with the bias's ones column, masked too; output gradients), and
+    they are summed onto the layer's owner, which alone accumulates ``A`` and ``S`` (None
+    elsewhere), with the same sums as one process. Each rank multiplies only its own
+    examples, so the products divide over the ranks (the ranks meet at every layer's
+    collective: a product formed by the owner alone over every rank's examples would put
+    ``world`` times its cost on every rank's path). An input read by several layers of one
+    owner is summed once. A stand-in step adds zeros, and the owner still adds the other
+    ranks' sums."""
 
     collective = True
 
@@ -403,20 +407,27 @@ class _ShardedCovTap(_CovTap):
         if k in st.cache:
             C = st.cache[k][1]
         else:
-            a = None
-            if not self.paused:
+            w = x.shape[-1] + int(self.bias)
+            if self.paused:
+                C = torch.zeros(w, w, dtype=st.acc, device=x.device)
+            else:
                 m = st.mask(x.dtype)
                 a = torch.cat([x * m, m], -1) if self.bias else x * m
-            full = _to_owner(self, a, x, x.shape[-1] + int(self.bias))
-            C = None if full is None else _gram(full.reshape(-1, full.shape[-1]), st.acc)
+                C = _gram(a.reshape(-1, w), st.acc)
+            C = distributed.reduce_sum_to(C, self.owner)
             st.cache[k] = (x.detach(), C)
         if C is not None:
             self.A += C
 
     def on_backward(self, x, g):
-        full = _to_owner(self, None if self.paused else g, g, g.shape[-1])
-        if full is not None:
-            _gram_into(self.S, full.reshape(-1, full.shape[-1]))
+        w = g.shape[-1]
+        if self.paused:
+            C = torch.zeros(w, w, dtype=self.stats.acc, device=g.device)
+        else:
+            C = _gram(g.reshape(-1, w), self.stats.acc)
+        C = distributed.reduce_sum_to(C, self.owner)
+        if C is not None:
+            self.S += C
 
 
 class _ShardedLambdaTap(_LambdaTap):
