@@ -175,6 +175,20 @@ def broadcast(tensors: list, src: int = 0):
         t.copy_(buf)
 
 
+def broadcast_from(t: torch.Tensor | None, src: int, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """Rank ``src``'s ``t`` on every rank, on ``device`` (the other ranks pass None, or
+    anything: their ``t`` is not read); ``shape`` and ``dtype`` are ``t``'s."""
+    if not active():
+        return t
+    comm = _comm_device(torch.empty(0))
+    if rank() == src:
+        buf = t.to(device=comm, dtype=dtype).contiguous()
+    else:
+        buf = torch.empty(shape, dtype=dtype, device=comm)
+    dist.broadcast(buf, src)
+    return buf.to(device)
+
+
 def share_from_owners(tensors: list, owners: list):
     """Every rank ends with rank ``owners[i]``'s value of ``tensors[i]`` (same shapes
     and dtypes on every rank): one broadcast per (owner, dtype), of that owner's tensors
@@ -196,36 +210,6 @@ def share_from_owners(tensors: list, owners: list):
             for t in ts:
                 t.copy_(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
-
-
-def max_shape(shape: tuple) -> tuple:
-    """The entrywise maximum of ``shape`` (a tuple of ints) over the ranks."""
-    if not active():
-        return tuple(shape)
-    t = torch.tensor(list(shape), dtype=torch.int64, device=_comm_device(torch.empty(0)))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return tuple(int(v) for v in t.tolist())
-
-
-def gather_padded(x, dst: int, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:
-    """Rank ``dst`` receives every rank's ``x`` zero-padded to ``shape`` (``x`` may be
-    smaller in any dimension, or None: zeros), stacked along dim 0 as one
-    ``(world * shape[0], *shape[1:])`` tensor; the other ranks get None. Every rank calls
-    it with the same ``shape``, ``dtype`` and ``dst``."""
-    if x is not None and tuple(x.shape) == tuple(shape):
-        buf = x.to(dtype).contiguous()
-    else:
-        buf = torch.zeros(shape, dtype=dtype, device=device)
-        if x is not None:
-            buf[tuple(slice(0, k) for k in x.shape)] = x
-    if not active():
-        return buf
-    if rank() == dst:
-        out = torch.empty((world(), *shape), dtype=dtype, device=device)
-        dist.gather(buf, list(out.unbind(0)), dst=dst)
-        return out.flatten(0, 1)
-    dist.gather(buf, None, dst=dst)
-    return None
 
 
 def reduce_sum_to(t: torch.Tensor, dst: int) -> torch.Tensor | None:

@@ -330,8 +330,9 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
     holds ``1/shards`` of the gradients and the direction, and ``v`` inside the weights'
     shards (already counted in ``weights``); K-FAC and EK-FAC factors are sharded too
     (each layer's on one rank, :func:`prism_select.curvature.fit.factors_sharded`), so a
-    fit group may be about ``shards`` times larger, while each owner receives the other
-    ranks' layer inputs and output gradients (``shards`` batches of them) in every step.
+    fit group may be about ``shards`` times larger, while every rank holds, for one layer
+    at a time, its own product of the factor pass and the owner's eigenbases and its own
+    sums in the eigenvalue pass.
     """
     dev = torch.device(device)
     names = list(modules)
@@ -429,16 +430,17 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
         total_stored = sum(stored.values())
         fsh = shards if kind in ("ekfac", "kfac") else 1  # ranks the factors are sharded over
         eigh = EIGH_BUFFERS * acc * max_dim * max_dim if kind in ("ekfac", "kfac") else 0
-        # an owner rotates the examples of every rank's batch
-        rot = lambda bs: bs * fsh * largest * (half + acc) if kind in ("ekfac", "diagonal") else 0  # noqa: E731
+        # each rank rotates the examples of its own batch
+        rot = lambda bs: bs * largest * (half + acc) if kind in ("ekfac", "diagonal") else 0  # noqa: E731
         max_in = max(i for _, i in shapes.values())
         # pass 1's per-batch products: RECENT_INPUTS in' x in' products kept for the layers
         # sharing an input, and one float32 copy of a batch's inputs
         taps = lambda bs: acc * (RECENT_INPUTS * max_in * max_in + bs * longest * max_in)  # noqa: E731
-        # sharded factors: one layer's padded send buffer, and the owner's gathered inputs
-        # and output gradients of every rank
-        gathered = lambda bs: 0 if fsh == 1 else half * (2 * fsh + 1) * bs * longest * max_dim  # noqa: E731
-        work = lambda bs: max(eigh, rot(bs), taps(bs)) + gathered(bs)  # noqa: E731
+        # sharded factors, one layer at a time: pass 1's product of this rank's batch (summed
+        # onto the owner; RECENT_INPUTS of them are in ``taps``), pass 2's eigenbases from
+        # the owner and this rank's sums of the layer
+        shared = lambda bs: 0 if fsh == 1 else (2 * half + acc) * max_dim * max_dim  # noqa: E731
+        work = lambda bs: max(eigh, rot(bs), taps(bs)) + shared(bs)  # noqa: E731
         cost = {n: max(p1[n], p2[n]) if kind == "ekfac" else (stored[n] if kind == "diagonal" else p1[n])
                 for n in names}
         # per rank, a group's factors are 1/fsh of it, plus at most one layer (the owners

@@ -95,12 +95,8 @@ class _Stats:
         self.paused = False  # a stand-in step (see _passes): nothing is counted
         self._scratch = None
         self.spill = None  # a _Spill the factor pass writes
-        self.sharded = False  # factors sharded over the ranks: see _ShardedCovTap
-        self.step_shape = None  # (B, T): the largest batch shape of this step over the ranks
 
     def start(self, b):
-        if self.sharded:  # every step, stand-ins too: the taps' transfers are padded to it
-            self.step_shape = distributed.max_shape(tuple(b["input_ids"].shape[:2]))
         if self.paused:
             return
         sel = b.get("token_mask")
@@ -349,10 +345,12 @@ class _LambdaTap(Tap):
             st.cache[k] = (x.detach(), aq)
         self.add(aq, _rotate(g, self.QS, st.acc))
 
-    def add(self, aq: torch.Tensor, bq: torch.Tensor):
+    def add(self, aq: torch.Tensor, bq: torch.Tensor, Lam=None, M4=None):
         """Add the examples of rotated inputs ``aq`` (``B x T x in'``) and output gradients
-        ``bq`` (``B x T x out``) to ``Lambda`` and ``M4``."""
+        ``bq`` (``B x T x out``) to ``Lambda`` and ``M4`` (or to the given ``Lam``, ``M4``)."""
         st = self.stats
+        Lam = self.Lam if Lam is None else Lam
+        M4 = self.M4 if M4 is None else M4
         if bq.device.type == "cpu" and bq.dtype == st.acc:
             # example by example into one reused buffer: a (B, out, in) product, squared
             # into a second one, cost three times the GEMMs on the CPU (memory traffic
@@ -362,25 +360,18 @@ class _LambdaTap(Tap):
             for n in range(bq.shape[0]):
                 torch.mm(bq[n].T, aq[n], out=R)
                 R.square_()
-                self.Lam += R
-                self.M4 += torch.dot(flat, flat)
+                Lam += R
+                M4 += torch.dot(flat, flat)
             return
         if bq.dtype == st.acc:
             rot = bq.transpose(1, 2) @ aq
             sq = rot * rot
-            self.Lam += sq.sum(0)
+            Lam += sq.sum(0)
         else:  # half precision: bf16 products (float32 accumulate), squares summed in float32
             sq = torch.bmm(bq.transpose(1, 2), aq).square_()
-            self.Lam += sq.sum(0, dtype=st.acc)
+            Lam += sq.sum(0, dtype=st.acc)
         flat = sq.reshape(-1)
-        self.M4 += torch.dot(flat, flat).to(st.acc)  # no copy of the batch's squares
-
-
-def _to_owner(tap, x, like: torch.Tensor, width: int):
-    """``x`` (``B x T x width``; None in a stand-in step: zeros) from every rank, padded to
-    the step's shape, on the owner of ``tap``'s layer as one ``world*B x T x width`` tensor
-    in ``like``'s dtype and device; None on the other ranks."""
-    return distributed.gather_padded(x, tap.owner, (*tap.stats.step_shape, width), like.dtype, like.device)
+        M4 += torch.dot(flat, flat).to(st.acc)  # no copy of the batch's squares
 
 
 class _ShardedCovTap(_CovTap):
@@ -431,15 +422,23 @@ class _ShardedCovTap(_CovTap):
 
 
 class _ShardedLambdaTap(_LambdaTap):
-    """Pass 2 with sharded factors: every rank sends its batch's inputs and output
-    gradients to the layer's owner, which rotates them with its eigenbases and adds the
-    examples to ``Lambda`` (padding examples and tokens have ``b = 0`` and add nothing)."""
+    """Pass 2 with sharded factors: the layer's owner sends its eigenbases (in the model's
+    dtype) to every rank for the step; each rank rotates its own batch's inputs and output
+    gradients and adds its examples into a sum of its own, and the sums are added onto
+    the owner's ``Lambda`` and ``M4`` (padding examples and tokens have ``b = 0`` and add
+    nothing). Each rank rotates only its own examples, so the work divides over the ranks
+    (see :class:`_ShardedCovTap`). An input read by several layers of one owner is rotated
+    once. A stand-in step adds zeros."""
 
     collective = True
 
     def __init__(self, module, stats, QA, QS, qa_group, owner: int):
         super().__init__(module, stats, QA, QS, qa_group)
         self.owner = owner
+        self.dtype = module.weight.dtype
+
+    def _from_owner(self, Q, width: int, device) -> torch.Tensor:
+        return distributed.broadcast_from(Q, self.owner, (width, width), self.dtype, device)
 
     def on_backward(self, x, g):
         st = self.stats
@@ -447,14 +446,20 @@ class _ShardedLambdaTap(_LambdaTap):
         if k in st.cache:
             aq = st.cache[k][1]
         else:
-            full = _to_owner(self, None if self.paused else x, x, x.shape[-1])
-            aq = None
-            if full is not None:
-                aq = _rotate(_with_ones(full) if self.bias else full, self.QA, st.acc)
+            QA = self._from_owner(self.QA, x.shape[-1] + int(self.bias), x.device)
+            aq = None if self.paused else _rotate(_with_ones(x) if self.bias else x, QA, st.acc)
+            del QA
             st.cache[k] = (x.detach(), aq)
-        full = _to_owner(self, None if self.paused else g, g, g.shape[-1])
-        if full is not None:
-            self.add(aq, _rotate(full, self.QS, st.acc))
+        QS = self._from_owner(self.QS, g.shape[-1], g.device)
+        out, inp = g.shape[-1], x.shape[-1] + int(self.bias)
+        sums = torch.zeros(out * inp + 1, dtype=st.acc, device=g.device)  # this rank's Lambda and M4
+        if not self.paused:
+            self.add(aq, _rotate(g, QS, st.acc), sums[:-1].view(out, inp), sums[-1:])
+        del QS
+        sums = distributed.reduce_sum_to(sums, self.owner)
+        if sums is not None:
+            self.Lam += sums[:-1].view(out, inp)
+            self.M4 += sums[-1:]
 
 
 class _DiagTap(Tap):
@@ -575,7 +580,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     Under ``torchrun`` (an initialised process group), each rank runs its share of the
     fit batches. Data-parallel ranks sum the statistics (all-reduce) before each
     eigendecomposition, so every rank ends with the same curvature. With the model sharded
-    by FSDP (:func:`factors_sharded`) each layer's statistics go to its owner rank as the
+    by FSDP (:func:`factors_sharded`) each rank's statistics of a layer are summed onto its owner rank as the
     passes run, and each rank ends with its own layers' curvature (``meta["owners"]``;
     the damping and shrinkage of every layer). ``timings``, if
     given, receives ``factors_s``, ``eigh_s`` and ``lambda_s`` (summed over groups).
@@ -700,7 +705,6 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         except OSError as exc:  # an unwritable directory: run the model again in pass 2
             log.info("no spill file for the eigenvalue pass (%s); the pass runs the model again", exc)
     stats.spill = spill
-    stats.sharded = owners is not None
     if owners is not None:
         taps = {n: _ShardedCovTap(m, stats, A.get(n), S.get(n), owners[n]) for n, m in modules.items()}
     else:
