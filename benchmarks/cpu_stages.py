@@ -35,16 +35,22 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
 
 
+_WAITS: dict = {}  # thread id -> its runqueue wait (ns) when last read
+_WAITS_LOCK = threading.Lock()
+
+
 def runqueue_wait_s() -> float:
     """Seconds this process's threads have waited for a CPU while runnable (the kernel's
-    schedstat): on a shared machine, the time other work took from this run."""
-    total = 0
-    for d in Path("/proc/self/task").iterdir():
-        try:
-            total += int((d / "schedstat").read_text().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass  # a thread that has just exited
-    return total / 1e9
+    schedstat): on a shared machine, the time other work took from this run. Threads
+    that have exited count with their last reading (the RSS sampler reads every thread
+    every --rss-every seconds, so a worker pool's threads are not lost when they end)."""
+    with _WAITS_LOCK:
+        for d in Path("/proc/self/task").iterdir():
+            try:
+                _WAITS[d.name] = int((d / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                pass  # a thread that has just exited
+        return sum(_WAITS.values()) / 1e9
 
 
 def main():
@@ -66,6 +72,7 @@ def main():
         t0 = time.perf_counter()
         while True:
             trace.append((round(time.perf_counter() - t0, 2), round(rss_mib()), stack[-1]))
+            runqueue_wait_s()  # keeps the threads' waits (see there)
             time.sleep(a.rss_every)
 
     if a.rss_every > 0:
@@ -116,6 +123,8 @@ def main():
         parts = [v for k, v in rec.items() if k.startswith("fit: ") or k == "curvature save"]
         rec["eigendecompositions (rest of curvature)"] = {
             k: rec["curvature (all)"][k] - sum(p[k] for p in parts) for k in ("cpu_s", "wall_s", "wait_s")}
+        if "fit: factors, eigh, eigenvalues (spill)" in rec:  # the eigendecompositions are in that stage
+            rec["rest of curvature"] = rec.pop("eigendecompositions (rest of curvature)")
     ru = resource.getrusage(resource.RUSAGE_SELF)
     # wait s: the threads' time runnable but waiting for a CPU (other work on the machine)
     print(f"{'stage':42s} {'CPU s':>8s} {'wall s':>8s} {'wait s':>8s} {'RSS MiB start/end, peak so far':>32s}")
