@@ -257,8 +257,10 @@ class RunContext:
         return self._curvature
 
     def _spill_scores_pool(self, cs: CurvatureSettings, groups) -> bool:
-        """Whether the fit's spill (EK-FAC on the CPU, :func:`prism_select.curvature.fit.fit_curvature`)
-        would hold exactly the per-example gradients that exact scoring of the pool forms:
+        """Whether to keep the fit's spill (EK-FAC on the CPU, :func:`prism_select.curvature.fit.fit_curvature`)
+        to score from: asked for (``settings.scores_from_fit``), for a method that scores a
+        direction, and the spill would hold exactly the per-example gradients that exact
+        scoring of the pool forms:
         the fit runs on every pool record (not a sample, not a separate fit set) with the
         empirical Fisher (the records' own labels: the scoring loss, summed over response
         tokens per example), in one group of layers, in the model's own arithmetic, both
@@ -268,7 +270,8 @@ class RunContext:
         from .engine import cpu_response_split, split_causal_lm
         st, ex = self.settings, self.execution
         model = self.lm.model
-        return (self.inputs.fit_encoded is None and cs.kind == "ekfac" and cs.fisher == "empirical"
+        return (st.scores_from_fit and st.method in DIRECTION_METHODS
+                and self.inputs.fit_encoded is None and cs.kind == "ekfac" and cs.fisher == "empirical"
                 and len(fit_indices(len(self.inputs.encoded), cs)) == len(self.inputs.encoded)
                 and not (groups and len(groups) > 1) and st.scoring == "exact" and not st.stream
                 and ex.precision == "model" and not ex.sharded and ex.world == 1

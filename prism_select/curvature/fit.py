@@ -174,7 +174,6 @@ class _Spill:
         off, shape, dtype = entry
         t = torch.empty(shape, dtype=dtype)
         buf = memoryview(t.numpy()).cast("B")
-        self.f.flush()
         done = 0
         while done < len(buf):
             n = os.preadv(self.f.fileno(), [buf[done:]], off + done)
@@ -196,9 +195,11 @@ class _Spill:
         self.batches[-1].append((name, self._pending.pop(name), self._write(g)))
 
     def finish(self):
-        """The factor pass is over: nothing of its last batch is held."""
+        """The factor pass is over: nothing of its last batch is held, everything written
+        is in the file (for :meth:`read`)."""
         self._inputs.clear()
         self._pending = {}
+        self.f.flush()
 
     def close(self):
         self.finish()

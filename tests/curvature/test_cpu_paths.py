@@ -242,13 +242,15 @@ def _write_inputs(tmp_path, pool_examples, pair_examples):
     return pool, targets
 
 
-@pytest.mark.parametrize("fisher, fit_examples, from_spill", [("empirical", None, True), ("sampled", None, False),
-                                                               ("empirical", 5, False)])
+@pytest.mark.parametrize("asked, fisher, fit_examples, from_spill", [
+    (True, "empirical", None, True), (True, "sampled", None, False), (True, "empirical", 5, False),
+    (False, "empirical", None, False)])
 def test_run_scores_from_the_fit_spill_only_when_it_holds_the_scoring_gradients(
-        model, tok, tmp_path, pool_examples, pair_examples, monkeypatch, fisher, fit_examples, from_spill):
-    """A PRISM run whose EK-FAC fit covers the whole pool with the empirical Fisher scores from
-    the fit's spill (no scoring pass over the model), with the scores of a run without the
-    spill; with sampled labels or a fit sample it scores with the model."""
+        model, tok, tmp_path, pool_examples, pair_examples, monkeypatch, asked, fisher, fit_examples, from_spill):
+    """A PRISM run asked to (``scores_from_fit``) whose EK-FAC fit covers the whole pool with
+    the empirical Fisher scores from the fit's spill (no scoring pass over the model), with
+    the scores of a run without the spill; with sampled labels, a fit sample or by default
+    it scores with the model."""
     import json
 
     from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
@@ -263,8 +265,8 @@ def test_run_scores_from_the_fit_spill_only_when_it_holds_the_scoring_gradients(
     def run(name):
         lm = LoadedModel(model, tok, ModelSettings(model="tiny-test", device="cpu", cache_dir=str(tmp_path / name)),
                          model_fingerprint(model), {"kind": "test"})
-        summary = score_pool(lm, pool, targets, tmp_path / name / "run", ScoreSettings(batch_size=4, progress=False),
-                             cs)
+        summary = score_pool(lm, pool, targets, tmp_path / name / "run",
+                             ScoreSettings(batch_size=4, progress=False, scores_from_fit=asked), cs)
         rows = [json.loads(x) for x in (tmp_path / name / "run" / "scores.jsonl").read_text().splitlines()]
         return summary, torch.tensor([r["score"] for r in sorted(rows, key=lambda r: r["id"])], dtype=torch.float64)
 
