@@ -35,6 +35,24 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
 
 
+_WAITS: dict = {}  # thread id -> its runqueue wait (ns) when last read
+_WAITS_LOCK = threading.Lock()
+
+
+def runqueue_wait_s() -> float:
+    """Seconds this process's threads have waited for a CPU while runnable (the kernel's
+    schedstat): on a shared machine, the time other work took from this run. Threads
+    that have exited count with their last reading (the RSS sampler reads every thread
+    every --rss-every seconds, so a worker pool's threads are not lost when they end)."""
+    with _WAITS_LOCK:
+        for d in Path("/proc/self/task").iterdir():
+            try:
+                _WAITS[d.name] = int((d / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                pass  # a thread that has just exited
+        return sum(_WAITS.values()) / 1e9
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -54,6 +72,7 @@ def main():
         t0 = time.perf_counter()
         while True:
             trace.append((round(time.perf_counter() - t0, 2), round(rss_mib()), stack[-1]))
+            runqueue_wait_s()  # keeps the threads' waits (see there)
             time.sleep(a.rss_every)
 
     if a.rss_every > 0:
@@ -64,16 +83,17 @@ def main():
 
         @functools.wraps(f)
         def g(*args, **kw):
-            c, w, m0 = time.process_time(), time.perf_counter(), rss_mib()
+            c, w, m0, q = time.process_time(), time.perf_counter(), rss_mib(), runqueue_wait_s()
             stack.append(label(args) if callable(label) else label)
             try:
                 return f(*args, **kw)
             finally:
                 stack.pop()
                 lab = label(args) if callable(label) else label
-                r = rec.setdefault(lab, {"cpu_s": 0.0, "wall_s": 0.0})
+                r = rec.setdefault(lab, {"cpu_s": 0.0, "wall_s": 0.0, "wait_s": 0.0})
                 r["cpu_s"] += time.process_time() - c
                 r["wall_s"] += time.perf_counter() - w
+                r["wait_s"] += runqueue_wait_s() - q
                 # resident memory when the stage began and ended, and the process's peak so far
                 r["rss_mib_start"], r["rss_mib_end"] = m0, rss_mib()
                 r["peak_rss_mib_so_far"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -84,27 +104,36 @@ def main():
     wrap(fit, "_passes", lambda args: "fit: " + args[9].split(" (")[0])
     if hasattr(fit, "_spilled_pass"):  # the eigenvalue pass read from the factor pass's spill
         wrap(fit, "_spilled_pass", lambda args: "fit: " + args[3].split(" (")[0])
+    if hasattr(fit, "_spilled_groups"):  # factors, eigendecompositions and eigenvalues from the spill
+        wrap(fit, "_spilled_groups", "fit: factors, eigh, eigenvalues (spill)")
     wrap(base.Curvature, "save", "curvature save")
     wrap(fit, "fit_curvature", "fit_curvature (all)")
     wrap(fit, "apply_damping", "apply damping")
     wrap(pipeline, "load_or_fit_curvature", "curvature (all)")
     wrap(base.Curvature, "precondition", "precondition")
     wrap(pipeline, "score_encoded", "scoring")
-    c, w = time.process_time(), time.perf_counter()
+    if hasattr(fit._Spill, "scores"):  # exact scores from the fit's spill (the pool is the fit sample)
+        wrap(fit._Spill, "scores", "scoring (from the fit's spill)")
+    c, w, q = time.process_time(), time.perf_counter(), runqueue_wait_s()
+    load0 = os.getloadavg()
     code = cli.main(a.argv)
-    rec["total"] = {"cpu_s": time.process_time() - c, "wall_s": time.perf_counter() - w}
+    rec["total"] = {"cpu_s": time.process_time() - c, "wall_s": time.perf_counter() - w,
+                    "wait_s": runqueue_wait_s() - q}
     if "curvature (all)" in rec:
         parts = [v for k, v in rec.items() if k.startswith("fit: ") or k == "curvature save"]
         rec["eigendecompositions (rest of curvature)"] = {
-            k: rec["curvature (all)"][k] - sum(p[k] for p in parts) for k in ("cpu_s", "wall_s")}
+            k: rec["curvature (all)"][k] - sum(p[k] for p in parts) for k in ("cpu_s", "wall_s", "wait_s")}
+        if "fit: factors, eigh, eigenvalues (spill)" in rec:  # the eigendecompositions are in that stage
+            rec["rest of curvature"] = rec.pop("eigendecompositions (rest of curvature)")
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    print(f"{'stage':42s} {'CPU s':>8s} {'wall s':>8s} {'RSS MiB start/end, peak so far':>32s}")
+    # wait s: the threads' time runnable but waiting for a CPU (other work on the machine)
+    print(f"{'stage':42s} {'CPU s':>8s} {'wall s':>8s} {'wait s':>8s} {'RSS MiB start/end, peak so far':>32s}")
     for k, v in rec.items():
         mem = (f"{v['rss_mib_start']:8.0f} {v['rss_mib_end']:8.0f} {v['peak_rss_mib_so_far']:8.0f}"
                if "rss_mib_start" in v else "")
-        print(f"{k:42s} {v['cpu_s']:8.1f} {v['wall_s']:8.1f} {mem}")
+        print(f"{k:42s} {v['cpu_s']:8.1f} {v['wall_s']:8.1f} {v['wait_s']:8.1f} {mem}")
     info = {"argv": a.argv, "exit_code": code, "stages": rec, "peak_rss_mib": ru.ru_maxrss / 1024,
-            "load_average_end": os.getloadavg(), "cpus": os.cpu_count(),
+            "load_average_start": load0, "load_average_end": os.getloadavg(), "cpus": os.cpu_count(),
             "threads": __import__("torch").get_num_threads()}
     print(f"peak RSS {info['peak_rss_mib']:.0f} MiB; load average at the end {info['load_average_end']}")
     if trace:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -187,6 +188,9 @@ class RunContext:
     execution: ExecutionContext | None = None
     _curvature: Curvature | None = None
     _fit_timings: dict = field(default_factory=dict)  # the fit's running phase totals
+    #: the fit's spill (:meth:`prism_select.curvature.fit._Spill.scores`) when it holds the
+    #: scoring loss's gradients of every pool example (:meth:`_spill_scores_pool`)
+    _spill: object | None = None
 
     def __post_init__(self):
         if self.execution is None:
@@ -229,7 +233,8 @@ class RunContext:
                 max_length=st.max_length, progress=st.progress,
                 cuda_graphs=self.execution.cuda_graphs, timings=phases, precision=self.execution.precision,
                 groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes,
-                kernels=self.execution.kernels, offload=plan.fit.get("offload") if plan is not None else None)
+                kernels=self.execution.kernels, offload=plan.fit.get("offload") if plan is not None else None,
+                on_spill=self._keep_spill if self._spill_scores_pool(cs, groups) else None)
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             info = self.info.get("curvature", {})
@@ -250,6 +255,37 @@ class RunContext:
                 return cur
             self._curvature = cur
         return self._curvature
+
+    def _spill_scores_pool(self, cs: CurvatureSettings, groups) -> bool:
+        """Whether to keep the fit's spill (EK-FAC on the CPU, :func:`prism_select.curvature.fit.fit_curvature`)
+        to score from: asked for (``settings.scores_from_fit``), for a method that scores a
+        direction, and the spill would hold exactly the per-example gradients that exact
+        scoring of the pool forms:
+        the fit runs on every pool record (not a sample, not a separate fit set) with the
+        empirical Fisher (the records' own labels: the scoring loss, summed over response
+        tokens per example), in one group of layers, in the model's own arithmetic, both
+        with the same loss route (the logits at response positions, or the model's), and
+        the pool is scored in memory by the exact route."""
+        from .curvature.fit import fit_indices
+        from .engine import cpu_response_split, split_causal_lm
+        st, ex = self.settings, self.execution
+        model = self.lm.model
+        return (st.scores_from_fit and st.method in DIRECTION_METHODS
+                and self.inputs.fit_encoded is None and cs.kind == "ekfac" and cs.fisher == "empirical"
+                and len(fit_indices(len(self.inputs.encoded), cs)) == len(self.inputs.encoded)
+                and not (groups and len(groups) > 1) and st.scoring == "exact" and not st.stream
+                and ex.precision == "model" and not ex.sharded and ex.world == 1
+                and (split_causal_lm(model) is None) == (cpu_response_split(model, self.modules) is None))
+
+    def _keep_spill(self, spill) -> None:
+        if self._spill is not None:
+            self._spill.close()
+        self._spill = spill
+
+    def _drop_spill(self) -> None:
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
 
     def precondition(self, direction: dict, tag: str = "scores", last: bool = False) -> dict:
         """``v = H^-1 direction`` in the dtype the scores use (the model's), layer by layer on
@@ -499,8 +535,19 @@ class RunContext:
             stats = {k: res.pop(k) for k in ("examples", "real_tokens", "padded_tokens") if k in res}
             self.streamed = {**res, "path": out}
         else:
-            s = score_encoded(self.lm.model, self.modules, self.inputs.encoded, v, pad_id=self.pad_id,
-                              ids=[e.id for e in self.inputs.pool], stats=stats, **common)
+            s = None
+            if self._spill is not None:  # the fit's gradients are the scoring's: no model pass
+                s = self._spill.scores(self.modules, v, len(self.inputs.encoded))
+                if s is not None:
+                    n_tok = sum(len(e.input_ids) for e in self.inputs.encoded)
+                    stats = {"examples": len(self.inputs.encoded), "real_tokens": n_tok,
+                             "padded_tokens": sum(math.prod(rec[0][1][1][:2]) for rec in self._spill.batches),
+                             "from_fit_spill": True}
+                if last or s is None:
+                    self._drop_spill()
+            if s is None:
+                s = score_encoded(self.lm.model, self.modules, self.inputs.encoded, v, pad_id=self.pad_id,
+                                  ids=[e.id for e in self.inputs.pool], stats=stats, **common)
         dt = time.perf_counter() - t
         self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + dt
         if stats.get("examples"):  # this rank's share; tokens/s counts real (non-padding) tokens

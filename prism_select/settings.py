@@ -125,7 +125,8 @@ class ScoringSettings:
     scoring: exact (one forward + one activation-only backward per batch), fast (central
     finite differences along ``v`` in the model's dtype) or fd32 (the same on a float32
     copy of the model); not on the CLI (see docs/performance.md). fd_eps: the relative
-    finite-difference step of fast / fd32 (None: the route's default).
+    finite-difference step of fast / fd32 (None: the route's default). scores_from_fit:
+    see :meth:`prism_select.pipeline.RunContext.score_direction` (the demo sets it).
     """
 
     max_length: int = setting(DEFAULT_MAX_LENGTH, help="tokens per example; a longer prompt is cut from the left")
@@ -136,8 +137,17 @@ class ScoringSettings:
                                         "its LoRA matrices)")
     scoring: str = setting("exact", choices=SCORINGS, cli=False, help="the scoring route")
     fd_eps: float | None = setting(None, cli=False, help="relative finite-difference step of fast / fd32")
+    # not a key field: it changes scores at float rounding only, and a run resumed after its
+    # fit scores with the model whatever it says
+    scores_from_fit: bool = setting(False, key=False,
+                                    help="on the CPU, when the EK-FAC fit covers the whole pool with the empirical "
+                                         "Fisher: the exact scores from the fit's spilled layer inputs and gradients, "
+                                         "without a scoring pass over the model (the same scores to float rounding; "
+                                         "a run resumed after its fit scores with the model, so not bit for bit)")
 
     def __post_init__(self):
+        if not isinstance(self.scores_from_fit, bool):
+            raise ConfigError("scores_from_fit", f"must be true or false, got {self.scores_from_fit!r}")
         if self.scoring not in SCORINGS:
             raise ConfigError("scoring", f"unknown value {self.scoring!r}", f"use one of {', '.join(SCORINGS)}")
         if self.fd_eps is not None:

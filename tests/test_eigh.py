@@ -84,3 +84,23 @@ def test_small_cpu_factors_are_decomposed_side_by_side_like_one_by_one(monkeypat
         assert len({t for t, _, small in workers if small}) >= 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_side_by_side_runs_one_thread_workers_and_restores_the_threads():
+    """``fit._side_by_side`` (the spilled fit's and scores' task runner): results in the items'
+    order, every worker at one thread, this thread's setting restored."""
+    import threading
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+
+        def fn(i):
+            seen.append((threading.get_ident(), torch.get_num_threads()))
+            return i * i
+        assert list(fit._side_by_side(fn, list(range(7)))) == [i * i for i in range(7)]
+        assert {n for _, n in seen} == {1} and threading.get_ident() not in {t for t, _ in seen}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

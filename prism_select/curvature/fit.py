@@ -31,7 +31,8 @@ from .. import distributed, sharding
 from ..data.tokenize import token_losses
 from ..errors import CacheError
 from ..execution import DEFAULT_KERNELS, Kernels
-from ..engine import Tap, batch_losses, causal_only, collate_to, mm_acc, mm_acc_into, split_causal_lm, tap_linears
+from ..engine import (Tap, batch_losses, causal_only, collate_to, mm_acc, mm_acc_into, rowdot, split_causal_lm,
+                      tap_linears)
 from ..precision import fit_arithmetic, fit_policy
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
 from ..gradients import check_finite, has_bias, layer_shape, release_host_memory
@@ -104,7 +105,7 @@ class _Stats:
         self._masks = {}
         self.cache.clear()
         if self.spill is not None:
-            self.spill.start()
+            self.spill.start(self.sel)
         self.n_batch = self.sel.sum().to(self.acc)
         if self.n_tokens is None:
             self.n_tokens = torch.zeros((), dtype=self.acc, device=self.sel.device)
@@ -124,11 +125,12 @@ class _Stats:
         return m
 
 
-#: on the CPU, EK-FAC's eigenvalue pass reads every layer's inputs and output gradients,
-#: as the factor pass saw them, back from a temporary file instead of running the model
-#: again, when they take at most this many bytes (and at most a quarter of the free disk
-#: space where the file goes). The demo: about 3 GB for 40 records (1 MB a token at 135M),
-#: a forward and backward of the pool saved (session 8). 0 turns it off.
+#: on the CPU, EK-FAC's factor pass writes every layer's inputs and output gradients to a
+#: temporary file, from which the factors and the eigenvalues are formed layer group by
+#: layer group (:func:`_spilled_groups`; the eigenvalue pass does not run the model again),
+#: when they take at most this many bytes (and at most a quarter of the free disk space
+#: where the file goes). The demo: about 3 GB for 40 records (1 MB a token at 135M). 0
+#: turns it off: the factors are summed in the pass and the eigenvalue pass reruns the model.
 SPILL_MAX_BYTES = 8 << 30
 
 
@@ -146,11 +148,15 @@ class _Spill:
         # address is not reused by another tensor while the key is known (see _key)
         self._inputs = _Recent()
         self._pending: dict = {}  # this batch: layer -> input entry (until its gradient arrives)
+        self.examples: list = []  # each batch's example indices (set by the fit)
+        self.masks: list = []  # each batch's (B, T) bool mask of the real tokens
 
-    def start(self):
+    def start(self, mask: torch.Tensor):
+        """A new batch, with ``mask`` (``B x T``) marking its real tokens."""
         self._inputs.clear()
         self._pending = {}
         self.batches.append([])
+        self.masks.append(mask.to(torch.bool))
 
     def _write(self, t: torch.Tensor):
         t = t.detach().contiguous()
@@ -159,10 +165,17 @@ class _Spill:
         return off, tuple(t.shape), t.dtype
 
     def read(self, entry) -> torch.Tensor:
+        """One written tensor (a positioned read: threads may read side by side)."""
+        import os
         off, shape, dtype = entry
         t = torch.empty(shape, dtype=dtype)
-        self.f.seek(off)
-        self.f.readinto(memoryview(t.numpy()).cast("B"))
+        buf = memoryview(t.numpy()).cast("B")
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self.f.fileno(), [buf[done:]], off + done)
+            if n <= 0:
+                raise OSError(f"the spill file ended at byte {off + done}")
+            done += n
         return t
 
     def input(self, name, x):
@@ -178,13 +191,63 @@ class _Spill:
         self.batches[-1].append((name, self._pending.pop(name), self._write(g)))
 
     def finish(self):
-        """The factor pass is over: nothing of its last batch is held."""
+        """The factor pass is over: nothing of its last batch is held, everything written
+        is in the file (for :meth:`read`)."""
         self._inputs.clear()
         self._pending = {}
+        self.f.flush()
 
     def close(self):
         self.finish()
         self.f.close()
+
+    def scores(self, modules: dict, V: dict, n_examples: int) -> torch.Tensor | None:
+        """``g_z . V`` of every fit example from the spilled inputs ``a_t`` and output
+        gradients ``b_t``: ``sum_layers sum_t b_t^T V a_t`` (``+ (sum_t b_t)^T V_bias`` for a
+        layer with a bias), float64, in the order of ``encoded`` (``examples``: the fit
+        batches' indices into it). Padded positions have ``b_t = 0`` (right padding under
+        causal attention) and add nothing. These are the exact scores only when the
+        spilled gradients are those of the scoring loss (the caller checks: the empirical
+        Fisher, the whole pool, the model's own arithmetic). None when a tracked layer has
+        nothing spilled. Each input's layers are one task (its inputs read once per
+        batch) on one-thread workers (:func:`_side_by_side`)."""
+        if not self.batches or any(n not in {e[0] for e in self.batches[0]} for n in modules):
+            return None
+        by_input: dict = {}  # the first batch's input entry -> layers reading it
+        for name, xe, _ in self.batches[0]:
+            if name in modules:
+                by_input.setdefault(xe, []).append(name)
+        groups = list(by_input.values())
+        p = next(iter(modules.values())).weight
+        acc = torch.float64 if p.dtype == torch.float64 else torch.float32
+
+        def task(layers):
+            part = torch.zeros(n_examples, dtype=torch.float64)
+            Vs = {}
+            for n in layers:
+                m = modules[n]
+                Vd = V[n].to(dtype=m.weight.dtype)
+                Vs[n] = (Vd[:, :m.in_features].contiguous(), Vd[:, -1].to(acc) if has_bias(m) else None)
+            for rec, idx in zip(self.batches, self.examples):
+                inputs: dict = {}
+                for name, xe, ge in rec:
+                    if name not in Vs:
+                        continue
+                    x = inputs.get(xe)
+                    if x is None:
+                        x = inputs[xe] = self.read(xe)
+                    g = self.read(ge)
+                    Vw, Vb = Vs[name]
+                    if Vw.shape[0] <= Vw.shape[1]:  # the product in the narrower width
+                        s = rowdot(g, x @ Vw.T)
+                    else:
+                        s = rowdot(g @ Vw, x)
+                    if Vb is not None:
+                        s = s + g.sum(1, dtype=acc) @ Vb
+                    part[idx] += s.double()
+            return part
+
+        return torch.stack(list(_side_by_side(task, groups))).sum(0)
 
 
 def _spill_bytes(modules: dict, encoded: list, batches: list, itemsize: int) -> int:
@@ -210,20 +273,159 @@ def _spill_wanted(model, modules, encoded, batches, device, settings, directory)
     return need <= min(SPILL_MAX_BYTES, free // 4)
 
 
-def _spilled_pass(taps: dict, stats, spill: _Spill, desc: str, progress: bool = True):
-    """The eigenvalue pass from the spill: each batch's layers in the factor pass's
-    backward order, each shared input read once (consecutive layers share it)."""
-    with tqdm(total=len(spill.batches), desc=desc, unit="batch", leave=False,
-              disable=not progress or not distributed.is_main()) as bar:
-        for rec in spill.batches:
+def _side_by_side(fn, items: list):
+    """``fn(item)`` for each of ``items``, in their order: side by side on as many one-thread
+    workers as torch has threads (each worker sets its own thread count; this thread's is
+    restored), or here one after the other with one thread or one item."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = torch.get_num_threads()
+    if threads < 2 or len(items) < 2:
+        yield from map(fn, items)
+        return
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(min(threads, len(items)), initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            yield from pool.map(fn, items)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_examples: int, desc: str,
+                    progress: bool = True) -> tuple[dict, dict, dict, dict]:
+    """EK-FAC from the factor pass's spill, as one task per distinct layer input (the layers
+    that read it: q/k/v, gate/up, ...): form the input's ``A`` and each layer's ``S`` from
+    the spilled batches (the sums :class:`_CovTap` forms, in the same order), decompose
+    them, then add every spilled batch of those layers to their ``Lambda`` and ``M4`` (each
+    input read and rotated once per batch). The tasks, largest first, run side by side on
+    one-thread workers (as many as torch's threads, :func:`_side_by_side`): a task needs no
+    other task's results, so the cores stay busy with independent work instead of
+    synchronising a team of threads over one small eigendecomposition or GEMM at a time.
+    A task's factors are freed once decomposed.
+
+    Returns ``(tensors, Lam, M4, seconds)``: each layer's ``QA``, ``lamA``, ``QS``, ``lamS``
+    (eigenvalues clamped at 0, row-major eigenvectors), the unnormalised sums per layer,
+    and the summed task seconds of the two kinds of work (``eigh``: factors and
+    eigendecompositions; ``lambda``)."""
+    import threading
+    import time
+
+    entries: dict = {}  # layer -> [(batch number, input entry, gradient entry)]
+    for k, rec in enumerate(spill.batches):
+        for name, xe, ge in rec:
+            entries.setdefault(name, []).append((k, xe, ge))
+    by_input: dict = {}  # layers reading one input (with the same bias column) share A
+    for n in modules:
+        first = entries.get(n, [(None, ("none", n), None)])[0][1]
+        by_input.setdefault((first, has_bias(modules[n])), []).append(n)
+    groups = list(by_input.values())
+    tokens = sum(math.prod(m.shape) for m in spill.masks)
+
+    def cost(gid):  # eigendecompositions ~ 27 d^3; products 2 T (2 in^2 + 2 out^2 + out in), A and S included
+        inp = layer_shape(modules[groups[gid][0]])[1]
+        outs = [layer_shape(modules[n])[0] for n in groups[gid]]
+        return 27 * (inp ** 3 + sum(o ** 3 for o in outs)) + 2 * tokens * (
+            2 * inp ** 2 + sum(2 * o * o + o * inp for o in outs))
+
+    tensors, Lam, M4 = {}, {}, {}
+    seconds = {"eigh": 0.0, "lambda": 0.0}
+    lock = threading.Lock()
+
+    def per_batch(layers):  # batch -> [(layer, input entry, gradient entry)] of these layers
+        out: dict = {}
+        for n in layers:
+            for k, xe, ge in entries.get(n, []):
+                out.setdefault(k, []).append((n, xe, ge))
+        return [(k, out[k]) for k in sorted(out)]
+
+    def task(gid):
+        t0 = time.perf_counter()
+        layers = groups[gid]
+        bias = has_bias(modules[layers[0]])
+        d_in = layer_shape(modules[layers[0]])[1]
+        A = torch.zeros(d_in, d_in, dtype=compute)
+        S = {n: torch.zeros(layer_shape(modules[n])[0], layer_shape(modules[n])[0], dtype=compute) for n in layers}
+        stats = _Stats(compute)
+        batches = per_batch(layers)
+        for k, rec in batches:  # the factors, as _CovTap sums them (A from the first layer's input)
+            sel = spill.masks[k]
+            x = spill.read(rec[0][1])
+            a = (x * sel.to(x.dtype)[..., None]).reshape(-1, x.shape[-1])
+            C = _gram(a, compute)
+            if bias:
+                C = torch.cat([torch.cat([C, a.sum(0, dtype=compute)[:, None]], 1),
+                               torch.cat([a.sum(0, dtype=compute)[None, :], sel.sum().to(compute).reshape(1, 1)], 1)],
+                              0)
+            A += C
+            del x, a, C
+            for n, _, ge in rec:
+                g = spill.read(ge)
+                _gram_into(S[n], g.reshape(-1, g.shape[-1]))
+                del g
+        A = _mirror(A).div_(max(n_tokens, 1))
+        check_finite(A, "the activation covariance", layer=layers[0])
+        out = {}
+        lam, Q = _eigh(A)
+        del A
+        # row-major: LAPACK's column-major Q would be copied whole when the curvature is
+        # saved (+0.8 GB of host memory for the embedded model, session 8)
+        lamA, QA = lam.clamp(min=0).to(compute), Q.to(compute).contiguous()
+        for n in layers:
+            Sn = _mirror(S.pop(n)).div_(n_examples)
+            check_finite(Sn, "the gradient covariance", layer=n)
+            lam, Q = _eigh(Sn)
+            del Sn
+            out[n] = {"QA": QA if n == layers[0] else QA.clone(), "lamA": lamA if n == layers[0] else lamA.clone(),
+                      "lamS": lam.clamp(min=0).to(compute), "QS": Q.to(compute).contiguous()}
+            del lam, Q
+        t1 = time.perf_counter()
+        taps = {}
+        for n in layers:
+            tap = taps[n] = _LambdaTap(modules[n], stats, QA, out[n]["QS"], gid)
+            tap.Lam, tap.M4 = torch.zeros(*layer_shape(modules[n]), dtype=compute), torch.zeros(1, dtype=compute)
+        for k, rec in batches:
             stats.cache.clear()
-            last, x = None, None
-            for name, xe, ge in rec:
-                if xe != last:
-                    x, last = spill.read(xe), xe
-                taps[name].on_backward(x, spill.read(ge))
+            inputs: dict = {}
+            for n, xe, ge in rec:
+                if xe not in inputs:
+                    inputs[xe] = spill.read(xe)
+                taps[n].on_backward(inputs[xe], spill.read(ge))
+            del inputs
+        stats.cache.clear()
+        del stats
+        with lock:
+            for n in layers:
+                for key, t in out[n].items():
+                    tensors[f"{n}::{key}"] = t
+                Lam[n], M4[n] = taps[n].Lam, taps[n].M4
+            seconds["eigh"] += t1 - t0
+            seconds["lambda"] += time.perf_counter() - t1
+        # this worker's freed batches and products, in its own heap arena, go back to the
+        # system (untrimmed, the demo's stage ended 1.2 GB above where it began)
+        release_host_memory()
+        return gid
+
+    order = sorted(range(len(groups)), key=cost, reverse=True)
+    with tqdm(total=len(order), desc=desc, unit="group", leave=False,
+              disable=not progress or not distributed.is_main()) as bar:
+        for _ in _side_by_side(task, order):
             bar.update()
-    stats.cache.clear()
+    return tensors, Lam, M4, seconds
+
+
+class _SpillTap(Tap):
+    """Pass 1 when the factors are formed from the spill (:func:`_spilled_groups`): the
+    layer's input and output gradient go to the spill file, nothing else."""
+
+    def __init__(self, module, name, spill):
+        super().__init__(module)
+        self.name, self.spill = name, spill
+
+    def on_forward(self, x):
+        self.spill.input(self.name, x)
+
+    def on_backward(self, x, g):
+        self.spill.gradient(self.name, g)
 
 
 def _key(x, *extra):
@@ -284,15 +486,12 @@ class _CovTap(Tap):
     """Pass 1: ``A += a a^T`` over real tokens (once per distinct input, shared by the
     layers that read it), ``S += b b^T``."""
 
-    def __init__(self, module, stats, A, S, name=None, spill=None):
+    def __init__(self, module, stats, A, S):
         super().__init__(module)
         self.stats, self.A, self.S, self.bias = stats, A, S, has_bias(module)
-        self.name, self.spill = name, spill
 
     def on_forward(self, x):
         st = self.stats
-        if self.spill is not None:
-            self.spill.input(self.name, x)
         k = _key(x, self.bias)
         C = st.cache.get(k, (None, None))[1]
         if C is None:
@@ -307,8 +506,6 @@ class _CovTap(Tap):
 
     def on_backward(self, x, g):
         _gram_into(self.S, g.reshape(-1, g.shape[-1]))
-        if self.spill is not None:
-            self.spill.gradient(self.name, g)
 
 
 def _rotate(x: torch.Tensor, Q: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -561,7 +758,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
                   *, pad_id: int, device=None, progress: bool = True, timings: dict | None = None,
                   cuda_graphs: str = "auto", precision: str = "model", groups: list | None = None,
                   store: str = "device", on_group=None, spill_dir=None,
-                  kernels: Kernels = DEFAULT_KERNELS, offload: bool | None = None) -> Curvature:
+                  kernels: Kernels = DEFAULT_KERNELS, offload: bool | None = None, on_spill=None) -> Curvature:
     """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples.
 
     ``groups`` (lists of layer names covering ``modules``, from the memory plan,
@@ -592,6 +789,9 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     (:func:`prism_select.precision.fit_policy`, with ``kernels``). ``spill_dir``: where the CPU's EK-FAC
     fit may keep the factor pass's layer inputs and gradients for the eigenvalue pass
     (an unnamed temporary file, SPILL_MAX_BYTES; None: the system's temporary directory).
+    ``on_spill(spill)``: with one group of layers, the spill (:class:`_Spill`, which can
+    score the fit examples, :meth:`_Spill.scores`) is handed to it once the fit is done
+    instead of being closed; the callee closes it.
     """
     if store not in ("device", "host", "transient"):
         raise ValueError(f"unknown curvature store {store!r}")
@@ -621,7 +821,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
             t = _fit_group(model, sub, encoded, batches, len(idx), settings, pad_id=pad_id, device=device,
                            progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag,
                            offload=store != "device" if offload is None else offload, spill_dir=spill_dir,
-                           owners=owners)
+                           owners=owners, on_spill=on_spill if len(groups) == 1 else None)
             log.info("curvature%s: %d layers, factors %.1f s, eigendecompositions %.1f s, eigenvalues %.1f s",
                      tag, len(group), *(timings[k] - before[k] for k in ("factors_s", "eigh_s", "lambda_s")))
             if store == "host":
@@ -657,13 +857,14 @@ def factors_sharded(model, kind: str) -> bool:
 
 
 def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id, device, progress, timings,
-               cuda_graphs, tag="", offload=False, spill_dir=None, owners: dict | None = None):
+               cuda_graphs, tag="", offload=False, spill_dir=None, owners: dict | None = None, on_spill=None):
     """The fit of one group of layers: the tensors :class:`Curvature` holds.
     ``offload``: the finished tensors go to host memory as soon as the device copies that
     the eigenvalue pass needs are made (the pass then holds only those). ``owners``
     (K-FAC / EK-FAC under FSDP, :func:`prism_select.sharding.factor_owners`): each layer's
     statistics are accumulated, decomposed and kept by its owner rank alone, and this
-    rank returns the tensors of the layers it owns."""
+    rank returns the tensors of the layers it owns. ``on_spill`` (as in :func:`fit_curvature`)
+    receives the factor pass's spill, if one was written, instead of its being closed."""
     import time
 
     layers = list(modules)
@@ -694,33 +895,65 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         timings["factors_s"] += time.perf_counter() - t0
         return tensors
 
-    # Pass 1: Kronecker factors.
+    # Pass 1: Kronecker factors (on the CPU, EK-FAC, one process: the layers' inputs and
+    # output gradients only, spilled to a file, from which _spilled_groups forms them).
     t0 = time.perf_counter()
-    A = {n: zeros(layer_shape(modules[n])[1], layer_shape(modules[n])[1]) for n in own}
-    S = {n: zeros(layer_shape(modules[n])[0], layer_shape(modules[n])[0]) for n in own}
     spill = None
     if _spill_wanted(model, modules, encoded, batches, device, settings, spill_dir):
         try:
             spill = _Spill(spill_dir)
-        except OSError as exc:  # an unwritable directory: run the model again in pass 2
-            log.info("no spill file for the eigenvalue pass (%s); the pass runs the model again", exc)
+        except OSError as exc:  # an unwritable directory: the factors are summed in the pass
+            log.info("no spill file for the fit (%s); the eigenvalue pass runs the model again", exc)
     stats.spill = spill
-    if owners is not None:
-        taps = {n: _ShardedCovTap(m, stats, A.get(n), S.get(n), owners[n]) for n, m in modules.items()}
-    else:
-        taps = {n: _CovTap(m, stats, A[n], S[n], n, spill) for n, m in modules.items()}
-    _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-            "curvature factors" + tag, progress, cuda_graphs, settings.batch_size)
-    stats.spill = None
+    A = S = None
     if spill is not None:
-        spill.finish()
+        taps = {n: _SpillTap(m, n, spill) for n, m in modules.items()}
+    else:
+        A = {n: zeros(layer_shape(modules[n])[1], layer_shape(modules[n])[1]) for n in own}
+        S = {n: zeros(layer_shape(modules[n])[0], layer_shape(modules[n])[0]) for n in own}
+        if owners is not None:
+            taps = {n: _ShardedCovTap(m, stats, A.get(n), S.get(n), owners[n]) for n, m in modules.items()}
+        else:
+            taps = {n: _CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
+    try:
+        _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
+                "curvature factors" + tag, progress, cuda_graphs, settings.batch_size)
+    except BaseException:
+        if spill is not None:
+            spill.close()
+        raise
+    stats.spill = None
     del taps
     release_host_memory()
+    n_tok = stats.n_tokens if stats.n_tokens is not None else torch.zeros((), device=device)
+    n_tok = n_tok.to(compute).reshape(1)
+    if spill is not None:  # EK-FAC, one process, the CPU (_spill_wanted): factors, eigendecompositions
+        # and eigenvalues together, group by group, from the spill
+        spill.finish()
+        spill.examples = batches
+        n_tokens = int(round(float(n_tok)))
+        timings["factors_s"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        try:
+            tensors, Lam, M4, secs = _spilled_groups(modules, spill, compute, n_tokens, n_examples,
+                                                     "curvature" + tag, progress)
+        except BaseException:
+            spill.close()
+            raise
+        if on_spill is None:
+            spill.close()
+        else:
+            on_spill(spill)
+        _finish_lambda(tensors, Lam, M4, own, n_examples)
+        # the wall time, split between the phases as the workers' time was
+        dt = time.perf_counter() - t0
+        share = secs["eigh"] / max(secs["eigh"] + secs["lambda"], 1e-9)
+        timings["eigh_s"] += dt * share
+        timings["lambda_s"] += dt * (1 - share)
+        return tensors
     for n in own:
         _mirror(A[n])
         _mirror(S[n])
-    n_tok = stats.n_tokens if stats.n_tokens is not None else torch.zeros((), device=device)
-    n_tok = n_tok.to(compute).reshape(1)
     # sharded factors were summed on their owners as the pass went
     distributed.all_reduce_sum(([] if owners is not None else list(A.values()) + list(S.values())) + [n_tok])
     n_tokens = int(round(float(n_tok)))
@@ -819,27 +1052,26 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         # pass-1 factors' size) and exceeded the plan's figure for the fit (tests/test_scale.py)
         Lam[n] = tap.Lam = zeros(*layer_shape(m))
         M4[n] = tap.M4 = zeros(1)
-    if spill is not None:
-        try:
-            _spilled_pass(taps, stats, spill, "curvature eigenvalues" + tag, progress)
-        finally:
-            spill.close()
-    else:
-        _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-                "curvature eigenvalues" + tag, progress, cuda_graphs, settings.batch_size)
+    _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
+            "curvature eigenvalues" + tag, progress, cuda_graphs, settings.batch_size)
     del taps
     if owners is None:
         distributed.all_reduce_sum(list(Lam.values()) + list(M4.values()))
-    release_host_memory()
-    for n in own:  # in place: no second copy of every layer's eigenvalues
-        lam = tensors[f"{n}::Lambda"] = Lam[n].div_(n_examples)
-        check_finite(lam, "the EK-FAC eigenvalues", layer=n)
-        tensors[f"{n}::LambdaVar"] = _lambda_variance(M4[n] / n_examples, lam, n_examples)
-    del Lam, M4
-    release_host_memory()  # the pass's batches
+    _finish_lambda(tensors, Lam, M4, own, n_examples)
     sync()
     timings["lambda_s"] += time.perf_counter() - t0
     return tensors
+
+
+def _finish_lambda(tensors: dict, Lam: dict, M4: dict, own: list, n_examples: int) -> None:
+    """``Lambda`` and ``LambdaVar`` of each layer into ``tensors`` from the eigenvalue
+    pass's sums (which are consumed)."""
+    release_host_memory()
+    for n in own:  # in place: no second copy of every layer's eigenvalues
+        lam = tensors[f"{n}::Lambda"] = Lam.pop(n).div_(n_examples)
+        check_finite(lam, "the EK-FAC eigenvalues", layer=n)
+        tensors[f"{n}::LambdaVar"] = _lambda_variance(M4.pop(n) / n_examples, lam, n_examples)
+    release_host_memory()  # the pass's batches
 
 
 def _lambda_variance(m4: torch.Tensor, lam: torch.Tensor, n: int) -> torch.Tensor:
@@ -985,10 +1217,10 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
                           cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model",
                           groups: list | None = None, store: str = "device", on_group=None,
                           cache_max_bytes: int | None = None, kernels: Kernels = DEFAULT_KERNELS,
-                          offload: bool | None = None):
+                          offload: bool | None = None, on_spill=None):
     """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
-    and save it (``timings``, ``precision``, ``groups``, ``store``, ``offload`` and ``on_group`` as in
-    :func:`fit_curvature`; a reused curvature is handed to ``on_group`` whole).
+    and save it (``timings``, ``precision``, ``groups``, ``store``, ``offload``, ``on_group`` and
+    ``on_spill`` as in :func:`fit_curvature`; a reused curvature is handed to ``on_group`` whole).
 
     The cache (:mod:`prism_select.cache`) is bounded by ``cache_max_bytes``: older entries
     are evicted to make room, and a curvature larger than the bound, a ``transient`` one,
@@ -1027,7 +1259,8 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
         pass
     cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
                         cuda_graphs=cuda_graphs, timings=timings, precision=precision, groups=groups,
-                        store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels, offload=offload)
+                        store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels, offload=offload,
+                        on_spill=on_spill)
     if settings.kind == "identity":
         return cur, directory, False
     if store == "transient":

@@ -56,11 +56,12 @@ def test_blocked_fit_matches_explicit_factors(model, modules, tok, encoded_pool,
 @pytest.mark.parametrize("fisher", ["empirical", "sampled"])
 def test_spilled_eigenvalue_pass_equals_running_the_model_again(model, modules, tok, encoded_pool, monkeypatch,
                                                                fisher):
-    """EK-FAC's eigenvalue pass read from the factor pass's spill file gives the same
-    curvature as the pass that runs the model again."""
+    """EK-FAC's eigendecompositions and eigenvalue pass from the factor pass's spill file, group
+    by group on one-thread workers, give the same curvature as the eigendecompositions one
+    after the other and an eigenvalue pass that runs the model again."""
     calls = []
-    spilled = fit_mod._spilled_pass
-    monkeypatch.setattr(fit_mod, "_spilled_pass", lambda *a, **k: (calls.append(1), spilled(*a, **k))[1])
+    spilled = fit_mod._spilled_groups
+    monkeypatch.setattr(fit_mod, "_spilled_groups", lambda *a, **k: (calls.append(1), spilled(*a, **k))[1])
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3, fisher=fisher)
     got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert calls == [1]
@@ -200,3 +201,79 @@ def test_release_host_memory_is_safe_to_call():
     from prism_select.gradients import release_host_memory
     release_host_memory()
     release_host_memory()
+
+
+#: float64 end to end: the spilled products and exact scoring differ in GEMM order and
+#: padding (the fit's batches of 3 against scoring's of 4) only
+SPILL_SCORE_REL_TOL = 1e-12
+
+
+def test_scores_from_the_fit_spill_equal_exact_scoring(model, modules, tok, encoded_pool):
+    """``_Spill.scores`` (the factor pass's layer inputs and output gradients, contracted with
+    ``V``) equals exact scoring, which runs the model's forward and backward again."""
+    from prism_select.gradients import layer_shape
+    from prism_select.scoring import score_encoded
+
+    kept = []
+    settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
+    fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, on_spill=kept.append)
+    assert len(kept) == 1
+    g = torch.Generator().manual_seed(1)
+    V = {n: torch.randn(*layer_shape(m), dtype=torch.float64, generator=g) for n, m in modules.items()}
+    try:
+        got = kept[0].scores(modules, V, len(encoded_pool))
+        # a layer without spilled entries: no scores from the spill
+        assert kept[0].scores({**modules, "lm_head": model.lm_head}, {**V, "lm_head": None}, len(encoded_pool)) is None
+    finally:
+        kept[0].close()
+    ref = score_encoded(model, modules, encoded_pool, V, pad_id=tok.pad_token_id, batch_size=4, progress=False)
+    assert got.dtype == torch.float64 and got.shape == ref.shape
+    assert rel_err(got, ref) <= SPILL_SCORE_REL_TOL
+
+
+def _write_inputs(tmp_path, pool_examples, pair_examples):
+    import json
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p, "response": r}) + "\n"
+                            for i, (p, r) in enumerate(pool_examples)))
+    targets = tmp_path / "targets.jsonl"
+    targets.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q, "chosen": c, "rejected": r}) + "\n"
+                               for i, (q, c, r) in enumerate(pair_examples)))
+    return pool, targets
+
+
+@pytest.mark.parametrize("asked, fisher, fit_examples, from_spill", [
+    (True, "empirical", None, True), (True, "sampled", None, False), (True, "empirical", 5, False),
+    (False, "empirical", None, False)])
+def test_run_scores_from_the_fit_spill_only_when_it_holds_the_scoring_gradients(
+        model, tok, tmp_path, pool_examples, pair_examples, monkeypatch, asked, fisher, fit_examples, from_spill):
+    """A PRISM run asked to (``scores_from_fit``) whose EK-FAC fit covers the whole pool with
+    the empirical Fisher scores from the fit's spill (no scoring pass over the model), with
+    the scores of a run without the spill; with sampled labels, a fit sample or by default
+    it scores with the model."""
+    import json
+
+    from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
+    from prism_select.pipeline import ScoreSettings, score_pool
+
+    pool, targets = _write_inputs(tmp_path, pool_examples, pair_examples)
+    calls = []
+    real = fit_mod._Spill.scores
+    monkeypatch.setattr(fit_mod._Spill, "scores", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    cs = CurvatureSettings(kind="ekfac", fisher=fisher, fit_examples=fit_examples, batch_size=3)
+
+    def run(name):
+        lm = LoadedModel(model, tok, ModelSettings(model="tiny-test", device="cpu", cache_dir=str(tmp_path / name)),
+                         model_fingerprint(model), {"kind": "test"})
+        summary = score_pool(lm, pool, targets, tmp_path / name / "run",
+                             ScoreSettings(batch_size=4, progress=False, scores_from_fit=asked), cs)
+        rows = [json.loads(x) for x in (tmp_path / name / "run" / "scores.jsonl").read_text().splitlines()]
+        return summary, torch.tensor([r["score"] for r in sorted(rows, key=lambda r: r["id"])], dtype=torch.float64)
+
+    got_summary, got = run("spill")
+    assert calls == ([1] if from_spill else [])
+    assert bool(got_summary["throughput"]["scores"].get("from_fit_spill")) == from_spill
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    _, ref = run("model")
+    assert len(calls) == int(from_spill)
+    assert rel_err(got, ref) <= SPILL_SCORE_REL_TOL
