@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..data.tokenize import collate, token_losses
+from ..data.tokenize import collate
 from ..engine import batch_losses, cpu_response_split
 from ..errors import ConfigError
 from ..gradients import (activation_grad_mode, check_finite, has_bias, release_host_memory, tracked_param_grad_mode,
@@ -104,8 +104,8 @@ def contrastive_target(model, modules: dict, chosen: list, rejected: list, *, pa
             for s in tqdm(range(0, Q, batch_size), desc=f"IF-Guide target ({side})", unit="batch",
                           leave=False, disable=not progress):
                 b = collate(encs[s:s + batch_size], pad_id, device)
-                out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
-                total, _ = token_losses(out.logits, b["labels"])
+                # on the CPU, logits at the response positions only (as in _position_scores)
+                total, _ = batch_losses(model, b, split=cpu_response_split(model, modules))
                 check_finite(total.detach(), f"the target loss ({side})")
                 (sign * total.sum() / Q).backward()
                 losses[side].append(total.detach().double().cpu())

@@ -193,17 +193,17 @@ def test_ifguide_position_token_scores_equal_explicit_decomposition(model, modul
     assert rel_err(torch.stack([t.sum() for t in got]), G @ flatten(g, modules)) <= REL_TOL
 
 
-def test_ifguide_position_scores_run_the_head_at_response_positions_only(model, modules, tok, make_ctx):
-    """On the CPU the position scores' loss forms logits at the response positions only
-    (the fused loss of the split decoder and head), not at every position through the
-    head module; the scores themselves are checked against the explicit decomposition
-    above."""
+def test_ifguide_target_and_position_scores_run_the_head_at_response_positions_only(model, modules, tok,
+                                                                                    make_ctx):
+    """On the CPU the target's and the position scores' losses form logits at the response
+    positions only (the fused loss of the split decoder and head), not at every position
+    through the head module; the numbers themselves are checked against explicit
+    gradients above."""
     ctx = make_ctx("ifguide")
-    g = torch.Generator().manual_seed(0)
-    V = {n: torch.randn(m.weight.shape, dtype=torch.float64, generator=g) for n, m in modules.items()}
     head_rows = []
     h = model.get_output_embeddings().register_forward_hook(lambda mod, i, o: head_rows.append(i[0].shape))
     try:
+        V, _, _ = contrastive_target(model, modules, ctx.inputs.chosen, ctx.inputs.rejected, pad_id=tok.pad_token_id)
         got = token_scores(model, modules, ctx.inputs.encoded, V, pad_id=tok.pad_token_id, attribution="position",
                            batch_size=3)
     finally:
