@@ -75,7 +75,10 @@ def _torchrun(n, args, cwd, timeout=240):
 def test_sharded_fit_and_scores_equal_single_process(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(HERE)))
-    _torchrun(1, [str(script), str(tmp_path / "one.json")], tmp_path)
+    # one process without torchrun (under it, a world of 1 joins no process group either)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "one.json")], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
     _torchrun(2, [str(script), str(tmp_path / "two.json")], tmp_path)
     one = json.loads((tmp_path / "one.json").read_text())
     two = json.loads((tmp_path / "two.json").read_text())
