@@ -417,9 +417,10 @@ def _shared_inputs(model, modules: dict, encoded: list, batches: list, pad_id, d
     seen: list = []
     with tap_linears(model, {n: _Probe(m, n, seen) for n, m in modules.items()}), torch.no_grad():
         model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
-    owner: dict = {}
-    for n, k, _ in seen:
-        if n in modules and first[n] == n:
+    owner, done = {}, set()
+    for n, k, _ in seen:  # the input of each layer's first call
+        if n not in done:
+            done.add(n)
             first[n] = owner.setdefault(k, n)
     del seen
     return first
