@@ -9,7 +9,8 @@ direction      the tracked layers' gradients (model dtype), one batch of target 
                activations and logits; the finished direction (float32) goes layer by
                layer to the *direction store* (the device, or host memory)
 fit, pass 1    the float32 factors ``A`` (in' x in') and ``S`` (out x out) of one *group*
-               of layers, one fit batch's activations
+               of layers, one fit batch's activations (counted per layer: an upper
+               bound, as layers reading one input share their ``A``)
 eigh           the largest factor's eigendecomposition workspace
 fit, pass 2    (EK-FAC) ``Q_A``, ``Q_S`` in the model's dtype and ``Lambda`` (float32,
                out x in') of the group, and one batch of rotated per-example gradients;

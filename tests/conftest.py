@@ -1,10 +1,19 @@
 import os
 
-import pytest
-import torch
+# Before torch loads (as the CLI does): OpenMP threads that spin at every barrier cost a
+# test of the tiny models more than the work itself, and subprocesses (torchrun ranks, CLI
+# runs) that spin beside them stall each other on a 2-core machine (an IF-Guide test
+# took 62 s with spinning threads and 4 s without, under load).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The tests' models are tiny: one thread each is faster than two that synchronise at
+# every operator. Thread-dependent paths set their threads themselves (test_eigh.py).
+torch.set_num_threads(1)
 
 from tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 

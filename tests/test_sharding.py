@@ -42,12 +42,17 @@ def _scores(d):
     return {json.loads(line)["id"]: json.loads(line)["score"] for line in (d / "scores.jsonl").read_text().splitlines()}
 
 
+def _one_process(tmp_path, *extra):
+    """The one-process reference run, in the test's process (a process of its own would
+    only add the imports): scores in ``tmp_path / "one"``."""
+    from prism_select.cli import main
+    assert main(_args(tmp_path, tmp_path / "one", *extra)[2:]) == 0
+
+
 @pytest.mark.parametrize("curvature", ["ekfac", "identity"])
 def test_fsdp_scores_equal_one_process(tmp_path, curvature):
     _write_inputs(tmp_path)
-    r = subprocess.run([sys.executable, *_args(tmp_path, tmp_path / "one", "--curvature", curvature)],
-                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _one_process(tmp_path, "--curvature", curvature)
     # its own cache: the sharded run fits (not reuses) the curvature
     _torchrun(2, _args(tmp_path, tmp_path / "fsdp", "--curvature", curvature, "--shard", "fsdp",
                        "--cache-dir", str(tmp_path / "cache-fsdp")), tmp_path)
@@ -107,9 +112,7 @@ def test_sharded_transient_run_resumes_finished_groups(tmp_path):
     group's v; killed in the third group, the same command fits only that group again and
     gives the one-process scores."""
     _write_inputs(tmp_path)
-    r = subprocess.run([sys.executable, *_args(tmp_path, tmp_path / "one", "--curvature", "ekfac")],
-                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _one_process(tmp_path, "--curvature", "ekfac")
     script = tmp_path / "grouped.py"
     script.write_text(GROUPED)
     args = [str(script), *_args(tmp_path, tmp_path / "fsdp", "--curvature", "ekfac", "--shard", "fsdp",

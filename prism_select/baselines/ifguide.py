@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..data.tokenize import collate, token_losses
+from ..data.tokenize import collate
+from ..engine import batch_losses, cpu_response_split
 from ..errors import ConfigError
 from ..gradients import (activation_grad_mode, check_finite, has_bias, release_host_memory, tracked_param_grad_mode,
                          weight_grad)
@@ -103,8 +104,8 @@ def contrastive_target(model, modules: dict, chosen: list, rejected: list, *, pa
             for s in tqdm(range(0, Q, batch_size), desc=f"IF-Guide target ({side})", unit="batch",
                           leave=False, disable=not progress):
                 b = collate(encs[s:s + batch_size], pad_id, device)
-                out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
-                total, _ = token_losses(out.logits, b["labels"])
+                # on the CPU, logits at the response positions only (as in _position_scores)
+                total, _ = batch_losses(model, b, split=cpu_response_split(model, modules))
                 check_finite(total.detach(), f"the target loss ({side})")
                 (sign * total.sum() / Q).backward()
                 losses[side].append(total.detach().double().cpu())
@@ -127,7 +128,10 @@ def _u(a: torch.Tensor, V: torch.Tensor, bias: bool) -> torch.Tensor:
 
 
 def _position_scores(model, modules, V, batch, pad_id, device, dt) -> list:
-    """Per-position scores ``sum_l b_t^T V_l a_t`` (b of the summed loss), all positions."""
+    """Per-position scores ``sum_l b_t^T V_l a_t`` (b of the summed loss), all positions.
+    On the CPU the logits are formed at the response positions only
+    (:func:`prism_select.engine.cpu_response_split`): every position's logits, their
+    softmax and gradient were about 0.4 GB of a batch of 8 at the embedded model's vocabulary."""
     b = collate(batch, pad_id, device)
     mask = b["attention_mask"]
     acc = torch.zeros(mask.shape, dtype=dt, device=device)
@@ -149,8 +153,7 @@ def _position_scores(model, modules, V, batch, pad_id, device, dt) -> list:
     for n, m in modules.items():
         handles.append(m.register_forward_hook(hook(n, m)))
     try:
-        out = model(input_ids=b["input_ids"], attention_mask=mask, use_cache=False)
-        total, _ = token_losses(out.logits, b["labels"])
+        total, _ = batch_losses(model, b, split=cpu_response_split(model, modules))
         total.sum().backward()
     finally:
         for h in handles:

@@ -193,6 +193,25 @@ def test_ifguide_position_token_scores_equal_explicit_decomposition(model, modul
     assert rel_err(torch.stack([t.sum() for t in got]), G @ flatten(g, modules)) <= REL_TOL
 
 
+def test_ifguide_target_and_position_scores_run_the_head_at_response_positions_only(model, modules, tok,
+                                                                                    make_ctx):
+    """On the CPU the target's and the position scores' losses form logits at the response
+    positions only (the fused loss of the split decoder and head), not at every position
+    through the head module; the numbers themselves are checked against explicit
+    gradients above."""
+    ctx = make_ctx("ifguide")
+    head_rows = []
+    h = model.get_output_embeddings().register_forward_hook(lambda mod, i, o: head_rows.append(i[0].shape))
+    try:
+        V, _, _ = contrastive_target(model, modules, ctx.inputs.chosen, ctx.inputs.rejected, pad_id=tok.pad_token_id)
+        got = token_scores(model, modules, ctx.inputs.encoded, V, pad_id=tok.pad_token_id, attribution="position",
+                           batch_size=3)
+    finally:
+        h.remove()
+    assert head_rows == []
+    assert len(got) == len(ctx.inputs.encoded) and all(torch.isfinite(t).all() for t in got)
+
+
 def test_ifguide_method_rankings(model, modules, tok, make_ctx):
     ctx = make_ctx("ifguide", {"quantile": 0.9, "token_attribution": "loss"})
     scores, rows = REGISTRY["ifguide"](ctx)
