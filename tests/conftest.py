@@ -89,6 +89,18 @@ def pair_examples():
     return PAIRS
 
 
+def write_inputs(tmp_path, pool_examples, pair_examples):
+    """The pool and target pairs as JSON Lines files in ``tmp_path``: (pool, targets)."""
+    import json
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p, "response": r}) + "\n"
+                            for i, (p, r) in enumerate(pool_examples)))
+    targets = tmp_path / "targets.jsonl"
+    targets.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q, "chosen": c, "rejected": r}) + "\n"
+                               for i, (q, c, r) in enumerate(pair_examples)))
+    return pool, targets
+
+
 @pytest.fixture
 def encoded_pool(tok, pool_examples):
     from prism_select.data.tokenize import encode

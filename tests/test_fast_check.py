@@ -6,6 +6,7 @@ import logging
 import math
 
 import pytest
+from conftest import write_inputs
 import torch
 
 from prism_select.curvature import CurvatureSettings
@@ -27,22 +28,12 @@ def test_spearman_matches_scipy():
     assert math.isnan(spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))
 
 
-def _inputs(tmp_path, pool_examples, pair_examples):
-    pool = tmp_path / "pool.jsonl"
-    pool.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p, "response": r}) + "\n"
-                            for i, (p, r) in enumerate(pool_examples)))
-    targets = tmp_path / "targets.jsonl"
-    targets.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q, "chosen": c, "rejected": r}) + "\n"
-                               for i, (q, c, r) in enumerate(pair_examples)))
-    return pool, targets
-
-
 @pytest.mark.parametrize("fd_eps, agrees", [(1e-6, True), (50.0, False)])
 def test_fast_run_records_agreement_and_warns(model, tok, tmp_path, pool_examples, pair_examples, caplog,
                                               fd_eps, agrees):
     lm = LoadedModel(model, tok, ModelSettings(model="tiny-test", device="cpu", cache_dir=str(tmp_path / "c")),
                      model_fingerprint(model), {"kind": "test"})
-    pool, targets = _inputs(tmp_path, pool_examples, pair_examples)
+    pool, targets = write_inputs(tmp_path, pool_examples, pair_examples)
     s = ScoreSettings(batch_size=4, progress=False, scoring="fast", fd_eps=fd_eps)
     with caplog.at_level(logging.WARNING):
         summary = score_pool(lm, pool, targets, tmp_path / "run", s, CurvatureSettings(kind="identity"))
@@ -62,7 +53,7 @@ def test_fast_run_records_agreement_and_warns(model, tok, tmp_path, pool_example
 def test_exact_run_has_no_fast_check(model, tok, tmp_path, pool_examples, pair_examples):
     lm = LoadedModel(model, tok, ModelSettings(model="tiny-test", device="cpu", cache_dir=str(tmp_path / "c")),
                      model_fingerprint(model), {"kind": "test"})
-    pool, targets = _inputs(tmp_path, pool_examples, pair_examples)
+    pool, targets = write_inputs(tmp_path, pool_examples, pair_examples)
     summary = score_pool(lm, pool, targets, tmp_path / "run", ScoreSettings(batch_size=4, progress=False),
                          CurvatureSettings(kind="identity"))
     assert "fast_check" not in summary

@@ -3,6 +3,7 @@ and mirrored (``fit.GRAM_BLOCK``), and the EK-FAC eigenvalues summed example by 
 into a reused buffer, against float64 references from explicit per-example gradients."""
 
 import pytest
+from conftest import write_inputs
 import torch
 
 from prism_select.curvature import CurvatureSettings, fit_curvature
@@ -231,17 +232,6 @@ def test_scores_from_the_fit_spill_equal_exact_scoring(model, modules, tok, enco
     assert rel_err(got, ref) <= SPILL_SCORE_REL_TOL
 
 
-def _write_inputs(tmp_path, pool_examples, pair_examples):
-    import json
-    pool = tmp_path / "pool.jsonl"
-    pool.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p, "response": r}) + "\n"
-                            for i, (p, r) in enumerate(pool_examples)))
-    targets = tmp_path / "targets.jsonl"
-    targets.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q, "chosen": c, "rejected": r}) + "\n"
-                               for i, (q, c, r) in enumerate(pair_examples)))
-    return pool, targets
-
-
 @pytest.mark.parametrize("asked, fisher, fit_examples, from_spill", [
     (True, "empirical", None, True), (True, "sampled", None, False), (True, "empirical", 5, False),
     (False, "empirical", None, False)])
@@ -256,7 +246,7 @@ def test_run_scores_from_the_fit_spill_only_when_it_holds_the_scoring_gradients(
     from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
     from prism_select.pipeline import ScoreSettings, score_pool
 
-    pool, targets = _write_inputs(tmp_path, pool_examples, pair_examples)
+    pool, targets = write_inputs(tmp_path, pool_examples, pair_examples)
     calls = []
     real = fit_mod._Spill.scores
     monkeypatch.setattr(fit_mod._Spill, "scores", lambda self, *a: (calls.append(1), real(self, *a))[1])
