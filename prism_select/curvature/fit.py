@@ -353,11 +353,7 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
             sel = spill.masks[k]
             x = spill.read(rec[0][1])
             a = (x * sel.to(x.dtype)[..., None]).reshape(-1, x.shape[-1])
-            C = _gram(a, compute)
-            if bias:
-                C = torch.cat([torch.cat([C, a.sum(0, dtype=compute)[:, None]], 1),
-                               torch.cat([a.sum(0, dtype=compute)[None, :], sel.sum().to(compute).reshape(1, 1)], 1)],
-                              0)
+            C = _input_product(a, compute, sel.sum().to(compute) if bias else None)
             A += C
             del x, a, C
             for n, _, ge in rec:
@@ -535,6 +531,17 @@ def _mirror(M) -> torch.Tensor:
     return M
 
 
+def _input_product(a: torch.Tensor, acc: torch.dtype, n_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """A batch's ``A`` term from its masked inputs ``a`` (tokens x in): ``a^T a`` as
+    :func:`_gram` forms it, bordered, for a layer with a bias, by the inputs' sums and the
+    batch's real token count ``n_tokens`` (the bias's input is a column of ones)."""
+    C = _gram(a, acc)
+    if n_tokens is None:
+        return C
+    s = a.sum(0, dtype=acc)
+    return torch.cat([torch.cat([C, s[:, None]], 1), torch.cat([s[None, :], n_tokens.reshape(1, 1)], 1)], 0)
+
+
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A fitted tensor moved to host memory (one place, so that a test can follow it)."""
     return t.to("cpu")
@@ -563,11 +570,7 @@ class _CovTap(Tap):
         hit = st.cache.get(k)
         if hit is None:
             a = (x * st.mask(x.dtype)).reshape(-1, x.shape[-1])  # padding rows zeroed
-            C = _gram(a, st.acc)
-            if self.bias:
-                s = a.sum(0, dtype=st.acc)
-                n = st.n_batch.reshape(1, 1)
-                C = torch.cat([torch.cat([C, s[:, None]], 1), torch.cat([s[None, :], n], 1)], 0)
+            C = _input_product(a, st.acc, st.n_batch if self.bias else None)
             st.cache[k] = (x.detach(), C, self.A)  # detached: see _Spill.input
         else:
             C, into = hit[1], hit[2]
@@ -638,7 +641,7 @@ class _LambdaTap(Tap):
         super().__init__(module)
         self.stats, self.bias = stats, has_bias(module)
         self.Lam = self.M4 = None  # the sums, set by the fit (zeros of out x in', and of one element)
-        dt = module.weight.dtype
+        self.dtype = dt = module.weight.dtype  # the eigenbases' dtype in the pass
         # None: another rank owns the layer (sharded factors, _ShardedLambdaTap)
         self.QA = None if QA is None else QA.to(dt)
         self.QS = None if QS is None else QS.to(dt)
@@ -744,7 +747,6 @@ class _ShardedLambdaTap(_LambdaTap):
     def __init__(self, module, stats, QA, QS, qa_group, owner: int):
         super().__init__(module, stats, QA, QS, qa_group)
         self.owner = owner
-        self.dtype = module.weight.dtype
 
     def _from_owner(self, Q, width: int, device) -> torch.Tensor:
         return distributed.broadcast_from(Q, self.owner, (width, width), self.dtype, device)
