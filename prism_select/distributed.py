@@ -215,12 +215,24 @@ def share_from_owners(tensors: list, owners: list):
 def reduce_sum_to(t: torch.Tensor, dst: int) -> torch.Tensor | None:
     """The sum of every rank's ``t`` (same shape and dtype everywhere) on rank ``dst``,
     returned there; the other ranks get None (their ``t`` is used as the send buffer)."""
+    return reduce_sum_to_async(t, dst)()
+
+
+def reduce_sum_to_async(t: torch.Tensor, dst: int):
+    """:func:`reduce_sum_to` started in the background: returns a function that waits for
+    it and gives the sum on rank ``dst`` (None elsewhere). Until then ``t`` must not
+    change, and the work queued on the device meanwhile overlaps the collective (NCCL
+    runs it on its own stream; the wait makes the current stream wait for it)."""
     if not active():
-        return t
+        return lambda: t
     comm = _comm_device(t)
     buf = t.contiguous() if t.device == comm else t.to(comm)
-    dist.reduce(buf, dst=dst, op=dist.ReduceOp.SUM)
-    return buf.to(t.device) if rank() == dst else None
+    work = dist.reduce(buf, dst=dst, op=dist.ReduceOp.SUM, async_op=True)
+
+    def finish():
+        work.wait()
+        return buf.to(t.device) if rank() == dst else None
+    return finish
 
 
 def merge_dicts(d: dict) -> dict:

@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import PrismError
-from .curvature.fit import RECENT_INPUTS
+from .curvature.fit import RECENT_INPUTS, REDUCE_WINDOW
 from .gradients import layer_shape
 
 log = logging.getLogger(__name__)
@@ -437,10 +437,10 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
         # pass 1's per-batch products: RECENT_INPUTS in' x in' products kept for the layers
         # sharing an input, and one float32 copy of a batch's inputs
         taps = lambda bs: acc * (RECENT_INPUTS * max_in * max_in + bs * longest * max_in)  # noqa: E731
-        # sharded factors, one layer at a time: pass 1's product of this rank's batch (summed
-        # onto the owner; RECENT_INPUTS of them are in ``taps``), pass 2's eigenbases from
-        # the owner and this rank's sums of the layer
-        shared = lambda bs: 0 if fsh == 1 else (2 * half + acc) * max_dim * max_dim  # noqa: E731
+        # sharded factors, one layer at a time: pass 1's products of this rank's batch being
+        # summed onto their owners (REDUCE_WINDOW in flight and one formed; RECENT_INPUTS kept
+        # are in ``taps``), pass 2's eigenbases from the owner and this rank's sums of as many layers
+        shared = lambda bs: 0 if fsh == 1 else (2 * half + (1 + REDUCE_WINDOW) * acc) * max_dim * max_dim  # noqa: E731
         work = lambda bs: max(eigh, rot(bs), taps(bs)) + shared(bs)  # noqa: E731
         cost = {n: max(p1[n], p2[n]) if kind == "ekfac" else (stored[n] if kind == "diagonal" else p1[n])
                 for n in names}

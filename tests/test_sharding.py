@@ -190,3 +190,39 @@ def test_shard_settings_refused_with_the_fix():
         ScoreSettings(shard="ddp")
     with pytest.raises(ConfigError, match="several processes"):
         sharding.shard_model(torch.nn.Linear(2, 2), {}, "cpu")
+
+
+def test_sums_in_flight_are_bounded_and_each_reaches_its_accumulators(monkeypatch):
+    """The sharded fit's sums (:class:`fit._Sum`): at most REDUCE_WINDOW wait unfinished,
+    the oldest finish first, each sum is added to every accumulator registered for it
+    (before or after it finished), and a step's end finishes the rest."""
+    from prism_select import distributed
+    from prism_select.curvature import fit
+
+    started, finished = [], []
+
+    def fake_async(t, dst):
+        i = len(started)
+        started.append(i)
+
+        def finish():
+            finished.append(i)
+            return t * 10  # "the sum over the ranks"
+        return finish
+
+    monkeypatch.setattr(distributed, "reduce_sum_to_async", fake_async)
+    st = fit._Stats(torch.float64)
+    A, B = torch.zeros(2), torch.zeros(2)
+    sums = []
+    for i in range(5):
+        s = st.summed(torch.full((2,), float(i + 1)), owner=0)
+        s.then(A.add_)
+        sums.append(s)
+        assert len(started) - len(finished) <= fit.REDUCE_WINDOW
+    assert finished == [0, 1, 2]
+    sums[0].then(B.add_)  # a layer reading the same input after its sum finished
+    sums[4].then(B.add_)  # ... and before
+    st.drain()
+    assert finished == [0, 1, 2, 3, 4]
+    assert A.tolist() == [150.0, 150.0]  # (1 + 2 + 3 + 4 + 5) x 10
+    assert B.tolist() == [60.0, 60.0]  # (1 + 5) x 10

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 from tqdm.auto import tqdm
@@ -84,6 +84,36 @@ class _Recent(OrderedDict):
 RECENT_INPUTS = 4
 
 
+#: sharded factors: collectives summing a layer's products onto its owner that may be in
+#: flight at once while the pass computes on (each holds its product until it is waited
+#: for; memory.plan counts them); the rest are waited for at the end of the step
+REDUCE_WINDOW = 2
+
+
+class _Sum:
+    """A tensor being summed onto its owner rank (:func:`distributed.reduce_sum_to_async`);
+    :meth:`then` runs a function on the sum, on the owner, once it is there."""
+
+    def __init__(self, t: torch.Tensor, owner: int):
+        self._finish = distributed.reduce_sum_to_async(t, owner)
+        self.result, self.done, self._then = None, False, []
+
+    def then(self, fn):
+        if not self.done:
+            self._then.append(fn)
+        elif self.result is not None:
+            fn(self.result)
+
+    def wait(self):
+        if self.done:
+            return
+        self.result, self.done = self._finish(), True
+        if self.result is not None:
+            for fn in self._then:
+                fn(self.result)
+        self._then = []
+
+
 class _Stats:
     """Per-batch bookkeeping shared by the fit taps."""
 
@@ -97,8 +127,24 @@ class _Stats:
         self.paused = False  # a stand-in step (see _passes): nothing is counted
         self._scratch = None
         self.spill = None  # a _Spill the factor pass writes
+        self.pending: deque = deque()  # _Sum in flight (sharded factors)
+
+    def summed(self, t: torch.Tensor, owner: int) -> _Sum:
+        """``t`` summed onto rank ``owner`` in the background: at most REDUCE_WINDOW sums
+        stay in flight (the oldest are waited for first, in the order every rank started
+        them); :meth:`drain` waits for the rest."""
+        s = _Sum(t, owner)
+        self.pending.append(s)
+        while len(self.pending) > REDUCE_WINDOW:
+            self.pending.popleft().wait()
+        return s
+
+    def drain(self):
+        while self.pending:
+            self.pending.popleft().wait()
 
     def start(self, b):
+        self.drain()
         if self.paused:
             return
         sel = b.get("token_mask")
@@ -708,7 +754,7 @@ class _ShardedCovTap(_CovTap):
         st = self.stats
         k = _key(x, self.bias, "owner", self.owner)
         if k in st.cache:
-            C = st.cache[k][1]
+            total = st.cache[k][1]
         else:
             w = x.shape[-1] + int(self.bias)
             if self.paused:
@@ -717,10 +763,10 @@ class _ShardedCovTap(_CovTap):
                 m = st.mask(x.dtype)
                 a = torch.cat([x * m, m], -1) if self.bias else x * m
                 C = _gram(a.reshape(-1, w), st.acc)
-            C = distributed.reduce_sum_to(C, self.owner)
-            st.cache[k] = (x.detach(), C)
-        if C is not None:
-            self.A += C
+            total = st.summed(C, self.owner)
+            st.cache[k] = (x.detach(), total)
+        if self.A is not None:
+            total.then(self.A.add_)
 
     def on_backward(self, x, g):
         w = g.shape[-1]
@@ -728,9 +774,9 @@ class _ShardedCovTap(_CovTap):
             C = torch.zeros(w, w, dtype=self.stats.acc, device=g.device)
         else:
             C = _gram(g.reshape(-1, w), self.stats.acc)
-        C = distributed.reduce_sum_to(C, self.owner)
-        if C is not None:
-            self.S += C
+        total = self.stats.summed(C, self.owner)
+        if self.S is not None:
+            total.then(self.S.add_)
 
 
 class _ShardedLambdaTap(_LambdaTap):
@@ -767,10 +813,14 @@ class _ShardedLambdaTap(_LambdaTap):
         if not self.paused:
             self.add(aq, _rotate(g, QS, st.acc), sums[:-1].view(out, inp), sums[-1:])
         del QS
-        sums = distributed.reduce_sum_to(sums, self.owner)
-        if sums is not None:
-            self.Lam += sums[:-1].view(out, inp)
-            self.M4 += sums[-1:]
+        if self.Lam is not None:
+            st.summed(sums, self.owner).then(self._add_sums)
+        else:
+            st.summed(sums, self.owner)
+
+    def _add_sums(self, sums: torch.Tensor):
+        self.Lam += sums[:-1].view(self.Lam.shape)
+        self.M4 += sums[-1:]
 
 
 class _DiagTap(Tap):
@@ -806,6 +856,7 @@ class _FitStep:
                 losses, _ = token_losses(out.logits, _sampled_labels(out.logits, b["labels"], self.gen))
             ok = torch.isfinite(losses.detach())
             losses.sum().backward()
+        self.stats.drain()
         self.stats.cache.clear()
         return ok
 
