@@ -15,7 +15,8 @@
 # run different seeds of one config (runs/<setting>/seed<k>/ are separate); a last
 # sequential call with every seed then reuses all finished steps and writes the
 # aggregated results.json and report. OUTNAME=DIR puts every job's output in
-# /tmp/prism-runs/DIR (default: each job in its own, named after the job).
+# /tmp/prism-runs/DIR (default: each job in its own, named after the job). JOBS=N runs a
+# repair job's retrainings in N worker processes (prism-select experiment --jobs).
 set -uo pipefail
 B="$(cd "${1:?bundle}" && pwd)"; BUDGET="${2:?budget in seconds}"; shift 2
 OUTDIR="${OUT:-/tmp/prism-out}"; mkdir -p "$OUTDIR" /tmp/prism-runs
@@ -34,6 +35,7 @@ end=$(( $(date +%s) + BUDGET )); status=0
 run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG: one experiment command, its exit status in /tmp/prism-runs/.rc-NAME
   local name="$1" proto="$2" cfg="$3" seeds="$4" outname="$5" log="$6" left seedargs=() t0 s
   [ -n "$seeds" ] && seedargs=(--seeds ${seeds//,/ })
+  [ "$proto" = repair ] && [ -n "${JOBS:-}" ] && seedargs+=(--jobs "$JOBS")
   left=$(( end - $(date +%s) )); [ "$left" -gt 20 ] || { echo "no time left for $name"; echo 124 >"/tmp/prism-runs/.rc-$name"; return; }
   echo "== $name: prism-select experiment $proto --config $cfg ($left s left)" | tee -a "$log"
   t0=$(date +%s)

@@ -228,7 +228,7 @@ def cmd_methods(a):
 def cmd_experiment(a):
     from .evaluation.protocols import run_experiment
     results = run_experiment(a.protocol, a.config, a.out, seeds=a.seeds, smoke=a.smoke,
-                             data_root=a.data_root, overwrite=a.overwrite)
+                             data_root=a.data_root, overwrite=a.overwrite, jobs=a.jobs)
     out = Path(a.out)
     for t in results["tables"]:
         print(t["title"])
@@ -336,6 +336,9 @@ def _add_evaluation_parsers(sub):
     ex.add_argument("--data-root", default=None, help="resolve relative data paths here "
                     "(default $PRISM_DATA_ROOT, else the config's data_root)")
     ex.add_argument("--overwrite", action="store_true", help="replace an experiment with another config in --out")
+    ex.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="repair: run the retrainings in N worker processes once every setting is scored "
+                         "(same results; on a GPU a small model's SFTs share the device)")
     ex.set_defaults(func=cmd_experiment)
 
     bd = _parser(sub, "build-data", help="build evaluation data from GSM8K or BIG-Bench-Hard files")

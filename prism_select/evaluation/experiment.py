@@ -128,6 +128,14 @@ class Experiment:
         check_writable_dir(self.out)
         atomic_write_json(marker, meta)
 
+    @classmethod
+    def attach(cls, out: Path, protocol: str, cfg) -> "Experiment":
+        """The experiment directory ``out`` that another process opened (a worker of
+        that process): nothing is checked or written."""
+        self = cls.__new__(cls)
+        self.out, self.protocol, self.cfg, self.timings = Path(out), protocol, cfg, {}
+        return self
+
     def rel(self, p) -> str:
         return os.path.relpath(Path(p), self.out)
 

@@ -16,6 +16,7 @@ and runs one of them; it is what ``prism-select experiment`` calls.
 
 from __future__ import annotations
 
+from ..errors import ConfigError
 from .config import (PROTOCOLS, BBHConfig, CommonConfig, FinetuneConfig, GenerationConfig, MistakeMathConfig,
                      ProbeConfig, RankingConfig, RepairConfig, ScoreConfig, SelectConfig, TargetVariant,
                      load_config)
@@ -31,7 +32,14 @@ RUNNERS = {"ranking": ranking, "repair": repair, "select": select}
 
 
 def run_experiment(protocol: str, config_source, out_dir, *, seeds=None, smoke: bool = False,
-                   data_root=None, overwrite: bool = False) -> dict:
-    """Load and validate the config, then run ``protocol``; returns results.json's content."""
+                   data_root=None, overwrite: bool = False, jobs: int = 1) -> dict:
+    """Load and validate the config, then run ``protocol``; returns results.json's content.
+    ``jobs``: worker processes for the repair protocol's retrainings."""
+    if jobs < 1 or (jobs > 1 and protocol != "repair"):
+        raise ConfigError("jobs", f"{jobs} worker processes: they run the repair protocol's retrainings, "
+                          "at least 1", f"leave --jobs out for {protocol!r}" if protocol != "repair"
+                          else "pass --jobs 1 or more")
     cfg = load_config(config_source, protocol, smoke=smoke, seeds=seeds, data_root=data_root)
+    if protocol == "repair":
+        return repair(cfg, out_dir, overwrite=overwrite, jobs=jobs)
     return RUNNERS[protocol](cfg, out_dir, overwrite=overwrite)

@@ -9,6 +9,10 @@ on the probes (the checker's error rate) and, with capability probes, their accu
 Rows ``Start`` (no SFT) and ``Mixed`` (unfiltered SFT) come with every setting;
 ``oracle: true`` adds the removal of exactly the harmful records. A retraining is
 keyed by the set of records kept, so two rows that keep the same records share one.
+With ``jobs > 1`` the retrainings wait until every setting is scored and then run in
+that many worker processes (each loads the start model once; on a GPU a small model's
+SFT is bound by kernel launches, so several share the device well); their results are
+the files a sequential run writes, read back in the same order.
 
 Pools: GSM8K mistake math, or ``refusal_trigger`` (money questions refused; the
 behaviour rate is then the refusal rate on held-out money questions, and held-out
@@ -20,7 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from . import builders
 from .config import RepairConfig, config_to_dict
@@ -28,6 +37,7 @@ from .experiment import (Experiment, finish_experiment, free_cuda_cache, load_st
                          pct, rates_by_task, read_jsonl, resolve_methods, respond, score_methods, train_adapter,
                          write_if_changed)
 
+log = logging.getLogger(__name__)
 
 def pairs_from_responses(probes: list, pre: list, post: list, mode: str) -> list:
     """Target pairs ``(probe, chosen = post-SFT response, rejected = pre-SFT response)``
@@ -130,12 +140,16 @@ def _retrains(spec, fraction: float, method: str) -> bool:
     return spec is None or method in spec
 
 
+def _retrain_dir(rdir: Path, kept_path: Path) -> Path:
+    """``retrain/<hash of the kept ids>``: rows keeping the same records share it."""
+    ids = sorted(r["id"] for r in read_jsonl(kept_path))
+    return rdir / "retrain" / hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
 def _retrain(exp, lm, rdir: Path, kept_path: Path, probes_path: Path, checker, seed: int, tag: str, task) -> dict:
     """SFT on ``kept_path`` and the rates on the probes; one directory per kept set
-    (``retrain/<hash of the kept ids>``), so rows keeping the same records share it."""
-    ids = sorted(r["id"] for r in read_jsonl(kept_path))
-    digest = hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:16]
-    tdir = rdir / "retrain" / digest
+    (:func:`_retrain_dir`)."""
+    tdir = _retrain_dir(rdir, kept_path)
     tdir.mkdir(parents=True, exist_ok=True)
     pool_copy = tdir / "kept.jsonl"
     write_if_changed(pool_copy, read_jsonl(kept_path))
@@ -144,14 +158,54 @@ def _retrain(exp, lm, rdir: Path, kept_path: Path, probes_path: Path, checker, s
     return {"dir": exp.rel(tdir), **rates_by_task(resp, task)}
 
 
-def repair(config: RepairConfig, out_dir, *, overwrite: bool = False) -> dict:
-    """The repair protocol (module docstring); returns the content of results.json."""
+_worker: dict = {}  # a retraining worker's experiment and start model (_worker_start)
+
+
+def _worker_start(out: Path, cfg):
+    exp = Experiment.attach(out, "repair", cfg)
+    _worker.update(exp=exp, lm=load_start(exp, cfg))
+
+
+def _worker_retrain(args: tuple) -> dict:
+    exp = _worker["exp"]
+    exp.timings = {}
+    _retrain(exp, _worker["lm"], *args)
+    return exp.timings
+
+
+def _retrain_in_processes(exp, cfg, requests: list, jobs: int):
+    """Run the retrainings ``requests`` (:func:`_retrain`'s arguments after ``lm``) in
+    ``jobs`` worker processes, one per kept set (rows keeping the same records share one);
+    their times go to ``exp``'s timings."""
+    unique = list({_retrain_dir(a[0], a[1]): a for a in requests}.values())
+    log.info("retraining %d kept sets in %d processes", len(unique), min(jobs, len(unique)))
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    with ProcessPoolExecutor(max_workers=min(jobs, len(unique)), mp_context=ctx, initializer=_worker_start,
+                             initargs=(exp.out, cfg)) as pool:
+        futures = [pool.submit(_worker_retrain, a) for a in unique]
+        for f in tqdm(as_completed(futures), total=len(futures), desc="retraining", unit="SFT", leave=False):
+            for name, seconds in f.result().items():
+                exp.time(name, seconds)
+
+
+def repair(config: RepairConfig, out_dir, *, overwrite: bool = False, jobs: int = 1) -> dict:
+    """The repair protocol (module docstring); returns the content of results.json.
+    ``jobs``: worker processes for the retrainings (1: each in turn, in this process)."""
     from ..model import load_model
     cfg = config
     exp = Experiment(out_dir, "repair", cfg, overwrite)
     methods_all = resolve_methods(cfg.methods)
     lm = load_start(exp, cfg)
     checker = _checker_spec(cfg)
+    deferred: list = []  # (row to fill, _retrain's arguments) with jobs > 1
+
+    def retrain(*args) -> dict:
+        if jobs <= 1:
+            return _retrain(exp, lm, *args)
+        row: dict = {}
+        deferred.append((row, args))
+        return row
+
     runs = []
     for ratio in cfg.harmful_ratios:
         fractions = cfg.remove_fractions or [cfg.remove_fraction if cfg.remove_fraction is not None else ratio]
@@ -169,7 +223,7 @@ def repair(config: RepairConfig, out_dir, *, overwrite: bool = False) -> dict:
                 odir = rdir / "oracle"
                 odir.mkdir(parents=True, exist_ok=True)
                 write_if_changed(odir / "kept.jsonl", [p for p in pool if not p["harmful"]])
-                oracle = _retrain(exp, lm, rdir, odir / "kept.jsonl", probes_path, checker, seed, "oracle", task)
+                oracle = retrain(rdir, odir / "kept.jsonl", probes_path, checker, seed, "oracle", task)
             for variant in cfg.targets:
                 vdir = rdir / variant.name
                 vdir.mkdir(parents=True, exist_ok=True)
@@ -218,9 +272,13 @@ def repair(config: RepairConfig, out_dir, *, overwrite: bool = False) -> dict:
                         run["removed"][pct(f)][m] = {"n": len(rem["removed"]),
                                                      "harmful": sum(1 for i in rem["removed"] if i in harmful_ids)}
                         if cfg.retrain and _retrains(variant.retrain_methods, f, m):
-                            run["rates"][pct(f)][m] = _retrain(exp, lm, rdir, mdir / "kept.jsonl", probes_path,
-                                                               checker, seed, f"retrain:{m}", task)
+                            run["rates"][pct(f)][m] = retrain(rdir, mdir / "kept.jsonl", probes_path, checker,
+                                                              seed, f"retrain:{m}", task)
                 runs.append(run)
+    if deferred:
+        _retrain_in_processes(exp, cfg, [a for _, a in deferred], jobs)
+        for row, args in deferred:  # each finds its SFT and responses finished
+            row.update(_retrain(exp, lm, *args))
     return finish_experiment(exp, _results(exp, cfg, lm, runs))
 
 

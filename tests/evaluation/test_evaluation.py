@@ -3,6 +3,7 @@
 import json
 import random
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -486,7 +487,20 @@ def _money_and_plain(n: int, seed: int) -> list:
     return rows
 
 
-def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_path, tiny_dir, gsm8k, bbh_dir):
+class _InProcess(ThreadPoolExecutor):
+    """``repair``'s worker pool run in this process (one thread): the deferral, the
+    sharing of kept sets and the filling of rows, without the start-up of processes."""
+
+    def __init__(self, max_workers, mp_context, initializer, initargs):
+        super().__init__(max_workers=1, initializer=initializer, initargs=initargs)
+
+
+@pytest.mark.parametrize("processes", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_path, tiny_dir, gsm8k, bbh_dir,
+                                                                           monkeypatch, processes):
+    from prism_select.evaluation import repair as repair_mod
+    if not processes:
+        monkeypatch.setattr(repair_mod, "ProcessPoolExecutor", _InProcess)
     write_gsm8k(gsm8k / "train.jsonl", _money_and_plain(40, 0))
     write_gsm8k(gsm8k / "test.jsonl", _money_and_plain(10, 1))
     cfg = load_config(_common(
@@ -501,8 +515,13 @@ def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_pa
                  {"name": "cf", "source": "counterfactual", "n_counterfactual": 2, "n_distractors": 1,
                   "retrain_methods": {"50": []}}]), "repair")
     out = tmp_path / "exp"
-    res = repair(cfg, out)
+    res = repair(cfg, out, jobs=2)  # the retrainings in worker processes, after the scoring
     assert [r["setting"] for r in res["runs"]] == ["probes @ 25%", "cf @ 25%"]
+    for r in res["runs"]:  # every deferred row filled from its worker's files
+        for k, rows in r["rates"].items():
+            for name, row in rows.items():
+                assert (out / row["dir"] / "responses.jsonl").is_file() and "n_behaviour" in row, (k, name)
+    assert any(t.startswith("finetune:retrain:") for t in json.loads((out / "results.json").read_text())["timings"])
     pool = [json.loads(x) for x in (out / res["runs"][0]["pool"]).read_text().splitlines()]
     assert sum(p["harmful"] for p in pool) == 3 and len(pool) == 12
     assert all("$" in p["prompt"] for p in pool if p["harmful"])
@@ -522,6 +541,14 @@ def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_pa
     names = [t["name"] for t in res["tables"]]
     assert names == ["auroc", "behaviour_k25", "capability_k25", "harmful_removed_k25", "behaviour_k50",
                      "capability_k50", "harmful_removed_k50"]
+
+
+def test_jobs_are_for_the_repair_protocol(tmp_path):
+    from prism_select.cli import main
+    for protocol, jobs in (("ranking", "2"), ("repair", "0")):
+        assert main(["experiment", protocol, "--config", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "x"),
+                     "--jobs", jobs]) == 2
+    assert not (tmp_path / "x").exists()
 
 
 def test_repair_without_pairs_is_reported(tmp_path, tiny_dir, gsm8k):
