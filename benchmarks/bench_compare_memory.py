@@ -55,6 +55,8 @@ def main():
                     help="passed to the runs: fit the curvature on a seeded sample of N pool records (default: "
                          "the whole pool; on 2 CPU cores a 1,000-record fit takes most of an hour)")
     ap.add_argument("--compare", action="store_true", help="also run `compare` over all methods in one process")
+    ap.add_argument("--compare-only", action="store_true",
+                    help="run only `compare` over all methods in one process (no run per method)")
     ap.add_argument("--dir", default="/tmp/prism-bench-compare-memory")
     ap.add_argument("--models-from", default=None,
                     help="a cache's converted models to link into each size's cache (default: the user's "
@@ -103,9 +105,9 @@ def main():
             common += ["--fit-examples", str(a.fit_examples)]
         for o in a.option:
             common += ["--option", o]
-        for m in methods:
+        for m in [] if a.compare_only else methods:
             run(size, m, ["score", "--method", m, "--out", str(d / f"run{size}" / m), *common])
-        if a.compare:
+        if a.compare or a.compare_only:
             run(size, "compare(all)", ["compare", "--methods", *methods, "--label", "harmful",
                                        "--out", str(d / f"compare{size}"), *common])
     print("| records | method | peak RSS MiB | wall s | CPU s |")
