@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from . import profiling
 from .data.tokenize import collate, token_losses
 from .errors import ConfigError
 from .engine import batch_losses, cpu_response_split
@@ -93,8 +94,9 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
     margins, pis, lcs, lrs, ws = [], [], [], [], []
     with tracked_param_grad_mode(model, modules), _HostAccumulator(modules, accumulate == "host") as host:
         starts = range(0, Q, batch_size)
-        for s in tqdm(starts, desc=f"target direction ({method})", unit="batch", leave=False,
-                      disable=not progress):
+        for s in profiling.steps(f"target direction ({method})",
+                                 tqdm(starts, desc=f"target direction ({method})", unit="batch", leave=False,
+                                      disable=not progress)):
             ch, rj = chosen[s:s + batch_size], rejected[s:s + batch_size]
             batch_ids = None if ids is None else ids[s:s + batch_size]
             joint = not one_graph and method != "unpaired"  # both halves' graphs alive at once

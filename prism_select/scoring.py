@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from . import distributed
+from . import distributed, profiling
 from . import fast as _fast
 from .data.tokenize import collate, token_losses
 from .errors import CacheError, ConfigError
@@ -330,7 +330,7 @@ def score_chunks(scorer, encoded: list, chunks: list, *, pad_id: int, batch_size
     together = together and distributed.active()
     parts: list = []
     with (scorer if todo or together else _Plain(None)):
-        for (k, s), real in distributed.lockstep(steps, (None, None), together):
+        for (k, s), real in profiling.steps("scoring", distributed.lockstep(steps, (None, None), together)):
             if k is None:  # a rank without any chunk keeping in step: any example will do
                 b = collate_to([encoded[0]], pad_id, device)
                 scorer.score(b)

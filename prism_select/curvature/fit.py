@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 import torch
 from tqdm.auto import tqdm
 
-from .. import distributed, sharding
+from .. import distributed, profiling, sharding
 from ..data.tokenize import token_losses
 from ..errors import CacheError
 from ..execution import DEFAULT_KERNELS, Kernels
@@ -895,7 +895,8 @@ def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, 
     with tap_linears(model, taps):
         bar = tqdm(total=len(mine), desc=desc, unit="batch", leave=False,
                    disable=not progress or not distributed.is_main())
-        for batch, real in distributed.lockstep(mine, batches[0] if batches else None, together):
+        for batch, real in profiling.steps(desc, distributed.lockstep(mine, batches[0] if batches else None,
+                                                                      together)):
             b = collate_to([encoded[i] for i in batch], pad_id, device)
             if fisher == "empirical":  # the mask is only for counting tokens (see causal_only)
                 b["token_mask"] = b["attention_mask"]
