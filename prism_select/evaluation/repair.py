@@ -39,6 +39,7 @@ from .experiment import (Experiment, finish_experiment, free_cuda_cache, load_st
 
 log = logging.getLogger(__name__)
 
+
 def pairs_from_responses(probes: list, pre: list, post: list, mode: str) -> list:
     """Target pairs ``(probe, chosen = post-SFT response, rejected = pre-SFT response)``
     from the probes ``mode`` selects (see :class:`.config.RepairConfig`'s
