@@ -62,8 +62,10 @@ similarity to the target examples, summed over warm-up checkpoints.
    normalised to sum 1; then per task (``TargetPair.task``; one task when ``None``) the
    **mean** over the task's targets, and the **max** over tasks (LESS's ``matching.py``).
 
-Per-checkpoint projected features are kept in the run's ``.partial/less/`` so an
-interrupted run resumes after the last finished checkpoint.
+Per-checkpoint projected features are kept in the run's ``.partial/less/`` (with their
+projection in the file's metadata) so an interrupted run resumes after the last finished
+checkpoint; features of another projection (``auto`` resumed on another device) are
+computed again.
 """
 
 from __future__ import annotations
@@ -430,6 +432,15 @@ def _adam_state(ckpt: Path, modules: dict) -> dict:
     return out
 
 
+def _saved_projection(path: Path) -> str:
+    """The projection of a checkpoint's saved features (files without the entry predate
+    option ``projection``: always ``rademacher``)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return (f.metadata() or {}).get("projection", "rademacher")
+
+
 def _with_adapter(ctx, ckpt: Path):
     """Context manager: the run's base model with the checkpoint's adapter, restored after."""
     from contextlib import contextmanager
@@ -513,7 +524,10 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
     n_params = None
     for i, (ckpt, w) in enumerate(zip(ckpts, weights)):
         feats_path = partial / f"ckpt-{i}.safetensors"
-        if feats_path.is_file():
+        reuse = feats_path.is_file() and _saved_projection(feats_path) == projection
+        if feats_path.is_file() and not reuse:  # e.g. `auto` on CUDA, resumed on the CPU
+            log.warning("LESS: %s holds features of another projection; computing them again", feats_path)
+        if reuse:
             f = load_file(str(feats_path))
             cand, targ = f["candidates"], f["targets"]
         else:
@@ -531,7 +545,8 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
                         targ = targ - projected_gradients(pm, modules, ctx.inputs.rejected, desc="LESS targets", **kw)
             partial.mkdir(parents=True, exist_ok=True)
             tmp = partial / f".ckpt-{i}.tmp"
-            save_file({"candidates": cand.contiguous(), "targets": targ.contiguous()}, str(tmp))
+            save_file({"candidates": cand.contiguous(), "targets": targ.contiguous()}, str(tmp),
+                      metadata={"projection": projection})
             os.replace(tmp, feats_path)
         sim += w * (_normalise(cand) @ _normalise(targ).T)
     ctx.timings["less_gradients_s"] = time.perf_counter() - t

@@ -154,6 +154,11 @@ def test_less_equals_the_step_by_step_computation(tmp_path, two_checkpoints, pro
     torch.testing.assert_close(s2, scores, rtol=1e-12, atol=1e-14)
     assert (tmp_path / "run2" / ".partial" / "less" / "ckpt-1.safetensors").is_file()
     torch.testing.assert_close(LESS(ctx2)[0], s2, rtol=0, atol=0)  # read back from .partial
+    # resumed with the other projection (`auto` on another device): recomputed, not reused
+    other = {"rademacher": "sjlt", "sjlt": "rademacher"}[projection]
+    ctx2.settings.method_options = {**ctx2.settings.method_options, "projection": other}
+    ref2, _ = reference_scores(ck, [0.75, 0.25], 16, 7, TASKS, projection=other)
+    torch.testing.assert_close(LESS(ctx2)[0], ref2, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("projection,cap", [("rademacher", "GRAD_CHUNK_BYTES"), ("sjlt", "SJLT_CHUNK_BYTES")])
