@@ -22,31 +22,50 @@ similarity to the target examples, summed over warm-up checkpoints.
    Target side: plain gradients ``g``; option ``target_side``: ``chosen`` (default,
    the target-positive responses ``(q, y+)`` as LESS's target examples), ``rejected``,
    or ``contrast`` (``g(q, y+) - g(q, y-)``).
-3. **Projection.** Rademacher (+-1) random projection to ``proj_dim`` (8192)
-   dimensions, then L2 normalisation of every projected vector. The projection matrix
-   is never stored: parameter ``key`` (its name in ``adapter_model.safetensors``) is
-   flattened row-major and cut into tiles of :data:`TILE_ROWS` entries; tile ``i`` of
-   ``key`` is a ``TILE_ROWS x proj_dim`` (fewer rows for the last tile) +-1 matrix
-   drawn by ``bernoulli_(0.5)`` from a
-   ``torch.Generator`` on the compute device seeded with
-   ``sha256("{proj_seed}|{key}|{i}")`` (first 8 bytes, 63 bits), generated when needed
-   and dropped after use (memory: one tile plus ``proj_chunk`` examples' flattened
-   gradients). Cost: the whole matrix (``n_lora_params x proj_dim`` draws) is generated
-   once per chunk of ``proj_chunk`` examples, so larger chunks amortise it, at
-   ``proj_chunk x n_lora_params`` floats of gradient memory.
-   The matrix depends only on ``(proj_seed, key, proj_dim, device type)``
-   -- not on batching -- so every checkpoint, candidates and targets, uses the same
-   projection; CPU and CUDA generators give different (equally valid) matrices. No
-   ``1/sqrt(d)`` scale: cosines ignore it. (LESS uses TRAK's CUDA projector, which
-   generates its Rademacher entries on the fly in the same spirit.)
+3. **Projection** to ``proj_dim`` (8192) dimensions, then L2 normalisation of every
+   projected vector. Option ``projection``: ``rademacher`` (LESS's own: a dense +-1
+   matrix, as TRAK's CUDA projector), ``sjlt`` (a sparse Johnson-Lindenstrauss
+   projection) or ``auto`` (default): ``rademacher`` on CUDA, ``sjlt`` on any other
+   device (CPU, MPS), where the dense one is infeasible (below). The choice and its
+   reason are logged and recorded (``ctx.info["method"]["projection"]``,
+   ``["projection_reason"]``). Neither matrix is ever stored: parameter ``key`` (its name
+   in ``adapter_model.safetensors``) is flattened row-major and cut into tiles of
+   :data:`TILE_ROWS` entries, and tile ``i`` of ``key`` is generated from a
+   ``torch.Generator`` seeded with sha256 of ``"{proj_seed}|{key}|{i}"`` (``rademacher``)
+   or ``"{proj_seed}|{key}|{i}|sjlt"`` (first 8 bytes, 63 bits) when needed and dropped
+   after use. The matrix thus depends only on ``(proj_seed, key, proj_dim)`` (and, for
+   ``rademacher``, the device type) -- not on batching or chunking -- so every
+   checkpoint, candidates and targets, uses the same projection.
+
+   * ``rademacher``: tile ``i`` is a ``TILE_ROWS x proj_dim`` (fewer rows for the last
+     tile) +-1 matrix drawn by ``bernoulli_(0.5)`` on the compute device (CPU and CUDA
+     generators give different, equally valid matrices), multiplied in. The whole
+     matrix (``n_lora_params x proj_dim`` draws) is generated once per chunk of
+     ``proj_chunk`` examples, so larger chunks amortise it, at ``proj_chunk x
+     n_lora_params`` floats of gradient memory (bounded by :data:`GRAD_CHUNK_BYTES`).
+     For the default adapter of the embedded 135M model (14.7M parameters) that is
+     3,600 tiles of 4096 x 8192 per chunk: about 2 hours per chunk of 18 examples on a
+     2-core CPU.
+   * ``sjlt``: every coordinate is sent to :data:`SJLT_NNZ` (4) of the ``proj_dim``
+     outputs with random signs, scaled ``1/sqrt(SJLT_NNZ)`` (so ``E[P P^T] = I``); tile
+     ``i`` is ``SJLT_NNZ x rows`` draws of ``randint(0, 2 proj_dim)`` from a CPU
+     generator (bucket = draw // 2, sign from its low bit: the same matrix on every
+     device), applied by ``index_add_`` over the buckets. Cost: ``SJLT_NNZ x
+     n_lora_params`` draws per chunk and as many additions per example, no dense
+     matrix; regeneration is cheap, so chunks are small (:data:`SJLT_CHUNK_BYTES`: 4
+     examples of the default adapter).
+
+   Neither is scaled by ``1/sqrt(proj_dim)``: cosines ignore it.
 4. **Score.** ``s(z) = sum_ckpt w_ckpt cos(Gamma_z, g_q)``, ``w`` = the mean learning
    rate of each checkpoint's epoch (``checkpoint.json``'s ``mean_lr``; option
    ``checkpoint_weights`` overrides; equal weights when neither is known or all are 0),
    normalised to sum 1; then per task (``TargetPair.task``; one task when ``None``) the
    **mean** over the task's targets, and the **max** over tasks (LESS's ``matching.py``).
 
-Per-checkpoint projected features are kept in the run's ``.partial/less/`` so an
-interrupted run resumes after the last finished checkpoint.
+Per-checkpoint projected features are kept in the run's ``.partial/less/`` (with their
+projection in the file's metadata) so an interrupted run resumes after the last finished
+checkpoint; features of another projection (``auto`` resumed on another device) are
+computed again.
 """
 
 from __future__ import annotations
@@ -80,6 +99,13 @@ TILE_ROWS = 4096
 #: host memory on the CPU; 1 GiB holds 18 (session 8). A smaller chunk regenerates the
 #: projection more often (more time, same features).
 GRAD_CHUNK_BYTES = 1 << 30
+#: the same bound for the sparse (``sjlt``) projection, which costs little to regenerate
+#: (4 draws per parameter, about 0.5 s for the 14.7M-parameter adapter on one CPU core):
+#: 256 MiB holds 4 of those examples.
+SJLT_CHUNK_BYTES = 1 << 28
+#: output coordinates per input coordinate of the sparse projection (``s``)
+SJLT_NNZ = 4
+PROJECTIONS = ("auto", "rademacher", "sjlt")
 CACHE_FORMAT = 1
 WARMUP_FILE = "less_warmup.json"
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
@@ -106,13 +132,15 @@ OPTIONS = {
     "proj_dim": 8192,
     "proj_seed": None,
     "proj_chunk": 64,
+    "projection": "auto",
 }
 
 
 # --------------------------------------------------------------------------- projection
 
-def tile_seed(proj_seed: int, key: str, tile: int) -> int:
-    digest = hashlib.sha256(f"{proj_seed}|{key}|{tile}".encode()).digest()
+def tile_seed(proj_seed: int, key: str, tile: int, kind: str = "rademacher") -> int:
+    text = f"{proj_seed}|{key}|{tile}" if kind == "rademacher" else f"{proj_seed}|{key}|{tile}|{kind}"
+    digest = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
@@ -123,29 +151,79 @@ def rademacher_tile(proj_seed: int, key: str, tile: int, rows: int, dim: int, de
     return torch.empty(rows, dim, device=device, dtype=dtype).bernoulli_(0.5, generator=g).mul_(2).sub_(1)
 
 
-def projection_matrix(shapes: dict, dim: int, proj_seed: int, device="cpu", dtype=torch.float64) -> torch.Tensor:
-    """The full projection for parameters ``shapes`` (key -> numel or shape), stacked in
-    the given key order: ``(sum numel) x dim``. For tests and small models only."""
+def sjlt_tile(proj_seed: int, key: str, tile: int, rows: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile ``tile`` of ``key``'s sparse projection: ``(buckets, signs)``, each ``SJLT_NNZ x rows``
+    on the CPU. Row ``r`` of the tile has ``signs[j, r]`` (+-1) added at column ``buckets[j, r]``
+    for every ``j``, scaled by ``1/sqrt(SJLT_NNZ)`` by the caller; the ``SJLT_NNZ`` buckets are
+    drawn independently (a repeat, probability about ``SJLT_NNZ/dim``, leaves the expectation
+    ``E[P P^T] = I`` intact). One draw in ``[0, 2 dim)`` gives a bucket and a sign."""
+    g = torch.Generator().manual_seed(tile_seed(proj_seed, key, tile, "sjlt"))
+    r = torch.randint(0, 2 * dim, (SJLT_NNZ, rows), generator=g)
+    return r >> 1, 1 - 2 * (r & 1)
+
+
+def _tiles(n: int):
+    for t in range((n + TILE_ROWS - 1) // TILE_ROWS):
+        lo = t * TILE_ROWS
+        yield t, lo, min(n, lo + TILE_ROWS)
+
+
+def projection_matrix(shapes: dict, dim: int, proj_seed: int, device="cpu", dtype=torch.float64,
+                      kind: str = "rademacher") -> torch.Tensor:
+    """The full projection ``kind`` (``rademacher`` or ``sjlt``) for parameters ``shapes``
+    (key -> numel or shape), stacked in the given key order: ``(sum numel) x dim``. For
+    tests and small models only."""
     blocks = []
     for key, shape in shapes.items():
         n = shape if isinstance(shape, int) else int(torch.Size(shape).numel())
-        for t in range((n + TILE_ROWS - 1) // TILE_ROWS):
-            rows = min(TILE_ROWS, n - t * TILE_ROWS)
-            blocks.append(rademacher_tile(proj_seed, key, t, rows, dim, torch.device(device), dtype))
+        for t, lo, hi in _tiles(n):
+            if kind == "rademacher":
+                blocks.append(rademacher_tile(proj_seed, key, t, hi - lo, dim, torch.device(device), dtype))
+                continue
+            buckets, signs = sjlt_tile(proj_seed, key, t, hi - lo, dim)
+            P = torch.zeros(hi - lo, dim, dtype=dtype)
+            rows = torch.arange(hi - lo)
+            for j in range(SJLT_NNZ):
+                P.index_put_((rows, buckets[j]), signs[j].to(dtype) / SJLT_NNZ ** 0.5, accumulate=True)
+            blocks.append(P.to(device))
     return torch.cat(blocks)
 
 
-def project(flat: torch.Tensor, key: str, dim: int, proj_seed: int) -> torch.Tensor:
-    """``flat (C, n) @ P_key (n, dim)``, tile by tile."""
+def project(flat: torch.Tensor, key: str, dim: int, proj_seed: int, kind: str = "rademacher") -> torch.Tensor:
+    """``flat (C, n) @ P_key (n, dim)``, tile by tile; ``kind`` is ``rademacher`` (a dense
+    ``TILE_ROWS x dim`` matrix multiplied per tile: ``n x dim`` draws and ``C n dim``
+    multiply-adds) or ``sjlt`` (``SJLT_NNZ`` scatter-adds per tile: ``SJLT_NNZ n`` draws and
+    ``SJLT_NNZ C n`` adds)."""
     C, n = flat.shape
     out = torch.zeros(C, dim, device=flat.device, dtype=flat.dtype)
-    for t in range((n + TILE_ROWS - 1) // TILE_ROWS):
-        lo = t * TILE_ROWS
-        hi = min(n, lo + TILE_ROWS)
-        P = rademacher_tile(proj_seed, key, t, hi - lo, dim, flat.device, flat.dtype)
-        out.addmm_(flat[:, lo:hi], P)
-        del P
+    scale = SJLT_NNZ ** -0.5
+    for t, lo, hi in _tiles(n):
+        if kind == "rademacher":
+            P = rademacher_tile(proj_seed, key, t, hi - lo, dim, flat.device, flat.dtype)
+            out.addmm_(flat[:, lo:hi], P)
+            del P
+            continue
+        buckets, signs = sjlt_tile(proj_seed, key, t, hi - lo, dim)
+        buckets = buckets.to(flat.device)
+        signs = signs.to(flat.device, flat.dtype).mul_(scale)
+        src = flat[:, lo:hi]
+        for j in range(SJLT_NNZ):
+            # index_add_ along the columns: fast on the CPU for the few rows of a chunk
+            out.index_add_(1, buckets[j], src * signs[j])
     return out
+
+
+def resolve_projection(value, device: torch.device) -> tuple[str, str]:
+    """The projection to use (``rademacher`` or ``sjlt``) and why, for option ``projection``."""
+    if value not in PROJECTIONS:
+        raise ConfigError("projection", f"unknown projection {value!r}",
+                          f"use one of {', '.join(PROJECTIONS)} (auto: rademacher on CUDA, sjlt elsewhere)")
+    if value != "auto":
+        return value, "option projection"
+    if device.type == "cuda":
+        return "rademacher", "auto: CUDA device, LESS's dense Rademacher projection (TRAK's semantics)"
+    return "sjlt", (f"auto: {device.type} device, where the dense projection's {TILE_ROWS}-row tiles cost "
+                    "hours per chunk; a sparse JL projection instead")
 
 
 # --------------------------------------------------------------------------- gradients
@@ -164,18 +242,21 @@ def adam_precondition(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torc
 
 def projected_gradients(model, modules: dict, encoded: list, *, pad_id: int, batch_size: int, dim: int,
                         proj_seed: int, adam: dict | None = None, chunk: int = 64, progress: bool = False,
-                        desc: str = "LESS gradients") -> torch.Tensor:
+                        desc: str = "LESS gradients", projection: str = "rademacher") -> torch.Tensor:
     """Projected (not yet normalised) per-example gradients of the mean response loss
     over ``modules`` (LoRA Linear layers), Adam-preconditioned when ``adam`` maps
-    ``param_key -> (m, v)``. Returns ``(N, dim)`` float64 on the CPU."""
+    ``param_key -> (m, v)``, with :func:`project` ``projection``. Returns ``(N, dim)``
+    float64 on the CPU."""
     device = next(model.parameters()).device
     dt = compute_dtype(model)
     keys = {name: param_key(name) for name in modules}
     n_params = sum(m.weight.numel() for m in modules.values())
-    fit = max(1, GRAD_CHUNK_BYTES // max(1, n_params * torch.empty(0, dtype=dt).element_size()))
+    cap, cap_name = (GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES") if projection == "rademacher" else \
+        (SJLT_CHUNK_BYTES, "SJLT_CHUNK_BYTES")
+    fit = max(1, cap // max(1, n_params * torch.empty(0, dtype=dt).element_size()))
     if fit < chunk:
-        log.info("LESS: projecting %d examples at a time, not %d (%d LoRA parameters; GRAD_CHUNK_BYTES)",
-                 fit, chunk, n_params)
+        log.info("LESS: projecting %d examples at a time, not %d (%d LoRA parameters; %s)",
+                 fit, chunk, n_params, cap_name)
         chunk = fit
     state = None
     if adam is not None:
@@ -206,7 +287,7 @@ def projected_gradients(model, modules: dict, encoded: list, *, pad_id: int, bat
             for name in modules:
                 flat = torch.cat(flats[name])
                 flats[name] = None
-                p = project(flat, keys[name], dim, proj_seed)
+                p = project(flat, keys[name], dim, proj_seed, projection)
                 feats = p if feats is None else feats + p
             check_finite(feats, "the projected LESS gradients")
             out.append(feats.double().cpu())
@@ -351,6 +432,15 @@ def _adam_state(ckpt: Path, modules: dict) -> dict:
     return out
 
 
+def _saved_projection(path: Path) -> str:
+    """The projection of a checkpoint's saved features (files without the entry predate
+    option ``projection``: always ``rademacher``)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return (f.metadata() or {}).get("projection", "rademacher")
+
+
 def _with_adapter(ctx, ckpt: Path):
     """Context manager: the run's base model with the checkpoint's adapter, restored after."""
     from contextlib import contextmanager
@@ -393,6 +483,7 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
                           "model already carries an adapter", "pass the base model (without --adapter)")
     seed = ctx.settings.seed if opts["seed"] is None else opts["seed"]
     proj_seed = seed if opts["proj_seed"] is None else opts["proj_seed"]
+    projection, why = resolve_projection(opts["projection"], next(ctx.lm.model.parameters()).device)
     for name in ("proj_dim", "proj_chunk"):
         v = opts[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -427,12 +518,16 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
     N, M = len(ctx.inputs.encoded), len(ctx.inputs.pairs)
     sim = torch.zeros(N, M, dtype=torch.float64)
     kw = dict(pad_id=ctx.pad_id, batch_size=ctx.settings.batch_size, dim=dim, proj_seed=proj_seed,
-              chunk=opts["proj_chunk"], progress=ctx.settings.progress)
+              chunk=opts["proj_chunk"], progress=ctx.settings.progress, projection=projection)
+    log.info("LESS: %s projection to %d dimensions (%s)", projection, dim, why)
     t = time.perf_counter()
     n_params = None
     for i, (ckpt, w) in enumerate(zip(ckpts, weights)):
         feats_path = partial / f"ckpt-{i}.safetensors"
-        if feats_path.is_file():
+        reuse = feats_path.is_file() and _saved_projection(feats_path) == projection
+        if feats_path.is_file() and not reuse:  # e.g. `auto` on CUDA, resumed on the CPU
+            log.warning("LESS: %s holds features of another projection; computing them again", feats_path)
+        if reuse:
             f = load_file(str(feats_path))
             cand, targ = f["candidates"], f["targets"]
         else:
@@ -450,7 +545,8 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
                         targ = targ - projected_gradients(pm, modules, ctx.inputs.rejected, desc="LESS targets", **kw)
             partial.mkdir(parents=True, exist_ok=True)
             tmp = partial / f".ckpt-{i}.tmp"
-            save_file({"candidates": cand.contiguous(), "targets": targ.contiguous()}, str(tmp))
+            save_file({"candidates": cand.contiguous(), "targets": targ.contiguous()}, str(tmp),
+                      metadata={"projection": projection})
             os.replace(tmp, feats_path)
         sim += w * (_normalise(cand) @ _normalise(targ).T)
     ctx.timings["less_gradients_s"] = time.perf_counter() - t
@@ -458,7 +554,8 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
     record(ctx, "less", opts, seed=seed, proj_seed=proj_seed, checkpoints=[str(c) for c in ckpts],
            checkpoint_weights=weights, checkpoint_weight_source=wsource, warmup=warm,
            tasks=task_names, lora_params=n_params,
-           tile_rows=TILE_ROWS)
+           tile_rows=TILE_ROWS, projection=projection, projection_reason=why,
+           **({"sjlt_nnz": SJLT_NNZ} if projection == "sjlt" else {}))
     mean_cos = sim.mean(0)
     rows = [{"id": p.id, **({"task": p.task} if p.task else {}), "mean_similarity": float(mean_cos[j])}
             for j, p in enumerate(ctx.inputs.pairs)]

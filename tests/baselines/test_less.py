@@ -71,8 +71,9 @@ def make_checkpoint(d, seed, mean_lr, targets=("q_proj", "v_proj")):
     return state
 
 
-def reference_scores(ckpts, weights, dim, proj_seed, tasks, side="chosen"):
-    """Step by step: autograd per-example grads, LESS's Adam formula, explicit P, cosines."""
+def reference_scores(ckpts, weights, dim, proj_seed, tasks, side="chosen", projection="sjlt"):
+    """Step by step: autograd per-example grads, LESS's Adam formula, explicit P, cosines.
+    ``projection``: the matrix (``sjlt``, what ``auto`` picks on the CPU, or ``rademacher``)."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -88,8 +89,10 @@ def reference_scores(ckpts, weights, dim, proj_seed, tasks, side="chosen"):
         for p in params:
             p.requires_grad_(True)
         st = load_file(str(ckpt / "optimizer.safetensors"))
-        P = less_mod.projection_matrix({k: p.numel() for k, p in zip(keys, params)}, dim, proj_seed)
-        assert set(P.unique().tolist()) == {-1.0, 1.0}
+        P = less_mod.projection_matrix({k: p.numel() for k, p in zip(keys, params)}, dim, proj_seed,
+                                       kind=projection)
+        if projection == "rademacher":
+            assert set(P.unique().tolist()) == {-1.0, 1.0}
 
         def grad(e):
             gs = torch.autograd.grad(example_loss(pm, e, mean=True), params)
@@ -124,13 +127,14 @@ def two_checkpoints(tmp_path):
     return ck
 
 
-def test_less_equals_the_step_by_step_computation(tmp_path, two_checkpoints):
+@pytest.mark.parametrize("projection", ["rademacher", "sjlt"])
+def test_less_equals_the_step_by_step_computation(tmp_path, two_checkpoints, projection):
     ck = two_checkpoints
     ctx = make_ctx(tmp_path, {"checkpoints": [str(c) for c in ck], "proj_dim": 16, "proj_seed": 7,
-                              "proj_chunk": 5})
+                              "proj_chunk": 5, "projection": projection})
     fp = ctx.lm.fingerprint
     scores, rows = LESS(ctx)
-    ref, sim = reference_scores(ck, [0.75, 0.25], 16, 7, TASKS)
+    ref, sim = reference_scores(ck, [0.75, 0.25], 16, 7, TASKS, projection=projection)
     assert scores.dtype == torch.float64
     torch.testing.assert_close(scores, ref, rtol=1e-9, atol=1e-12)
     # max over tasks of the mean over each task's targets
@@ -139,28 +143,36 @@ def test_less_equals_the_step_by_step_computation(tmp_path, two_checkpoints):
     info = ctx.info["method"]
     assert info["name"] == "less" and info["checkpoint_weights"] == pytest.approx([0.75, 0.25])
     assert info["checkpoint_weight_source"] == "mean_lr" and info["options"]["proj_dim"] == 16
+    assert info["projection"] == projection and info["projection_reason"] == "option projection"
     assert [r["id"] for r in rows] == ["t0", "t1", "t2"] and rows[0]["task"] == "a"
     # the run's model is untouched (adapters loaded and removed again)
     assert model_fingerprint(ctx.lm.model) == fp and not hasattr(ctx.lm.model, "peft_config")
     # batching, chunking and resumed features do not change the numbers
     ctx2 = make_ctx(tmp_path, {"checkpoints": [str(c) for c in ck], "proj_dim": 16, "proj_seed": 7,
-                               "proj_chunk": 2}, batch_size=1, out="run2")
+                               "proj_chunk": 2, "projection": projection}, batch_size=1, out="run2")
     s2 = LESS(ctx2)[0]
     torch.testing.assert_close(s2, scores, rtol=1e-12, atol=1e-14)
     assert (tmp_path / "run2" / ".partial" / "less" / "ckpt-1.safetensors").is_file()
     torch.testing.assert_close(LESS(ctx2)[0], s2, rtol=0, atol=0)  # read back from .partial
+    # resumed with the other projection (`auto` on another device): recomputed, not reused
+    other = {"rademacher": "sjlt", "sjlt": "rademacher"}[projection]
+    ctx2.settings.method_options = {**ctx2.settings.method_options, "projection": other}
+    ref2, _ = reference_scores(ck, [0.75, 0.25], 16, 7, TASKS, projection=other)
+    torch.testing.assert_close(LESS(ctx2)[0], ref2, rtol=1e-9, atol=1e-12)
 
 
-def test_gradient_chunk_is_bounded_in_bytes(tmp_path, two_checkpoints, monkeypatch):
-    """A chunk whose flattened gradients would pass GRAD_CHUNK_BYTES is projected a few
-    examples at a time: same scores (the 64-example default held 3.8 GB at 135M)."""
+@pytest.mark.parametrize("projection,cap", [("rademacher", "GRAD_CHUNK_BYTES"), ("sjlt", "SJLT_CHUNK_BYTES")])
+def test_gradient_chunk_is_bounded_in_bytes(tmp_path, two_checkpoints, monkeypatch, projection, cap):
+    """A chunk whose flattened gradients would pass GRAD_CHUNK_BYTES (SJLT_CHUNK_BYTES) is
+    projected a few examples at a time: same scores (the 64-example default held 3.8 GB at 135M)."""
     ck = two_checkpoints
-    opts = {"checkpoints": [str(c) for c in ck], "proj_dim": 16, "proj_seed": 7, "proj_chunk": 64}
+    opts = {"checkpoints": [str(c) for c in ck], "proj_dim": 16, "proj_seed": 7, "proj_chunk": 64,
+            "projection": projection}
     ref = LESS(make_ctx(tmp_path, opts))[0]
     seen = []
     project = less_mod.project
     monkeypatch.setattr(less_mod, "project", lambda flat, *a: (seen.append(flat.shape[0]), project(flat, *a))[1])
-    monkeypatch.setattr(less_mod, "GRAD_CHUNK_BYTES", 1)
+    monkeypatch.setattr(less_mod, cap, 1)
     got = LESS(make_ctx(tmp_path, opts, out="run2"))[0]
     assert seen and max(seen) == 1
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
@@ -178,7 +190,7 @@ def test_one_task_and_rejected_side(tmp_path, two_checkpoints):
     assert ctx.info["method"]["checkpoint_weight_source"] == "option"
 
 
-def test_projection_tiles():
+def test_rademacher_projection_tiles():
     flat = torch.randn(3, less_mod.TILE_ROWS + 100, dtype=torch.float64)
     P = less_mod.projection_matrix({"k": flat.shape[1]}, 8, 5)
     assert P.shape == (less_mod.TILE_ROWS + 100, 8)
@@ -186,6 +198,99 @@ def test_projection_tiles():
     assert not torch.equal(P, less_mod.projection_matrix({"k": flat.shape[1]}, 8, 6))
     assert not torch.equal(P, less_mod.projection_matrix({"other": flat.shape[1]}, 8, 5))
     assert abs(float(P.mean())) < 0.05
+
+
+SHAPES = {"a.lora_A.weight": (3, 5), "b.lora_B.weight": less_mod.TILE_ROWS + 37, "c.lora_A.weight": 11}
+
+
+def _stream(flat, dim, proj_seed, kind="sjlt"):
+    """``project`` key by key over a flat vector laid out as SHAPES, summed (as LESS does)."""
+    out, lo = 0, 0
+    for key, shape in SHAPES.items():
+        n = shape if isinstance(shape, int) else shape[0] * shape[1]
+        out = out + less_mod.project(flat[:, lo:lo + n], key, dim, proj_seed, kind)
+        lo += n
+    return out
+
+
+def test_sjlt_matrix_equals_the_streamed_projection():
+    """(a) The whole SJLT matrix, built for a tiny shape, is what the tiled scatter applies."""
+    P = less_mod.projection_matrix(SHAPES, 24, 5, kind="sjlt")
+    n = P.shape[0]
+    assert n == 15 + less_mod.TILE_ROWS + 37 + 11
+    # every row: SJLT_NNZ entries of +-1/sqrt(s), summed where two land in one bucket (often
+    # at d = 24; probability about s/d per row)
+    s = less_mod.SJLT_NNZ
+    assert ((P != 0).sum(1) <= s).all() and ((P != 0).sum(1) == s).float().mean() > 0.5
+    torch.testing.assert_close((P * s ** 0.5).round(), P * s ** 0.5)
+    assert (P.abs().sum(1) * s ** 0.5).le(s + 1e-12).all()
+    flat = torch.randn(3, n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_stream(flat, 24, 5), flat @ P, rtol=1e-12, atol=1e-12)
+    # a key's rows depend on its name, not its place; other seed or key -> other matrix
+    shuffled = dict(reversed(list(SHAPES.items())))
+    assert torch.equal(P[:15], less_mod.projection_matrix(shuffled, 24, 5, kind="sjlt")[-15:])
+    assert not torch.equal(P[:15], less_mod.projection_matrix({"x": 15}, 24, 5, kind="sjlt"))
+    assert not torch.equal(P, less_mod.projection_matrix(SHAPES, 24, 6, kind="sjlt"))
+    assert not torch.equal(P, less_mod.projection_matrix(SHAPES, 24, 5, kind="rademacher"))
+
+
+def test_sjlt_projection_is_independent_of_chunking():
+    """(b) Same features whatever rows are projected together, and in float32 as float64."""
+    flat = torch.randn(7, less_mod.TILE_ROWS * 2 + 5, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(1))
+    whole = less_mod.project(flat, "k", 32, 3, "sjlt")
+    for size in (1, 2, 3):
+        parts = torch.cat([less_mod.project(flat[i:i + size], "k", 32, 3, "sjlt") for i in range(0, 7, size)])
+        torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(less_mod.project(flat.float(), "k", 32, 3, "sjlt").double(), whole,
+                               rtol=1e-5, atol=1e-4)
+
+
+#: JL test: 12 random vectors of 40,000 coordinates (10 tiles over 3 keys) to d = 4096. The
+#: sketched inner products of unit vectors have standard deviation about sqrt(2/d) = 0.022
+#: (1/sqrt(d) for orthogonal ones); JL_TOL is about 4.5 of those (the largest error is
+#: 0.036-0.052 over proj_seed 0-5 and 11). Dropping a tile (10% of the coordinates), a hash, the
+#: random signs or the 1/sqrt(s) scale, or one bucket for all, fails it.
+JL_DIM, JL_TOL = 4096, 0.1
+
+
+def test_sjlt_preserves_inner_products():
+    """(c) Johnson-Lindenstrauss: Gram matrices before and after agree within JL_TOL."""
+    g = torch.Generator().manual_seed(2)
+    sizes = {"p.lora_A.weight": 16384, "q.lora_B.weight": 12000, "r.lora_A.weight": 11616}
+    n = sum(sizes.values())
+    X = torch.randn(12, n, dtype=torch.float64, generator=g)
+    X[6:] = 0.6 * X[:6] + 0.8 * X[6:]  # pairs with cosine near 0.6
+    X[3] *= torch.rand(n, generator=g, dtype=torch.float64) ** 4  # a heavy-tailed one
+    X[2] = X[2].abs()  # all positive: a projection without random signs fails on it
+    X = X / X.norm(dim=1, keepdim=True)
+    Y, lo = 0, 0
+    for key, k in sizes.items():
+        Y = Y + less_mod.project(X[:, lo:lo + k], key, JL_DIM, 11, "sjlt")
+        lo += k
+    err = (Y @ Y.T - X @ X.T).abs().max()
+    assert err < JL_TOL, f"Gram matrix off by {float(err):.3f}"
+    cos = torch.nn.functional.normalize(Y, dim=1)
+    assert (cos @ cos.T - X @ X.T).abs().max() < JL_TOL
+    assert (X @ X.T)[0, 6] > 0.5  # the test has correlated pairs to preserve
+
+
+def test_auto_projection_by_device(tmp_path, two_checkpoints, caplog):
+    """(d) ``auto``: sjlt on the CPU (and MPS), LESS's dense Rademacher on CUDA; logged and recorded."""
+    assert less_mod.resolve_projection("auto", torch.device("cpu"))[0] == "sjlt"
+    assert less_mod.resolve_projection("auto", torch.device("mps"))[0] == "sjlt"
+    assert less_mod.resolve_projection("auto", torch.device("cuda", 0))[0] == "rademacher"
+    assert less_mod.resolve_projection("rademacher", torch.device("cpu")) == ("rademacher", "option projection")
+    assert less_mod.OPTIONS["projection"] == "auto"
+    ctx = make_ctx(tmp_path, {"checkpoints": [str(c) for c in two_checkpoints], "proj_dim": 16, "proj_seed": 7})
+    with caplog.at_level("INFO", logger=less_mod.log.name):
+        scores = LESS(ctx)[0]
+    info = ctx.info["method"]
+    assert info["projection"] == "sjlt" and info["projection_reason"].startswith("auto: cpu")
+    assert info["sjlt_nnz"] == less_mod.SJLT_NNZ
+    assert any("sjlt projection to 16 dimensions (auto: cpu" in r.getMessage() for r in caplog.records)
+    ref, _ = reference_scores(two_checkpoints, [0.75, 0.25], 16, 7, TASKS, projection="sjlt")
+    torch.testing.assert_close(scores, ref, rtol=1e-9, atol=1e-12)
 
 
 def test_warmup_is_trained_cached_and_reused(tmp_path):
@@ -228,6 +333,10 @@ def test_option_errors(tmp_path, two_checkpoints):
         LESS(make_ctx(tmp_path, {"checkpoints": [str(tmp_path)], "proj_dim": 8}))
     with pytest.raises(ConfigError):
         LESS(make_ctx(tmp_path, {"checkpoints": [str(two_checkpoints[1])], "target_side": "both"}))
+    # (e) checked before any warm-up or gradient: the field, the value and the choices
+    with pytest.raises(ConfigError, match=r"setting 'projection': unknown projection 'sparse' "
+                                          r"\(fix: use one of auto, rademacher, sjlt"):
+        LESS(make_ctx(tmp_path, {"projection": "sparse"}))
     ctx = make_ctx(tmp_path, {"checkpoints": [str(two_checkpoints[1])]})
     ctx.inputs.pairs = []
     with pytest.raises(ConfigError, match="target pairs"):
