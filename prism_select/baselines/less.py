@@ -58,7 +58,8 @@ similarity to the target examples, summed over warm-up checkpoints.
    Neither is scaled by ``1/sqrt(proj_dim)``: cosines ignore it.
 4. **Score.** ``s(z) = sum_ckpt w_ckpt cos(Gamma_z, g_q)``, ``w`` = the mean learning
    rate of each checkpoint's epoch (``checkpoint.json``'s ``mean_lr``; option
-   ``checkpoint_weights`` overrides; equal weights when neither is known or all are 0),
+   ``checkpoint_weights`` overrides; equal weights when neither is known or all are 0;
+   a checkpoint of weight 0 is not computed, ``skipped_checkpoints`` in the info),
    normalised to sum 1; then per task (``TargetPair.task``; one task when ``None``) the
    **mean** over the task's targets, and the **max** over tasks (LESS's ``matching.py``).
 
@@ -522,7 +523,13 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
     log.info("LESS: %s projection to %d dimensions (%s)", projection, dim, why)
     t = time.perf_counter()
     n_params = None
+    skipped = [i for i, w in enumerate(weights) if w == 0]
+    if skipped:  # a checkpoint of weight 0 adds nothing to the scores
+        log.info("LESS: checkpoint(s) %s have weight 0 (their epoch's mean learning rate): not computed",
+                 ", ".join(str(i + 1) for i in skipped))
     for i, (ckpt, w) in enumerate(zip(ckpts, weights)):
+        if w == 0:
+            continue
         feats_path = partial / f"ckpt-{i}.safetensors"
         reuse = feats_path.is_file() and _saved_projection(feats_path) == projection
         if feats_path.is_file() and not reuse:  # e.g. `auto` on CUDA, resumed on the CPU
@@ -552,7 +559,7 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
     ctx.timings["less_gradients_s"] = time.perf_counter() - t
     scores, task_names = task_max_of_means(sim, tasks)
     record(ctx, "less", opts, seed=seed, proj_seed=proj_seed, checkpoints=[str(c) for c in ckpts],
-           checkpoint_weights=weights, checkpoint_weight_source=wsource, warmup=warm,
+           checkpoint_weights=weights, checkpoint_weight_source=wsource, skipped_checkpoints=skipped, warmup=warm,
            tasks=task_names, lora_params=n_params,
            tile_rows=TILE_ROWS, projection=projection, projection_reason=why,
            **({"sjlt_nnz": SJLT_NNZ} if projection == "sjlt" else {}))

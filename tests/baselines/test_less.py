@@ -161,6 +161,18 @@ def test_less_equals_the_step_by_step_computation(tmp_path, two_checkpoints, pro
     torch.testing.assert_close(LESS(ctx2)[0], ref2, rtol=1e-9, atol=1e-12)
 
 
+def test_checkpoint_of_weight_zero_is_not_computed(tmp_path, two_checkpoints):
+    ck = two_checkpoints
+    ctx = make_ctx(tmp_path, {"checkpoints": [str(c) for c in ck], "proj_dim": 16, "proj_seed": 7,
+                              "projection": "sjlt", "checkpoint_weights": [0, 2]})
+    scores = LESS(ctx)[0]
+    ref, _ = reference_scores(ck, [0.0, 1.0], 16, 7, TASKS, projection="sjlt")
+    torch.testing.assert_close(scores, ref, rtol=1e-9, atol=1e-12)
+    assert ctx.info["method"]["skipped_checkpoints"] == [0]
+    partial = tmp_path / "run" / ".partial" / "less"
+    assert not (partial / "ckpt-0.safetensors").exists() and (partial / "ckpt-1.safetensors").is_file()
+
+
 @pytest.mark.parametrize("projection,cap", [("rademacher", "GRAD_CHUNK_BYTES"), ("sjlt", "SJLT_CHUNK_BYTES")])
 def test_gradient_chunk_is_bounded_in_bytes(tmp_path, two_checkpoints, monkeypatch, projection, cap):
     """A chunk whose flattened gradients would pass GRAD_CHUNK_BYTES (SJLT_CHUNK_BYTES) is
