@@ -31,10 +31,10 @@ def _write_inputs(tmp_path):
             f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
 
 
-def _args(tmp_path, out, *extra):
-    return ["-m", "prism_select.cli", "score", "--model", str(tmp_path / "model"), "--pool",
-            str(tmp_path / "pool.jsonl"), "--targets", str(tmp_path / "targets.jsonl"), "--out", str(out),
-            "--cache-dir", str(tmp_path / "cache"), "--batch-size", "2", "--chunk-size", "5", "--no-progress",
+def _args(d, out, *extra):
+    return ["-m", "prism_select.cli", "score", "--model", str(d / "model"), "--pool",
+            str(d / "pool.jsonl"), "--targets", str(d / "targets.jsonl"), "--out", str(out),
+            "--cache-dir", str(d / "cache"), "--batch-size", "2", "--chunk-size", "5", "--no-progress",
             "--device", "cpu", "--dtype", "float64", *extra]
 
 
@@ -42,31 +42,56 @@ def _scores(d):
     return {json.loads(line)["id"]: json.loads(line)["score"] for line in (d / "scores.jsonl").read_text().splitlines()}
 
 
-def _one_process(tmp_path, *extra):
-    """The one-process reference run, in the test's process (a process of its own would
-    only add the imports): scores in ``tmp_path / "one"``."""
+CURVATURES = ("ekfac", "identity")
+
+#: the sharded runs of every curvature one after the other in the same ranks: one torchrun
+#: launch (the process group, joined by the first run, serves the next)
+SEVERAL = r"""
+import json, sys
+from prism_select import cli
+for args in json.loads(sys.argv[1]):
+    assert cli.main(args) == 0, args
+"""
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The inputs in ``d``, and per curvature the one-process run in ``d / "one-<kind>"``,
+    in this process (a process of its own would only add the imports)."""
+    d = tmp_path_factory.mktemp("sharding")
+    _write_inputs(d)
     from prism_select.cli import main
-    assert main(_args(tmp_path, tmp_path / "one", *extra)[2:]) == 0
+    for kind in CURVATURES:
+        assert main(_args(d, d / f"one-{kind}", "--curvature", kind)[2:]) == 0
+    return d
 
 
-@pytest.mark.parametrize("curvature", ["ekfac", "identity"])
-def test_fsdp_scores_equal_one_process(tmp_path, curvature):
-    _write_inputs(tmp_path)
-    _one_process(tmp_path, "--curvature", curvature)
-    # its own cache: the sharded run fits (not reuses) the curvature
-    _torchrun(2, _args(tmp_path, tmp_path / "fsdp", "--curvature", curvature, "--shard", "fsdp",
-                       "--cache-dir", str(tmp_path / "cache-fsdp")), tmp_path)
-    one, two = _scores(tmp_path / "one"), _scores(tmp_path / "fsdp")
+@pytest.fixture(scope="module")
+def runs(inputs):
+    """Per curvature, the sharded run in ``inputs / "fsdp-<kind>"`` (its own cache: it fits,
+    not reuses, the curvature), the runs one after the other in one torchrun launch."""
+    d = inputs
+    sharded = [_args(d, d / f"fsdp-{kind}", "--curvature", kind, "--shard", "fsdp",
+                     "--cache-dir", str(d / f"cache-fsdp-{kind}"))[2:] for kind in CURVATURES]
+    script = d / "several.py"
+    script.write_text(SEVERAL)
+    _torchrun(2, [str(script), json.dumps(sharded)], d)
+    return d
+
+
+@pytest.mark.parametrize("curvature", CURVATURES)
+def test_fsdp_scores_equal_one_process(runs, curvature):
+    one, two = _scores(runs / f"one-{curvature}"), _scores(runs / f"fsdp-{curvature}")
     assert list(one) == list(two)
     for k in one:
         assert two[k] == pytest.approx(one[k], rel=SHARDED_REL_TOL, abs=1e-12), k
-    run = json.loads((tmp_path / "fsdp" / "run.json").read_text())
+    run = json.loads((runs / f"fsdp-{curvature}" / "run.json").read_text())
     assert run["settings"]["shard"] == "fsdp" and run["distributed"]["world_size"] == 2
     if curvature == "ekfac":  # each rank fitted and kept its own layers' factors
         per = run["curvature"]["factor_shards"]["stored_bytes_per_rank"]
         assert len(per) == 2 and min(per) > 0 and max(per) <= 0.75 * sum(per)
         assert run["curvature"]["path"] is None  # a sharded curvature is not cached
-    assert not (tmp_path / "fsdp" / ".partial").exists()
+    assert not (runs / f"fsdp-{curvature}" / ".partial").exists()
 
 
 GROUPED = r"""
@@ -107,15 +132,13 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def test_sharded_transient_run_resumes_finished_groups(tmp_path):
+def test_sharded_transient_run_resumes_finished_groups(inputs, tmp_path):
     """--shard fsdp with a transient plan of three groups: every rank saves its rows of each
     group's v; killed in the third group, the same command fits only that group again and
     gives the one-process scores."""
-    _write_inputs(tmp_path)
-    _one_process(tmp_path, "--curvature", "ekfac")
     script = tmp_path / "grouped.py"
     script.write_text(GROUPED)
-    args = [str(script), *_args(tmp_path, tmp_path / "fsdp", "--curvature", "ekfac", "--shard", "fsdp",
+    args = [str(script), *_args(inputs, tmp_path / "fsdp", "--curvature", "ekfac", "--shard", "fsdp",
                                 "--cache-dir", str(tmp_path / "cache-fsdp"))[2:]]
     env = dict(_env(), CALLS=str(tmp_path / "calls"), DIE_AT="3")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
@@ -132,7 +155,7 @@ def test_sharded_transient_run_resumes_finished_groups(tmp_path):
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "calls0").read_text() == "1"  # only the unfinished group was fitted again
-    one, two = _scores(tmp_path / "one"), _scores(tmp_path / "fsdp")
+    one, two = _scores(inputs / "one-ekfac"), _scores(tmp_path / "fsdp")
     for k in one:
         assert two[k] == pytest.approx(one[k], rel=SHARDED_REL_TOL, abs=1e-12), k
     run = json.loads((tmp_path / "fsdp" / "run.json").read_text())
