@@ -166,11 +166,29 @@ WORKER = r"""
 import json, sys
 import torch
 from prism_select import distributed, sharding
-sys.path.insert(0, {tests!r})
-from tiny import tiny_llama, tiny_tokenizer
 distributed.init_from_env("cpu")
-model = tiny_llama(len(tiny_tokenizer()), layers=2, hidden=20)
-modules = {{n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}}
+torch.manual_seed(0)
+# a tiny Llama's linear shapes (hidden 20, 2 heads, 1 key-value head), in torch modules
+# alone: transformers would only add its imports, in each of the three processes
+SHAPES = {{"self_attn.q_proj": (20, 20), "self_attn.k_proj": (20, 10), "self_attn.v_proj": (20, 10),
+          "self_attn.o_proj": (20, 20), "mlp.gate_proj": (20, 40), "mlp.up_proj": (20, 40),
+          "mlp.down_proj": (40, 20)}}
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn, self.mlp = torch.nn.Module(), torch.nn.Module()
+        for name, (i, o) in SHAPES.items():
+            part, proj = name.split(".")
+            setattr(getattr(self, part), proj, torch.nn.Linear(i, o, bias=False))
+
+
+model = torch.nn.Module()
+model.embed_tokens, model.lm_head = torch.nn.Embedding(50, 20), torch.nn.Linear(20, 50, bias=False)
+model.layers = torch.nn.ModuleList([Block(), Block()])
+modules = {{n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers." in n}}
+assert len(modules) == 2 * len(SHAPES)
 full = {{n: m.weight.detach().clone() for n, m in modules.items()}}
 sharding.shard_model(model, modules, "cpu")
 out = {{}}
@@ -189,7 +207,7 @@ distributed.destroy()
 def test_row_range_is_fsdp_cut(tmp_path):
     """Rows over 3 ranks, uneven cuts included (hidden 20: 7/7/6; k/v with 10 outputs: 4/4/2)."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(HERE)))
+    script.write_text(WORKER.format())
     _torchrun(3, [str(script), str(tmp_path / "rank")], tmp_path)
     for r in range(3):
         got = json.loads((tmp_path / f"rank{r}").read_text())
