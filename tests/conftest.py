@@ -42,12 +42,14 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def pytest_collection_finish(session):
-    """Move what collection built (torch, transformers, every test module) out of the
-    garbage collector's sight: a full collection walks every tracked object, and the
-    fine-tunes (accelerate's ``release_memory``) and evaluation protocols call
-    ``gc.collect()`` at each step (0.7 s each over this heap, half the CPU time of an
-    evaluation test). What the tests create afterwards is still collected."""
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap():
+    """At each test module's start, move what exists (torch, transformers, the packages
+    earlier tests imported, long-lived fixtures) out of the garbage collector's sight: a
+    full collection walks every tracked object, and the fine-tunes (accelerate's
+    ``release_memory``), kronfluence and the evaluation protocols call ``gc.collect()`` at
+    each step (0.7 s each over the whole heap, half the CPU time of an evaluation test).
+    What the tests create afterwards is still collected."""
     gc.collect()
     gc.freeze()
 
