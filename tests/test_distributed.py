@@ -73,18 +73,25 @@ def _torchrun(n, args, cwd, timeout=240):
     return r
 
 
-#: one torchrun launch for both tests below: WORKER (which leaves the process group), then
-#: the CLI as ``python -m prism_select.cli`` runs it (its module as ``__main__``, joining the
-#: group itself); a second launch would only add a launcher's and two ranks' imports
+#: one torchrun launch for the tests of two ranks here and in test_sharding.py (a launch
+#: more would only add a launcher's and two ranks' imports): the first command as
+#: ``python -m prism_select.cli`` runs it (its module as ``__main__``, in fresh processes:
+#: it joins the process group itself), the other commands through ``cli.main``, then WORKER
+#: (whose ``init_from_env`` finds the group joined). Nothing leaves and joins again: a gloo
+#: group made again on the same store can read the old group's addresses.
 CHAIN = r"""
-import runpy, sys
-worker, out, *cli = sys.argv[1:]
+import json, runpy, sys
+worker, out, commands = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+sys.argv = [sys.argv[0], *commands[0]]
+try:
+    runpy.run_module("prism_select.cli", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    assert not e.code, e.code
+from prism_select import cli
+for args in commands[1:]:
+    assert cli.main(args) == 0, args
 sys.argv = [worker, out]
 runpy.run_path(worker, run_name="__main__")
-from prism_select import distributed
-assert not distributed.active()
-sys.argv = [sys.argv[0], *cli]
-runpy.run_module("prism_select.cli", run_name="__main__", alter_sys=True)
 """
 
 
@@ -94,14 +101,15 @@ def _cli_args(d, out, cache):
             "--chunk-size", "4", "--no-progress", "--device", "cpu", "--dtype", "float64"]
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """``d``: the CLI's inputs; ``d / "two.json"``: WORKER's results on two ranks;
-    ``d / "multi"``: the CLI's run on two ranks (curvature cache ``d / "c2"``)."""
+def launch_two_ranks(d):
+    """Write the CLI's inputs in ``d`` and run CHAIN on two ranks: WORKER's results in
+    ``d / "two.json"``; the CLI's run in ``d / "multi"`` (curvature cache ``d / "c2"``);
+    the sharded runs of test_sharding.py (:func:`test_sharding.sharded_commands`). The
+    session fixture ``two_ranks`` (conftest.py) calls it once."""
     sys.path.insert(0, str(HERE))
     from conftest import PAIRS, POOL
+    from test_sharding import sharded_commands
     from tiny import tiny_llama, tiny_tokenizer
-    d = tmp_path_factory.mktemp("two-ranks")
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok), dtype=torch.float32)
     model.save_pretrained(d / "model")
@@ -114,8 +122,8 @@ def two_ranks(tmp_path_factory):
             f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
     (d / "worker.py").write_text(WORKER.format(tests=str(HERE)))
     (d / "chain.py").write_text(CHAIN)
-    _torchrun(2, [str(d / "chain.py"), str(d / "worker.py"), str(d / "two.json"),
-                  *_cli_args(d, d / "multi", d / "c2")], d)
+    commands = [_cli_args(d, d / "multi", d / "c2"), *sharded_commands(d)]
+    _torchrun(2, [str(d / "chain.py"), str(d / "worker.py"), str(d / "two.json"), json.dumps(commands)], d)
     return d
 
 

@@ -12,23 +12,10 @@ from prism_select import sharding
 from prism_select.errors import ConfigError
 from prism_select.pipeline import ScoreSettings
 
-from test_distributed import HERE, _env, _free_port, _torchrun
+from test_distributed import _env, _free_port, _torchrun
 
 #: float64 model, same examples and arithmetic per layer: only the order of sums differs
 SHARDED_REL_TOL = 1e-9
-
-
-def _write_inputs(tmp_path):
-    sys.path.insert(0, str(HERE))
-    from conftest import PAIRS, POOL
-    from tiny import save_tiny
-    save_tiny(tmp_path / "model", dtype=torch.float32)
-    with open(tmp_path / "pool.jsonl", "w") as f:
-        for i, (p, r) in enumerate(POOL * 3):
-            f.write(json.dumps({"id": f"x{i}", "prompt": p, "response": r + " " * (i % 4)}) + "\n")
-    with open(tmp_path / "targets.jsonl", "w") as f:
-        for q, c, r in PAIRS:
-            f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
 
 
 def _args(d, out, *extra):
@@ -44,38 +31,24 @@ def _scores(d):
 
 CURVATURES = ("ekfac", "identity")
 
-#: the sharded runs of every curvature one after the other in the same ranks: one torchrun
-#: launch (the process group, joined by the first run, serves the next)
-SEVERAL = r"""
-import json, sys
-from prism_select import cli
-for args in json.loads(sys.argv[1]):
-    assert cli.main(args) == 0, args
-"""
+
+def sharded_commands(d):
+    """The sharded runs, one per curvature, into ``d / "fsdp-<kind>"`` (each its own cache:
+    it fits, not reuses, the curvature): run on two ranks in the launch of the session
+    fixture ``two_ranks`` (:func:`test_distributed.launch_two_ranks`), on its inputs."""
+    return [_args(d, d / f"fsdp-{kind}", "--curvature", kind, "--shard", "fsdp",
+                  "--cache-dir", str(d / f"cache-fsdp-{kind}"))[2:] for kind in CURVATURES]
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    """The inputs in ``d``, and per curvature the one-process run in ``d / "one-<kind>"``,
-    in this process (a process of its own would only add the imports)."""
-    d = tmp_path_factory.mktemp("sharding")
-    _write_inputs(d)
+def runs(two_ranks):
+    """``two_ranks`` (the inputs and the sharded runs) with, per curvature, the one-process
+    run in ``d / "one-<kind>"``, in this process (a process of its own would only add the
+    imports)."""
+    d = two_ranks
     from prism_select.cli import main
     for kind in CURVATURES:
         assert main(_args(d, d / f"one-{kind}", "--curvature", kind)[2:]) == 0
-    return d
-
-
-@pytest.fixture(scope="module")
-def runs(inputs):
-    """Per curvature, the sharded run in ``inputs / "fsdp-<kind>"`` (its own cache: it fits,
-    not reuses, the curvature), the runs one after the other in one torchrun launch."""
-    d = inputs
-    sharded = [_args(d, d / f"fsdp-{kind}", "--curvature", kind, "--shard", "fsdp",
-                     "--cache-dir", str(d / f"cache-fsdp-{kind}"))[2:] for kind in CURVATURES]
-    script = d / "several.py"
-    script.write_text(SEVERAL)
-    _torchrun(2, [str(script), json.dumps(sharded)], d)
     return d
 
 
@@ -132,13 +105,13 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def test_sharded_transient_run_resumes_finished_groups(inputs, tmp_path):
+def test_sharded_transient_run_resumes_finished_groups(runs, tmp_path):
     """--shard fsdp with a transient plan of three groups: every rank saves its rows of each
     group's v; killed in the third group, the same command fits only that group again and
     gives the one-process scores."""
     script = tmp_path / "grouped.py"
     script.write_text(GROUPED)
-    args = [str(script), *_args(inputs, tmp_path / "fsdp", "--curvature", "ekfac", "--shard", "fsdp",
+    args = [str(script), *_args(runs, tmp_path / "fsdp", "--curvature", "ekfac", "--shard", "fsdp",
                                 "--cache-dir", str(tmp_path / "cache-fsdp"))[2:]]
     env = dict(_env(), CALLS=str(tmp_path / "calls"), DIE_AT="3")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
@@ -155,7 +128,7 @@ def test_sharded_transient_run_resumes_finished_groups(inputs, tmp_path):
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "calls0").read_text() == "1"  # only the unfinished group was fitted again
-    one, two = _scores(inputs / "one-ekfac"), _scores(tmp_path / "fsdp")
+    one, two = _scores(runs / "one-ekfac"), _scores(tmp_path / "fsdp")
     for k in one:
         assert two[k] == pytest.approx(one[k], rel=SHARDED_REL_TOL, abs=1e-12), k
     run = json.loads((tmp_path / "fsdp" / "run.json").read_text())
