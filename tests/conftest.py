@@ -1,3 +1,4 @@
+import gc
 import os
 
 # Before torch loads (as the CLI does): OpenMP threads that spin at every barrier cost a
@@ -39,6 +40,26 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.gpu)
             if not torch.cuda.is_available():
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap():
+    """At each test module's start, move what exists (torch, transformers, the packages
+    earlier tests imported, long-lived fixtures) out of the garbage collector's sight: a
+    full collection walks every tracked object, and the fine-tunes (accelerate's
+    ``release_memory``), kronfluence and the evaluation protocols call ``gc.collect()`` at
+    each step (0.7 s each over the whole heap, half the CPU time of an evaluation test).
+    What the tests create afterwards is still collected."""
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory):
+    """One torchrun launch of two CPU ranks for test_distributed.py and test_sharding.py
+    (:func:`test_distributed.launch_two_ranks`): the directory of its inputs and outputs."""
+    from test_distributed import launch_two_ranks
+    return launch_two_ranks(tmp_path_factory.mktemp("two-ranks"))
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ curvature statistics all-reduced, the pool sharded by chunk, scores gathered in 
 
 import json
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -72,16 +73,69 @@ def _torchrun(n, args, cwd, timeout=240):
     return r
 
 
-def test_sharded_fit_and_scores_equal_single_process(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(HERE)))
-    # one process without torchrun (under it, a world of 1 joins no process group either)
-    r = subprocess.run([sys.executable, str(script), str(tmp_path / "one.json")], cwd=tmp_path, env=_env(),
-                       capture_output=True, text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    _torchrun(2, [str(script), str(tmp_path / "two.json")], tmp_path)
+#: one torchrun launch for the tests of two ranks here and in test_sharding.py (a launch
+#: more would only add a launcher's and two ranks' imports): the first command as
+#: ``python -m prism_select.cli`` runs it (its module as ``__main__``, in fresh processes:
+#: it joins the process group itself), the other commands through ``cli.main``, then WORKER
+#: (whose ``init_from_env`` finds the group joined). Nothing leaves and joins again: a gloo
+#: group made again on the same store can read the old group's addresses.
+CHAIN = r"""
+import json, runpy, sys
+worker, out, commands = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+sys.argv = [sys.argv[0], *commands[0]]
+try:
+    runpy.run_module("prism_select.cli", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    assert not e.code, e.code
+from prism_select import cli
+for args in commands[1:]:
+    assert cli.main(args) == 0, args
+sys.argv = [worker, out]
+runpy.run_path(worker, run_name="__main__")
+"""
+
+
+def _cli_args(d, out, cache):
+    return ["score", "--model", str(d / "model"), "--pool", str(d / "pool.jsonl"), "--targets",
+            str(d / "targets.jsonl"), "--out", str(out), "--cache-dir", str(cache), "--batch-size", "2",
+            "--chunk-size", "4", "--no-progress", "--device", "cpu", "--dtype", "float64"]
+
+
+def launch_two_ranks(d):
+    """Write the CLI's inputs in ``d`` and run CHAIN on two ranks: WORKER's results in
+    ``d / "two.json"``; the CLI's run in ``d / "multi"`` (curvature cache ``d / "c2"``);
+    the sharded runs of test_sharding.py (:func:`test_sharding.sharded_commands`). The
+    session fixture ``two_ranks`` (conftest.py) calls it once."""
+    sys.path.insert(0, str(HERE))
+    from conftest import PAIRS, POOL
+    from test_sharding import sharded_commands
+    from tiny import tiny_llama, tiny_tokenizer
+    tok = tiny_tokenizer()
+    model = tiny_llama(len(tok), dtype=torch.float32)
+    model.save_pretrained(d / "model")
+    tok.save_pretrained(d / "model")
+    with open(d / "pool.jsonl", "w") as f:
+        for i, (p, r) in enumerate(POOL * 3):
+            f.write(json.dumps({"id": f"x{i}", "prompt": p, "response": r + " " * (i % 4)}) + "\n")
+    with open(d / "targets.jsonl", "w") as f:
+        for q, c, r in PAIRS:
+            f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
+    (d / "worker.py").write_text(WORKER.format(tests=str(HERE)))
+    (d / "chain.py").write_text(CHAIN)
+    commands = [_cli_args(d, d / "multi", d / "c2"), *sharded_commands(d)]
+    _torchrun(2, [str(d / "chain.py"), str(d / "worker.py"), str(d / "two.json"), json.dumps(commands)], d)
+    return d
+
+
+def test_sharded_fit_and_scores_equal_single_process(two_ranks, tmp_path, monkeypatch):
+    script = two_ranks / "worker.py"
+    # one process without torchrun (under it, a world of 1 joins no process group either):
+    # this one, as a process of its own would only add the imports
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(sys, "argv", [str(script), str(tmp_path / "one.json")])
+    runpy.run_path(str(script), run_name="__main__")
     one = json.loads((tmp_path / "one.json").read_text())
-    two = json.loads((tmp_path / "two.json").read_text())
+    two = json.loads((two_ranks / "two.json").read_text())
     assert one["world"] == 1 and two["world"] == 2
     a, b = torch.tensor(one["scores"]), torch.tensor(two["scores"])
     assert torch.isfinite(b).all()
@@ -90,47 +144,27 @@ def test_sharded_fit_and_scores_equal_single_process(tmp_path):
     assert torch.allclose(la, lb, rtol=1e-9, atol=1e-15)
 
 
-def test_cli_under_torchrun_matches_single_process(tmp_path):
-    sys.path.insert(0, str(HERE))
-    from conftest import PAIRS, POOL
-    from tiny import tiny_llama, tiny_tokenizer
-    tok = tiny_tokenizer()
-    model = tiny_llama(len(tok), dtype=torch.float32)
-    model.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    with open(tmp_path / "pool.jsonl", "w") as f:
-        for i, (p, r) in enumerate(POOL * 3):
-            f.write(json.dumps({"id": f"x{i}", "prompt": p, "response": r + " " * (i % 4)}) + "\n")
-    with open(tmp_path / "targets.jsonl", "w") as f:
-        for q, c, r in PAIRS:
-            f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
-
-    def args(out, cache):
-        return ["-m", "prism_select.cli", "score", "--model", str(tmp_path / "model"), "--pool",
-                str(tmp_path / "pool.jsonl"), "--targets", str(tmp_path / "targets.jsonl"), "--out", str(out),
-                "--cache-dir", str(cache), "--batch-size", "2", "--chunk-size", "4", "--no-progress",
-                "--device", "cpu", "--dtype", "float64"]
-
+def test_cli_under_torchrun_matches_single_process(two_ranks, tmp_path):
     from prism_select.cli import main
+    d = two_ranks
     # the one-process runs in this process (a process of their own only adds the imports)
-    assert main(args(tmp_path / "single", tmp_path / "c1")[2:]) == 0
-    _torchrun(2, args(tmp_path / "multi", tmp_path / "c2"), tmp_path)
+    assert main(_cli_args(d, tmp_path / "single", tmp_path / "c1")) == 0
 
     def read(d):
         return {json.loads(l)["id"]: json.loads(l) for l in (d / "scores.jsonl").read_text().splitlines()}
-    s1, s2 = read(tmp_path / "single"), read(tmp_path / "multi")
+    s1, s2 = read(tmp_path / "single"), read(d / "multi")
     assert list(s1) == list(s2)  # pool order
     for k in s1:
         assert s2[k]["score"] == pytest.approx(s1[k]["score"], rel=1e-9, abs=1e-12)
-    run = json.loads((tmp_path / "multi" / "run.json").read_text())
+    run = json.loads((d / "multi" / "run.json").read_text())
     assert run["distributed"]["world_size"] == 2
-    assert not (tmp_path / "multi" / ".partial").exists()
+    assert not (d / "multi" / ".partial").exists()
     # the curvature was saved in two shares, one per rank; one process reuses it
     saved = Path(run["curvature"]["path"])
     assert sorted(p.name for p in saved.glob("factors*")) == [
         "factors-00000-of-00002.safetensors", "factors-00001-of-00002.safetensors"]
     assert set(run["curvature"]["phases_s"]) == {"factors_s", "eigh_s", "lambda_s"}
-    assert main(args(tmp_path / "reuse", tmp_path / "c2")[2:]) == 0
+    assert main(_cli_args(d, tmp_path / "reuse", d / "c2")) == 0
     again = json.loads((tmp_path / "reuse" / "run.json").read_text())
     assert again["curvature"]["reused"] is True
     s3 = read(tmp_path / "reuse")

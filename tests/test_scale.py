@@ -554,7 +554,9 @@ def test_fit_device_memory_stays_within_the_plan(tok, encoded_pool, monkeypatch)
     from prism_select.plan import ACTIVATION_SAFETY, HEADROOM_BYTES, example_step
     m = tiny_llama(len(tok), dtype=torch.bfloat16, layers=3, hidden=512)
     mods = {n: x for n, x in m.named_modules() if isinstance(x, torch.nn.Linear) and ".layers." in n}
-    pool = encoded_pool[:8]
+    # two batches: the peak is a batch's (the same 76.4 MB with all 8 examples), each
+    # batch of this bf16 model costs seconds on the CPU
+    pool = encoded_pool[:4]
     longest = max(pool, key=lambda e: len(e.input_ids))
     with LiveBytes(list(m.parameters())) as probe:
         example_step(m, longest, tok.pad_token_id, "cpu")

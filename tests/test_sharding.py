@@ -12,29 +12,16 @@ from prism_select import sharding
 from prism_select.errors import ConfigError
 from prism_select.pipeline import ScoreSettings
 
-from test_distributed import HERE, _env, _free_port, _torchrun
+from test_distributed import _env, _free_port, _torchrun
 
 #: float64 model, same examples and arithmetic per layer: only the order of sums differs
 SHARDED_REL_TOL = 1e-9
 
 
-def _write_inputs(tmp_path):
-    sys.path.insert(0, str(HERE))
-    from conftest import PAIRS, POOL
-    from tiny import save_tiny
-    save_tiny(tmp_path / "model", dtype=torch.float32)
-    with open(tmp_path / "pool.jsonl", "w") as f:
-        for i, (p, r) in enumerate(POOL * 3):
-            f.write(json.dumps({"id": f"x{i}", "prompt": p, "response": r + " " * (i % 4)}) + "\n")
-    with open(tmp_path / "targets.jsonl", "w") as f:
-        for q, c, r in PAIRS:
-            f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
-
-
-def _args(tmp_path, out, *extra):
-    return ["-m", "prism_select.cli", "score", "--model", str(tmp_path / "model"), "--pool",
-            str(tmp_path / "pool.jsonl"), "--targets", str(tmp_path / "targets.jsonl"), "--out", str(out),
-            "--cache-dir", str(tmp_path / "cache"), "--batch-size", "2", "--chunk-size", "5", "--no-progress",
+def _args(d, out, *extra):
+    return ["-m", "prism_select.cli", "score", "--model", str(d / "model"), "--pool",
+            str(d / "pool.jsonl"), "--targets", str(d / "targets.jsonl"), "--out", str(out),
+            "--cache-dir", str(d / "cache"), "--batch-size", "2", "--chunk-size", "5", "--no-progress",
             "--device", "cpu", "--dtype", "float64", *extra]
 
 
@@ -42,31 +29,42 @@ def _scores(d):
     return {json.loads(line)["id"]: json.loads(line)["score"] for line in (d / "scores.jsonl").read_text().splitlines()}
 
 
-def _one_process(tmp_path, *extra):
-    """The one-process reference run, in the test's process (a process of its own would
-    only add the imports): scores in ``tmp_path / "one"``."""
+CURVATURES = ("ekfac", "identity")
+
+
+def sharded_commands(d):
+    """The sharded runs, one per curvature, into ``d / "fsdp-<kind>"`` (each its own cache:
+    it fits, not reuses, the curvature): run on two ranks in the launch of the session
+    fixture ``two_ranks`` (:func:`test_distributed.launch_two_ranks`), on its inputs."""
+    return [_args(d, d / f"fsdp-{kind}", "--curvature", kind, "--shard", "fsdp",
+                  "--cache-dir", str(d / f"cache-fsdp-{kind}"))[2:] for kind in CURVATURES]
+
+
+@pytest.fixture(scope="module")
+def runs(two_ranks):
+    """``two_ranks`` (the inputs and the sharded runs) with, per curvature, the one-process
+    run in ``d / "one-<kind>"``, in this process (a process of its own would only add the
+    imports)."""
+    d = two_ranks
     from prism_select.cli import main
-    assert main(_args(tmp_path, tmp_path / "one", *extra)[2:]) == 0
+    for kind in CURVATURES:
+        assert main(_args(d, d / f"one-{kind}", "--curvature", kind)[2:]) == 0
+    return d
 
 
-@pytest.mark.parametrize("curvature", ["ekfac", "identity"])
-def test_fsdp_scores_equal_one_process(tmp_path, curvature):
-    _write_inputs(tmp_path)
-    _one_process(tmp_path, "--curvature", curvature)
-    # its own cache: the sharded run fits (not reuses) the curvature
-    _torchrun(2, _args(tmp_path, tmp_path / "fsdp", "--curvature", curvature, "--shard", "fsdp",
-                       "--cache-dir", str(tmp_path / "cache-fsdp")), tmp_path)
-    one, two = _scores(tmp_path / "one"), _scores(tmp_path / "fsdp")
+@pytest.mark.parametrize("curvature", CURVATURES)
+def test_fsdp_scores_equal_one_process(runs, curvature):
+    one, two = _scores(runs / f"one-{curvature}"), _scores(runs / f"fsdp-{curvature}")
     assert list(one) == list(two)
     for k in one:
         assert two[k] == pytest.approx(one[k], rel=SHARDED_REL_TOL, abs=1e-12), k
-    run = json.loads((tmp_path / "fsdp" / "run.json").read_text())
+    run = json.loads((runs / f"fsdp-{curvature}" / "run.json").read_text())
     assert run["settings"]["shard"] == "fsdp" and run["distributed"]["world_size"] == 2
     if curvature == "ekfac":  # each rank fitted and kept its own layers' factors
         per = run["curvature"]["factor_shards"]["stored_bytes_per_rank"]
         assert len(per) == 2 and min(per) > 0 and max(per) <= 0.75 * sum(per)
         assert run["curvature"]["path"] is None  # a sharded curvature is not cached
-    assert not (tmp_path / "fsdp" / ".partial").exists()
+    assert not (runs / f"fsdp-{curvature}" / ".partial").exists()
 
 
 GROUPED = r"""
@@ -107,15 +105,13 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def test_sharded_transient_run_resumes_finished_groups(tmp_path):
+def test_sharded_transient_run_resumes_finished_groups(runs, tmp_path):
     """--shard fsdp with a transient plan of three groups: every rank saves its rows of each
     group's v; killed in the third group, the same command fits only that group again and
     gives the one-process scores."""
-    _write_inputs(tmp_path)
-    _one_process(tmp_path, "--curvature", "ekfac")
     script = tmp_path / "grouped.py"
     script.write_text(GROUPED)
-    args = [str(script), *_args(tmp_path, tmp_path / "fsdp", "--curvature", "ekfac", "--shard", "fsdp",
+    args = [str(script), *_args(runs, tmp_path / "fsdp", "--curvature", "ekfac", "--shard", "fsdp",
                                 "--cache-dir", str(tmp_path / "cache-fsdp"))[2:]]
     env = dict(_env(), CALLS=str(tmp_path / "calls"), DIE_AT="3")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
@@ -132,7 +128,7 @@ def test_sharded_transient_run_resumes_finished_groups(tmp_path):
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "calls0").read_text() == "1"  # only the unfinished group was fitted again
-    one, two = _scores(tmp_path / "one"), _scores(tmp_path / "fsdp")
+    one, two = _scores(runs / "one-ekfac"), _scores(tmp_path / "fsdp")
     for k in one:
         assert two[k] == pytest.approx(one[k], rel=SHARDED_REL_TOL, abs=1e-12), k
     run = json.loads((tmp_path / "fsdp" / "run.json").read_text())
@@ -143,11 +139,29 @@ WORKER = r"""
 import json, sys
 import torch
 from prism_select import distributed, sharding
-sys.path.insert(0, {tests!r})
-from tiny import tiny_llama, tiny_tokenizer
 distributed.init_from_env("cpu")
-model = tiny_llama(len(tiny_tokenizer()), layers=2, hidden=20)
-modules = {{n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}}
+torch.manual_seed(0)
+# a tiny Llama's linear shapes (hidden 20, 2 heads, 1 key-value head), in torch modules
+# alone: transformers would only add its imports, in each of the three processes
+SHAPES = {{"self_attn.q_proj": (20, 20), "self_attn.k_proj": (20, 10), "self_attn.v_proj": (20, 10),
+          "self_attn.o_proj": (20, 20), "mlp.gate_proj": (20, 40), "mlp.up_proj": (20, 40),
+          "mlp.down_proj": (40, 20)}}
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn, self.mlp = torch.nn.Module(), torch.nn.Module()
+        for name, (i, o) in SHAPES.items():
+            part, proj = name.split(".")
+            setattr(getattr(self, part), proj, torch.nn.Linear(i, o, bias=False))
+
+
+model = torch.nn.Module()
+model.embed_tokens, model.lm_head = torch.nn.Embedding(50, 20), torch.nn.Linear(20, 50, bias=False)
+model.layers = torch.nn.ModuleList([Block(), Block()])
+modules = {{n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "layers." in n}}
+assert len(modules) == 2 * len(SHAPES)
 full = {{n: m.weight.detach().clone() for n, m in modules.items()}}
 sharding.shard_model(model, modules, "cpu")
 out = {{}}
@@ -166,7 +180,7 @@ distributed.destroy()
 def test_row_range_is_fsdp_cut(tmp_path):
     """Rows over 3 ranks, uneven cuts included (hidden 20: 7/7/6; k/v with 10 outputs: 4/4/2)."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(HERE)))
+    script.write_text(WORKER.format())
     _torchrun(3, [str(script), str(tmp_path / "rank")], tmp_path)
     for r in range(3):
         got = json.loads((tmp_path / f"rank{r}").read_text())
