@@ -139,8 +139,6 @@ SPILL_MAX_BYTES = 8 << 30
 #: holds them in memory from its factors to its eigenvalues instead of reading them twice
 #: (the demo's largest task, gate/up: 44 MB)
 SPILL_HOLD_BYTES = 128 << 20
-#: bytes of the factor pass's spill that may wait for the writer thread (:class:`_Spill`)
-SPILL_WRITE_AHEAD = 256 << 20
 
 
 class _Spill:
@@ -151,16 +149,7 @@ class _Spill:
 
     def __init__(self, directory=None):
         import tempfile
-        from collections import deque
-        from concurrent.futures import ThreadPoolExecutor
         self.f = tempfile.TemporaryFile(dir=directory)
-        self._end = 0  # bytes given out (written, or being written)
-        # the writes (a kernel copy into the page cache, ~2 s per GB on the 2-core demo
-        # machine) run on a thread of their own, so that the pass's main thread goes on
-        # with the model meanwhile; at most SPILL_WRITE_AHEAD bytes wait to be written
-        self._writer = ThreadPoolExecutor(1)
-        self._inflight: deque = deque()  # (future, bytes)
-        self._inflight_bytes = 0
         self.batches: list = []
         # this batch's recent inputs: key -> (input, entry); the input is held so that its
         # address is not reused by another tensor while the key is known (see _key)
@@ -177,29 +166,10 @@ class _Spill:
         self.masks.append(mask.to(torch.bool))
 
     def _write(self, t: torch.Tensor):
-        """Queue a copy of ``t`` for the file and return its entry: a copy, because the
-        model (or autograd, accumulating a gradient) may change ``t`` in place before the
-        writer reaches it; a memory copy costs a fraction of the kernel's."""
-        t = t.detach().clone(memory_format=torch.contiguous_format)
-        off, n = self._end, t.numel() * t.element_size()
-        self._end += n
-        self._inflight.append((self._writer.submit(self._pwrite, t, off), n))
-        self._inflight_bytes += n
-        while self._inflight_bytes > SPILL_WRITE_AHEAD:
-            self._wait_one()
+        t = t.detach().contiguous()
+        off = self.f.seek(0, 2)
+        self.f.write(memoryview(t.numpy()).cast("B"))
         return off, tuple(t.shape), t.dtype
-
-    def _pwrite(self, t: torch.Tensor, off: int):
-        import os
-        buf = memoryview(t.numpy()).cast("B")
-        done = 0
-        while done < len(buf):  # the GIL is released while the kernel copies
-            done += os.pwrite(self.f.fileno(), buf[done:], off + done)
-
-    def _wait_one(self):
-        fut, n = self._inflight.popleft()
-        self._inflight_bytes -= n
-        fut.result()  # a failed write (e.g. a full disk) raises here
 
     def read(self, entry) -> torch.Tensor:
         """One written tensor (a positioned read: threads may read side by side)."""
@@ -232,17 +202,11 @@ class _Spill:
         is in the file (for :meth:`read`)."""
         self._inputs.clear()
         self._pending = {}
-        try:
-            while self._inflight:
-                self._wait_one()
-        finally:
-            self._writer.shutdown(wait=True)  # nothing is written after the pass
+        self.f.flush()
 
     def close(self):
-        try:
-            self.finish()
-        finally:
-            self.f.close()
+        self.finish()
+        self.f.close()
 
     def scores(self, modules: dict, V: dict, n_examples: int) -> torch.Tensor | None:
         """``g_z . V`` of every fit example from the spilled inputs ``a_t`` and output
