@@ -135,10 +135,6 @@ class _Stats:
 #: where the file goes). The demo: about 3 GB for 40 records (1 MB a token at 135M). 0
 #: turns it off: the factors are summed in the pass and the eigenvalue pass reruns the model.
 SPILL_MAX_BYTES = 8 << 30
-#: a task of :func:`_spilled_groups` whose spilled entries take at most this many bytes
-#: holds them in memory from its factors to its eigenvalues instead of reading them twice
-#: (the demo's largest task, gate/up: 44 MB)
-SPILL_HOLD_BYTES = 128 << 20
 
 
 class _Spill:
@@ -336,24 +332,15 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
         S = {n: torch.zeros(layer_shape(modules[n])[0], layer_shape(modules[n])[0], dtype=compute) for n in layers}
         stats = _Stats(compute)
         batches = per_batch(layers)
-        # a task whose spilled entries are small enough keeps them from the factors to the
-        # eigenvalues (one read of the file instead of two)
-        held: dict | None = {} if sum(
-            math.prod(e[1]) * e[2].itemsize for _, rec in batches for e in
-            {e for _, xe, ge in rec for e in (xe, ge)}) <= SPILL_HOLD_BYTES else None
         for k, rec in batches:  # the factors, as _CovTap sums them (A from the first layer's input)
             sel = spill.masks[k]
             x = spill.read(rec[0][1])
-            if held is not None:
-                held[rec[0][1]] = x
             a = (x * sel.to(x.dtype)[..., None]).reshape(-1, x.shape[-1])
             C = _input_product(a, compute, sel.sum().to(compute) if bias else None)
             A += C
             del x, a, C
             for n, _, ge in rec:
                 g = spill.read(ge)
-                if held is not None:
-                    held[ge] = g
                 _gram_into(S[n], g.reshape(-1, g.shape[-1]))
                 del g
         # not mirrored: the eigensolver reads the lower triangle alone (_eigh), which is
@@ -379,17 +366,14 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
         for n in layers:
             tap = taps[n] = _LambdaTap(modules[n], stats, QA, out[n]["QS"], gid)
             tap.Lam, tap.M4 = torch.zeros(*layer_shape(modules[n]), dtype=compute), torch.zeros(1, dtype=compute)
-        def read(e):
-            return held.pop(e) if held and e in held else spill.read(e)
         for k, rec in batches:
             stats.cache.clear()
             inputs: dict = {}
             for n, xe, ge in rec:
                 if xe not in inputs:
-                    inputs[xe] = read(xe)
-                taps[n].on_backward(inputs[xe], read(ge))
+                    inputs[xe] = spill.read(xe)
+                taps[n].on_backward(inputs[xe], spill.read(ge))
             del inputs
-        del held
         stats.cache.clear()
         del stats
         with lock:
