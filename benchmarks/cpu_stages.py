@@ -84,14 +84,16 @@ def main():
         @functools.wraps(f)
         def g(*args, **kw):
             c, w, m0, q = time.process_time(), time.perf_counter(), rss_mib(), runqueue_wait_s()
+            k0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
             stack.append(label(args) if callable(label) else label)
             try:
                 return f(*args, **kw)
             finally:
                 stack.pop()
                 lab = label(args) if callable(label) else label
-                r = rec.setdefault(lab, {"cpu_s": 0.0, "wall_s": 0.0, "wait_s": 0.0})
+                r = rec.setdefault(lab, {"cpu_s": 0.0, "wall_s": 0.0, "wait_s": 0.0, "sys_s": 0.0})
                 r["cpu_s"] += time.process_time() - c
+                r["sys_s"] += resource.getrusage(resource.RUSAGE_SELF).ru_stime - k0  # kernel: file I/O, page faults
                 r["wall_s"] += time.perf_counter() - w
                 r["wait_s"] += runqueue_wait_s() - q
                 # resident memory when the stage began and ended, and the process's peak so far
@@ -106,6 +108,8 @@ def main():
         wrap(fit, "_spilled_pass", lambda args: "fit: " + args[3].split(" (")[0])
     if hasattr(fit, "_spilled_groups"):  # factors, eigendecompositions and eigenvalues from the spill
         wrap(fit, "_spilled_groups", "fit: factors, eigh, eigenvalues (spill)")
+    if hasattr(fit, "_finish_lambda"):
+        wrap(fit, "_finish_lambda", "fit: Lambda and its variance")
     wrap(base.Curvature, "save", "curvature save")
     wrap(fit, "fit_curvature", "fit_curvature (all)")
     wrap(fit, "apply_damping", "apply damping")
@@ -115,23 +119,24 @@ def main():
     if hasattr(fit._Spill, "scores"):  # exact scores from the fit's spill (the pool is the fit sample)
         wrap(fit._Spill, "scores", "scoring (from the fit's spill)")
     c, w, q = time.process_time(), time.perf_counter(), runqueue_wait_s()
+    k0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
     load0 = os.getloadavg()
     code = cli.main(a.argv)
     rec["total"] = {"cpu_s": time.process_time() - c, "wall_s": time.perf_counter() - w,
-                    "wait_s": runqueue_wait_s() - q}
+                    "wait_s": runqueue_wait_s() - q, "sys_s": resource.getrusage(resource.RUSAGE_SELF).ru_stime - k0}
     if "curvature (all)" in rec:
         parts = [v for k, v in rec.items() if k.startswith("fit: ") or k == "curvature save"]
         rec["eigendecompositions (rest of curvature)"] = {
-            k: rec["curvature (all)"][k] - sum(p[k] for p in parts) for k in ("cpu_s", "wall_s", "wait_s")}
+            k: rec["curvature (all)"][k] - sum(p[k] for p in parts) for k in ("cpu_s", "wall_s", "wait_s", "sys_s")}
         if "fit: factors, eigh, eigenvalues (spill)" in rec:  # the eigendecompositions are in that stage
             rec["rest of curvature"] = rec.pop("eigendecompositions (rest of curvature)")
     ru = resource.getrusage(resource.RUSAGE_SELF)
     # wait s: the threads' time runnable but waiting for a CPU (other work on the machine)
-    print(f"{'stage':42s} {'CPU s':>8s} {'wall s':>8s} {'wait s':>8s} {'RSS MiB start/end, peak so far':>32s}")
+    print(f"{'stage':42s} {'CPU s':>8s} {'(sys)':>8s} {'wall s':>8s} {'wait s':>8s} {'RSS MiB start/end, peak so far':>32s}")
     for k, v in rec.items():
         mem = (f"{v['rss_mib_start']:8.0f} {v['rss_mib_end']:8.0f} {v['peak_rss_mib_so_far']:8.0f}"
                if "rss_mib_start" in v else "")
-        print(f"{k:42s} {v['cpu_s']:8.1f} {v['wall_s']:8.1f} {v['wait_s']:8.1f} {mem}")
+        print(f"{k:42s} {v['cpu_s']:8.1f} {v.get('sys_s', 0):8.1f} {v['wall_s']:8.1f} {v['wait_s']:8.1f} {mem}")
     info = {"argv": a.argv, "exit_code": code, "stages": rec, "peak_rss_mib": ru.ru_maxrss / 1024,
             "load_average_start": load0, "load_average_end": os.getloadavg(), "cpus": os.cpu_count(),
             "threads": __import__("torch").get_num_threads()}

@@ -152,7 +152,12 @@ def tracked_param_grad_mode(model: torch.nn.Module, modules: dict):
 
 
 def check_finite(t: torch.Tensor, what: str, layer: str | None = None, record=None):
-    """Raise :class:`NumericalError` naming the layer and record if ``t`` has NaN/inf."""
+    """Raise :class:`NumericalError` naming the layer and record if ``t`` has NaN/inf.
+    A finite sum means every element is finite (NaN and inf propagate through a sum), so
+    the elementwise check (a bool copy of ``t``) runs only when the sum is not finite (a
+    NaN, an inf, or an overflowing sum)."""
+    if t.is_floating_point() and bool(torch.isfinite(t.sum())):
+        return
     if not torch.isfinite(t).all():
         where = []
         if layer is not None:
@@ -162,6 +167,41 @@ def check_finite(t: torch.Tensor, what: str, layer: str | None = None, record=No
         raise NumericalError(
             f"non-finite values (NaN or inf) in {what}" + (" at " + ", ".join(where) if where else "")
             + "; try --dtype float32, a smaller learning signal, or check the record's text")
+
+
+def side_by_side(fn, items, window: int | None = None):
+    """``fn(item)`` for each of ``items``, in their order: side by side on as many one-thread
+    workers as torch has threads (each worker sets its own thread count; this thread's is
+    restored), or here one after the other with one thread or fewer than two items (a
+    list). On the CPU, independent eigendecompositions and small GEMMs scale better so than
+    over a team of threads. ``window``: at most this many items are taken from ``items``
+    (any iterable, read in this thread) and not yet returned, so that a generator that
+    reads each item (e.g. a layer of a direction waiting on disk) is not read whole ahead
+    of the workers; None: all are submitted at once."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = torch.get_num_threads()
+    sized = hasattr(items, "__len__")
+    if threads < 2 or sized and len(items) < 2:
+        yield from map(fn, items)
+        return
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(min(threads, len(items)) if sized else threads,
+                                initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            if window is None:
+                yield from pool.map(fn, items)
+                return
+            pending: deque = deque()
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= window:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def release_host_memory() -> None:

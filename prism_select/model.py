@@ -43,6 +43,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .errors import ConfigError, ModelError
@@ -655,6 +656,11 @@ def _bit_checksum(p: torch.Tensor) -> int:
         flat = flat.reshape(-1).to(torch.float64)
         itype = torch.int64
     bits = flat.contiguous().view(itype)
+    if bits.device.type == "cpu":
+        # numpy widens and sums in one buffered pass (about 10x torch's sum(dtype=int64) on
+        # the CPU: 1.2 CPU-s for the embedded model's 135M weights, a single-threaded
+        # part of every run); the exact integer is the same
+        return int(bits.numpy().sum(dtype=np.int64)) % (1 << 64)
     total = 0
     for start in range(0, bits.numel(), _CHUNK):
         total += int(bits[start:start + _CHUNK].sum(dtype=torch.int64).item())

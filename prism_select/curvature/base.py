@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import CacheError, ConfigError
+from ..gradients import side_by_side
 from ..io import atomic_write_json
 from ..settings import DEFAULT_BATCH_SIZE, setting
 
@@ -180,37 +181,52 @@ class Curvature:
         unknown = [n for n in grads if n not in self.damping]
         if unknown:
             raise ConfigError("curvature", f"no fitted curvature for layer(s) {', '.join(unknown[:3])}")
-        for name in list(grads):
+
+        def prepare(name):  # this thread: the layer's gradient and curvature (released here)
             g = grads.pop(name) if consume else grads[name]
             if self.kind == "identity":
-                out[name] = g.clone()
-                continue
+                return name, g, None
             if self.kind == "diagonal" and f"{name}::D" not in self.tensors or \
                     self.kind != "diagonal" and f"{name}::QA" not in self.tensors:
                 raise ConfigError("curvature", f"the fitted curvature of layer {name!r} was not kept "
                                   "(a transient memory plan preconditions while it fits; a released "
                                   "curvature preconditions once)",
                                   "precondition through the run's context, or give the run more memory")
-            lam = self.damping[name]
             t = self.tensors
             dev = torch.device(device) if device is not None else g.device
             dt = torch.float64 if g.dtype == torch.float64 else torch.float32
-            gd = g.to(device=dev, dtype=dt)
             if self.kind == "diagonal":
-                d = t[f"{name}::D"].to(device=dev, dtype=dt)
-                out[name] = (gd / (d + lam)).to(device=g.device, dtype=g.dtype)
-                if release:
-                    del t[f"{name}::D"]
-                continue
-            QA = t[f"{name}::QA"].to(device=dev, dtype=dt)
-            QS = t[f"{name}::QS"].to(device=dev, dtype=dt)
-            eig = self.eigenvalues(name, device=dev, dtype=dt)
-            rot = QS.T @ gd @ QA
-            out[name] = (QS @ (rot / (eig + lam)) @ QA.T).to(device=g.device, dtype=g.dtype)
-            del QA, QS, eig, rot, gd
+                parts = (t[f"{name}::D"].to(device=dev, dtype=dt),)
+            else:
+                parts = (t[f"{name}::QA"].to(device=dev, dtype=dt), t[f"{name}::QS"].to(device=dev, dtype=dt),
+                         self.eigenvalues(name, device=dev, dtype=dt))
             if release:
                 for k in [k for k in t if k.startswith(f"{name}::")]:
                     del t[k]
+            return name, g, (dev, dt, self.damping[name], parts)
+
+        def compute(job):  # a worker (or this thread): the layer's arithmetic
+            name, g, how = job
+            if how is None:
+                return name, g.clone()
+            dev, dt, lam, parts = how
+            gd = g.to(device=dev, dtype=dt)
+            if self.kind == "diagonal":
+                return name, (gd / (parts[0] + lam)).to(device=g.device, dtype=g.dtype)
+            QA, QS, eig = parts
+            rot = QS.T @ gd @ QA
+            return name, (QS @ (rot / (eig + lam)) @ QA.T).to(device=g.device, dtype=g.dtype)
+
+        names = list(grads)
+        # on the CPU the layers run side by side on one-thread workers (four GEMMs each:
+        # better use of two cores than each GEMM over both), a few layers in flight
+        on_cpu = self.kind in ("kfac", "ekfac") and len(names) > 1 and (
+            torch.device(device).type == "cpu" if device is not None
+            else isinstance(grads, dict) and all(grads[n].device.type == "cpu" for n in names))
+        jobs = (prepare(n) for n in names)
+        results = side_by_side(compute, jobs, window=torch.get_num_threads() + 1) if on_cpu else map(compute, jobs)
+        for name, v in results:
+            out[name] = v
         return out
 
     # -- persistence ---------------------------------------------------------------

@@ -36,6 +36,7 @@ from ..engine import (Tap, batch_losses, causal_only, collate_to, mm_acc, mm_acc
 from ..precision import fit_arithmetic, fit_policy
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
 from ..gradients import check_finite, has_bias, layer_shape, release_host_memory
+from ..gradients import side_by_side as _side_by_side
 from ..io import sha256_json
 from ..settings import key_of
 from .base import Curvature, CurvatureSettings, FitSettings, PreconditionSettings, shrinkage_weight
@@ -321,24 +322,6 @@ def _spill_wanted(model, modules, encoded, batches, device, settings, directory)
     return need <= min(SPILL_MAX_BYTES, free // 4)
 
 
-def _side_by_side(fn, items: list):
-    """``fn(item)`` for each of ``items``, in their order: side by side on as many one-thread
-    workers as torch has threads (each worker sets its own thread count; this thread's is
-    restored), or here one after the other with one thread or one item."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    threads = torch.get_num_threads()
-    if threads < 2 or len(items) < 2:
-        yield from map(fn, items)
-        return
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(min(threads, len(items)), initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            yield from pool.map(fn, items)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_examples: int, desc: str,
                     progress: bool = True) -> tuple[dict, dict, dict, dict]:
     """EK-FAC from the factor pass's spill, as one task per distinct layer input (the layers
@@ -406,7 +389,9 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
                 g = spill.read(ge)
                 _gram_into(S[n], g.reshape(-1, g.shape[-1]))
                 del g
-        A = _mirror(A).div_(max(n_tokens, 1))
+        # not mirrored: the eigensolver reads the lower triangle alone (_eigh), which is
+        # what _gram_into sums (the upper block triangle stays zero)
+        A = A.div_(max(n_tokens, 1))
         check_finite(A, "the activation covariance", layer=layers[0])
         out = {}
         lam, Q = _eigh(A)
@@ -415,7 +400,7 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
         # saved (+0.8 GB of host memory for the embedded model, session 8)
         lamA, QA = lam.clamp(min=0).to(compute), Q.to(compute).contiguous()
         for n in layers:
-            Sn = _mirror(S.pop(n)).div_(n_examples)
+            Sn = S.pop(n).div_(n_examples)  # lower triangle, as A
             check_finite(Sn, "the gradient covariance", layer=n)
             lam, Q = _eigh(Sn)
             del Sn
@@ -1289,6 +1274,8 @@ def _eigh(M: torch.Tensor):
     """Eigendecomposition of a symmetric factor in the factor's own precision (float32
     unless the model is float64), several times faster than float64 on CUDA and about
     twice as fast on the CPU; float64 if the solver fails or returns non-finite values.
+    Only the lower triangle of ``M`` is read (LAPACK's ``uplo='L'``): a factor summed
+    by :func:`_gram_into` need not be mirrored first.
     On the CPU a factor up to EIGH_SERIAL_MAX wide is decomposed on one thread, unless
     OpenMP waits passively."""
     import os
@@ -1301,8 +1288,8 @@ def _eigh(M: torch.Tensor):
     try:
         if M.dtype != torch.float64:
             try:
-                lam, Q = torch.linalg.eigh(M)
-                if torch.isfinite(lam).all() and torch.isfinite(Q).all():
+                lam, Q = torch.linalg.eigh(M)  # uplo="L", the default
+                if torch.isfinite(lam.sum()) and torch.isfinite(Q.sum()):  # finite sums: all finite
                     return lam, Q
             except RuntimeError:
                 pass
