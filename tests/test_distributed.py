@@ -42,6 +42,7 @@ if distributed.rank() == 0:
     name = "model.layers.1.mlp.down_proj"
     json.dump({{"scores": s.tolist(), "lam": cur.tensors[name + "::Lambda"].flatten().tolist(),
                "world": distributed.world()}}, open(sys.argv[1], "w"))
+distributed.barrier()  # no rank tears the group down while another is still in a collective
 distributed.destroy()
 """
 
