@@ -798,10 +798,9 @@ class _ShardedLambdaTap(_LambdaTap):
         if not self.paused:
             self.add(aq, _rotate(g, QS, st.acc), sums[:-1].view(out, inp), sums[-1:])
         del QS
+        total = st.summed(sums, self.owner)
         if self.Lam is not None:
-            st.summed(sums, self.owner).then(self._add_sums)
-        else:
-            st.summed(sums, self.owner)
+            total.then(self._add_sums)
 
     def _add_sums(self, sums: torch.Tensor):
         self.Lam += sums[:-1].view(self.Lam.shape)
