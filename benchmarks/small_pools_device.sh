@@ -10,7 +10,8 @@
 # Writes $OUT/partK.json (one per part of the default pools; each written after every
 # pool, kept in .cache/small-pools/ on the machine so that the same call again skips the
 # finished pools) and $OUT/small_pools.txt (the log and tables). Extra arguments replace
-# the default pools (see small_pools.py --help), under $BUDGET seconds (540).
+# the default pools (see small_pools.py --help), under $BUDGET seconds (540). TIME_SCALE=F
+# multiplies every part's time limit (e.g. 2 when the GPU is shared with another job).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-/tmp/prism-out}"
@@ -32,7 +33,8 @@ k=0
 for run in "${RUNS[@]}"; do
   args="${run%:*}"
   # shellcheck disable=SC2086
-  timeout "${run##*:}" python3 benchmarks/small_pools.py --data "$B/data" --batch 32 $args \
+  limit=$(python3 -c "print(int(${run##*:} * ${TIME_SCALE:-1}))")
+  timeout "$limit" python3 benchmarks/small_pools.py --data "$B/data" --batch 32 $args \
       --json ".cache/small-pools/part$k.json" 2>&1 | grep -v Warning | tee -a "$OUTDIR/small_pools.txt"
   s=${PIPESTATUS[0]}
   [ "$s" != 0 ] && status=$s
