@@ -113,6 +113,17 @@ def shard(items: list, costs: list | None = None) -> list:
     return [x for x, o in zip(items, owners) if o == rank()]
 
 
+def round_robin(items: list) -> list:
+    """This rank's items of a length-sorted list dealt in turn: ``items[rank::world]``.
+    Under FSDP's lockstep (:func:`lockstep`) every step then runs batches of about the
+    same length on all ranks, and the step counts differ by at most one; contiguous
+    shares (:func:`shard`) would give one rank the short batches and another the long
+    ones, which the short ones would wait for at every step's collectives."""
+    if not active():
+        return items
+    return items[rank()::world()]
+
+
 def balance(costs: list, parts: int | None = None) -> list:
     """Assign independent tasks to ``parts`` ranks, largest first to the least loaded
     (longest-processing-time rule); returns each task's rank. Deterministic."""

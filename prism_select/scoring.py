@@ -133,7 +133,7 @@ class _HookScorer:
 
 
 def plan_chunks(encoded: list, chunk_size: int, parts: int = 1, max_tokens: int | None = None,
-                align: int = 1) -> tuple:
+                align: int = 1, interleave: bool = False) -> tuple:
     """Length-sorted index chunks and the rank that owns each: ``(chunks, owners)``.
 
     The length-sorted order is first cut into ``parts`` contiguous shares of near-equal
@@ -146,13 +146,20 @@ def plan_chunks(encoded: list, chunk_size: int, parts: int = 1, max_tokens: int 
     every batch holds the same examples on any number of ranks as on one, and
     half-precision scores, which depend slightly on the batch an example is padded with,
     match the one-rank run's.
+    ``interleave`` (FSDP2, whose ranks run their batches in lockstep): the runs of
+    ``align`` examples of the sorted order are dealt to the ranks in turn instead, so each
+    step's batches are about as long on every rank and the ranks' step counts differ by
+    at most one; each rank's runs then fill its chunks in order. The batches are still
+    the one-rank run's under the same condition.
     Deterministic: the same pool, ``parts`` and limits give the same chunks, which is what
     resuming relies on (a resumed run with another world size or limit recomputes the
     chunks whose contents differ).
     """
     order = sorted(range(len(encoded)), key=lambda i: (len(encoded[i].input_ids), i))
-    share = distributed.contiguous_owners([len(encoded[i].input_ids) for i in order], parts)
     align = max(1, int(align))
+    if interleave and parts > 1:
+        return _dealt_chunks(encoded, order, chunk_size, parts, max_tokens, align)
+    share = distributed.contiguous_owners([len(encoded[i].input_ids) for i in order], parts)
     share = [share[k - k % align] for k in range(len(share))]  # a batch-sized run stays together
     chunks, owners = [], []
     for k, i in enumerate(order):
@@ -164,6 +171,25 @@ def plan_chunks(encoded: list, chunk_size: int, parts: int = 1, max_tokens: int 
             tokens = 0
         chunks[-1].append(i)
         tokens += n
+    return chunks, owners
+
+
+def _dealt_chunks(encoded, order, chunk_size, parts, max_tokens, align) -> tuple:
+    """:func:`plan_chunks` with ``interleave``: run ``j`` of ``align`` sorted examples goes
+    to rank ``j % parts``; a rank's chunk ends at ``chunk_size`` examples or before
+    ``max_tokens``. Chunks are numbered in the order they are opened (deterministic)."""
+    chunks, owners = [], []
+    open_: dict = {}  # rank -> (index of its open chunk, its tokens)
+    for k, i in enumerate(order):
+        r, n = (k // align) % parts, len(encoded[i].input_ids)
+        c, tokens = open_.get(r, (None, 0))
+        if (c is None or len(chunks[c]) >= chunk_size
+                or (max_tokens is not None and tokens + n > max_tokens)):
+            chunks.append([])
+            owners.append(r)
+            c, tokens = len(chunks) - 1, 0
+        chunks[c].append(i)
+        open_[r] = (c, tokens + n)
     return chunks, owners
 
 
@@ -381,7 +407,7 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     """
     device = device or next(model.parameters()).device
     chunks, owners = plan_chunks(encoded, chunk_size, distributed.world(), chunk_token_limit(model, device),
-                                 align=batch_size)
+                                 align=batch_size, interleave=V is None)
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
     scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
@@ -477,7 +503,8 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
                 truncated += sum(e.truncated for e in encoded)
                 for rid, _ in win:
                     ids_f.write(_json.dumps(rid) + "\n")
-                chunks, owners = plan_chunks(encoded, chunk_size, distributed.world(), max_tokens, align=batch_size)
+                chunks, owners = plan_chunks(encoded, chunk_size, distributed.world(), max_tokens, align=batch_size,
+                                             interleave=V is None)
                 res = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
                                    partial_dir=partial_dir, progress=progress, index_base=n,
                                    chunk_base=chunk_base, stats=stats, owners=owners,

@@ -259,3 +259,36 @@ def test_plan_chunks_aligned_to_the_batch_gives_every_rank_count_the_one_rank_ba
         assert batches(plan) == one
         assert plan[1] == sorted(plan[1]) and len(set(plan[1])) == parts
     assert any(batches(plan_chunks(enc, 8, parts=p)) != one for p in (2, 3, 5))
+
+
+def test_plan_chunks_interleaved_deals_the_one_rank_batches_in_turn():
+    """``interleave`` (FSDP2's lockstep): every batch is the one-rank run's, the ranks'
+    batch counts differ by at most one, and the k-th batches of all ranks are neighbours
+    in the length-sorted order (about as long), where contiguous shares put the short
+    batches on one rank and the long ones on another."""
+    from prism_select.data.tokenize import Encoded
+    from prism_select.scoring import plan_chunks
+
+    lengths = [5 + (i * 7) % 40 for i in range(50)]
+    enc = [Encoded(input_ids=[1] * n, response_start=1) for n in lengths]
+    batch = 4
+
+    def rank_batches(plan, r):
+        return [tuple(c[s:s + batch]) for c, o in zip(*plan) if o == r for s in range(0, len(c), batch)]
+
+    one = rank_batches(plan_chunks(enc, 8, align=batch), 0)
+    for parts in (2, 3, 5):
+        plan = plan_chunks(enc, 8, parts=parts, align=batch, interleave=True)
+        per_rank = [rank_batches(plan, r) for r in range(parts)]
+        assert sorted(b for bs in per_rank for b in bs) == sorted(one)
+        counts = [len(bs) for bs in per_rank]
+        assert max(counts) - min(counts) <= 1
+        for r, bs in enumerate(per_rank):  # rank r's k-th batch is the one-rank run's batch k*parts + r
+            assert bs == [one[k * parts + r] for k in range(len(bs))]
+        assert plan_chunks(enc, 8, parts=parts, align=batch, interleave=True) == plan  # deterministic
+        contiguous = plan_chunks(enc, 8, parts=parts, align=batch)
+        assert max(lengths[i] for i in rank_batches(contiguous, 0)[0]) < min(
+            lengths[i] for i in rank_batches(contiguous, parts - 1)[0])
+    chunks, owners = plan_chunks(enc, 8, parts=2, max_tokens=60, align=batch, interleave=True)
+    assert sorted(i for c in chunks for i in c) == list(range(50))
+    assert all(len(c) <= 8 and (len(c) == 1 or sum(lengths[i] for i in c) <= 60) for c in chunks)

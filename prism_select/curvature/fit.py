@@ -867,15 +867,17 @@ def _passes(model, taps, stats, encoded, batches, fisher, seed, device, pad_id, 
             cuda_graphs: str = "off", batch_size: int | None = None):
     """One pass over ``batches`` (this rank's share) with ``taps`` routing the tracked layers.
     ``cuda_graphs`` (empirical Fisher only): capture each padded batch shape once."""
-    # contiguous shares of the length-sorted batches: each rank captures ~1/world of the shapes
-    mine = distributed.shard(batches, [len(b) * max(len(encoded[i].input_ids) for i in b) for b in batches])
+    together = sharding.is_sharded(model)  # FSDP2: every rank runs as many steps
+    # FSDP2: the length-sorted batches dealt in turn, so the ranks' batches in each step are
+    # about as long; otherwise contiguous shares (each rank captures ~1/world of the shapes)
+    mine = (distributed.round_robin(batches) if together else
+            distributed.shard(batches, [len(b) * max(len(encoded[i].input_ids) for i in b) for b in batches]))
     graphed = (fisher == "empirical" and batch_size is not None and not sharding.is_sharded(model)
                and graphs_wanted(cuda_graphs, device or "cpu", model)
                and (cuda_graphs == "on" or fit_graphs_pay_off(encoded, mine)))
     split = split_causal_lm(model) if fisher == "empirical" and not graphed else None
     step = _FitStep(model, stats, fisher, seed, split)
     runner = GraphedScorer(step, batch_size, pad_id) if graphed else step
-    together = sharding.is_sharded(model)  # FSDP2: every rank runs as many steps
     with tap_linears(model, taps):
         bar = tqdm(total=len(mine), desc=desc, unit="batch", leave=False,
                    disable=not progress or not distributed.is_main())
