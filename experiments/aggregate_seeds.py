@@ -7,7 +7,8 @@ merges those files with `general_selection.combine_seeds` (the same tables, mean
 sample std over seeds, as the experiment writes), writes the JSON and prints a Markdown
 table: each seed's value, mean +- std, and the paired differences from some rows (the seeds
 share their pool and probes within a seed, so row minus row is taken seed by seed; they
-go to the JSON too, under ``paired_differences``).
+go to the JSON too, under ``paired_differences``), and, for a multitask pool, how the
+target-task share of a selection goes with its gain over random (``share_vs_gain``).
 
     python experiments/aggregate_seeds.py docs/results/multitask-select/seed{0,1,2}/results.json \
         --allow score.max_length finetune.overrides.max_length \
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -49,6 +51,22 @@ def paired(res: dict, against: str, task: str = "mean") -> dict:
             d.append(None if a is None or b is None else a - b)
         out[label] = mean_std(d)
     return out
+
+
+def share_vs_gain(res: dict, against: str = "random", task: str = "mean") -> dict | None:
+    """Pearson r, over every (method, seed), between the target-task share of the
+    selection and its accuracy minus ``against``'s in that seed (None without shares)."""
+    xs, ys = [], []
+    for r in res["runs"]:
+        ref = (r["accuracy"].get(against) or {}).get(task)
+        for m, sh in (r.get("target_task_share") or {}).items():
+            a = (r["accuracy"].get(m) or {}).get(task)
+            if m != against and sh is not None and a is not None and ref is not None:
+                xs.append(sh)
+                ys.append(a - ref)
+    if len(xs) < 3:
+        return None
+    return {"against": against, "n": len(xs), "pearson_r": statistics.correlation(xs, ys)}
 
 
 def markdown(res: dict, against: list, task: str = "mean") -> str:
@@ -94,11 +112,16 @@ def main(argv=None) -> int:
     res = combine_seeds(loaded, allow=tuple(args.allow))
     res["sources"] = [str(p) for p in args.results]
     res["paired_differences"] = {a: paired(res, a) for a in args.against}
+    res["share_vs_gain"] = share_vs_gain(res)
     if args.out:
         atomic_write_json(Path(args.out), res)
     print(markdown(res, args.against))
     for key, groups in res["config_differences"].items():
         print(f"config {key}: " + "; ".join(f"{g['value']} (seeds {g['seeds']})" for g in groups))
+    if res["share_vs_gain"]:
+        c = res["share_vs_gain"]
+        print(f"target-task share vs accuracy minus {c['against']}: Pearson r {c['pearson_r']:.2f} "
+              f"over {c['n']} (method, seed) pairs")
     return 0
 
 
