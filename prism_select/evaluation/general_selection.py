@@ -6,6 +6,7 @@ pool by each method (and ``random``) for per-task target pairs -> LoRA SFT
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -74,6 +75,18 @@ def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
             resp = respond(exp, lm, heldout_path, mdir, cfg.checker, f"select:{m}", adapter)
             run["accuracy"][m] = accuracy_by_task(resp)
         runs.append(run)
+    tables = select_tables(runs, methods, cfg.fraction,
+                           cfg.multitask.target_task if cfg.multitask is not None else None)
+    results = {"protocol": "select", "config": config_to_dict(cfg), "methods": methods,
+               "settings": tables[0]["columns"], "seeds": cfg.seeds, "runs": runs, "tables": tables,
+               "model": {"fingerprint": lm.fingerprint, **{k: v for k, v in lm.source.items() if k != "versions"}}}
+    return finish_experiment(exp, results)
+
+
+def select_tables(runs: list, methods: list, fraction: float, target_task: str | None = None) -> list:
+    """results.json's tables from the runs (seeds) of a select experiment: held-out
+    accuracy per row and task, and with ``target_task`` (a multitask pool) the share of
+    each method's selection from that task; cells are :func:`.mean_std` over the runs."""
     tasks = list(dict.fromkeys(t for r in runs for acc in r["accuracy"].values() for t in acc if t != "mean"))
     columns = tasks + ["mean"]
     row_keys = list(dict.fromkeys(k for r in runs for k in r["accuracy"]))
@@ -82,19 +95,82 @@ def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
     def acc(run, m, task):
         return (run["accuracy"].get(m) or {}).get(task)
 
-    table = {"name": "accuracy", "title": f"Held-out accuracy after fine-tuning on the top {pct(cfg.fraction)}% "
+    table = {"name": "accuracy", "title": f"Held-out accuracy after fine-tuning on the top {pct(fraction)}% "
              "(higher is better)", "columns": columns, "lower_is_better": False,
              "note": "Start: no fine-tuning; Full data: fine-tuned on the whole pool",
              "rows": [{"label": k, "cells": [mean_std([acc(r, k, c) for r in runs]) for c in columns]}
                       for k in ordered]}
     tables = [table]
-    if cfg.multitask is not None:
+    if target_task is not None:
         tables.append({"name": "target_task_share", "title": f"Share of the selected records from the target task "
-                       f"{cfg.multitask.target_task} (its share of the pool is the random row's expectation)",
+                       f"{target_task} (its share of the pool is the random row's expectation)",
                        "columns": ["share"], "lower_is_better": False, "note": "",
                        "rows": [{"label": m, "cells": [mean_std([(r.get("target_task_share") or {}).get(m)
                                                                  for r in runs])]} for m in methods]})
-    results = {"protocol": "select", "config": config_to_dict(cfg), "methods": methods, "settings": columns,
-               "seeds": cfg.seeds, "runs": runs, "tables": tables,
-               "model": {"fingerprint": lm.fingerprint, **{k: v for k, v in lm.source.items() if k != "versions"}}}
-    return finish_experiment(exp, results)
+    return tables
+
+
+# what may differ between the results.json files of one experiment's seeds
+_PER_SEED_CONFIG = ("seeds", "data_root", "multitask.gsm8k_train", "multitask.bbh_dir", "report")
+
+
+def combine_seeds(results: list, *, allow: tuple = ()) -> dict:
+    """One select experiment's results from the results.json contents of runs with
+    other seeds (each run on its own, e.g. one device call per seed): the runs merged in
+    seed order and the tables recomputed over all of them, as ``experiment select
+    --seeds ...`` writes them for one output folder. Every number comes from the runs'
+    recorded accuracies and shares; scores and responses are not needed.
+
+    The configs must agree except in the seeds and data paths; dotted keys in ``allow``
+    (e.g. ``"finetune.max_length"``) may differ too, and each difference is listed
+    under ``config_differences`` with the seeds of each value."""
+    if not results:
+        raise InputError("no results to combine")
+    if any(r.get("protocol") != "select" for r in results):
+        raise InputError("combine_seeds takes results of the select protocol only",
+                         fix="pass results.json files of `prism-select experiment select`")
+    flat = [_flatten(r.get("config") or {}) for r in results]
+    diffs, bad = {}, []
+    for key in sorted(set().union(*flat)):
+        vals = [f.get(key) for f in flat]
+        if all(v == vals[0] for v in vals):
+            continue
+        if key in _PER_SEED_CONFIG:
+            continue
+        if key not in allow:
+            bad.append(key)
+            continue
+        by = {}
+        for r, v in zip(results, vals):
+            by.setdefault(json.dumps(v), []).extend(r.get("seeds") or [])
+        diffs[key] = [{"value": json.loads(v), "seeds": s} for v, s in by.items()]
+    if bad:
+        raise InputError(f"the configs differ in {', '.join(bad)}", fix="combine runs of one config, or allow "
+                         "the keys that may differ (aggregate_seeds.py --allow KEY)")
+    fps = {json.dumps((r.get("model") or {}).get("fingerprint")) for r in results}
+    if len(fps) > 1:
+        raise InputError("the runs used different start models (model.fingerprint differs)")
+    runs = sorted((run for r in results for run in r.get("runs", [])), key=lambda run: run["seed"])
+    seeds = [run["seed"] for run in runs]
+    if len(set(seeds)) != len(seeds):
+        raise InputError(f"a seed occurs twice among the runs ({seeds})")
+    methods = list(dict.fromkeys(m for r in results for m in r.get("methods", [])))
+    cfg = {**results[0]["config"], "seeds": seeds}
+    target = (cfg.get("multitask") or {}).get("target_task")
+    # each file's step timings, keyed by its seeds ("0", "1,2")
+    timings = {",".join(map(str, r.get("seeds") or [])): r.get("timings") for r in results}
+    tables = select_tables(runs, methods, cfg["fraction"], target)
+    return {"protocol": "select", "config": cfg, "config_differences": diffs, "methods": methods,
+            "settings": tables[0]["columns"], "seeds": seeds, "runs": runs, "tables": tables,
+            "model": results[0].get("model"), "timings_by_seeds": timings}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

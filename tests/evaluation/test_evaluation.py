@@ -12,7 +12,7 @@ from prism_select.errors import ConfigError, InputError
 from prism_select.evaluation import builders, probes
 from prism_select.evaluation.config import load_config
 from prism_select.evaluation.experiment import mean_std
-from prism_select.evaluation.general_selection import select
+from prism_select.evaluation.general_selection import combine_seeds, select
 from prism_select.evaluation.protocols import run_experiment
 from prism_select.evaluation.ranking import ranking
 from prism_select.evaluation.repair import repair
@@ -629,6 +629,39 @@ def test_select_protocol_on_a_multitask_pool(tmp_path, tiny_dir, gsm8k, bbh_dir)
         sub = [json.loads(x) for x in (sdir / "selected" / m / "subset.jsonl").read_text().splitlines()]
         assert run["target_task_share"][m] == sum(r["task"] == "yesno" for r in sub) / 2
     assert [r["label"] for r in share["rows"]] == ["prism", "random"]
+
+
+def _select_result(seed, acc, share, max_length=320):
+    """A results.json of one select seed, as far as combine_seeds reads it."""
+    cfg = {"seeds": [seed], "fraction": 0.05, "data_root": f"/m{seed}", "finetune": {"max_length": max_length},
+           "multitask": {"target_task": "t", "bbh_dir": f"/m{seed}/bbh"}}
+    run = {"setting": "select", "seed": seed, "accuracy": {k: {"t": v, "mean": v} for k, v in acc.items()},
+           "target_task_share": share}
+    return {"protocol": "select", "config": cfg, "methods": list(share), "seeds": [seed], "runs": [run],
+            "model": {"fingerprint": "f"}, "timings": {"x": float(seed)}}
+
+
+def test_combine_seeds_recomputes_the_tables_over_the_seeds():
+    a = _select_result(1, {"Start": 0.3, "prism": 0.5, "random": 0.4, "Full data": 0.6}, {"prism": 0.5, "random": 0.1})
+    b = _select_result(0, {"Start": 0.4, "Full data": 0.7, "prism": 0.7, "random": 0.4}, {"prism": 0.3, "random": 0.0})
+    res = combine_seeds([a, b])  # data paths differ between machines: allowed
+    assert res["seeds"] == [0, 1] and res["config"]["seeds"] == [0, 1]
+    acc, share = res["tables"]
+    assert acc["columns"] == ["t", "mean"]
+    assert [r["label"] for r in acc["rows"]] == ["Start", "Full data", "prism", "random"]
+    prism = acc["rows"][2]["cells"][1]
+    assert prism["values"] == [0.7, 0.5] and prism["mean"] == pytest.approx(0.6)
+    assert prism["std"] == pytest.approx(mean_std([0.7, 0.5])["std"])
+    assert share["rows"][0]["cells"][0]["values"] == [0.3, 0.5]
+    assert res["timings_by_seeds"] == {"1": {"x": 1.0}, "0": {"x": 0.0}}
+    c = _select_result(2, {"prism": 0.1}, {"prism": 0.2}, max_length=400)
+    with pytest.raises(InputError, match="finetune.max_length"):
+        combine_seeds([a, c])
+    res = combine_seeds([a, c], allow=("finetune.max_length",))
+    assert res["config_differences"]["finetune.max_length"] == [{"value": 320, "seeds": [1]},
+                                                                {"value": 400, "seeds": [2]}]
+    with pytest.raises(InputError, match="seed occurs twice"):
+        combine_seeds([a, a])
 
 
 def test_refusal_and_leading_answer_checkers():
