@@ -25,6 +25,13 @@ what it measured). CPU or GPU (float32 model):
 
     python benchmarks/small_pools.py --data ../shared/data --sizes 60 300 3000 \\
         --families mistake-math bbh-wrong --json small_pools.json
+
+``--report A.json B.json ...`` prints the tables of finished runs and exits (no model, no
+data): every pool (seed) with the shrinkage weight ``rho`` and the noise damping as a
+multiple of the default damping (means over layers), the mean +- standard deviation over
+seeds, and each curvature's paired difference to EK-FAC (mean and range over seeds: the
+pools of one seed share everything but the curvature). Runs of different devices are kept
+apart (a CPU and a GPU run of the same pool are not two seeds).
 """
 
 from __future__ import annotations
@@ -163,7 +170,8 @@ def variant(cur: Curvature, kind: str, overrides: dict) -> Curvature:
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", required=True, help="folder holding gsm8k/train.jsonl and bbh/*.json")
+    ap.add_argument("--data", help="folder holding gsm8k/train.jsonl and bbh/*.json (required unless --report)")
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of these finished runs and exit")
     ap.add_argument("--families", nargs="+", default=["mistake-math", "bbh-wrong"], choices=list(FAMILIES))
     ap.add_argument("--sizes", nargs="+", type=int, default=[60, 300, 3000])
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.25], help="harmful fractions (a pool for each)")
@@ -176,11 +184,17 @@ def parse_args():
     ap.add_argument("--batch", type=int, default=8, help="examples per batch (fit and scoring)")
     ap.add_argument("--json", help="results, written after every pool; pools already in it are skipped")
     ap.add_argument("--device", default="auto")
-    return ap.parse_args()
+    a = ap.parse_args()
+    if not a.report and not a.data:
+        ap.error("--data is required (unless --report)")
+    return a
 
 
 def main():
     a = parse_args()
+    if a.report:
+        report(a.report, a.variants)
+        return
     t0 = time.perf_counter()
     dev = torch.device(a.device if a.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_embedded(dev, torch.float32)
@@ -257,15 +271,78 @@ def _damping_multiple(cur, base):
     return {"min": round(min(r), 3), "mean": round(sum(r) / len(r), 3), "max": round(max(r), 3)}
 
 
+def _device(res: dict) -> str:
+    return "cpu" if res["device"] == "cpu" else res["device"].replace("NVIDIA ", "")
+
+
+def _rows(res: dict) -> list:
+    """The runs of one result file, each with its device and harmful ratio (files written
+    before ``--ratios`` hold the ratio once, at the top)."""
+    return [{**r, "device": _device(res), "ratio": r.get("ratio", res.get("ratio"))} for r in res["runs"]]
+
+
+def _groups(rows: list) -> dict:
+    out = {}
+    for r in rows:
+        out.setdefault((r["device"], r["family"], r["n"], r["ratio"]), []).append(r)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3], kv[0][0])))
+
+
+def _mean_std(xs: list) -> str:
+    if not xs:
+        return "-"
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return f"{m:.3f}"
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5  # sample standard deviation over seeds
+    return f"{m:.3f} +- {sd:.3f}"
+
+
 def print_table(res: dict, names: list):
-    """Mean AUROC over seeds per family, pool size and harmful ratio (rows) and curvature (columns)."""
-    keys = sorted({(r["family"], r["n"], r["ratio"]) for r in res["runs"]})
-    print("| family | n | harmful | seeds | " + " | ".join(names) + " |")
-    print("|---|---|---|---|" + "---|" * len(names))
-    for key in keys:
-        runs = [r for r in res["runs"] if (r["family"], r["n"], r["ratio"]) == key]
-        cells = [sum(r["auroc"][k] for r in runs) / len(runs) for k in names]
-        print(f"| {key[0]} | {key[1]} | {key[2]:g} | {len(runs)} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    """Mean AUROC (+- standard deviation) over seeds per device, family, pool size and
+    harmful ratio (rows) and curvature (columns)."""
+    _print_means(_groups(_rows(res)), names)
+
+
+def _print_means(groups: dict, names: list):
+    print("| device | family | n | harmful | seeds | " + " | ".join(names) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(names))
+    for (dev, fam, n, ratio), runs in groups.items():
+        cells = []
+        for k in names:  # a curvature some runs lack (older runs) says over how many seeds
+            xs = [r["auroc"][k] for r in runs if k in r["auroc"]]
+            cells.append(_mean_std(xs) + (f" ({len(xs)} seed{'s' * (len(xs) > 1)})" if 0 < len(xs) < len(runs) else ""))
+        print(f"| {dev} | {fam} | {n} | {ratio:g} | {len(runs)} | " + " | ".join(cells) + " |")
+
+
+def report(paths: list, names: list):
+    """The tables of finished runs (see the module's docstring)."""
+    rows = [r for p in paths for r in _rows(json.loads(Path(p).read_text()))]
+    groups = _groups(rows)
+    print("Every pool: AUROC of the harmful flag; rho: --shrinkage auto's weight, noise x: --damping-noise's "
+          "damping / the default damping (means over layers)\n")
+    print("| device | family | n | harmful | seed | " + " | ".join(names) + " | rho | noise x |")
+    print("|---|---|---|---|---|" + "---|" * (len(names) + 2))
+    for (dev, fam, n, ratio), runs in groups.items():
+        for r in sorted(runs, key=lambda r: r["seed"]):
+            cells = [f"{r['auroc'][k]:.3f}" if k in r["auroc"] else "-" for k in names]
+            rho, noise = r.get("shrinkage_auto"), r.get("damping_noise_multiple")
+            cells += [f"{rho['mean']:.3f}" if rho else "-", f"{noise['mean']:.0f}" if noise else "-"]
+            print(f"| {dev} | {fam} | {n} | {ratio:g} | {r['seed']} | " + " | ".join(cells) + " |")
+    print("\nMean +- standard deviation over seeds\n")
+    _print_means(groups, names)
+    print("\nPaired difference to EK-FAC, mean [min, max] over seeds\n")
+    others = [k for k in names if k != "ekfac"]
+    print("| device | family | n | harmful | seeds | " + " | ".join(others) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(others))
+    for (dev, fam, n, ratio), runs in groups.items():
+        cells = []
+        for k in others:
+            d = [r["auroc"][k] - r["auroc"]["ekfac"] for r in runs if k in r["auroc"]]
+            cells.append("-" if not d else (f"{sum(d) / len(d):+.3f}" if len(d) == 1
+                         else f"{sum(d) / len(d):+.3f} [{min(d):+.3f}, {max(d):+.3f}]")
+                         + (f" ({len(d)} seed{'s' * (len(d) > 1)})" if len(d) < len(runs) else ""))
+        print(f"| {dev} | {fam} | {n} | {ratio:g} | {len(runs)} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ tiny Llama (the float64 references of test_numerics.py check that one)."""
 
 import errno
 import json
+import logging
 import os
 import time
 
@@ -351,7 +352,7 @@ def _score(d, out, **kw):
     from prism_select.model import ModelSettings
     from prism_select.pipeline import ScoreSettings, score_pool
     ms = ModelSettings(model=str(d / "model"), dtype="float64", device="cpu", cache_dir=str(d / "cache"))
-    cs = CurvatureSettings(**{k: kw.pop(k) for k in list(kw) if k in ("damping",)})
+    cs = CurvatureSettings(**{k: kw.pop(k) for k in list(kw) if k in ("damping", "damping_noise")})
     summary = score_pool(ms, d / "pool.jsonl", d / "targets.jsonl", d / out,
                          ScoreSettings(progress=False, batch_size=4, chunk_size=8, **kw), cs)
     scores = [json.loads(line)["score"] for line in (d / out / "scores.jsonl").read_text().splitlines()]
@@ -524,6 +525,29 @@ def test_new_damping_reuses_the_fit(run_files):
     assert s1["curvature"]["path"] == s2["curvature"]["path"]
     assert s2["curvature"]["damping"]["max"] == pytest.approx(1e-3)
     assert rel_err(a, b) > 1e-6  # the damping was applied, not the cached one
+
+
+def test_small_fit_notes_damping_noise(run_files, caplog):
+    """A 24-example EK-FAC fit under the default damping records (run.json) and logs a
+    note recommending --damping-noise; with the option given, none."""
+    with caplog.at_level(logging.INFO, logger="prism_select.pipeline"):
+        s1, _ = _score(run_files, "n1")
+    note = json.loads((run_files / "n1" / "run.json").read_text())["curvature"]["note"]
+    assert note == s1["curvature"]["note"] and "--damping-noise" in note and "24 examples" in note
+    assert any(r.getMessage() == f"note: {note}" for r in caplog.records)
+    s2, _ = _score(run_files, "n2", damping_noise=True)
+    assert s2["curvature"]["reused"] and "note" not in s2["curvature"]
+
+
+def test_small_fit_note_threshold_and_options():
+    from prism_select.curvature import CurvatureSettings
+    from prism_select.pipeline import SMALL_FIT_EXAMPLES, small_fit_note
+    small = SMALL_FIT_EXAMPLES - 1
+    assert small_fit_note(CurvatureSettings(), small) is not None
+    assert small_fit_note(CurvatureSettings(), SMALL_FIT_EXAMPLES) is None
+    for kw in ({"kind": "kfac"}, {"kind": "identity"}, {"damping_noise": True}, {"shrinkage": "auto"},
+               {"shrinkage": 0.5}, {"damping": 1e-3}, {"damping_factor": 1.0}):
+        assert small_fit_note(CurvatureSettings(**kw), small) is None, kw
 
 
 # ----------------------------------------------------------------------------- the fit's device memory
