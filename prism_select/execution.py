@@ -16,6 +16,8 @@ it from :attr:`prism_select.pipeline.RunContext.execution` instead of re-derivin
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -105,6 +107,38 @@ class ExecutionContext:
     def main(self) -> bool:
         """Whether this is the process that writes the run's files."""
         return self.rank == 0
+
+
+#: cuBLAS's workspace setting for reproducible results (NVIDIA's cuBLAS documentation,
+#: "Results reproducibility"); read when the first cuBLAS handle is made
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+@contextmanager
+def deterministic(on: bool = True):
+    """Deterministic kernels while the block runs (``--deterministic``), the previous
+    settings restored after it; nothing changes when ``on`` is false.
+
+    ``torch.use_deterministic_algorithms(True)``: operations with a deterministic variant
+    use it (e.g. the flash-attention backward, whose atomic additions otherwise make each
+    run's gradients differ in the last bits of bf16), and an operation without one raises
+    a ``RuntimeError`` that names it. cuBLAS gets a fixed workspace
+    (``CUBLAS_WORKSPACE_CONFIG``, unless already set) and cuDNN its deterministic
+    algorithms. Without it, two runs of the same bf16 job on a GPU rank the pool alike
+    only up to that rounding (docs/scale.md: Spearman 0.998 at the 8B shape)."""
+    if not on:
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
 
 
 def resolve(settings, model, device, plan=None, kernels: Kernels = DEFAULT_KERNELS) -> ExecutionContext:

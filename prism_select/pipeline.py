@@ -47,6 +47,7 @@ from .data.tokenize import (
 )
 from .errors import CacheError, ConfigError, InputError, OutOfResourceError, OutputError, resource_error
 from .execution import ExecutionContext, direction_kernels
+from .execution import deterministic as deterministic_kernels
 from .execution import resolve as resolve_execution
 from .gradients import SpilledLayers, layer_shape, release_host_memory
 from .precision import direction_policy
@@ -814,9 +815,16 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
 
     Returns the run summary (the content of run.json). Under ``settings.stream`` the pool
     is read a window at a time (see :func:`prepare_stream_inputs`); an unset
-    ``curvature.fit_examples`` then becomes ``STREAM_FIT_EXAMPLES``.
+    ``curvature.fit_examples`` then becomes ``STREAM_FIT_EXAMPLES``. Under
+    ``settings.deterministic`` the whole run uses deterministic kernels
+    (:func:`prism_select.execution.deterministic`).
     """
     settings = settings or ScoreSettings()
+    with deterministic_kernels(settings.deterministic):
+        return _score_pool(model, pool_path, targets_path, out_dir, settings, curvature)
+
+
+def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings, curvature) -> dict:
     curvature = curvature or CurvatureSettings()
     fit_default = settings.stream and curvature.fit_examples is None
     if fit_default:

@@ -201,7 +201,8 @@ def _memory_size(text):
 
 @dataclass
 class ExecutionSettings:
-    """How the arithmetic runs; none of these but ``precision`` changes the scores.
+    """How the arithmetic runs; none of these but ``precision`` changes the scores (beyond
+    the rounding of half-precision kernels, which ``deterministic`` fixes).
 
     precision (half-precision models): model (as loaded); residual32 carries the residual
     stream (token embeddings, residual additions, norms) in float32 while matmuls and
@@ -209,8 +210,9 @@ class ExecutionSettings:
     linear layers as two half-precision GEMMs on a hi/lo split of their input, and the
     target direction and the curvature fit run in the same arithmetic
     (:mod:`prism_select.precision`). cuda_graphs: :mod:`prism_select.graphs`. shard:
-    :mod:`prism_select.sharding`. max_gpu_memory: bytes (a text such as ``"70GiB"`` is
-    read as a size), the cap of the memory plan (:mod:`prism_select.plan`).
+    :mod:`prism_select.sharding`. deterministic: :func:`prism_select.execution.make_deterministic`.
+    max_gpu_memory: bytes (a text such as ``"70GiB"`` is read as a size), the cap of the
+    memory plan (:mod:`prism_select.plan`).
     """
 
     precision: str = setting("model", choices=PRECISIONS,
@@ -226,6 +228,10 @@ class ExecutionSettings:
                          help="under torchrun: none (every rank holds the whole model and scores a share of the "
                               "pool) or fsdp (the model, the target direction and v sharded over the ranks with "
                               "FSDP2, for models that do not fit one GPU; prism/equal/unpaired, exact scoring)")
+    deterministic: bool = setting(False, help="deterministic kernels (torch.use_deterministic_algorithms, cuBLAS's "
+                                               "fixed workspace): the same run on the same kind of GPU and software "
+                                               "gives the same scores bit for bit; kernels that add in varying "
+                                               "order (attention's backward) run slower ones")
     max_gpu_memory: int | None = setting(None, key=False, metavar="SIZE", parse=_memory_size,
                                          help="cap on the GPU memory the run plans to use, e.g. 70GiB (if not "
                                               "given: the device's); the memory plan groups the curvature fit and "

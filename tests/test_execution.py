@@ -41,3 +41,21 @@ def test_resolve_takes_the_execution_settings_and_the_process(model):
     assert (ex.device, ex.precision, ex.cuda_graphs, ex.shard) == (torch.device("cpu"), "residual32", "off", "none")
     assert (ex.rank, ex.world, ex.sharded, ex.main, ex.plan) == (0, 1, False, True, None)
     assert ex.kernels == DEFAULT_KERNELS
+
+
+def test_deterministic_kernels_are_on_inside_and_restored_after(monkeypatch):
+    """``--deterministic``: PyTorch's deterministic algorithms, cuDNN's and cuBLAS's fixed
+    workspace while the run lasts; the process's own settings come back after it (also
+    after an error), and ``on=False`` changes nothing."""
+    from prism_select.execution import CUBLAS_DETERMINISTIC_WORKSPACE, deterministic
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic(False):
+        assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(ValueError), deterministic():
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark
+        import os
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_DETERMINISTIC_WORKSPACE
+        raise ValueError
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic

@@ -647,3 +647,25 @@ def test_plan_keeps_host_memory_within_the_host():
     # a host that cannot hold the float32 direction (49 GiB), nor the device beside V
     with pytest.raises(PlanError, match="host memory"):
         make_plan(m, mods, gpu_total=int(79.6 * GiB), **{**kw, "host_available": 40 * GiB})
+
+
+def test_deterministic_run_scores_as_the_default_and_is_keyed(run_files, monkeypatch):
+    """``deterministic`` reaches the whole run (the kernels are deterministic while the
+    model runs) without changing the scores of a float64 CPU run; it is part of the run's
+    key, so a resume with the other setting is refused."""
+    import prism_select.pipeline as pipeline
+    seen = []
+    real = pipeline._score_pool
+
+    def spy(*a, **kw):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "_score_pool", spy)
+    summary, got = _score(run_files, "det", deterministic=True)
+    _, ref = _score(run_files, "ref")
+    assert seen == [True, False] and not torch.are_deterministic_algorithms_enabled()
+    assert torch.equal(got, ref)
+    from prism_select.pipeline import ScoreSettings
+    assert summary["settings"]["deterministic"] is True
+    assert ScoreSettings(deterministic=True).run_key() != ScoreSettings().run_key()
