@@ -120,8 +120,8 @@ def deterministic(on: bool = True):
     settings restored after it; nothing changes when ``on`` is false.
 
     ``torch.use_deterministic_algorithms(True)``: operations with a deterministic variant
-    use it (e.g. the flash-attention backward, whose atomic additions otherwise make each
-    run's gradients differ in the last bits of bf16), and an operation without one raises
+    use it (e.g. attention backwards that otherwise add with atomics, in an order that
+    varies between runs), and an operation without one raises
     a ``RuntimeError`` that names it. cuBLAS gets a fixed workspace
     (``CUBLAS_WORKSPACE_CONFIG``, unless already set) and cuDNN its deterministic
     algorithms. Without it, two runs of the same bf16 job on a GPU rank the pool alike
