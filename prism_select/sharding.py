@@ -27,7 +27,11 @@ How
       rank keeps its rows of ``v``.
     * Every loop that runs the model runs the same number of steps on every rank
       (:func:`prism_select.distributed.lockstep`): a rank with less work repeats a batch
-      and discards what it computed.
+      and discards what it computed. The length-sorted batches are dealt to the ranks in
+      turn (:func:`prism_select.distributed.round_robin`,
+      :func:`prism_select.scoring.plan_chunks` with ``interleave``), so the batches of
+      one step are about as long on every rank and no rank waits long at the step's
+      collectives.
 
 Correctness
     The same arithmetic as one GPU on the same examples: the tests run two CPU
