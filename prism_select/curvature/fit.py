@@ -246,9 +246,16 @@ class _Spill:
         self._pending = {}
         self.f.flush()
 
-    def close(self):
+    def close(self, background: bool = False):
+        """Close (and so remove) the file. ``background``: on a thread of its own, while the
+        caller goes on: the demo's 3 GB spill took 2.7 s of wall time to close (0.25 CPU-s,
+        the kernel freeing the file's pages and blocks) on the run's path."""
         self.finish()
-        self.f.close()
+        if background:
+            import threading
+            threading.Thread(target=self.f.close, name="spill-close").start()
+        else:
+            self.f.close()
 
     def scores(self, modules: dict, V: dict, n_examples: int) -> torch.Tensor | None:
         """``g_z . V`` of every fit example from the spilled inputs ``a_t`` and output
@@ -1226,7 +1233,7 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
             spill.close()
             raise
         if on_spill is None or scores is not None and scores.scores is not None:
-            spill.close()
+            spill.close(background=True)
         else:
             on_spill(spill)
         _finish_lambda(tensors, Lam, M4, own, n_examples)
