@@ -261,10 +261,10 @@ class RunContext:
 
     def _spill_scores_pool(self, cs: CurvatureSettings, groups) -> bool:
         """Whether the fit (EK-FAC on the CPU, :func:`prism_select.curvature.fit.fit_curvature`)
-        is to score the pool (:meth:`_score_in_fit`) or keep its spill to score from: asked for (``settings.scores_from_fit``), for a method that scores a
-        direction, and the spill would hold exactly the per-example gradients that exact
-        scoring of the pool forms:
-        the fit runs on every pool record (not a sample, not a separate fit set) with the
+        is to score the pool (:meth:`_score_in_fit`) or keep its spill to score from: asked
+        for (``settings.scores_from_fit``), for a method that scores a direction, and the
+        spill would hold exactly the per-example gradients that exact scoring of the pool
+        forms: the fit runs on every pool record (not a sample, not a separate fit set) with the
         empirical Fisher (the records' own labels: the scoring loss, summed over response
         tokens per example), in one group of layers, in the model's own arithmetic, both
         with the same loss route (the logits at response positions, or the model's), and

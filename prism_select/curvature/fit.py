@@ -431,12 +431,13 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
         itemsize = torch.empty((), dtype=compute).element_size()
         kept = sorted((scores.n_examples * itemsize * sum(math.prod(layer_shape(modules[n])) for n in g)
                        for g in groups), reverse=True)
+        at_once = sum(kept[:max(torch.get_num_threads(), 1)])  # the largest tasks, one per worker
         rows = sorted(i for b in spill.examples for i in b)
         if rows != list(range(scores.n_examples)):
             raise ValueError("FitScores: the fit examples must be the encoded list's, each once")
-        if sum(kept[:max(torch.get_num_threads(), 1)]) > scores.max_bytes:
+        if at_once > scores.max_bytes:
             log.info("the fit does not score: its rotated gradients would take %.2f GiB at once (at most %.2f)",
-                     sum(kept[:max(torch.get_num_threads(), 1)]) / 2**30, scores.max_bytes / 2**30)
+                     at_once / 2**30, scores.max_bytes / 2**30)
             scores = None
     kept_bufs: dict = {}  # worker thread -> the buffer its tasks' kept products reuse
 
