@@ -66,6 +66,8 @@ def main():
     wrap(pipeline, "compute_preference", "target direction (main thread only)")
     wrap(fit, "_passes", "fit passes (main thread only)")
     wrap(fit._Spill, "scores", "scores from the spill (main thread only)")
+    if hasattr(fit, "FitScores"):  # the pool scored inside the spilled fit's tasks
+        wrap(fit.FitScores, "score_layer", "scores inside the fit (per layer)")
     wrap(base.Curvature, "precondition", "precondition (main thread only)")
     c0, w0, load0 = time.process_time(), time.perf_counter(), os.getloadavg()
     code = cli.main(a.argv)

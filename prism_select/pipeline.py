@@ -224,11 +224,13 @@ class RunContext:
     def pad_id(self) -> int:
         return self.lm.tokenizer.pad_token_id
 
-    def curvature(self, on_group=None, groups: list | None = None) -> Curvature:
+    def curvature(self, on_group=None, groups: list | None = None, fit_scores=None) -> Curvature:
         """The run's one curvature object, fitted (or loaded from cache) on first use, as
         the memory plan says (groups of layers, where the fitted tensors are kept).
         ``on_group(layers, part)`` sees each finished group; ``groups`` restricts a
-        transient fit to these groups (the others were finished before a resume)."""
+        transient fit to these groups (the others were finished before a resume).
+        ``fit_scores`` (:class:`prism_select.curvature.fit.FitScores`): handed to the fit
+        when its spill would hold the scoring gradients (:meth:`_spill_scores_pool`)."""
         if self._curvature is None or on_group is not None:
             from .curvature.fit import fit_indices
             t = time.perf_counter()
@@ -246,6 +248,7 @@ class RunContext:
             if groups is not None and store == "transient":
                 modules = {n: self.modules[n] for g in groups for n in g}
             st = self.settings
+            from_spill = self._spill_scores_pool(cs, groups)
             cur, directory, reused = load_or_fit_curvature(
                 self.lm.model, modules, fit, cs,
                 pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
@@ -254,7 +257,7 @@ class RunContext:
                 cuda_graphs=self.execution.cuda_graphs, timings=phases, precision=self.execution.precision,
                 groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes,
                 kernels=self.execution.kernels, offload=plan.fit.get("offload") if plan is not None else None,
-                on_spill=self._keep_spill if self._spill_scores_pool(cs, groups) else None)
+                on_spill=self._keep_spill if from_spill else None, scores=fit_scores if from_spill else None)
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             info = self.info.get("curvature", {})
@@ -283,11 +286,11 @@ class RunContext:
         return self._curvature
 
     def _spill_scores_pool(self, cs: CurvatureSettings, groups) -> bool:
-        """Whether to keep the fit's spill (EK-FAC on the CPU, :func:`prism_select.curvature.fit.fit_curvature`)
-        to score from: asked for (``settings.scores_from_fit``), for a method that scores a
-        direction, and the spill would hold exactly the per-example gradients that exact
-        scoring of the pool forms:
-        the fit runs on every pool record (not a sample, not a separate fit set) with the
+        """Whether the fit (EK-FAC on the CPU, :func:`prism_select.curvature.fit.fit_curvature`)
+        is to score the pool (:meth:`_score_in_fit`) or keep its spill to score from: asked
+        for (``settings.scores_from_fit``), for a method that scores a direction, and the
+        spill would hold exactly the per-example gradients that exact scoring of the pool
+        forms: the fit runs on every pool record (not a sample, not a separate fit set) with the
         empirical Fisher (the records' own labels: the scoring loss, summed over response
         tokens per example), in one group of layers, in the model's own arithmetic, both
         with the same loss route (the logits at response positions, or the model's), and
@@ -302,6 +305,36 @@ class RunContext:
                 and not (groups and len(groups) > 1) and st.scoring == "exact" and not st.stream
                 and ex.precision == "model" and not ex.sharded and ex.world == 1
                 and (split_causal_lm(model) is None) == (cpu_response_split(model, self.modules) is None))
+
+    def _score_in_fit(self, direction: dict):
+        """The pool's scores along ``H^-1 direction`` formed by the fit itself
+        (:class:`prism_select.curvature.fit.FitScores`), when the curvature is still to be
+        fitted and its spill would hold the scoring gradients (:meth:`_spill_scores_pool`):
+        no ``v`` is formed and no scoring pass runs. Returns ``(scores, direction)``:
+        ``scores`` None when the fit did not score (the curvature came from the cache, or
+        the kept products would be too large), and the direction then left to precondition
+        (waiting in a temporary file during the fit, as :meth:`last_use` does; the run's
+        curvature is the fitted one)."""
+        from .curvature.fit import FitScores
+        if (self._curvature is not None or not self.settings.scores_from_fit or not direction
+                or self._transient() or self.execution.sharded
+                or any(t.device.type != "cpu" for t in direction.values())):
+            return None, direction
+        cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
+        try:
+            cache_root.mkdir(parents=True, exist_ok=True)
+            direction = SpilledLayers(direction, cache_root)
+        except OSError as exc:  # e.g. a full disk: the direction stays in memory
+            log.info("the direction stays in memory during the fit (no temporary file: %s)", exc)
+        release_host_memory()
+        fs = FitScores(direction, self.curvature_settings, len(self.inputs.encoded))
+        try:
+            self.curvature(fit_scores=fs)
+        except BaseException:
+            if isinstance(direction, SpilledLayers):
+                direction.close()
+            raise
+        return fs.scores, direction
 
     def _keep_spill(self, spill) -> None:
         if self._spill is not None:
@@ -442,7 +475,8 @@ class RunContext:
         direction is read back and each layer's curvature freed as it is used, and the
         run's curvature is dropped (the fit stays in the cache). ``direction`` is left
         empty. On the CPU the embedded model's fit held its 540 MB direction to the end."""
-        if self._curvature is None and direction and all(t.device.type == "cpu" for t in direction.values()):
+        if self._curvature is None and isinstance(direction, dict) and direction \
+                and all(t.device.type == "cpu" for t in direction.values()):
             cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
             try:
                 cache_root.mkdir(parents=True, exist_ok=True)
@@ -510,10 +544,18 @@ class RunContext:
         name = f"{tag}_v.rank{self.execution.rank:05d}-of-{self.execution.world:05d}" if fsdp else f"{tag}_v"
         v_path = partial / f"{name}.safetensors"
         info_path = partial / f"{tag}_curvature.json"  # run.json's "curvature" entry, for a resumed run
-        if distributed.all_or_nothing(v_path.exists()) if fsdp else v_path.exists():
+        saved = distributed.all_or_nothing(v_path.exists()) if fsdp else v_path.exists()
+        in_fit = None  # the pool's scores formed by the fit (_score_in_fit)
+        if not saved and last:  # the direction is left to precondition when the fit does not score
+            in_fit, direction = self._score_in_fit(direction)
+        if saved:
             v = load_file(str(v_path))
             if "curvature" not in self.info and info_path.exists():
                 self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
+        elif in_fit is not None:
+            # no v to save: a run stopped from here on finds the fit in the cache, and
+            # preconditions and scores with the model (scores_from_fit's float rounding)
+            v = None
         else:
             # written below once v is whole: every fit group of a transient plan was
             # preconditioned by an earlier process of this run
@@ -560,6 +602,11 @@ class RunContext:
                 raise InputError("no valid pool record left", path=self.inputs.pool_path)
             stats = {k: res.pop(k) for k in ("examples", "real_tokens", "padded_tokens") if k in res}
             self.streamed = {**res, "path": out}
+        elif in_fit is not None:
+            s = in_fit
+            stats = {"examples": len(self.inputs.encoded),
+                     "real_tokens": sum(len(e.input_ids) for e in self.inputs.encoded),
+                     "from_fit_spill": True, "in_fit": True}
         else:
             s = None
             if self._spill is not None:  # the fit's gradients are the scoring's: no model pass
@@ -576,7 +623,9 @@ class RunContext:
                                   ids=[e.id for e in self.inputs.pool], stats=stats, **common)
         dt = time.perf_counter() - t
         self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + dt
-        if stats.get("examples"):  # this rank's share; tokens/s counts real (non-padding) tokens
+        if stats.get("in_fit"):  # scored inside the fit: no time of its own
+            self.info.setdefault("throughput", {})[tag] = {**stats, "ranks": self.execution.world}
+        elif stats.get("examples"):  # this rank's share; tokens/s counts real (non-padding) tokens
             self.info.setdefault("throughput", {})[tag] = {
                 **stats, "ranks": self.execution.world, "real_tokens_per_s_rank": stats["real_tokens"] / dt,
                 "padding_fraction": 1 - stats["real_tokens"] / max(stats["padded_tokens"], 1)}

@@ -141,8 +141,9 @@ class ScoringSettings:
     # fit scores with the model whatever it says
     scores_from_fit: bool = setting(False, key=False,
                                     help="on the CPU, when the EK-FAC fit covers the whole pool with the empirical "
-                                         "Fisher: the exact scores from the fit's spilled layer inputs and gradients, "
-                                         "without a scoring pass over the model (the same scores to float rounding; "
+                                         "Fisher: the exact scores formed by the fit from its spilled layer inputs and "
+                                         "gradients, without a scoring pass over the model (the same scores to float "
+                                         "rounding; "
                                          "a run resumed after its fit scores with the model, so not bit for bit)")
 
     def __post_init__(self):

@@ -246,9 +246,16 @@ class _Spill:
         self._pending = {}
         self.f.flush()
 
-    def close(self):
+    def close(self, background: bool = False):
+        """Close (and so remove) the file. ``background``: on a thread of its own, while the
+        caller goes on: the demo's 3 GB spill took 2.7 s of wall time to close (0.25 CPU-s,
+        the kernel freeing the file's pages and blocks) on the run's path."""
         self.finish()
-        self.f.close()
+        if background:
+            import threading
+            threading.Thread(target=self.f.close, name="spill-close").start()
+        else:
+            self.f.close()
 
     def scores(self, modules: dict, V: dict, n_examples: int) -> torch.Tensor | None:
         """``g_z . V`` of every fit example from the spilled inputs ``a_t`` and output
@@ -299,6 +306,61 @@ class _Spill:
         return torch.stack(list(_side_by_side(task, groups))).sum(0)
 
 
+#: the rotated per-example gradients that :class:`FitScores` keeps, summed over the tasks
+#: that run at once (the largest), at most this many bytes; above it the fit does not
+#: score and the run scores from the spill after the fit. The demo: 566 MB (40 examples,
+#: the gate/up task 283 MB beside another).
+FIT_SCORES_MAX_BYTES = 1 << 30
+
+
+class FitScores:
+    """Exact scores ``g_n . H^-1 d`` of the fit examples, formed inside the spilled EK-FAC
+    fit (:func:`_spilled_groups`) when the direction ``d`` is known before the fit and the
+    fit examples' spilled gradients are the scoring loss's (the caller checks, as for
+    :meth:`_Spill.scores`). Each task keeps its layers' rotated per-example gradients
+    ``R_n = Q_S^T G_n Q_A`` (the products whose squares it sums into ``Lambda``); once its
+    ``Lambda``, and so each layer's damping and shrinkage (:func:`apply_damping`, as the
+    fit's result gets them), are known, it rotates the layer's direction the way
+    :meth:`Curvature.precondition` does and scores
+    ``<R_n, (Q_S^T D Q_A) / (eig + lambda)>``: no scoring pass over the spill and no
+    rotation back to ``v = H^-1 d``.
+
+    ``direction``: layer -> ``out x in'`` matrix, a mapping with ``pop`` (a dict or
+    :class:`prism_select.gradients.SpilledLayers`); the layers are taken out of it as they
+    are scored, and left in it when the fit does not score (no spill, or the kept products
+    would exceed ``max_bytes``). ``n_examples``: the length of the encoded list the fit
+    batches index. After the fit, :attr:`scores` is the float64 scores (the layers summed
+    in the order of ``modules``), or None when the fit did not score."""
+
+    def __init__(self, direction, settings: PreconditionSettings, n_examples: int,
+                 max_bytes: int | None = None):
+        self.direction, self.settings, self.n_examples = direction, settings, n_examples
+        self.max_bytes = FIT_SCORES_MAX_BYTES if max_bytes is None else max_bytes
+        self.per_layer: dict = {}  # layer -> float64 (n_examples,)
+        self.scores: torch.Tensor | None = None
+
+    def score_layer(self, name: str, tensors: dict, R: torch.Tensor, lock) -> None:
+        """Layer ``name``'s scores from its kept products ``R`` (``n_examples x out x in'``)
+        and its fitted ``tensors`` (``QA``, ``QS``, ``lamA``, ``lamS``, ``Lambda``,
+        ``LambdaVar``, unprefixed)."""
+        part = apply_damping(Curvature("ekfac", [name], {f"{name}::{k}": t for k, t in tensors.items()}, {}),
+                             self.settings)
+        with lock:  # the direction may be a file read by position of its own
+            g = self.direction.pop(name)
+        dt = torch.float64 if g.dtype == torch.float64 else torch.float32
+        QA, QS = tensors["QA"].to(dt), tensors["QS"].to(dt)
+        # as Curvature.precondition, less the rotation back
+        W = (QS.T @ g.to(dt) @ QA) / (part.eigenvalues(name, dtype=dt) + part.damping[name])
+        s = R.reshape(R.shape[0], -1) @ W.to(R.dtype).reshape(-1)
+        self.per_layer[name] = s.double()
+
+    def finish(self, layers: list) -> None:
+        """Sum the layers' scores (in ``layers``' order: the same sum in every run)."""
+        if all(n in self.per_layer for n in layers):
+            self.scores = torch.stack([self.per_layer.pop(n) for n in layers]).sum(0)
+        self.per_layer.clear()
+
+
 def _spill_bytes(modules: dict, encoded: list, batches: list, itemsize: int) -> int:
     """An upper bound of what the factor pass spills: every padded token's input and
     output of every tracked layer (shared inputs counted once per layer)."""
@@ -323,7 +385,7 @@ def _spill_wanted(model, modules, encoded, batches, device, settings, directory)
 
 
 def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_examples: int, desc: str,
-                    progress: bool = True) -> tuple[dict, dict, dict, dict]:
+                    progress: bool = True, scores: FitScores | None = None) -> tuple[dict, dict, dict, dict]:
     """EK-FAC from the factor pass's spill, as one task per distinct layer input (the layers
     that read it: q/k/v, gate/up, ...): form the input's ``A`` and each layer's ``S`` from
     the spilled batches (the sums :class:`_CovTap` forms, in the same order), decompose
@@ -334,10 +396,14 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
     synchronising a team of threads over one small eigendecomposition or GEMM at a time.
     A task's factors are freed once decomposed.
 
+    ``scores`` (:class:`FitScores`): each task also scores the fit examples with its
+    layers, if the products it keeps for that fit ``scores.max_bytes`` (else the fit does
+    not score; ``scores.scores`` stays None).
+
     Returns ``(tensors, Lam, M4, seconds)``: each layer's ``QA``, ``lamA``, ``QS``, ``lamS``
     (eigenvalues clamped at 0, row-major eigenvectors), the unnormalised sums per layer,
     and the summed task seconds of the two kinds of work (``eigh``: factors and
-    eigendecompositions; ``lambda``)."""
+    eigendecompositions; ``lambda``, scores included)."""
     import threading
     import time
 
@@ -361,6 +427,38 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
     tensors, Lam, M4 = {}, {}, {}
     seconds = {"eigh": 0.0, "lambda": 0.0}
     lock = threading.Lock()
+    if scores is not None:
+        itemsize = torch.empty((), dtype=compute).element_size()
+        kept = sorted((scores.n_examples * itemsize * sum(math.prod(layer_shape(modules[n])) for n in g)
+                       for g in groups), reverse=True)
+        at_once = sum(kept[:max(torch.get_num_threads(), 1)])  # the largest tasks, one per worker
+        rows = sorted(i for b in spill.examples for i in b)
+        if rows != list(range(scores.n_examples)):
+            raise ValueError("FitScores: the fit examples must be the encoded list's, each once")
+        if at_once > scores.max_bytes:
+            log.info("the fit does not score: its rotated gradients would take %.2f GiB at once (at most %.2f)",
+                     at_once / 2**30, scores.max_bytes / 2**30)
+            scores = None
+    kept_bufs: dict = {}  # worker thread -> the buffer its tasks' kept products reuse
+
+    def kept_products(layers) -> dict:
+        """Each layer's ``R`` (``n_examples x out x in'``), views of one buffer per worker
+        thread: fresh pages for every task (17 GB over the demo's tasks) were ~13 s of
+        kernel time in page faults. The buffer is replaced by a smaller one when a task
+        needs at most half of it (the tasks come largest first, and the finished
+        curvature grows as they go: the demo's peak RSS was ~400 MB higher with the
+        largest buffers kept to the end)."""
+        shapes = {n: (scores.n_examples, *layer_shape(modules[n])) for n in layers}
+        need = sum(math.prod(sh) for sh in shapes.values())
+        buf = kept_bufs.get(threading.get_ident())
+        if buf is None or buf.numel() < need or 2 * need <= buf.numel():
+            kept_bufs[threading.get_ident()] = buf = None
+            buf = kept_bufs[threading.get_ident()] = torch.empty(need, dtype=compute)
+        out, at = {}, 0
+        for n, sh in shapes.items():
+            out[n] = buf[at:at + math.prod(sh)].view(sh)
+            at += math.prod(sh)
+        return out
 
     def per_batch(layers):  # batch -> [(layer, input entry, gradient entry)] of these layers
         out: dict = {}
@@ -409,6 +507,8 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
             del lam, Q
         t1 = time.perf_counter()
         taps = {}
+        # FitScores: each layer's R_n, one row per example of the encoded list
+        R = kept_products(layers) if scores is not None else {}
         for n in layers:
             tap = taps[n] = _LambdaTap(modules[n], stats, QA, out[n]["QS"], gid)
             tap.Lam, tap.M4 = torch.zeros(*layer_shape(modules[n]), dtype=compute), torch.zeros(1, dtype=compute)
@@ -418,10 +518,17 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
             for n, xe, ge in rec:
                 if xe not in inputs:
                     inputs[xe] = spill.read(xe)
+                if n in R:
+                    taps[n].rows = [R[n][i] for i in spill.examples[k]]
                 taps[n].on_backward(inputs[xe], spill.read(ge))
             del inputs
         stats.cache.clear()
         del stats
+        for n in list(R):  # Lambda as _finish_lambda forms it, then the layer's scores
+            lam = taps[n].Lam / n_examples
+            var = _lambda_variance(taps[n].M4 / n_examples, lam, n_examples)
+            scores.score_layer(n, {**out[n], "Lambda": lam, "LambdaVar": var}, R.pop(n), lock)
+            del lam, var
         with lock:
             for n in layers:
                 for key, t in out[n].items():
@@ -439,6 +546,7 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
               disable=not progress or not distributed.is_main()) as bar:
         for _ in _side_by_side(task, order):
             bar.update()
+    kept_bufs.clear()
     return tensors, Lam, M4, seconds
 
 
@@ -677,6 +785,7 @@ class _LambdaTap(Tap):
         self.QA = None if QA is None else QA.to(dt)
         self.QS = None if QS is None else QS.to(dt)
         self.qa_id = qa_group
+        self.rows = None  # the next batch's kept products (_spilled_groups with FitScores), else None
 
     def on_backward(self, x, g):
         st = self.stats
@@ -686,11 +795,14 @@ class _LambdaTap(Tap):
             xa = _with_ones(x) if self.bias else x
             aq = _rotate(xa, self.QA, st.acc)
             st.cache[k] = (x.detach(), aq)
-        self.add(aq, _rotate(g, self.QS, st.acc))
+        keep, self.rows = self.rows, None
+        self.add(aq, _rotate(g, self.QS, st.acc), keep=keep)
 
-    def add(self, aq: torch.Tensor, bq: torch.Tensor, Lam=None, M4=None):
+    def add(self, aq: torch.Tensor, bq: torch.Tensor, Lam=None, M4=None, keep=None):
         """Add the examples of rotated inputs ``aq`` (``B x T x in'``) and output gradients
-        ``bq`` (``B x T x out``) to ``Lambda`` and ``M4`` (or to the given ``Lam``, ``M4``)."""
+        ``bq`` (``B x T x out``) to ``Lambda`` and ``M4`` (or to the given ``Lam``, ``M4``).
+        ``keep`` (the CPU, the accumulation dtype; :class:`FitScores`): one ``out x in'``
+        tensor per example, into which its product ``R_n`` is written before it is squared."""
         st = self.stats
         Lam = self.Lam if Lam is None else Lam
         M4 = self.M4 if M4 is None else M4
@@ -701,11 +813,17 @@ class _LambdaTap(Tap):
             R = st.scratch(bq.shape[-1], aq.shape[-1])
             flat = R.view(-1)
             for n in range(bq.shape[0]):
-                torch.mm(bq[n].T, aq[n], out=R)
-                R.square_()
+                if keep is None:
+                    torch.mm(bq[n].T, aq[n], out=R)
+                    R.square_()
+                else:
+                    torch.mm(bq[n].T, aq[n], out=keep[n])
+                    torch.square(keep[n], out=R)
                 Lam += R
                 M4 += torch.dot(flat, flat)
             return
+        if keep is not None:
+            raise ValueError("the kept products are formed on the CPU in the accumulation dtype only")
         if bq.dtype == st.acc:
             rot = bq.transpose(1, 2) @ aq
             sq = rot * rot
@@ -910,7 +1028,8 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
                   *, pad_id: int, device=None, progress: bool = True, timings: dict | None = None,
                   cuda_graphs: str = "auto", precision: str = "model", groups: list | None = None,
                   store: str = "device", on_group=None, spill_dir=None,
-                  kernels: Kernels = DEFAULT_KERNELS, offload: bool | None = None, on_spill=None) -> Curvature:
+                  kernels: Kernels = DEFAULT_KERNELS, offload: bool | None = None, on_spill=None,
+                  scores: FitScores | None = None) -> Curvature:
     """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples.
 
     ``groups`` (lists of layer names covering ``modules``, from the memory plan,
@@ -943,7 +1062,9 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     (an unnamed temporary file, SPILL_MAX_BYTES; None: the system's temporary directory).
     ``on_spill(spill)``: with one group of layers, the spill (:class:`_Spill`, which can
     score the fit examples, :meth:`_Spill.scores`) is handed to it once the fit is done
-    instead of being closed; the callee closes it.
+    instead of being closed; the callee closes it. ``scores`` (:class:`FitScores`; one group
+    of layers, a spilled fit): the fit also scores the fit examples along
+    ``scores.direction``; the spill is then closed, not handed to ``on_spill``.
     """
     if store not in ("device", "host", "transient"):
         raise ValueError(f"unknown curvature store {store!r}")
@@ -973,7 +1094,8 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
             t = _fit_group(model, sub, encoded, batches, len(idx), settings, pad_id=pad_id, device=device,
                            progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag,
                            offload=store != "device" if offload is None else offload, spill_dir=spill_dir,
-                           owners=owners, on_spill=on_spill if len(groups) == 1 else None)
+                           owners=owners, on_spill=on_spill if len(groups) == 1 else None,
+                           scores=scores if len(groups) == 1 else None)
             log.info("curvature%s: %d layers, factors %.1f s, eigendecompositions %.1f s, eigenvalues %.1f s",
                      tag, len(group), *(timings[k] - before[k] for k in ("factors_s", "eigh_s", "lambda_s")))
             if store == "host":
@@ -1009,14 +1131,16 @@ def factors_sharded(model, kind: str) -> bool:
 
 
 def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id, device, progress, timings,
-               cuda_graphs, tag="", offload=False, spill_dir=None, owners: dict | None = None, on_spill=None):
+               cuda_graphs, tag="", offload=False, spill_dir=None, owners: dict | None = None, on_spill=None,
+               scores: FitScores | None = None):
     """The fit of one group of layers: the tensors :class:`Curvature` holds.
     ``offload``: the finished tensors go to host memory as soon as the device copies that
     the eigenvalue pass needs are made (the pass then holds only those). ``owners``
     (K-FAC / EK-FAC under FSDP, :func:`prism_select.sharding.factor_owners`): each layer's
     statistics are accumulated, decomposed and kept by its owner rank alone, and this
     rank returns the tensors of the layers it owns. ``on_spill`` (as in :func:`fit_curvature`)
-    receives the factor pass's spill, if one was written, instead of its being closed."""
+    receives the factor pass's spill, if one was written, instead of its being closed,
+    unless ``scores`` (:class:`FitScores`) were formed from it."""
     import time
 
     layers = list(modules)
@@ -1105,12 +1229,14 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         t0 = time.perf_counter()
         try:
             tensors, Lam, M4, secs = _spilled_groups(modules, spill, compute, n_tokens, n_examples,
-                                                     "curvature" + tag, progress)
+                                                     "curvature" + tag, progress, scores)
+            if scores is not None:
+                scores.finish(layers)
         except BaseException:
             spill.close()
             raise
-        if on_spill is None:
-            spill.close()
+        if on_spill is None or scores is not None and scores.scores is not None:
+            spill.close(background=True)
         else:
             on_spill(spill)
         _finish_lambda(tensors, Lam, M4, own, n_examples)
@@ -1393,10 +1519,11 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
                           cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model",
                           groups: list | None = None, store: str = "device", on_group=None,
                           cache_max_bytes: int | None = None, kernels: Kernels = DEFAULT_KERNELS,
-                          offload: bool | None = None, on_spill=None):
+                          offload: bool | None = None, on_spill=None, scores: FitScores | None = None):
     """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
-    and save it (``timings``, ``precision``, ``groups``, ``store``, ``offload``, ``on_group`` and
-    ``on_spill`` as in :func:`fit_curvature`; a reused curvature is handed to ``on_group`` whole).
+    and save it (``timings``, ``precision``, ``groups``, ``store``, ``offload``, ``on_group``,
+    ``on_spill`` and ``scores`` as in :func:`fit_curvature`; a reused curvature is handed to
+    ``on_group`` whole, and does not score).
 
     The cache (:mod:`prism_select.cache`) is bounded by ``cache_max_bytes``: older entries
     are evicted to make room, and a curvature larger than the bound, a ``transient`` one,
@@ -1436,7 +1563,7 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
     cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
                         cuda_graphs=cuda_graphs, timings=timings, precision=precision, groups=groups,
                         store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels, offload=offload,
-                        on_spill=on_spill)
+                        on_spill=on_spill, scores=scores)
     if settings.kind == "identity":
         return cur, directory, False
     if store == "transient":

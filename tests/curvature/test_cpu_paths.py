@@ -247,6 +247,7 @@ def test_run_scores_from_the_fit_spill_only_when_it_holds_the_scoring_gradients(
     from prism_select.pipeline import ScoreSettings, score_pool
 
     pool, targets = write_inputs(tmp_path, pool_examples, pair_examples)
+    monkeypatch.setattr(fit_mod, "FIT_SCORES_MAX_BYTES", 0)  # not inside the fit (test_run_scores_inside_the_fit)
     calls = []
     real = fit_mod._Spill.scores
     monkeypatch.setattr(fit_mod._Spill, "scores", lambda self, *a: (calls.append(1), real(self, *a))[1])
@@ -267,3 +268,87 @@ def test_run_scores_from_the_fit_spill_only_when_it_holds_the_scoring_gradients(
     _, ref = run("model")
     assert len(calls) == int(from_spill)
     assert rel_err(got, ref) <= SPILL_SCORE_REL_TOL
+
+
+#: float64 end to end: the fit's products R_n against the model's forward and backward,
+#: and ``v`` against its rotation alone (summation order)
+FIT_SCORE_REL_TOL = 1e-12
+
+
+@pytest.mark.parametrize("precondition", [{"damping": 1e-3}, {"shrinkage": "auto", "damping_noise": True}])
+def test_scores_inside_the_fit_equal_preconditioned_exact_scoring(model, modules, tok, encoded_pool, precondition):
+    """:class:`fit.FitScores`: the spilled fit's tasks score the fit examples from their
+    rotated per-example gradients, as exact scoring of ``v = H^-1 d`` with the fitted
+    curvature does; the curvature is bit-identical to a fit that does not score, and the
+    direction's layers are taken out of it."""
+    from prism_select.gradients import layer_shape
+    from prism_select.scoring import score_encoded
+
+    settings = CurvatureSettings(kind="ekfac", batch_size=3, **precondition)
+    g = torch.Generator().manual_seed(2)
+    d = {n: torch.randn(*layer_shape(m), dtype=torch.float64, generator=g) for n, m in modules.items()}
+    direction = dict(d)
+    fs = fit_mod.FitScores(direction, settings, len(encoded_pool))
+    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, scores=fs)
+    ref_cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
+    assert list(cur.tensors) == list(ref_cur.tensors)
+    assert all(torch.equal(cur.tensors[k], ref_cur.tensors[k]) for k in cur.tensors)
+    assert cur.damping == ref_cur.damping and cur.shrinkage == ref_cur.shrinkage
+    assert direction == {}
+    v = ref_cur.precondition(d)
+    ref = score_encoded(model, modules, encoded_pool, v, pad_id=tok.pad_token_id, batch_size=4, progress=False)
+    assert fs.scores.dtype == torch.float64 and fs.scores.shape == ref.shape
+    assert rel_err(fs.scores, ref) <= FIT_SCORE_REL_TOL
+
+
+def test_fit_does_not_score_beyond_its_memory_bound(model, modules, tok, encoded_pool):
+    """Kept products above ``max_bytes``: no scores, the direction left whole, the same fit."""
+    from prism_select.gradients import layer_shape
+
+    settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
+    direction = {n: torch.ones(*layer_shape(m), dtype=torch.float64) for n, m in modules.items()}
+    fs = fit_mod.FitScores(direction, settings, len(encoded_pool), max_bytes=0)
+    kept = []
+    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, scores=fs,
+                        on_spill=kept.append)
+    ref_cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
+    assert fs.scores is None and set(direction) == set(modules)
+    assert len(kept) == 1  # the spill goes to on_spill, to score from after the fit
+    kept[0].close()
+    assert all(torch.equal(cur.tensors[k], ref_cur.tensors[k]) for k in cur.tensors)
+
+
+def test_run_scores_inside_the_fit(model, tok, tmp_path, pool_examples, pair_examples, monkeypatch):
+    """A demo-like run (``scores_from_fit``, the pool its fit sample): the fit scores the pool
+    (no v, no scoring pass over the spill or the model), with the scores of a run scored by
+    the model to FIT_SCORE_REL_TOL; a second run, its curvature from the cache, scores with
+    the model."""
+    import json
+
+    from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
+    from prism_select.pipeline import ScoreSettings, score_pool
+
+    pool, targets = write_inputs(tmp_path, pool_examples, pair_examples)
+    cs = CurvatureSettings(kind="ekfac", batch_size=3)
+    spill_calls = []
+    real = fit_mod._Spill.scores
+    monkeypatch.setattr(fit_mod._Spill, "scores", lambda self, *a: (spill_calls.append(1), real(self, *a))[1])
+
+    def run(name, cache):
+        lm = LoadedModel(model, tok, ModelSettings(model="tiny-test", device="cpu", cache_dir=str(tmp_path / cache)),
+                         model_fingerprint(model), {"kind": "test"})
+        summary = score_pool(lm, pool, targets, tmp_path / name,
+                             ScoreSettings(batch_size=4, progress=False, scores_from_fit=True), cs)
+        rows = [json.loads(x) for x in (tmp_path / name / "scores.jsonl").read_text().splitlines()]
+        return summary, torch.tensor([r["score"] for r in sorted(rows, key=lambda r: r["id"])], dtype=torch.float64)
+
+    got_summary, got = run("fit", "c1")
+    assert got_summary["throughput"]["scores"].get("in_fit") is True
+    assert not (tmp_path / "fit" / ".partial").exists()
+    again_summary, again = run("again", "c1")  # the curvature reused: scored by the model
+    assert again_summary["curvature"]["reused"] and "in_fit" not in again_summary["throughput"]["scores"]
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    _, ref = run("model", "c2")
+    assert spill_calls == []
+    assert rel_err(got, ref) <= FIT_SCORE_REL_TOL
+    assert rel_err(again, ref) <= FIT_SCORE_REL_TOL
