@@ -320,13 +320,7 @@ class RunContext:
                 or self._transient() or self.execution.sharded
                 or any(t.device.type != "cpu" for t in direction.values())):
             return None, direction
-        cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
-        try:
-            cache_root.mkdir(parents=True, exist_ok=True)
-            direction = SpilledLayers(direction, cache_root)
-        except OSError as exc:  # e.g. a full disk: the direction stays in memory
-            log.info("the direction stays in memory during the fit (no temporary file: %s)", exc)
-        release_host_memory()
+        direction = self._set_aside(direction)
         fs = FitScores(direction, self.curvature_settings, len(self.inputs.encoded))
         try:
             self.curvature(fit_scores=fs)
@@ -335,6 +329,19 @@ class RunContext:
                 direction.close()
             raise
         return fs.scores, direction
+
+    def _set_aside(self, direction: dict):
+        """``direction`` (on the CPU) as a :class:`SpilledLayers` file next to the cache, so
+        that it takes no memory while the curvature is fitted; the dict itself when the
+        file cannot be written (e.g. a full disk)."""
+        cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
+        try:
+            cache_root.mkdir(parents=True, exist_ok=True)
+            direction = SpilledLayers(direction, cache_root)
+        except OSError as exc:
+            log.info("the direction stays in memory during the fit (no temporary file: %s)", exc)
+        release_host_memory()
+        return direction
 
     def _keep_spill(self, spill) -> None:
         if self._spill is not None:
@@ -477,13 +484,7 @@ class RunContext:
         empty. On the CPU the embedded model's fit held its 540 MB direction to the end."""
         if self._curvature is None and isinstance(direction, dict) and direction \
                 and all(t.device.type == "cpu" for t in direction.values()):
-            cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
-            try:
-                cache_root.mkdir(parents=True, exist_ok=True)
-                direction = SpilledLayers(direction, cache_root)
-            except OSError as exc:  # e.g. a full disk: the direction stays in memory
-                log.info("the direction stays in memory during the fit (no temporary file: %s)", exc)
-            release_host_memory()
+            direction = self._set_aside(direction)
         cur = self.curvature()
         self._curvature = None
         try:

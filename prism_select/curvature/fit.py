@@ -450,10 +450,12 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
         largest buffers kept to the end)."""
         shapes = {n: (scores.n_examples, *layer_shape(modules[n])) for n in layers}
         need = sum(math.prod(sh) for sh in shapes.values())
-        buf = kept_bufs.get(threading.get_ident())
+        tid = threading.get_ident()
+        buf = kept_bufs.get(tid)
         if buf is None or buf.numel() < need or 2 * need <= buf.numel():
-            kept_bufs[threading.get_ident()] = buf = None
-            buf = kept_bufs[threading.get_ident()] = torch.empty(need, dtype=compute)
+            del buf
+            kept_bufs.pop(tid, None)  # the old buffer is freed before the new one is allocated
+            buf = kept_bufs[tid] = torch.empty(need, dtype=compute)
         out, at = {}, 0
         for n, sh in shapes.items():
             out[n] = buf[at:at + math.prod(sh)].view(sh)
@@ -524,9 +526,8 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
             del inputs
         stats.cache.clear()
         del stats
-        for n in list(R):  # Lambda as _finish_lambda forms it, then the layer's scores
-            lam = taps[n].Lam / n_examples
-            var = _lambda_variance(taps[n].M4 / n_examples, lam, n_examples)
+        for n in list(R):  # Lambda as _finish_lambda forms it (the sums stay), then the layer's scores
+            lam, var = _lambda_from_sums(taps[n].Lam, taps[n].M4, n_examples, in_place=False)
             scores.score_layer(n, {**out[n], "Lambda": lam, "LambdaVar": var}, R.pop(n), lock)
             del lam, var
         with lock:
@@ -1368,10 +1369,17 @@ def _finish_lambda(tensors: dict, Lam: dict, M4: dict, own: list, n_examples: in
     pass's sums (which are consumed)."""
     release_host_memory()
     for n in own:  # in place: no second copy of every layer's eigenvalues
-        lam = tensors[f"{n}::Lambda"] = Lam.pop(n).div_(n_examples)
+        lam, var = _lambda_from_sums(Lam.pop(n), M4.pop(n), n_examples, in_place=True)
         check_finite(lam, "the EK-FAC eigenvalues", layer=n)
-        tensors[f"{n}::LambdaVar"] = _lambda_variance(M4.pop(n) / n_examples, lam, n_examples)
+        tensors[f"{n}::Lambda"], tensors[f"{n}::LambdaVar"] = lam, var
     release_host_memory()  # the pass's batches
+
+
+def _lambda_from_sums(lam_sum: torch.Tensor, m4_sum: torch.Tensor, n_examples: int, *, in_place: bool):
+    """``(Lambda, LambdaVar)`` of a layer from the eigenvalue pass's sums over
+    ``n_examples`` (``in_place``: ``Lambda`` is the divided ``lam_sum`` itself)."""
+    lam = lam_sum.div_(n_examples) if in_place else lam_sum / n_examples
+    return lam, _lambda_variance(m4_sum / n_examples, lam, n_examples)
 
 
 def _lambda_variance(m4: torch.Tensor, lam: torch.Tensor, n: int) -> torch.Tensor:
