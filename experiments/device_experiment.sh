@@ -17,6 +17,8 @@
 # aggregated results.json and report. OUTNAME=DIR puts every job's output in
 # /tmp/prism-runs/DIR (default: each job in its own, named after the job). JOBS=N runs a
 # repair job's retrainings in N worker processes (prism-select experiment --jobs).
+# GPUS=0,1,2 (with PARALLEL=1) puts job i on GPU i (cycling through the list) on a
+# machine with several GPUs (CUDA_VISIBLE_DEVICES per job).
 set -uo pipefail
 B="$(cd "${1:?bundle}" && pwd)"; BUDGET="${2:?budget in seconds}"; shift 2
 OUTDIR="${OUT:-/tmp/prism-out}"; mkdir -p "$OUTDIR" /tmp/prism-runs
@@ -44,12 +46,17 @@ run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG: one experiment command,
       --out "/tmp/prism-runs/$outname" "${seedargs[@]}" 2>&1; echo "$?" >"/tmp/prism-runs/.rc-$name") >>"$log"
   s=$(cat "/tmp/prism-runs/.rc-$name"); echo "== $name: exit $s after $(( $(date +%s) - t0 )) s" | tee -a "$log"
 }
-names=()
+names=(); IFS=, read -r -a gpus <<<"${GPUS:-}"; i=0
 for job in "$@"; do
   IFS=: read -r name proto cfg seeds <<<"$job"
   outname="${OUTNAME:-$name}"; names+=("$name")
   if [ -n "${PARALLEL:-}" ]; then
-    run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log-$name.txt" &
+    if [ "${#gpus[@]}" -gt 0 ]; then
+      CUDA_VISIBLE_DEVICES="${gpus[$(( i % ${#gpus[@]} ))]}" run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log-$name.txt" &
+    else
+      run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log-$name.txt" &
+    fi
+    i=$(( i + 1 ))
   else
     n=$(cat "$OUTDIR/log.txt" 2>/dev/null | wc -l)
     run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log.txt" >/dev/null; tail -n +$(( n + 1 )) "$OUTDIR/log.txt"
