@@ -1,0 +1,89 @@
+"""Rankings of a repair experiment's scored methods, read from its run folders: AUROC of
+the pool's ``harmful`` flag and recall of the harmful records in the top k% per method,
+target set and seed, with the mean and standard deviation over seeds and the ``pi``
+summary of each run. It needs only the scoring steps to have finished (no retraining),
+so it reads an experiment cut short before its retrainings as well as a finished one.
+
+    python experiments/rankings_of_runs.py RUN_DIR [--json OUT.json] [--fractions 0.05,0.1,0.2]
+
+RUN_DIR is an experiment's ``--out`` folder (``runs/<setting>/seed<k>/<targets>/scores/<method>/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prism_select.evaluation_metrics import auroc, labels_by_id  # noqa: E402
+from prism_select.selection import read_scores  # noqa: E402
+
+
+def rankings(run_dir: Path, fractions: list, label: str = "harmful") -> list:
+    rows = []
+    for seed_dir in sorted(run_dir.glob("runs/*/seed*")):
+        labels = labels_by_id(seed_dir / "pool.jsonl", label)
+        n_harm = sum(labels.values())
+        for method_dir in sorted(seed_dir.glob("*/scores/*")):
+            if not (method_dir / "scores.jsonl").exists():
+                continue
+            scores = read_scores(method_dir / "scores.jsonl")
+            order = sorted(scores, key=lambda r: -r["score"])
+            row = {"setting": seed_dir.parent.name, "seed": int(seed_dir.name[4:]),
+                   "targets": method_dir.parent.parent.name, "method": method_dir.name,
+                   "auroc": auroc([r["score"] for r in scores], [labels[r["id"]] for r in scores])}
+            for f in fractions:
+                top = order[:round(f * len(order))]
+                row[f"recall@{f:g}"] = sum(labels[r["id"]] for r in top) / n_harm if n_harm else float("nan")
+            run = json.loads((method_dir / "run.json").read_text()) if (method_dir / "run.json").exists() else {}
+            row["pi"] = run.get("pi")
+            rows.append(row)
+    return rows
+
+
+def summary(rows: list, fractions: list) -> list:
+    keys = ["auroc"] + [f"recall@{f:g}" for f in fractions]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["setting"], r["targets"], r["method"]), []).append(r)
+    out = []
+    for (setting, targets, method), rs in sorted(groups.items()):
+        s = {"setting": setting, "targets": targets, "method": method, "seeds": sorted(r["seed"] for r in rs)}
+        for k in keys:
+            vals = [r[k] for r in rs]
+            s[k] = statistics.fmean(vals)
+            s[k + "_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        out.append(s)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--fractions", default="0.05,0.1,0.2")
+    ap.add_argument("--label", default="harmful")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    fractions = [float(x) for x in a.fractions.split(",")]
+    rows = rankings(a.run_dir, fractions, a.label)
+    if not rows:
+        print(f"no scored methods under {a.run_dir}/runs/*/seed*/", file=sys.stderr)
+        return 1
+    summ = summary(rows, fractions)
+    cols = ["auroc"] + [f"recall@{f:g}" for f in fractions]
+    print("| targets | method | seeds | " + " | ".join(cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
+    for s in summ:
+        cells = [f"{s[c]:.3f} ± {s[c + '_std']:.3f}" for c in cols]
+        print(f"| {s['targets']} | {s['method']} | {','.join(map(str, s['seeds']))} | " + " | ".join(cells) + " |")
+    if a.json:
+        a.json.write_text(json.dumps({"rows": rows, "summary": summ}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
