@@ -257,7 +257,8 @@ class RunContext:
                 cuda_graphs=self.execution.cuda_graphs, timings=phases, precision=self.execution.precision,
                 groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes,
                 kernels=self.execution.kernels, offload=plan.fit.get("offload") if plan is not None else None,
-                on_spill=self._keep_spill if from_spill else None, scores=fit_scores if from_spill else None)
+                on_spill=self._keep_spill if from_spill else None, scores=fit_scores if from_spill else None,
+                sharded_sums=plan.fit.get("sums", "step") if plan is not None else "step")
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             info = self.info.get("curvature", {})
@@ -791,7 +792,8 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
                      fit_batch_size=curvature.batch_size, example_bytes=nbytes,
                      longest=len(longest.input_ids) if longest is not None else 1, vocab=vocab,
                      max_gpu_memory=settings.max_gpu_memory, weights=fixed, gpu_total=gpu_total,
-                     host_available=host, shards=distributed.world() if sharded else 1)
+                     host_available=host, shards=distributed.world() if sharded else 1,
+                     sums=settings.fsdp_sums)
     if distributed.is_main():
         log.info("%s", plan.describe())
         if settings.progress and (plan.bounded and (len(plan.fit_groups) > 1 or plan.notes)):

@@ -296,7 +296,10 @@ class MemoryPlan:
         if f.get("groups"):
             kept = (f"kept on the {self.curvature_store}" if self.curvature_store != "transient"
                     else "not kept: each group preconditions the direction")
-            sharded = f" over {f['factor_shards']} ranks" if f.get("factor_shards", 1) > 1 else ""
+            sharded = ""
+            if f.get("factor_shards", 1) > 1:
+                when = "once per pass" if f.get("sums") == "pass" else "every step"
+                sharded = f" over {f['factor_shards']} ranks, statistics sent to their owners {when}"
             lines.append(f"  fit: {len(f['groups'])} group(s) of layers, batch {f['batch_size']}, "
                          f"peak {_gib(f['peak'])}; curvature ({_gib(f['stored_bytes'])}{sharded}) {kept}")
         if s:
@@ -319,7 +322,7 @@ def _suggestions(n_layers: int, what: str) -> str:
 def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_batch_size: int,
               example_bytes: int, longest: int, vocab: int, max_gpu_memory: int | None = None,
               gpu_total: int | None = None, host_available: int | None = None,
-              weights: int | None = None, shards: int = 1) -> MemoryPlan:
+              weights: int | None = None, shards: int = 1, sums: str = "auto") -> MemoryPlan:
     """The plan for one run; :class:`PlanError` if it cannot fit.
 
     ``example_bytes``: measured activation bytes of one example of ``longest`` tokens
@@ -333,7 +336,11 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
     (each layer's on one rank, :func:`prism_select.curvature.fit.factors_sharded`), so a
     fit group may be about ``shards`` times larger, while every rank holds, for one layer
     at a time, its own product of the factor pass and the owner's eigenbases and its own
-    sums in the eigenvalue pass.
+    sums in the eigenvalue pass. ``sums`` (``--fsdp-sums``, sharded factors): ``step`` keeps
+    that; ``pass`` has every rank sum a whole group through each pass (the statistics reach
+    their owners once per pass, :func:`prism_select.curvature.fit.fit_curvature`), which
+    needs a whole group's sums on every rank; ``auto`` takes ``pass`` where that fits.
+    The choice is ``fit["sums"]``.
     """
     dev = torch.device(device)
     names = list(modules)
@@ -534,10 +541,24 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
                               "preconditions the direction and is dropped (not cached)")
         plan.curvature_store = store
         fit_peak = int(base_peak + (total_stored / fsh if store == "device" else 0))
+        sums_mode = "step"
+        if fsh > 1:
+            # every rank summing each pass's statistics of a whole group (as one unsharded
+            # rank does) beside its own share of the kept curvature
+            group_sums = max(sum(cost[n] for n in g) for g in groups)
+            local_peak = int(weights + held + act(fbs) + max(eigh, rot(fbs), taps(fbs)) + group_sums
+                             + (total_stored / fsh if store == "device" else 0))
+            if sums == "pass" and not fits(local_peak):
+                raise PlanError(f"--fsdp-sums pass does not fit on {dev}: every rank would hold a whole fit "
+                                f"group's sums ({_gib(group_sums)}), a peak of {_gib(local_peak)} of "
+                                f"{_gib(usable)} usable; use --fsdp-sums step (or auto)")
+            if sums == "pass" or sums == "auto" and fits(local_peak):
+                sums_mode, fit_peak = "pass", max(fit_peak, local_peak)
         kept = group_host if store == "transient" else v_host(False) + group_host
         fit_host = int(dir_host + largest * acc + kept) if bounded else 0
         plan.fit = {"groups": groups, "batch_size": fbs, "peak": fit_peak, "stored_bytes": total_stored,
-                    "largest_factor": max_dim, "factor_shards": fsh, "offload": offload, "host_peak": fit_host}
+                    "largest_factor": max_dim, "factor_shards": fsh, "offload": offload, "host_peak": fit_host,
+                    "sums": sums_mode}
         if fbs < fit_batch_size:
             plan.notes.append(f"curvature fit in batches of {fbs} (not {fit_batch_size}) to fit the device")
         if len(groups) > 1:

@@ -35,7 +35,7 @@ from .graphs import GRAPH_MODES, check_graph_mode
 from .precision import PRECISIONS, check_precision, check_precision_scoring
 from .preference import METHODS as DIRECTION_METHODS
 from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS
-from .sharding import SHARDS, check_shard
+from .sharding import FSDP_SUMS, SHARDS, check_shard
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_STREAM_WINDOW = 65_536
@@ -211,7 +211,9 @@ class ExecutionSettings:
     linear layers as two half-precision GEMMs on a hi/lo split of their input, and the
     target direction and the curvature fit run in the same arithmetic
     (:mod:`prism_select.precision`). cuda_graphs: :mod:`prism_select.graphs`. shard:
-    :mod:`prism_select.sharding`. deterministic: :func:`prism_select.execution.make_deterministic`.
+    :mod:`prism_select.sharding`; fsdp_sums: ``sharded_sums`` of
+    :func:`prism_select.curvature.fit.fit_curvature`, chosen by the memory plan under auto.
+    deterministic: :func:`prism_select.execution.make_deterministic`.
     max_gpu_memory: bytes (a text such as ``"70GiB"`` is read as a size), the cap of the
     memory plan (:mod:`prism_select.plan`).
     """
@@ -229,6 +231,12 @@ class ExecutionSettings:
                          help="under torchrun: none (every rank holds the whole model and scores a share of the "
                               "pool) or fsdp (the model, the target direction and v sharded over the ranks with "
                               "FSDP2, for models that do not fit one GPU; prism/equal/unpaired, exact scoring)")
+    fsdp_sums: str = setting("auto", key=False, choices=FSDP_SUMS,
+                             help="under --shard fsdp with K-FAC/EK-FAC, when each rank's statistics of a layer "
+                                  "reach the rank that owns it: step (every step: a rank holds only its share of "
+                                  "the fit's sums), pass (each rank sums every layer of a fit group through a "
+                                  "pass, sent once at its end: far fewer transfers, a whole group's sums on every "
+                                  "rank), auto (pass where the memory plan finds room for it, else step)")
     deterministic: bool = setting(False, help="deterministic kernels (torch.use_deterministic_algorithms, cuBLAS's "
                                                "fixed workspace): the same run on the same kind of GPU and software "
                                                "gives the same scores bit for bit; kernels that add in varying "
@@ -243,6 +251,8 @@ class ExecutionSettings:
         check_graph_mode(self.cuda_graphs)
         if self.shard not in SHARDS:
             raise ConfigError("shard", f"unknown value {self.shard!r}", f"use one of {', '.join(SHARDS)}")
+        if self.fsdp_sums not in FSDP_SUMS:
+            raise ConfigError("fsdp_sums", f"unknown value {self.fsdp_sums!r}", f"use one of {', '.join(FSDP_SUMS)}")
         if isinstance(self.max_gpu_memory, str):
             self.max_gpu_memory = _memory_size(self.max_gpu_memory)
         if self.max_gpu_memory is not None and (isinstance(self.max_gpu_memory, bool) or not (

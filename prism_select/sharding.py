@@ -59,6 +59,10 @@ from .gradients import has_bias, layer_shape, local
 log = logging.getLogger(__name__)
 
 SHARDS = ("none", "fsdp")
+#: when a sharded K-FAC / EK-FAC fit's statistics reach the layers' owners
+#: (``--fsdp-sums``; :func:`prism_select.curvature.fit.fit_curvature`, ``sharded_sums``):
+#: every step, once per pass, or as the memory plan finds room (auto)
+FSDP_SUMS = ("auto", "step", "pass")
 #: the scoring methods that run sharded: they need nothing beyond the direction and v
 SHARDED_METHODS = ("prism", "equal", "unpaired")
 

@@ -213,6 +213,38 @@ def test_sharded_factors_need_fewer_fit_groups(model, modules):
     assert diag_four.fit_groups == diag_one.fit_groups and diag_four.fit["factor_shards"] == 1
 
 
+def test_sharded_sums_once_per_pass_only_where_a_group_fits_every_rank(model, modules):
+    """--fsdp-sums: auto sends the fit's statistics to their owners once per pass where a
+    whole group's sums fit every rank beside its share of the curvature (the plan's peak
+    then counts them), and every step where only the shares fit; pass where it cannot fit
+    is refused before any work, naming the fix."""
+    from prism_select.plan import HEADROOM_BYTES
+    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example_bytes=1 << 10, longest=1,
+              vocab=1, weights=0, host_available=1 << 40, shards=4)
+    roomy = make_plan(model, modules, gpu_total=80 * GiB, **kw)
+    assert roomy.fit["sums"] == "pass" and "once per pass" in roomy.describe()
+    step = make_plan(model, modules, gpu_total=80 * GiB, sums="step", **kw)
+    assert step.fit["sums"] == "step" and "every step" in step.describe()
+    assert step.fit["peak"] < roomy.fit["peak"] <= roomy.usable  # a whole group's sums counted
+    # the least memory with which the sharded plan holds the fit in one group: there a
+    # whole group's sums per rank do not fit
+    total = min(t for t in range(HEADROOM_BYTES, HEADROOM_BYTES + (8 << 20), 4096)
+                if _fits_one_group(model, modules, t, kw))
+    tight = make_plan(model, modules, gpu_total=total, **kw)
+    assert tight.fit["sums"] == "step" and tight.fit["peak"] <= tight.usable
+    with pytest.raises(PlanError, match="--fsdp-sums step"):
+        make_plan(model, modules, gpu_total=total, sums="pass", **kw)
+    # one rank (no sharding) has nothing to send
+    assert make_plan(model, modules, gpu_total=80 * GiB, **{**kw, "shards": 1}).fit["sums"] == "step"
+
+
+def _fits_one_group(model, modules, total, kw) -> bool:
+    try:
+        return len(make_plan(model, modules, gpu_total=total, sums="step", **kw).fit_groups) == 1
+    except PlanError:
+        return False
+
+
 def test_ranks_of_one_host_share_its_memory(model, modules, monkeypatch):
     """torchrun's ranks on one host plan at the same time against the same memory: each
     plans with its share of what is available."""

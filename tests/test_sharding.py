@@ -30,14 +30,21 @@ def _scores(d):
 
 
 CURVATURES = ("ekfac", "identity")
+#: the sharded runs: (curvature, --fsdp-sums); on the CPU the plan's auto is "pass"
+SHARDED_RUNS = (("ekfac", "auto"), ("ekfac", "step"), ("identity", "auto"))
+
+
+def _sharded_dir(d, kind, sums):
+    return d / (f"fsdp-{kind}" if sums == "auto" else f"fsdp-{kind}-{sums}")
 
 
 def sharded_commands(d):
-    """The sharded runs, one per curvature, into ``d / "fsdp-<kind>"`` (each its own cache:
-    it fits, not reuses, the curvature): run on two ranks in the launch of the session
-    fixture ``two_ranks`` (:func:`test_distributed.launch_two_ranks`), on its inputs."""
-    return [_args(d, d / f"fsdp-{kind}", "--curvature", kind, "--shard", "fsdp",
-                  "--cache-dir", str(d / f"cache-fsdp-{kind}"))[2:] for kind in CURVATURES]
+    """The sharded runs (SHARDED_RUNS) into ``d / "fsdp-<kind>[-<sums>]"`` (each its own
+    cache: it fits, not reuses, the curvature): run on two ranks in the launch of the
+    session fixture ``two_ranks`` (:func:`test_distributed.launch_two_ranks`), on its inputs."""
+    return [_args(d, _sharded_dir(d, kind, sums), "--curvature", kind, "--shard", "fsdp", "--fsdp-sums", sums,
+                  "--cache-dir", str(_sharded_dir(d, kind, sums).with_name(f"cache-{_sharded_dir(d, kind, sums).name}")))[2:]
+            for kind, sums in SHARDED_RUNS]
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +59,22 @@ def runs(two_ranks):
     return d
 
 
-@pytest.mark.parametrize("curvature", CURVATURES)
-def test_fsdp_scores_equal_one_process(runs, curvature):
-    one, two = _scores(runs / f"one-{curvature}"), _scores(runs / f"fsdp-{curvature}")
+@pytest.mark.parametrize("curvature,sums", SHARDED_RUNS)
+def test_fsdp_scores_equal_one_process(runs, curvature, sums):
+    out = _sharded_dir(runs, curvature, sums)
+    one, two = _scores(runs / f"one-{curvature}"), _scores(out)
     assert list(one) == list(two)
     for k in one:
         assert two[k] == pytest.approx(one[k], rel=SHARDED_REL_TOL, abs=1e-12), k
-    run = json.loads((runs / f"fsdp-{curvature}" / "run.json").read_text())
+    run = json.loads((out / "run.json").read_text())
     assert run["settings"]["shard"] == "fsdp" and run["distributed"]["world_size"] == 2
     if curvature == "ekfac":  # each rank fitted and kept its own layers' factors
         per = run["curvature"]["factor_shards"]["stored_bytes_per_rank"]
         assert len(per) == 2 and min(per) > 0 and max(per) <= 0.75 * sum(per)
         assert run["curvature"]["path"] is None  # a sharded curvature is not cached
-    assert not (runs / f"fsdp-{curvature}" / ".partial").exists()
+        # the statistics reached their owners as asked (auto: once per pass, unbounded CPU)
+        assert run["memory_plan"]["fit"]["sums"] == ("pass" if sums == "auto" else sums)
+    assert not (out / ".partial").exists()
 
 
 GROUPED = r"""

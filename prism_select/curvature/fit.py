@@ -1030,7 +1030,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
                   cuda_graphs: str = "auto", precision: str = "model", groups: list | None = None,
                   store: str = "device", on_group=None, spill_dir=None,
                   kernels: Kernels = DEFAULT_KERNELS, offload: bool | None = None, on_spill=None,
-                  scores: FitScores | None = None) -> Curvature:
+                  scores: FitScores | None = None, sharded_sums: str = "step") -> Curvature:
     """Fit ``settings.kind`` curvature for ``modules`` on ``encoded`` examples.
 
     ``groups`` (lists of layer names covering ``modules``, from the memory plan,
@@ -1051,7 +1051,11 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     eigendecomposition, so every rank ends with the same curvature. With the model sharded
     by FSDP (:func:`factors_sharded`) each rank's statistics of a layer are summed onto its owner rank as the
     passes run, and each rank ends with its own layers' curvature (``meta["owners"]``;
-    the damping and shrinkage of every layer). ``timings``, if
+    the damping and shrinkage of every layer). ``sharded_sums`` says when they reach the
+    owner: ``step`` (every step: each rank holds only its share of the statistics) or
+    ``pass`` (each rank sums its batches of every layer of the group through a pass, and
+    the sums travel once at its end: the memory plan picks it where a whole group's sums fit
+    every rank, :func:`prism_select.plan.make_plan`). ``timings``, if
     given, receives ``factors_s``, ``eigh_s`` and ``lambda_s`` (summed over groups).
     ``cuda_graphs`` (empirical Fisher only; ``auto``: CUDA devices, models below
     ``graphs.AUTO_MAX_PARAMS``, and passes that replay each shape FIT_GRAPH_MIN_REPLAYS
@@ -1096,7 +1100,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
                            progress=progress, timings=timings, cuda_graphs=cuda_graphs, tag=tag,
                            offload=store != "device" if offload is None else offload, spill_dir=spill_dir,
                            owners=owners, on_spill=on_spill if len(groups) == 1 else None,
-                           scores=scores if len(groups) == 1 else None)
+                           scores=scores if len(groups) == 1 else None, local_sums=sharded_sums == "pass")
             log.info("curvature%s: %d layers, factors %.1f s, eigendecompositions %.1f s, eigenvalues %.1f s",
                      tag, len(group), *(timings[k] - before[k] for k in ("factors_s", "eigh_s", "lambda_s")))
             if store == "host":
@@ -1133,13 +1137,17 @@ def factors_sharded(model, kind: str) -> bool:
 
 def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id, device, progress, timings,
                cuda_graphs, tag="", offload=False, spill_dir=None, owners: dict | None = None, on_spill=None,
-               scores: FitScores | None = None):
+               scores: FitScores | None = None, local_sums: bool = False):
     """The fit of one group of layers: the tensors :class:`Curvature` holds.
     ``offload``: the finished tensors go to host memory as soon as the device copies that
     the eigenvalue pass needs are made (the pass then holds only those). ``owners``
     (K-FAC / EK-FAC under FSDP, :func:`prism_select.sharding.factor_owners`): each layer's
     statistics are accumulated, decomposed and kept by its owner rank alone, and this
-    rank returns the tensors of the layers it owns. ``on_spill`` (as in :func:`fit_curvature`)
+    rank returns the tensors of the layers it owns. ``local_sums`` (with ``owners``): each
+    rank sums its own batches' statistics of every layer of the group through a pass and
+    they reach the owners once, at its end (and every rank receives every layer's
+    eigenbases once, before the eigenvalue pass), instead of at every step: the same sums,
+    far fewer transfers, the whole group's sums on every rank. ``on_spill`` (as in :func:`fit_curvature`)
     receives the factor pass's spill, if one was written, instead of its being closed,
     unless ``scores`` (:class:`FitScores`) were formed from it."""
     import time
@@ -1147,6 +1155,9 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     layers = list(modules)
     me = distributed.rank()
     own = [n for n in layers if owners is None or owners[n] == me]
+    local = owners is not None and local_sums
+    step_sums = owners is not None and not local  # sharded factors summed onto their owners every step
+    summing = layers if local else own  # the layers this rank sums statistics for in the passes
     compute = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
     tensors: dict = {}
     stats = _Stats(compute)
@@ -1188,6 +1199,9 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     if spill is not None:
         taps = {n: _SpillTap(m, n, spill) for n, m in modules.items()}
     else:
+        # (sharded factors: no probe forward outside the lockstep passes; with local sums it
+        # left the ranks' FSDP collectives out of step in the two-process test. A layer that
+        # finds its input's product in the batch's cache adds it to its own A instead.)
         first = {n: n for n in layers} if owners is not None else \
             _shared_inputs(model, modules, encoded, batches, pad_id, device)
         # on the CPU (unsharded) a wide factor is summed as its lower block triangle alone
@@ -1199,13 +1213,13 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
                 return _LowerBlocks(D, d, compute)
             return zeros(D, D)
 
-        roots = [n for n in own if first[n] == n]  # one per accumulator of A
+        roots = [n for n in summing if first[n] == n]  # one per accumulator of A
         A = {n: factor_zeros(layer_shape(modules[n])[1], modules[n].in_features) for n in roots}
-        A.update({n: A[first[n]] for n in own})
-        readers = {r: sum(first[n] == r for n in own) for r in roots}
-        shared = {n for n in own if readers[first[n]] > 1}
-        S = {n: factor_zeros(layer_shape(modules[n])[0], layer_shape(modules[n])[0]) for n in own}
-        if owners is not None:
+        A.update({n: A[first[n]] for n in summing})
+        readers = {r: sum(first[n] == r for n in summing) for r in roots}
+        shared = {n for n in summing if readers[first[n]] > 1}
+        S = {n: factor_zeros(layer_shape(modules[n])[0], layer_shape(modules[n])[0]) for n in summing}
+        if step_sums:
             taps = {n: _ShardedCovTap(m, stats, A.get(n), S.get(n), owners[n]) for n, m in modules.items()}
         else:
             taps = {n: _CovTap(m, stats, A[n], S[n], n, n in shared) for n, m in modules.items()}
@@ -1249,11 +1263,17 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         return tensors
     for n in roots:  # one factor at a time: a packed one is freed as its full matrix is made
         A[n] = _mirror(A[n])
-    A.update({n: A[first[n]] for n in own})
-    for n in own:
+    A.update({n: A[first[n]] for n in summing})
+    for n in summing:
         S[n] = _mirror(S[n])
-    # sharded factors were summed on their owners as the pass went
-    distributed.all_reduce_sum(([] if owners is not None else [A[n] for n in roots] + list(S.values())) + [n_tok])
+    # sharded factors summed every step were summed on their owners as the pass went
+    distributed.all_reduce_sum(([] if step_sums else [A[n] for n in roots] + list(S.values())) + [n_tok])
+    if local:  # this rank keeps its own layers' sums; an input's accumulator, once per owner
+        A = {n: A[first[n]] for n in own}
+        S = {n: S[n] for n in own}
+        first = {n: next(m for m in own if A[m] is A[n]) for n in own}
+        roots = [n for n in own if first[n] == n]
+        release_host_memory()
     n_tokens = int(round(float(n_tok)))
     sync()
     timings["factors_s"] += time.perf_counter() - t0
@@ -1336,15 +1356,25 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     # Pass 2 (EK-FAC): eigenvalues corrected with per-example gradients in the eigenbasis.
     t0 = time.perf_counter()
     Lam, M4, taps = {}, {}, {}
+    # (local sums) a layer's inputs are rotated once per owner and eigenbasis, as the owner
+    # does with sums every step
+    qa_key = distributed.merge_dicts({n: (me, group_of[n]) for n in own}) if local else None
     for n, m in modules.items():
-        if owners is not None:
+        if local:  # every layer's eigenbases in the model's dtype, from its owner, for the pass
+            out, inp = layer_shape(m)
+            dt = m.weight.dtype
+            QA = distributed.broadcast_from(tensors.get(f"{n}::QA"), owners[n], (inp, inp), dt, device)
+            QS = distributed.broadcast_from(tensors.get(f"{n}::QS"), owners[n], (out, out), dt, device)
+            tap = taps[n] = _LambdaTap(m, stats, QA, QS, qa_key[n])
+            del QA, QS
+        elif owners is not None:
             tap = taps[n] = _ShardedLambdaTap(m, stats, tensors.get(f"{n}::QA"), tensors.get(f"{n}::QS"),
                                               group_of.get(n), owners[n])
             if owners[n] != me:
                 continue
         else:
             tap = taps[n] = _LambdaTap(m, stats, tensors[f"{n}::QA"], tensors[f"{n}::QS"], group_of[n])
-        if offload:  # the taps hold the eigenbases in the model's dtype; the float32 ones wait on the
+        if offload and n in own:  # the taps hold the eigenbases in the model's dtype; the float32 ones wait on the
             # host, moved there layer by layer: the group's float32 and half copies never coexist
             for k in ("QA", "lamA", "lamS", "QS"):
                 tensors[f"{n}::{k}"] = _to_host(tensors[f"{n}::{k}"])
@@ -1356,8 +1386,11 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
             "curvature eigenvalues" + tag, progress, cuda_graphs, settings.batch_size)
     del taps
-    if owners is None:
+    if not step_sums:
         distributed.all_reduce_sum(list(Lam.values()) + list(M4.values()))
+    if local:  # this rank keeps its own layers' sums
+        for n in set(layers) - set(own):
+            del Lam[n], M4[n]
     _finish_lambda(tensors, Lam, M4, own, n_examples)
     sync()
     timings["lambda_s"] += time.perf_counter() - t0
@@ -1527,10 +1560,11 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
                           cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model",
                           groups: list | None = None, store: str = "device", on_group=None,
                           cache_max_bytes: int | None = None, kernels: Kernels = DEFAULT_KERNELS,
-                          offload: bool | None = None, on_spill=None, scores: FitScores | None = None):
+                          offload: bool | None = None, on_spill=None, scores: FitScores | None = None,
+                          sharded_sums: str = "step"):
     """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
     and save it (``timings``, ``precision``, ``groups``, ``store``, ``offload``, ``on_group``,
-    ``on_spill`` and ``scores`` as in :func:`fit_curvature`; a reused curvature is handed to
+    ``on_spill``, ``scores`` and ``sharded_sums`` as in :func:`fit_curvature`; a reused curvature is handed to
     ``on_group`` whole, and does not score).
 
     The cache (:mod:`prism_select.cache`) is bounded by ``cache_max_bytes``: older entries
@@ -1571,7 +1605,7 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
     cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
                         cuda_graphs=cuda_graphs, timings=timings, precision=precision, groups=groups,
                         store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels, offload=offload,
-                        on_spill=on_spill, scores=scores)
+                        on_spill=on_spill, scores=scores, sharded_sums=sharded_sums)
     if settings.kind == "identity":
         return cur, directory, False
     if store == "transient":
