@@ -793,7 +793,8 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
                      longest=len(longest.input_ids) if longest is not None else 1, vocab=vocab,
                      max_gpu_memory=settings.max_gpu_memory, weights=fixed, gpu_total=gpu_total,
                      host_available=host, shards=distributed.world() if sharded else 1,
-                     sums=settings.fsdp_sums)
+                     sums=settings.fsdp_sums, keep_gathered=settings.fsdp_keep_gathered,
+                     full_weights=sum(p.numel() * p.element_size() for p in lm.model.parameters()) if sharded else None)
     if distributed.is_main():
         log.info("%s", plan.describe())
         if settings.progress and (plan.bounded and (len(plan.fit_groups) > 1 or plan.notes)):
@@ -925,7 +926,8 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
                      info={"run_key": run_key, "memory_plan": plan.to_json()},
                      execution=resolve_execution(settings, lm.model, lm.device, plan))
     try:
-        scores, pairs = _method_fn(settings.method)(ctx)
+        with sharding.weights_gathered(lm.model, plan.keep_gathered):
+            scores, pairs = _method_fn(settings.method)(ctx)
     except BaseException as exc:
         if distributed.is_main():
             _drop_partial_without_chunks(out_dir)

@@ -267,6 +267,9 @@ class MemoryPlan:
     fit: dict = field(default_factory=dict)  # groups, batch_size, peak, factor bytes
     curvature_store: str = "device"
     scoring: dict = field(default_factory=dict)  # batch_size, peak
+    #: FSDP: decoder blocks keep their gathered weights from forward to backward
+    #: (:func:`prism_select.sharding.weights_gathered`); ``peak`` includes the whole model then
+    keep_gathered: bool = False
     #: host memory (bounded plans): available, usable, and what the direction, the fit and
     #: the scoring keep there at most
     host: dict = field(default_factory=dict)
@@ -322,7 +325,8 @@ def _suggestions(n_layers: int, what: str) -> str:
 def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_batch_size: int,
               example_bytes: int, longest: int, vocab: int, max_gpu_memory: int | None = None,
               gpu_total: int | None = None, host_available: int | None = None,
-              weights: int | None = None, shards: int = 1, sums: str = "auto") -> MemoryPlan:
+              weights: int | None = None, shards: int = 1, sums: str = "auto", full_weights: int | None = None,
+              keep_gathered: str = "auto") -> MemoryPlan:
     """The plan for one run; :class:`PlanError` if it cannot fit.
 
     ``example_bytes``: measured activation bytes of one example of ``longest`` tokens
@@ -340,7 +344,11 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
     that; ``pass`` has every rank sum a whole group through each pass (the statistics reach
     their owners once per pass, :func:`prism_select.curvature.fit.fit_curvature`), which
     needs a whole group's sums on every rank; ``auto`` takes ``pass`` where that fits.
-    The choice is ``fit["sums"]``.
+    The choice is ``fit["sums"]``. ``full_weights`` (FSDP): bytes of the whole unsharded
+    model; ``keep_gathered`` (``--fsdp-keep-gathered``): ``auto`` keeps each block's gathered
+    weights from its forward to its backward where every stage's peak leaves room for the
+    rest of the model, ``on`` always (refused where it cannot fit), ``off`` never
+    (``keep_gathered``).
     """
     dev = torch.device(device)
     names = list(modules)
@@ -565,6 +573,18 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
             plan.notes.append(f"the fit runs in {len(groups)} groups of layers: two passes over the fit "
                               "sample per group")
     plan.peak = max(plan.direction["peak"], plan.scoring["peak"], plan.fit.get("peak", 0))
+    if shards > 1 and keep_gathered != "off":
+        # the rest of the model, gathered by every block at the end of a forward
+        rest = (full_weights or weights * shards) * (shards - 1) // shards
+        room = fits(plan.peak + rest)
+        if keep_gathered == "on" and not room:
+            raise PlanError(f"--fsdp-keep-gathered on does not fit on {dev}: the whole model ({_gib(rest)} more per "
+                            f"rank) beside a peak of {_gib(plan.peak)} exceeds {_gib(usable)} usable; use "
+                            "--fsdp-keep-gathered off (or auto)")
+        if room:
+            plan.keep_gathered, plan.peak = True, plan.peak + rest
+            plan.notes.append(f"each decoder block keeps its gathered weights from forward to backward "
+                              f"(one all-gather a step instead of two; +{_gib(rest)} per rank)")
     if bounded:
         v_host_s = tracked * half // shards if dir_host or plan.curvature_store == "transient" else 0
         plan.host = {"available": host_available, "usable": host_usable,

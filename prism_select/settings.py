@@ -35,7 +35,7 @@ from .graphs import GRAPH_MODES, check_graph_mode
 from .precision import PRECISIONS, check_precision, check_precision_scoring
 from .preference import METHODS as DIRECTION_METHODS
 from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS
-from .sharding import FSDP_SUMS, SHARDS, check_shard
+from .sharding import FSDP_SUMS, KEEP_GATHERED, SHARDS, check_shard
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_STREAM_WINDOW = 65_536
@@ -212,7 +212,8 @@ class ExecutionSettings:
     target direction and the curvature fit run in the same arithmetic
     (:mod:`prism_select.precision`). cuda_graphs: :mod:`prism_select.graphs`. shard:
     :mod:`prism_select.sharding`; fsdp_sums: ``sharded_sums`` of
-    :func:`prism_select.curvature.fit.fit_curvature`, chosen by the memory plan under auto.
+    :func:`prism_select.curvature.fit.fit_curvature`, chosen by the memory plan under auto;
+    fsdp_keep_gathered: :func:`prism_select.sharding.weights_gathered`, likewise.
     deterministic: :func:`prism_select.execution.make_deterministic`.
     max_gpu_memory: bytes (a text such as ``"70GiB"`` is read as a size), the cap of the
     memory plan (:mod:`prism_select.plan`).
@@ -237,6 +238,11 @@ class ExecutionSettings:
                                   "the fit's sums), pass (each rank sums every layer of a fit group through a "
                                   "pass, sent once at its end: far fewer transfers, a whole group's sums on every "
                                   "rank), auto (pass where the memory plan finds room for it, else step)")
+    fsdp_keep_gathered: str = setting("auto", key=False, choices=KEEP_GATHERED,
+                                      help="under --shard fsdp, each decoder block keeps the weights it gathers "
+                                           "for its forward until its backward (one all-gather per step instead "
+                                           "of two, a whole model on every rank at the end of each forward): "
+                                           "auto (where the memory plan finds room for it), on, off")
     deterministic: bool = setting(False, help="deterministic kernels (torch.use_deterministic_algorithms, cuBLAS's "
                                                "fixed workspace): the same run on the same kind of GPU and software "
                                                "gives the same scores bit for bit; kernels that add in varying "
@@ -253,6 +259,9 @@ class ExecutionSettings:
             raise ConfigError("shard", f"unknown value {self.shard!r}", f"use one of {', '.join(SHARDS)}")
         if self.fsdp_sums not in FSDP_SUMS:
             raise ConfigError("fsdp_sums", f"unknown value {self.fsdp_sums!r}", f"use one of {', '.join(FSDP_SUMS)}")
+        if self.fsdp_keep_gathered not in KEEP_GATHERED:
+            raise ConfigError("fsdp_keep_gathered", f"unknown value {self.fsdp_keep_gathered!r}",
+                              f"use one of {', '.join(KEEP_GATHERED)}")
         if isinstance(self.max_gpu_memory, str):
             self.max_gpu_memory = _memory_size(self.max_gpu_memory)
         if self.max_gpu_memory is not None and (isinstance(self.max_gpu_memory, bool) or not (

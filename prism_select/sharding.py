@@ -47,6 +47,7 @@ Limits
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,9 @@ SHARDS = ("none", "fsdp")
 #: (``--fsdp-sums``; :func:`prism_select.curvature.fit.fit_curvature`, ``sharded_sums``):
 #: every step, once per pass, or as the memory plan finds room (auto)
 FSDP_SUMS = ("auto", "step", "pass")
+#: whether each decoder block keeps its gathered weights from its forward to its backward
+#: (``--fsdp-keep-gathered``, :func:`weights_gathered`): as the memory plan finds room, or always / never
+KEEP_GATHERED = ("auto", "on", "off")
 #: the scoring methods that run sharded: they need nothing beyond the direction and v
 SHARDED_METHODS = ("prism", "equal", "unpaired")
 
@@ -156,6 +160,26 @@ def shard_model(model: torch.nn.Module, modules: dict, device) -> torch.nn.Modul
                 m._buffers[k] = b.to(dev)
     log.info("sharded the model over %d ranks with FSDP2 (%d blocks)", distributed.world(), len(blocks))
     return model
+
+
+@contextmanager
+def weights_gathered(model: torch.nn.Module, on: bool):
+    """While the block runs, each decoder block of a sharded ``model`` keeps the weights (and
+    ``V``) it gathers for its forward until its backward has run, which then needs no
+    second all-gather (FSDP2's ``set_reshard_after_forward``): one transfer of the model per
+    step instead of two, for a whole unsharded model on every rank at the end of each
+    forward. The blocks are resharded when it ends. ``on`` False (or a PyTorch without the
+    setter): nothing changes."""
+    blocks = [b for b in decoder_blocks(model) if hasattr(b, "set_reshard_after_forward")] \
+        if on and is_sharded(model) else []
+    for b in blocks:
+        b.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for b in blocks:
+            b.set_reshard_after_forward(True)
+            b.reshard()
 
 
 def set_v(modules: dict, v_rows: dict) -> None:

@@ -238,6 +238,28 @@ def test_sharded_sums_once_per_pass_only_where_a_group_fits_every_rank(model, mo
     assert make_plan(model, modules, gpu_total=80 * GiB, **{**kw, "shards": 1}).fit["sums"] == "step"
 
 
+def test_blocks_keep_gathered_weights_only_where_the_whole_model_fits(model, modules):
+    """--fsdp-keep-gathered: auto keeps each block's gathered weights from forward to
+    backward where every stage's peak leaves room for the rest of the model (counted in the
+    plan's peak), not where it does not; on where it cannot fit is refused naming the fix."""
+    from prism_select.plan import HEADROOM_BYTES
+    full = 64 << 20  # a model far larger than its shard (weights=0 below: the allocations)
+    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example_bytes=1 << 10, longest=1,
+              vocab=1, weights=0, host_available=1 << 40, shards=4, full_weights=full)
+    roomy = make_plan(model, modules, gpu_total=80 * GiB, **kw)
+    off = make_plan(model, modules, gpu_total=80 * GiB, keep_gathered="off", **kw)
+    assert roomy.keep_gathered and not off.keep_gathered
+    assert roomy.peak == off.peak + full * 3 // 4 and any("keeps its gathered" in n for n in roomy.notes)
+    assert roomy.to_json()["keep_gathered"] is True
+    # room for every stage but not for the rest of the model as well
+    tight_total = off.peak + full // 2 + HEADROOM_BYTES
+    tight = make_plan(model, modules, gpu_total=tight_total, **kw)
+    assert not tight.keep_gathered and tight.peak <= tight.usable
+    with pytest.raises(PlanError, match="--fsdp-keep-gathered off"):
+        make_plan(model, modules, gpu_total=tight_total, keep_gathered="on", **kw)
+    assert not make_plan(model, modules, gpu_total=80 * GiB, **{**kw, "shards": 1}).keep_gathered
+
+
 def _fits_one_group(model, modules, total, kw) -> bool:
     try:
         return len(make_plan(model, modules, gpu_total=total, sums="step", **kw).fit_groups) == 1

@@ -30,21 +30,27 @@ def _scores(d):
 
 
 CURVATURES = ("ekfac", "identity")
-#: the sharded runs: (curvature, --fsdp-sums); on the CPU the plan's auto is "pass"
-SHARDED_RUNS = (("ekfac", "auto"), ("ekfac", "step"), ("identity", "auto"))
+#: the sharded runs: (curvature, transfers). "auto": the memory plan's choices, which on
+#: the (unbounded) CPU are the statistics sent once per pass and the blocks' weights kept
+#: gathered from forward to backward; "lean": every step, and gathered twice per step
+SHARDED_RUNS = (("ekfac", "auto"), ("ekfac", "lean"), ("identity", "auto"))
+LEAN = ("--fsdp-sums", "step", "--fsdp-keep-gathered", "off")
 
 
-def _sharded_dir(d, kind, sums):
-    return d / (f"fsdp-{kind}" if sums == "auto" else f"fsdp-{kind}-{sums}")
+def _sharded_dir(d, kind, transfers):
+    return d / (f"fsdp-{kind}" if transfers == "auto" else f"fsdp-{kind}-{transfers}")
 
 
 def sharded_commands(d):
-    """The sharded runs (SHARDED_RUNS) into ``d / "fsdp-<kind>[-<sums>]"`` (each its own
+    """The sharded runs (SHARDED_RUNS) into ``d / "fsdp-<kind>[-lean]"`` (each its own
     cache: it fits, not reuses, the curvature): run on two ranks in the launch of the
     session fixture ``two_ranks`` (:func:`test_distributed.launch_two_ranks`), on its inputs."""
-    return [_args(d, _sharded_dir(d, kind, sums), "--curvature", kind, "--shard", "fsdp", "--fsdp-sums", sums,
-                  "--cache-dir", str(_sharded_dir(d, kind, sums).with_name(f"cache-{_sharded_dir(d, kind, sums).name}")))[2:]
-            for kind, sums in SHARDED_RUNS]
+    out = []
+    for kind, transfers in SHARDED_RUNS:
+        run = _sharded_dir(d, kind, transfers)
+        out.append(_args(d, run, "--curvature", kind, "--shard", "fsdp", *(LEAN if transfers == "lean" else ()),
+                         "--cache-dir", str(run.with_name(f"cache-{run.name}")))[2:])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +65,9 @@ def runs(two_ranks):
     return d
 
 
-@pytest.mark.parametrize("curvature,sums", SHARDED_RUNS)
-def test_fsdp_scores_equal_one_process(runs, curvature, sums):
-    out = _sharded_dir(runs, curvature, sums)
+@pytest.mark.parametrize("curvature,transfers", SHARDED_RUNS)
+def test_fsdp_scores_equal_one_process(runs, curvature, transfers):
+    out = _sharded_dir(runs, curvature, transfers)
     one, two = _scores(runs / f"one-{curvature}"), _scores(out)
     assert list(one) == list(two)
     for k in one:
@@ -72,8 +78,9 @@ def test_fsdp_scores_equal_one_process(runs, curvature, sums):
         per = run["curvature"]["factor_shards"]["stored_bytes_per_rank"]
         assert len(per) == 2 and min(per) > 0 and max(per) <= 0.75 * sum(per)
         assert run["curvature"]["path"] is None  # a sharded curvature is not cached
-        # the statistics reached their owners as asked (auto: once per pass, unbounded CPU)
-        assert run["memory_plan"]["fit"]["sums"] == ("pass" if sums == "auto" else sums)
+        # the statistics reached their owners as planned
+        assert run["memory_plan"]["fit"]["sums"] == ("pass" if transfers == "auto" else "step")
+    assert run["memory_plan"]["keep_gathered"] is (transfers == "auto")
     assert not (out / ".partial").exists()
 
 
