@@ -23,7 +23,9 @@
 #   NODDP (shard step without the data-parallel run), TAG (suffix of its result files),
 #   DEADLINE (epoch seconds: every score step stops 20 s before it, to fit a call limit),
 #   KS (GPU counts of the shard step), K1NOGRAPHS (shard step: also one GPU without CUDA
-#   graphs, the FSDP runs' arithmetic), FSDP_GPUS / FSDP_DEVICES (fsdp-full step).
+#   graphs, the FSDP runs' arithmetic), FSDP_LEAN (shard step: also each K with
+#   --fsdp-sums step --fsdp-keep-gathered off, the transfers of every step, beside the
+#   plan's choice), FSDP_GPUS / FSDP_DEVICES (fsdp-full step).
 #   A step longer than a call: start it in its own process session on the warm machine,
 #   `setsid nohup bash benchmarks/scale_suite.sh STEP > /tmp/STEP.log 2>&1 &`, and look at
 #   the log in the next calls (it runs until the machine goes back).
@@ -73,6 +75,11 @@ for step in "$@"; do
         CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((K - 1))) score "fsdp-k$K" --modules "$MODS" --shard fsdp \
           --cache-dir "$S/cache-fsdp-k$K"
         runs="$runs $S/run-fsdp-k$K"
+        if [ -n "${FSDP_LEAN:-}" ]; then  # the same with the fewest bytes held: transfers every step
+          CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((K - 1))) score "fsdp-lean-k$K" --modules "$MODS" --shard fsdp \
+            --fsdp-sums step --fsdp-keep-gathered off --cache-dir "$S/cache-fsdp-lean-k$K"
+          runs="$runs $S/run-fsdp-lean-k$K"
+        fi
         if [ -z "${NODDP:-}" ]; then
           CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((K - 1))) score "ddp-k$K" --modules "$MODS" --cache-dir "$S/cache-ddp-k$K"
           runs="$runs $S/run-ddp-k$K"
