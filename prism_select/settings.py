@@ -255,13 +255,10 @@ class ExecutionSettings:
     def __post_init__(self):
         check_precision(self.precision)
         check_graph_mode(self.cuda_graphs)
-        if self.shard not in SHARDS:
-            raise ConfigError("shard", f"unknown value {self.shard!r}", f"use one of {', '.join(SHARDS)}")
-        if self.fsdp_sums not in FSDP_SUMS:
-            raise ConfigError("fsdp_sums", f"unknown value {self.fsdp_sums!r}", f"use one of {', '.join(FSDP_SUMS)}")
-        if self.fsdp_keep_gathered not in KEEP_GATHERED:
-            raise ConfigError("fsdp_keep_gathered", f"unknown value {self.fsdp_keep_gathered!r}",
-                              f"use one of {', '.join(KEEP_GATHERED)}")
+        for name, allowed in (("shard", SHARDS), ("fsdp_sums", FSDP_SUMS), ("fsdp_keep_gathered", KEEP_GATHERED)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(name, f"unknown value {value!r}", f"use one of {', '.join(allowed)}")
         if isinstance(self.max_gpu_memory, str):
             self.max_gpu_memory = _memory_size(self.max_gpu_memory)
         if self.max_gpu_memory is not None and (isinstance(self.max_gpu_memory, bool) or not (

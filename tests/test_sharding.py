@@ -220,6 +220,10 @@ def test_shard_settings_refused_with_the_fix():
         ScoreSettings(shard="fsdp", method="random")
     with pytest.raises(ConfigError, match="unknown value"):
         ScoreSettings(shard="ddp")
+    with pytest.raises(ConfigError, match="fsdp_sums.*use one of auto, step, pass"):
+        ScoreSettings(fsdp_sums="never")
+    with pytest.raises(ConfigError, match="fsdp_keep_gathered.*use one of auto, on, off"):
+        ScoreSettings(fsdp_keep_gathered="yes")
     with pytest.raises(ConfigError, match="several processes"):
         sharding.shard_model(torch.nn.Linear(2, 2), {}, "cpu")
 
