@@ -22,7 +22,9 @@
 set -uo pipefail
 B="$(cd "${1:?bundle}" && pwd)"; BUDGET="${2:?budget in seconds}"; shift 2
 OUTDIR="${OUT:-/tmp/prism-out}"; mkdir -p "$OUTDIR" /tmp/prism-runs
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$B"/run/wheels/*.whl || exit 3
+# once per machine: a second script started beside this one (another GPU) reuses the install
+[ -f /tmp/site/.prism-installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site "$B"/run/wheels/*.whl && touch /tmp/site/.prism-installed; } || exit 3
 export PYTHONPATH="/tmp/site:$B/run/tree${PYTHONPATH:+:$PYTHONPATH}"
 GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f "$GGUF" ] || cat "$B"/part1/part.* "$B"/run/part2/part.* > "$GGUF" || exit 4
