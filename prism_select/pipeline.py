@@ -688,8 +688,8 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
                                   batch_size=d.get("batch_size", ctx.settings.batch_size),
                                   progress=ctx.settings.progress, ids=[p.id for p in ctx.inputs.pairs],
                                   accumulate=accumulate, store=d.get("store", "device"),
-                                  one_graph=one_graph,
-                                  kernels=direction_kernels(ex.kernels))
+                                  one_graph=one_graph, kernels=direction_kernels(ex.kernels),
+                                  share=sharding.is_sharded(ctx.lm.model))
     ctx.timings["preference_s"] = time.perf_counter() - t
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
              ctx.timings["preference_s"])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from . import profiling
+from . import distributed, profiling
 from .data.tokenize import collate, token_losses
 from .errors import ConfigError
 from .engine import batch_losses, cpu_response_split
@@ -66,7 +66,7 @@ def _mean_losses(model, encoded: list, pad_id: int, device, modules: dict | None
 def compute_preference(model, modules: dict, chosen: list, rejected: list, *, method: str = "prism",
                        pad_id: int, batch_size: int = 8, device=None, progress: bool = True,
                        ids=None, accumulate: str = "device", store: str = "device",
-                       one_graph: bool = False, kernels: Kernels = DIRECTION_KERNELS) -> Preference:
+                       one_graph: bool = False, kernels: Kernels = DIRECTION_KERNELS, share: bool = False) -> Preference:
     """Margins, ``pi`` and the target direction for encoded pairs.
 
     ``chosen[i]`` / ``rejected[i]`` are the :class:`~prism_select.data.tokenize.Encoded`
@@ -84,6 +84,12 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
     the model's device, ``host``), float32 for half-precision models, one layer at a time
     taken out of ``.grad`` (no full copy next to the gradients). ``kernels``: those of the
     fused loss's head product on the CPU (under split32, with the cotangent split).
+
+    ``share`` (a model sharded with FSDP over the ranks, :mod:`prism_select.sharding`):
+    the batches of pairs are dealt to the ranks in turn, each rank's losses scaled by the
+    number of ranks (FSDP averages the ranks' gradients as it reduce-scatters them), and a
+    rank with fewer batches repeats its last with zero weights so that every rank runs as
+    many steps; the margins, ``pi`` and weights are then gathered in pair order.
     """
     if method not in METHODS:
         raise ConfigError("method", f"unknown target direction {method!r}", f"use one of {', '.join(METHODS)}")
@@ -91,12 +97,16 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
         raise ConfigError("targets", "need at least one target pair")
     device = device or next(model.parameters()).device
     Q = len(chosen)
-    margins, pis, lcs, lrs, ws = [], [], [], [], []
+    margins, pis, lcs, lrs, ws, done = [], [], [], [], [], []
+    starts = list(range(0, Q, batch_size))
+    share = share and distributed.active()
+    scale = distributed.world() if share else 1
+    steps = distributed.lockstep(distributed.round_robin(starts), starts[0]) if share else ((s, True) for s in starts)
     with tracked_param_grad_mode(model, modules), _HostAccumulator(modules, accumulate == "host") as host:
-        starts = range(0, Q, batch_size)
-        for s in profiling.steps(f"target direction ({method})",
-                                 tqdm(starts, desc=f"target direction ({method})", unit="batch", leave=False,
-                                      disable=not progress)):
+        bar = tqdm(total=len(distributed.round_robin(starts)) if share else len(starts),
+                   desc=f"target direction ({method})", unit="batch", leave=False,
+                   disable=not progress or not distributed.is_main())
+        for s, real in profiling.steps(f"target direction ({method})", steps):
             ch, rj = chosen[s:s + batch_size], rejected[s:s + batch_size]
             batch_ids = None if ids is None else ids[s:s + batch_size]
             joint = not one_graph and method != "unpaired"  # both halves' graphs alive at once
@@ -114,24 +124,36 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
                     w = torch.ones_like(pi)
                 else:
                     w = torch.exp(-lc.double())
+                # (share) a stand-in step adds nothing; a real one counts for every rank's
+                # average that FSDP forms
+                wq = w * scale if real else torch.zeros_like(w)
             # The direction is the gradient of sum_q w_q (lbar+ - lbar-) / |Q| with the
             # weights held constant (for unpaired, of sum_q w_q lbar+ / |Q|): jointly, or the
             # chosen half and then the rejected half with a forward of its own (one_graph).
             if joint:
-                (w.to(lc.dtype) * (lc - lr)).sum().div(Q).backward()
+                (wq.to(lc.dtype) * (lc - lr)).sum().div(Q).backward()
             else:
-                (w.to(lc.dtype) * lc).sum().div(Q).backward()
+                (wq.to(lc.dtype) * lc).sum().div(Q).backward()
                 if method != "unpaired":  # y- is only reported (pi, margin), not differentiated
                     lr_g, _ = _mean_losses(model, rj, pad_id, device, modules, kernels)
-                    (w.to(lr_g.dtype) * lr_g).sum().div(-Q).backward()
+                    (wq.to(lr_g.dtype) * lr_g).sum().div(-Q).backward()
                     del lr_g
             lc, lr = lc.detach(), lr.detach()
+            if not real:
+                continue
+            bar.update()
+            done.append(s)
             margins.append(margin)
             pis.append(pi)
             lcs.append(lc.double())
             lrs.append(lr.double())
             ws.append(w)
+        bar.close()
         direction = host.result() if host.active else _take_grads(modules, store)
+    if share:  # every rank's pairs, in pair order
+        mine = [(s, *(x.cpu() for x in xs)) for s, *xs in zip(done, margins, pis, lcs, lrs, ws)]
+        every = sorted((t for part in distributed.gather_values(mine) for t in part), key=lambda t: t[0])
+        margins, pis, lcs, lrs, ws = (list(col) for col in zip(*[t[1:] for t in every]))
     release_host_memory()  # the batches' graphs are gone: their heap goes back to the system
     if host.active:  # (_take_grads checks each gradient where autograd left it)
         for n, g in direction.items():

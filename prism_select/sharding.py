@@ -17,10 +17,11 @@ How
       there, sharded and all-gathered with the weights of its block, so the exact
       scorer (:class:`prism_select.engine.ExactScorer`) reads the full ``V`` of a layer
       exactly when it reads the full weight.
-    * The target direction: every rank differentiates every target pair (they are few,
-      and identical work keeps FSDP's collectives in step); FSDP reduce-scatters the
-      gradients, which, being equal on every rank, average to the one-GPU gradient, and
-      each rank takes its rows (:func:`local`).
+    * The target direction: the batches of target pairs are dealt to the ranks in turn
+      (:func:`prism_select.preference.compute_preference` with ``share``), each rank's
+      losses scaled by the number of ranks; FSDP reduce-scatters the gradients, whose
+      average over the ranks is then the one-GPU gradient, and each rank takes its rows
+      (:func:`local`).
     * Preconditioning (:func:`precondition_rows`): layer by layer, the rows are
       all-gathered into the full gradient, ``H^-1`` is applied by the rank that holds
       that layer's curvature (:func:`curvature_owners`), the result is broadcast and each

@@ -72,6 +72,14 @@ def test_fsdp_scores_equal_one_process(runs, curvature, transfers):
     assert list(one) == list(two)
     for k in one:
         assert two[k] == pytest.approx(one[k], rel=SHARDED_REL_TOL, abs=1e-12), k
+    # the pairs' batches were dealt to the two ranks (batch size 2 of 3 pairs): every pair's
+    # pi and losses come back in pair order
+    pairs = lambda d: [json.loads(line) for line in (d / "pairs.jsonl").read_text().splitlines()]  # noqa: E731
+    p1, p2 = pairs(runs / f"one-{curvature}"), pairs(out)
+    assert [p["id"] for p in p2] == [p["id"] for p in p1] and len(p1) == 3
+    for a, b in zip(p1, p2):
+        assert b["pi"] == pytest.approx(a["pi"], rel=SHARDED_REL_TOL)
+        assert b["loss_chosen"] == pytest.approx(a["loss_chosen"], rel=SHARDED_REL_TOL)
     run = json.loads((out / "run.json").read_text())
     assert run["settings"]["shard"] == "fsdp" and run["distributed"]["world_size"] == 2
     if curvature == "ekfac":  # each rank fitted and kept its own layers' factors
