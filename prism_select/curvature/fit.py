@@ -1268,12 +1268,9 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         S[n] = _mirror(S[n])
     # sharded factors summed every step were summed on their owners as the pass went
     distributed.all_reduce_sum(([] if step_sums else [A[n] for n in roots] + list(S.values())) + [n_tok])
-    if local:  # this rank keeps its own layers' sums; an input's accumulator, once per owner
-        A = {n: A[first[n]] for n in own}
-        S = {n: S[n] for n in own}
-        first = {n: next(m for m in own if A[m] is A[n]) for n in own}
-        roots = [n for n in own if first[n] == n]
-        release_host_memory()
+    if local:  # this rank keeps its own layers' sums (sharded: one A per layer, first[n] == n)
+        A, S = {n: A[n] for n in own}, {n: S[n] for n in own}
+        roots = list(own)
     n_tokens = int(round(float(n_tok)))
     sync()
     timings["factors_s"] += time.perf_counter() - t0
