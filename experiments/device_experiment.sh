@@ -27,7 +27,7 @@ OUTDIR="${OUT:-/tmp/prism-out}"; mkdir -p "$OUTDIR" /tmp/prism-runs
   --upgrade --target /tmp/site "$B"/run/wheels/*.whl && touch /tmp/site/.prism-installed; } || exit 3
 export PYTHONPATH="/tmp/site:$B/run/tree${PYTHONPATH:+:$PYTHONPATH}"
 GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-[ -f "$GGUF" ] || cat "$B"/part1/part.* "$B"/run/part2/part.* > "$GGUF" || exit 4
+[ -f "$GGUF" ] || { cat "$B"/part1/part.* "$B"/run/part2/part.* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF"; } || exit 4
 if [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" != "$(cat "$B/run/part2/sha256")" ]; then
   rm -f "$GGUF"; echo "the joined GGUF does not match its checksum: carry part1 in an earlier call" >&2; exit 4
 fi
