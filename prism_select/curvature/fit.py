@@ -1334,12 +1334,8 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         bar.update(len(tasks) - len(mine))
     if owners is None:
         distributed.share_from_owners([t for kn in tasks for t in results[kn]], [r for r in where for _ in range(2)])
-    for n in own:
-        lamA, QA = results[("A", reps[group_of[n]])]
-        if n != reps[group_of[n]]:  # stored once per layer (safetensors refuses shared storage)
-            lamA, QA = lamA.clone(), QA.clone()
-        tensors[f"{n}::QA"] = QA
-        tensors[f"{n}::lamA"] = lamA
+    for n in own:  # layers reading one input share its eigenbasis until _unshare_inputs
+        tensors[f"{n}::lamA"], tensors[f"{n}::QA"] = results[("A", reps[group_of[n]])]
         tensors[f"{n}::lamS"], tensors[f"{n}::QS"] = results[("S", n)]
     del A, S, results
     # the decomposed factors and LAPACK's outputs were freed in the workers' heaps
@@ -1348,6 +1344,7 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     timings["eigh_s"] += time.perf_counter() - t0
 
     if settings.kind == "kfac":
+        _unshare_inputs(tensors, own)
         return tensors
 
     # Pass 2 (EK-FAC): eigenvalues corrected with per-example gradients in the eigenbasis.
@@ -1380,7 +1377,8 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         # pass-1 factors' size) and exceeded the plan's figure for the fit (tests/test_scale.py)
         Lam[n] = tap.Lam = zeros(*layer_shape(m))
         M4[n] = tap.M4 = zeros(1)
-    _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
+    steps = _lambda_steps(modules, encoded, batches, settings.fisher, device, owners)
+    _passes(model, taps, stats, encoded, steps, settings.fisher, settings.seed, device, pad_id,
             "curvature eigenvalues" + tag, progress, cuda_graphs, settings.batch_size)
     del taps
     if not step_sums:
@@ -1389,9 +1387,57 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
         for n in set(layers) - set(own):
             del Lam[n], M4[n]
     _finish_lambda(tensors, Lam, M4, own, n_examples)
+    _unshare_inputs(tensors, own)
     sync()
     timings["lambda_s"] += time.perf_counter() - t0
     return tensors
+
+
+def _unshare_inputs(tensors: dict, own: list) -> None:
+    """Give every layer its own copy of an eigenbasis it shares with the layers reading the
+    same input (q/k/v, gate/up: one ``lamA``, ``QA`` each from the eigendecompositions):
+    the saved curvature stores each layer's tensors apart (safetensors refuses shared
+    storage). Done after the eigenvalue pass, which reads them shared: their copies
+    (0.12 GB of the embedded model's 1.22 GB of float32 eigenbases) are not held during it."""
+    seen = set()
+    for n in own:
+        for k in ("lamA", "QA"):
+            t = tensors.get(f"{n}::{k}")
+            if t is None:
+                continue
+            if t.untyped_storage().data_ptr() in seen:
+                tensors[f"{n}::{k}"] = t.clone()
+            else:
+                seen.add(t.untyped_storage().data_ptr())
+
+
+#: the CPU's EK-FAC eigenvalue pass (not from a spill, the empirical Fisher, one process)
+#: runs each fit batch in steps whose linear layers' inputs and outputs take at most about
+#: this many bytes (:func:`_lambda_steps`; at least one example a step). The pass holds
+#: the whole curvature (the float32 eigenbases and the eigenvalue sums: 1.6 GB for the
+#: embedded model) next to one step's activations, about those inputs and outputs
+#: (1.15 MB a token for the embedded model; autograd kept 687-724 MiB for a batch of 8
+#: demo records; session 13); the per-example products, and so the sums, do not depend
+#: on the steps.
+LAMBDA_STEP_MAX_BYTES = 256 << 20
+
+
+def _lambda_steps(modules: dict, encoded: list, batches: list, fisher: str, device, owners) -> list:
+    """The eigenvalue pass's steps: ``batches`` themselves, or on the CPU (the empirical
+    Fisher, one process, unsharded factors) each batch cut into consecutive runs of
+    examples whose padded tokens' tracked-layer inputs and outputs take at most
+    LAMBDA_STEP_MAX_BYTES (estimated at the model's dtype). The sampled Fisher keeps the
+    batches: its labels are drawn batch by batch, the same draws as the factor pass's."""
+    if (fisher != "empirical" or owners is not None or distributed.world() > 1
+            or torch.device(device or "cpu").type != "cpu" or not modules):
+        return batches
+    per_token = sum(sum(layer_shape(m)) * m.weight.element_size() for m in modules.values())
+    steps = []
+    for b in batches:
+        length = max(len(encoded[i].input_ids) for i in b)
+        k = max(1, LAMBDA_STEP_MAX_BYTES // (per_token * length))
+        steps += [b[j:j + k] for j in range(0, len(b), k)]
+    return steps
 
 
 def _finish_lambda(tensors: dict, Lam: dict, M4: dict, own: list, n_examples: int) -> None:

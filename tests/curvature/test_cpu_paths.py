@@ -352,3 +352,77 @@ def test_run_scores_inside_the_fit(model, tok, tmp_path, pool_examples, pair_exa
     assert spill_calls == []
     assert rel_err(got, ref) <= FIT_SCORE_REL_TOL
     assert rel_err(again, ref) <= FIT_SCORE_REL_TOL
+
+
+#: float64 end to end: the eigenvalue pass in smaller steps differs from the whole batches by
+#: summation order and padding alone
+LAMBDA_STEPS_REL_TOL = 1e-12
+
+
+def _eigenvalue_pass_spy(monkeypatch):
+    """Wraps ``fit._passes``: each pass's taps and the batches it ran."""
+    seen = []
+    passes = fit_mod._passes
+
+    def spy(model, taps, stats, encoded, batches, *a, **k):
+        seen.append((dict(taps), [list(b) for b in batches]))
+        return passes(model, taps, stats, encoded, batches, *a, **k)
+
+    monkeypatch.setattr(fit_mod, "_passes", spy)
+    return seen
+
+
+def test_cpu_eigenvalue_pass_runs_in_bounded_steps(model, modules, tok, encoded_pool, monkeypatch):
+    """On the CPU (the model run again, the empirical Fisher) the eigenvalue pass cuts each
+    fit batch into steps whose tracked layers' inputs and outputs take at most
+    ``LAMBDA_STEP_MAX_BYTES`` (one example at least), so its activations do not scale with
+    the batch (issue 16); the curvature equals that of whole batches to float64 rounding."""
+    from prism_select.gradients import layer_shape
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=4)
+    per_token = sum(sum(layer_shape(m)) * m.weight.element_size() for m in modules.values())
+    longest = max(len(e.input_ids) for e in encoded_pool)
+    monkeypatch.setattr(fit_mod, "LAMBDA_STEP_MAX_BYTES", 2 * per_token * longest)  # two examples a step
+    seen = _eigenvalue_pass_spy(monkeypatch)
+    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+    (_, factor_batches), (_, steps) = seen
+    assert max(len(b) for b in factor_batches) == 4
+    assert max(len(s) for s in steps) == 2
+    assert [i for s in steps for i in s] == [i for b in factor_batches for i in b]  # the same examples, in order
+    for s in steps:
+        assert per_token * len(s) * max(len(encoded_pool[i].input_ids) for i in s) <= fit_mod.LAMBDA_STEP_MAX_BYTES
+    monkeypatch.setattr(fit_mod, "LAMBDA_STEP_MAX_BYTES", 1 << 60)  # whole batches
+    ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+    assert seen[-1][1] == factor_batches
+    assert list(got.tensors) == list(ref.tensors)
+    for k, t in ref.tensors.items():
+        assert rel_err(got.tensors[k], t) <= LAMBDA_STEPS_REL_TOL, k
+    # the sampled Fisher keeps the factor pass's batches (its labels are drawn batch by batch)
+    seen.clear()
+    monkeypatch.setattr(fit_mod, "LAMBDA_STEP_MAX_BYTES", 1)
+    fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=4,
+                                                                 fisher="sampled"),
+                  pad_id=tok.pad_token_id, progress=False)
+    assert seen[1][1] == seen[0][1]
+
+
+def test_layers_reading_one_input_share_its_eigenbasis_during_the_eigenvalue_pass(model, modules, tok,
+                                                                                 encoded_pool, monkeypatch):
+    """q/k/v (and gate/up) read one input and have one ``QA``: the eigenvalue pass holds it
+    once (its copies would be 0.12 GB of the embedded model's eigenbases); each layer's
+    saved tensors are its own afterwards (safetensors refuses shared storage)."""
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    seen = _eigenvalue_pass_spy(monkeypatch)
+    cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3),
+                        pad_id=tok.pad_token_id, progress=False)
+    taps = seen[1][0]
+    for i in range(2):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        q = taps[attn + "q_proj"].QA
+        assert taps[attn + "k_proj"].QA.data_ptr() == q.data_ptr() == taps[attn + "v_proj"].QA.data_ptr()
+        assert taps[mlp + "up_proj"].QA.data_ptr() == taps[mlp + "gate_proj"].QA.data_ptr()
+        assert taps[attn + "o_proj"].QA.data_ptr() != q.data_ptr()
+    ptrs = [t.untyped_storage().data_ptr() for t in cur.tensors.values()]
+    assert len(set(ptrs)) == len(ptrs)
+    assert torch.equal(cur.tensors["model.layers.0.self_attn.q_proj::QA"],
+                       cur.tensors["model.layers.0.self_attn.k_proj::QA"])
