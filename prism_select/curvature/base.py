@@ -186,9 +186,8 @@ class Curvature:
         With ``release``, the heap of the released host tensors is handed back to the
         system (:func:`prism_select.gradients.release_host_memory`) each time
         PRECONDITION_TRIM_BYTES of them have been released, and at the end: glibc kept it
-        and did not reuse it for ``v``, so the process grew by ``v`` while its live
-        tensors shrank (the demo at 40 records without a spill: 2,563 -> 3,111 MiB RSS
-        while the heap's live bytes fell from 1.73 to 0.57 GiB; session 13)."""
+        and does not reuse it for ``v``, so without the trim the process grows by ``v``
+        while its live tensors shrink (docs/performance.md, the 1,000-record CPU fit)."""
         out = {}
         freed = [0]  # bytes of released host tensors since the last trim
         unknown = [n for n in grads if n not in self.damping]

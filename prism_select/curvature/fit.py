@@ -1416,9 +1416,9 @@ def _unshare_inputs(tensors: dict, own: list) -> None:
 #: this many bytes (:func:`_lambda_steps`; at least one example a step). The pass holds
 #: the whole curvature (the float32 eigenbases and the eigenvalue sums: 1.6 GB for the
 #: embedded model) next to one step's activations, about those inputs and outputs
-#: (1.15 MB a token for the embedded model; autograd kept 687-724 MiB for a batch of 8
-#: demo records; session 13); the per-example products, and so the sums, do not depend
-#: on the steps.
+#: (1.15 MB a token for the embedded model; autograd keeps about 0.7 GiB for a batch of 8
+#: demo records, docs/performance.md); the per-example products, and so the sums, do not
+#: depend on the steps.
 LAMBDA_STEP_MAX_BYTES = 256 << 20
 
 
