@@ -1,5 +1,5 @@
 """Resident memory and glibc heap figures of the demo, stage by stage and fit step by fit step
-(session 13, issue 16).
+(the fit's host memory, docs/performance.md).
 
     PRISM_SELECT_CACHE=<empty but the converted model> python benchmarks/rss_probe.py 40 --json OUT.json
     python benchmarks/rss_probe.py 40 --full --json OUT.json          # the whole demo, not only the fit

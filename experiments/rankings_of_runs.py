@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prism_select.evaluation.experiment import mean_std  # noqa: E402
 from prism_select.evaluation_metrics import auroc, labels_by_id  # noqa: E402
 from prism_select.selection import read_scores  # noqa: E402
 
@@ -54,9 +54,8 @@ def summary(rows: list, fractions: list) -> list:
     for (setting, targets, method), rs in sorted(groups.items()):
         s = {"setting": setting, "targets": targets, "method": method, "seeds": sorted(r["seed"] for r in rs)}
         for k in keys:
-            vals = [r[k] for r in rs]
-            s[k] = statistics.fmean(vals)
-            s[k + "_std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            ms = mean_std([r[k] for r in rs])
+            s[k], s[k + "_std"] = ms["mean"], ms["std"] or 0.0
         out.append(s)
     return out
 
