@@ -224,6 +224,17 @@ class RunContext:
     def pad_id(self) -> int:
         return self.lm.tokenizer.pad_token_id
 
+    def stage_peak(self, stage: str) -> None:
+        """Record the GPU peak since the last stage under ``gpu_peak_bytes_by_stage[stage]``
+        (the memory plan's stage names: direction, fit, scoring) and start the next stage's
+        count; a no-op off CUDA."""
+        dev = self.lm.device
+        if dev.type != "cuda":
+            return
+        peaks = self.info.setdefault("gpu_peak_bytes_by_stage", {})
+        peaks[stage] = max(peaks.get(stage, 0), torch.cuda.max_memory_allocated(dev))
+        torch.cuda.reset_peak_memory_stats(dev)
+
     def curvature(self, on_group=None, groups: list | None = None, fit_scores=None) -> Curvature:
         """The run's one curvature object, fitted (or loaded from cache) on first use, as
         the memory plan says (groups of layers, where the fitted tensors are kept).
@@ -261,6 +272,7 @@ class RunContext:
                 sharded_sums=plan.fit.get("sums", "step") if plan is not None else "step")
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
+            self.stage_peak("fit")
             info = self.info.get("curvature", {})
             merged = {k: phases.get(k, 0) + info.get("phases_s", {}).get(k, 0) for k in phases}
             damping = list(cur.damping.values())
@@ -625,6 +637,7 @@ class RunContext:
                                   ids=[e.id for e in self.inputs.pool], stats=stats, **common)
         dt = time.perf_counter() - t
         self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + dt
+        self.stage_peak("scoring")
         if stats.get("in_fit"):  # scored inside the fit: no time of its own
             self.info.setdefault("throughput", {})[tag] = {**stats, "ranks": self.execution.world}
         elif stats.get("examples"):  # this rank's share; tokens/s counts real (non-padding) tokens
@@ -691,6 +704,7 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
                                   one_graph=one_graph, kernels=direction_kernels(ex.kernels),
                                   share=sharding.is_sharded(ctx.lm.model))
     ctx.timings["preference_s"] = time.perf_counter() - t
+    ctx.stage_peak("direction")
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
              ctx.timings["preference_s"])
     ctx.info["pi"] = _summary(pref.pi.tolist())
@@ -978,7 +992,8 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     if settings.stream:
         summary["fit_sample"] = {**inputs.fit_sample, "default_size": fit_default}
     if lm.device.type == "cuda":  # measured (the largest over the processes of a resumed run)
-        summary["gpu_peak_bytes"] = max(torch.cuda.max_memory_allocated(lm.device), info.pop("gpu_peak_bytes", 0))
+        summary["gpu_peak_bytes"] = max(torch.cuda.max_memory_allocated(lm.device), info.pop("gpu_peak_bytes", 0),
+                                        *info.get("gpu_peak_bytes_by_stage", {}).values())
         summary["gpu_bytes_per_rank"] = {"model": model_bytes,
                                          "peak": distributed.gather_values(summary["gpu_peak_bytes"])}
     if distributed.active():

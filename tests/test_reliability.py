@@ -316,3 +316,15 @@ def test_same_seed_gives_equal_scores_on_gpu(tmp_path, model_dir, data):
 
     a, b = run_cuda("a"), run_cuda("b")
     assert torch.allclose(a, b, rtol=GPU_SCORE_RTOL, atol=GPU_SCORE_RTOL * float(a.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_run_json_records_the_gpu_peak_of_each_planned_stage(tmp_path, model_dir, data):
+    s = ScoreSettings(max_length=128, batch_size=4, progress=False)
+    ms = ModelSettings(model=str(model_dir), dtype="float32", device="cuda", cache_dir=str(tmp_path / "c"))
+    run = score_pool(ms, *data, tmp_path / "run", s, CurvatureSettings(kind="ekfac"))
+    stages = run["gpu_peak_bytes_by_stage"]
+    assert set(stages) == {"direction", "fit", "scoring"}  # the memory plan's stages
+    assert all(v > 0 for v in stages.values())
+    assert run["gpu_peak_bytes"] >= max(stages.values())

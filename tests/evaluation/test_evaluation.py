@@ -1,5 +1,6 @@
 """Evaluation protocols, data builders, checkers and the HTML report, on a tiny in-process model."""
 
+import importlib.util
 import json
 import random
 import subprocess
@@ -541,6 +542,17 @@ def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_pa
     names = [t["name"] for t in res["tables"]]
     assert names == ["auroc", "behaviour_k25", "capability_k25", "harmful_removed_k25", "behaviour_k50",
                      "capability_k50", "harmful_removed_k50"]
+    # experiments/repair_rows_of_runs.py reads the same rows back from the run folders alone
+    spec = importlib.util.spec_from_file_location(
+        "repair_rows_of_runs", Path(__file__).resolve().parents[2] / "experiments" / "repair_rows_of_runs.py")
+    reader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reader)
+    read = {(r["targets"], r["fraction"], r["method"]): r for r in reader.repair_rows(out, "gsm8k")}
+    for r in res["runs"]:
+        for k, rows in r["rates"].items():
+            for name, row in rows.items():
+                got = read[(r["variant"], k, name)]
+                assert (got["behaviour_rate"], got["capability"]) == (row["behaviour_rate"], row["capability"])
 
 
 def test_jobs_are_for_the_repair_protocol(tmp_path):
