@@ -1,4 +1,4 @@
-"""Rankings of a repair experiment's scored methods, read from its run folders: AUROC of
+"""Rankings of a repair or ranking experiment's scored methods, read from its run folders: AUROC of
 the pool's ``harmful`` flag and recall of the harmful records in the top k% per method,
 target set and seed, with the mean and standard deviation over seeds and the ``pi``
 summary of each run. It needs only the scoring steps to have finished (no retraining),

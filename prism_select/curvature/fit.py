@@ -1419,7 +1419,7 @@ def _unshare_inputs(tensors: dict, own: list) -> None:
 #: (1.15 MB a token for the embedded model; autograd keeps about 0.7 GiB for a batch of 8
 #: demo records, docs/performance.md); the per-example products, and so the sums, do not
 #: depend on the steps.
-LAMBDA_STEP_MAX_BYTES = 256 << 20
+LAMBDA_STEP_MAX_BYTES = 128 << 20
 
 
 def _lambda_steps(modules: dict, encoded: list, batches: list, fisher: str, device, owners) -> list:
