@@ -99,6 +99,26 @@ def test_score_prints_the_next_command(tmp_path, capsys):
     assert f"{out / 'pairs.jsonl'}" in text.splitlines()[-2]
 
 
+def test_score_logs_each_stage_with_its_time(tmp_path, capsys):
+    """With progress on, each stage ends with one console line (stderr) and its time,
+    and the curvature line says whether it was fitted or came from the cache."""
+    import re
+
+    from tiny import save_tiny
+
+    model = save_tiny(tmp_path / "model")
+    pool, targets = make_example(tmp_path / "data", n_pool=6, n_pairs=2)
+    for out, curvature in (("a", r"fitted in \d+\.\d s"), ("b", r"loaded from the cache \S+ in \d+\.\d s")):
+        assert cli.main(["score", "--model", str(model), "--pool", str(pool), "--targets", str(targets), "--out",
+                         str(tmp_path / out), "--device", "cpu", "--dtype", "float32", "--max-length", "128",
+                         "--cache-dir", str(tmp_path / "cache")]) == 0
+        lines = [x.strip() for x in re.split(r"[\r\n]", capsys.readouterr().err) if x.strip()]
+        for stage in (r"model loaded in \d+\.\d s", r"inputs read in \d+\.\d s",
+                      r"target direction \(prism, 2 pairs\): \d+\.\d s", r"curvature \(ekfac\): " + curvature,
+                      r"scoring: \d+\.\d s"):
+            assert any(re.fullmatch(stage, x) for x in lines), (stage, lines)
+
+
 def test_score_options_are_generated_from_the_settings_fields(capsys):
     """One source of defaults: parsing no option gives the dataclasses' defaults; every CLI
     field of every stage has its option; values are parsed and checked as the fields say."""
