@@ -160,6 +160,44 @@ def test_unfinished_run_with_other_settings_is_refused(tmp_path, model_dir, data
     assert (out / "run.json").exists()
 
 
+def test_inputs_after_a_kill_are_refused_when_edited(tmp_path, model_dir, data, monkeypatch):
+    """A run stopped after its first score chunk, then the pool edited: the same command is
+    refused (the pool's fingerprint differs), not resumed with the old chunk mixed in;
+    the kept chunk stays."""
+    from prism_select import scoring
+    real_save = scoring._save_chunk
+
+    def save_then_stop(*a):
+        real_save(*a)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(scoring, "_save_chunk", save_then_stop)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, model_dir, *data, out)
+    monkeypatch.undo()
+    chunks = sorted((out / ".partial").rglob("chunk_*"))
+    assert chunks
+    edited = data[0].read_text().replace("The answer is", "So the answer is", 1)
+    assert edited != data[0].read_text()
+    data[0].write_text(edited)
+    with pytest.raises(CacheError, match=r"unfinished run with other settings or inputs \(differs in: .*pool"):
+        run(tmp_path, model_dir, *data, out)
+    assert sorted((out / ".partial").rglob("chunk_*")) == chunks and no_outputs(out)
+
+
+def test_no_input_file_is_modified(tmp_path, model_dir, data):
+    """score, select and report read the pool, the targets and the model directory and
+    change none of their bytes or modification times."""
+    inputs = [*data, *sorted(p for p in model_dir.rglob("*") if p.is_file())]
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in inputs}
+    out = tmp_path / "run"
+    run(tmp_path, model_dir, *data, out)
+    assert main(["select", "--run", str(out), "--pool", str(data[0]), "--remove", "2",
+                 "--out", str(tmp_path / "kept.jsonl")]) == 0
+    assert main(["report", "--run", str(out)]) == 0
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in inputs} == before
+
+
 def test_unwritable_output_fails_before_work(tmp_path, model_dir, data, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("x")
