@@ -73,6 +73,26 @@ def test_demo_console_shows_text_flags_pi_and_every_file(tmp_path, capsys):
         assert str(f) in wrote
 
 
+def test_the_cli_sets_passive_openmp_waits_before_torch_loads():
+    """Importing the CLI (as the prism-select script does) sets OMP_WAIT_POLICY=PASSIVE
+    unless the user set it, before torch and its OpenMP runtime are loaded: spinning
+    waits stalled every parallel region on a shared CPU (the demo's eigendecompositions)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    code = "import os, sys, prism_select.cli; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["PASSIVE", "False"]
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # the user's own setting stays
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["ACTIVE", "False"]
+
+
 def test_mps_device(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="'mps' was asked for but is not available here"):
