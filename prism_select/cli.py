@@ -275,10 +275,11 @@ def cmd_report(a):
 
 
 def _warn_unknown_label(run: Path, label: str) -> None:
-    """Warn when no record of a score run's pool has the field ``label`` (a typo)."""
+    """Warn when no record of a score or compare run's pool has the field ``label`` (a typo)."""
     from .data import iter_records
     try:
-        pool = json.loads((run / "run.json").read_text())["inputs"]["pool"]
+        pool = (json.loads((run / "compare.json").read_text())["pool"] if (run / "compare.json").is_file()
+                else json.loads((run / "run.json").read_text())["inputs"]["pool"])
         fields: set = set()
         for _, rec in iter_records(pool, on_invalid=lambda e: None):
             fields |= set(rec)
@@ -368,9 +369,10 @@ def _add_evaluation_parsers(sub):
     bb.add_argument("--heldout-out", required=True, help="held-out probes file to write")
     bb.set_defaults(func=cmd_build_data)
 
-    rp = _parser(sub, "report", help="write a self-contained HTML report of an experiment or a score run")
-    rp.add_argument("--run", required=True, help="an experiment directory or a score run directory")
-    rp.add_argument("--label", default=None, help="boolean label field of the pool (score runs; default harmful)")
+    rp = _parser(sub, "report", help="write a self-contained HTML report of an experiment, a compare or a score run")
+    rp.add_argument("--run", required=True, help="an experiment, compare or score run directory")
+    rp.add_argument("--label", default=None,
+                    help="boolean label field of the pool (score and compare runs; default harmful)")
     rp.add_argument("--out", default=None, help="page path (default <run>/report.html)")
     rp.set_defaults(func=cmd_report)
 

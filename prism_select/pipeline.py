@@ -272,6 +272,8 @@ class RunContext:
                 sharded_sums=plan.fit.get("sums", "step") if plan is not None else "step")
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
+            stage_line(st, f"curvature ({cur.kind}): " + (f"loaded from the cache {directory}" if reused else "fitted")
+                       + f" in {dt:.1f} s")
             self.stage_peak("fit")
             info = self.info.get("curvature", {})
             merged = {k: phases.get(k, 0) + info.get("phases_s", {}).get(k, 0) for k in phases}
@@ -637,6 +639,8 @@ class RunContext:
                                   ids=[e.id for e in self.inputs.pool], stats=stats, **common)
         dt = time.perf_counter() - t
         self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + dt
+        what = "scoring" if tag == "scores" else f"scoring ({tag})"
+        stage_line(st, f"{what}: inside the curvature fit" if stats.get("in_fit") else f"{what}: {dt:.1f} s")
         self.stage_peak("scoring")
         if stats.get("in_fit"):  # scored inside the fit: no time of its own
             self.info.setdefault("throughput", {})[tag] = {**stats, "ranks": self.execution.world}
@@ -667,6 +671,13 @@ def resume_groups(saved: list, planned: list, finished) -> list:
         else:
             out.append(g)
     return out
+
+
+def stage_line(settings, text: str) -> None:
+    """One console line (stderr) as a stage of the run ends, with its time: the run's
+    story next to run.json's ``timings``; with progress on, on the main rank."""
+    if settings.progress and distributed.is_main():
+        print(text, file=sys.stderr, flush=True)
 
 
 def _summary(xs: list) -> dict:
@@ -707,6 +718,8 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     ctx.stage_peak("direction")
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
              ctx.timings["preference_s"])
+    stage_line(ctx.settings, f"target direction ({ctx.settings.method}, {len(ctx.inputs.pairs)} pairs): "
+                             f"{ctx.timings['preference_s']:.1f} s")
     ctx.info["pi"] = _summary(pref.pi.tolist())
     pairs = [{"id": p.id, "pi": float(pref.pi[i]), "margin": float(pref.margin[i]),
               "weight": float(pref.weights[i]), "loss_chosen": float(pref.loss_chosen[i]),
@@ -908,6 +921,8 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     fsdp = settings.shard == "fsdp"
     lm = model if isinstance(model, LoadedModel) else load_model(model, host=fsdp)
     timings["load_model_s"] = time.perf_counter() - t
+    if not isinstance(model, LoadedModel):
+        stage_line(settings, f"model loaded in {timings['load_model_s']:.1f} s")
     model_bytes = None
     if fsdp:
         t = time.perf_counter()
@@ -926,6 +941,7 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
         inputs = prepare_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
                                 skip_invalid=settings.skip_invalid, pool=pool)
     timings["read_inputs_s"] = time.perf_counter() - t
+    stage_line(settings, f"inputs read in {timings['read_inputs_s']:.1f} s")
     modules = tracked_linear_modules(lm.model, settings.modules)
     fingerprints = {"model": lm.fingerprint, "pool": inputs.pool_fingerprint,
                     "targets": encoded_fingerprint(inputs.chosen + inputs.rejected)}

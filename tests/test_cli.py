@@ -73,6 +73,26 @@ def test_demo_console_shows_text_flags_pi_and_every_file(tmp_path, capsys):
         assert str(f) in wrote
 
 
+def test_the_cli_sets_passive_openmp_waits_before_torch_loads():
+    """Importing the CLI (as the prism-select script does) sets OMP_WAIT_POLICY=PASSIVE
+    unless the user set it, before torch and its OpenMP runtime are loaded: spinning
+    waits stalled every parallel region on a shared CPU (the demo's eigendecompositions)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    code = "import os, sys, prism_select.cli; print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["PASSIVE", "False"]
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # the user's own setting stays
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["ACTIVE", "False"]
+
+
 def test_mps_device(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="'mps' was asked for but is not available here"):
@@ -97,6 +117,26 @@ def test_score_prints_the_next_command(tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"next: prism-select select --run {out} --pool {pool} --keep 5% --out selected.jsonl" in text
     assert f"{out / 'pairs.jsonl'}" in text.splitlines()[-2]
+
+
+def test_score_logs_each_stage_with_its_time(tmp_path, capsys):
+    """With progress on, each stage ends with one console line (stderr) and its time,
+    and the curvature line says whether it was fitted or came from the cache."""
+    import re
+
+    from tiny import save_tiny
+
+    model = save_tiny(tmp_path / "model")
+    pool, targets = make_example(tmp_path / "data", n_pool=6, n_pairs=2)
+    for out, curvature in (("a", r"fitted in \d+\.\d s"), ("b", r"loaded from the cache \S+ in \d+\.\d s")):
+        assert cli.main(["score", "--model", str(model), "--pool", str(pool), "--targets", str(targets), "--out",
+                         str(tmp_path / out), "--device", "cpu", "--dtype", "float32", "--max-length", "128",
+                         "--cache-dir", str(tmp_path / "cache")]) == 0
+        lines = [x.strip() for x in re.split(r"[\r\n]", capsys.readouterr().err) if x.strip()]
+        for stage in (r"model loaded in \d+\.\d s", r"inputs read in \d+\.\d s",
+                      r"target direction \(prism, 2 pairs\): \d+\.\d s", r"curvature \(ekfac\): " + curvature,
+                      r"scoring: \d+\.\d s"):
+            assert any(re.fullmatch(stage, x) for x in lines), (stage, lines)
 
 
 def test_score_options_are_generated_from_the_settings_fields(capsys):

@@ -236,6 +236,25 @@ def test_remote_code_is_refused_by_default(tmp_path, tiny_dir):
         load_model(ModelSettings(str(d), device="cpu"))
 
 
+def test_malicious_pickle_is_refused(tmp_path, tiny_dir):
+    """Weights as a pickle (pytorch_model.bin) that would run code when unpickled: refused
+    (torch's weights-only loader) with a ModelError, and the code never runs."""
+    from safetensors.torch import load_file
+    d = tmp_path / "pickled"
+    shutil.copytree(tiny_dir, d)
+    weights = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return exec, (f"open({str(marker)!r}, 'w').close()",)
+    torch.save({**weights, "payload": Payload()}, d / "pytorch_model.bin")
+    with pytest.raises(ModelError, match="Weights only load failed"):
+        load_model(ModelSettings(str(d), device="cpu"))
+    assert not marker.exists()
+
+
 # ---------------------------------------------------------------- tracked modules
 
 

@@ -160,6 +160,44 @@ def test_unfinished_run_with_other_settings_is_refused(tmp_path, model_dir, data
     assert (out / "run.json").exists()
 
 
+def test_inputs_after_a_kill_are_refused_when_edited(tmp_path, model_dir, data, monkeypatch):
+    """A run stopped after its first score chunk, then the pool edited: the same command is
+    refused (the pool's fingerprint differs), not resumed with the old chunk mixed in;
+    the kept chunk stays."""
+    from prism_select import scoring
+    real_save = scoring._save_chunk
+
+    def save_then_stop(*a):
+        real_save(*a)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(scoring, "_save_chunk", save_then_stop)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, model_dir, *data, out)
+    monkeypatch.undo()
+    chunks = sorted((out / ".partial").rglob("chunk_*"))
+    assert chunks
+    edited = data[0].read_text().replace("The answer is", "So the answer is", 1)
+    assert edited != data[0].read_text()
+    data[0].write_text(edited)
+    with pytest.raises(CacheError, match=r"unfinished run with other settings or inputs \(differs in: .*pool"):
+        run(tmp_path, model_dir, *data, out)
+    assert sorted((out / ".partial").rglob("chunk_*")) == chunks and no_outputs(out)
+
+
+def test_no_input_file_is_modified(tmp_path, model_dir, data):
+    """score, select and report read the pool, the targets and the model directory and
+    change none of their bytes or modification times."""
+    inputs = [*data, *sorted(p for p in model_dir.rglob("*") if p.is_file())]
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in inputs}
+    out = tmp_path / "run"
+    run(tmp_path, model_dir, *data, out)
+    assert main(["select", "--run", str(out), "--pool", str(data[0]), "--remove", "2",
+                 "--out", str(tmp_path / "kept.jsonl")]) == 0
+    assert main(["report", "--run", str(out)]) == 0
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in inputs} == before
+
+
 def test_unwritable_output_fails_before_work(tmp_path, model_dir, data, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -234,6 +272,26 @@ def test_curvature_cache_reused_only_when_fingerprints_match(tmp_path, model_dir
     from prism_select.curvature import Curvature
     with pytest.raises(CacheError):
         Curvature.load(Path(a["curvature"]["path"]), expect={"model_fingerprint": "other"})
+
+
+def test_runs_keep_the_cache_under_cache_max_gb_and_the_cache_command_prunes_it(tmp_path, model_dir, data,
+                                                                                 capsys):
+    """Fits of two pools under --cache-max-gb of 1.5 fits: the second evicts the first
+    (least recently used), so the cache never grows past the bound; `prism-select cache`
+    lists and prunes it."""
+    from prism_select import cache
+    a = run(tmp_path, model_dir, *data, tmp_path / "a")
+    size = sum(e.size for e in cache.entries(tmp_path / "cache"))
+    other_pool, _ = make_example(tmp_path / "data2", n_pool=10, n_pairs=3, seed=5)
+    bound = 1.5 * size / (1 << 30)
+    b = run(tmp_path, model_dir, other_pool, data[1], tmp_path / "b", cache_max_gb=bound)
+    left = cache.entries(tmp_path / "cache")
+    assert [str(e.path) for e in left] == [b["curvature"]["path"]] != [a["curvature"]["path"]]
+    assert sum(e.size for e in left) <= bound * (1 << 30)
+    assert main(["cache", "list", "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert "1 entries" in capsys.readouterr().out
+    assert main(["cache", "prune", "--max-gb", "0", "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out and cache.entries(tmp_path / "cache") == []
 
 
 def test_nan_weights_name_the_layer_or_record(tmp_path, data):

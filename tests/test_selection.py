@@ -235,6 +235,36 @@ def test_select_allow_other_pool_lists_unscored(tmp_path):
     assert "2 records of this pool were not scored and are left out: 'new1', 'new2'" in describe(summary)
 
 
+def test_select_remove_from_a_pool_with_unscored_records(tmp_path):
+    """A run that scored 4 of the pool's 20 records: `--remove 1` is refused (it would
+    have dropped the 16 unscored records silently); with --allow-other-pool the summary
+    says how many were left out."""
+    big = [{"id": f"r{i}", "prompt": f"q{i}", "response": f"a{i}"} for i in range(20)]
+    scored = write(tmp_path / "scored", "jsonl", big[:4])
+    pool = write(tmp_path / "pool", "jsonl", big)
+    run = make_run(tmp_path / "run", ["r0", "r1", "r2", "r3"], scored)
+    with pytest.raises(InputError, match=r"16 of its ids were not scored"):
+        select(run, pool, tmp_path / "o.jsonl", remove="1")
+    assert not (tmp_path / "o.jsonl").exists()
+    summary = select(run, pool, tmp_path / "o.jsonl", remove="1", allow_other_pool=True)
+    assert summary["kept"] == 3 and len(summary["unscored"]) == 16
+    assert "wrote 3 of 4 scored records" in describe(summary) and "16 records of this pool were not scored" in \
+        describe(summary)
+
+
+def test_select_refuses_another_id_less_pool(tmp_path):
+    """Without ids a pool's ids are its row numbers, so any file of as many rows has the
+    same ids: the pool file's bytes tell them apart."""
+    plain = [{"prompt": f"q{i}", "response": f"a{i}"} for i in range(5)]
+    pool = write(tmp_path / "pool", "jsonl", plain)
+    other = write(tmp_path / "other", "jsonl", [{"prompt": f"other {i}", "response": "x"} for i in range(5)])
+    run = make_run(tmp_path / "run", [4, 3, 2, 1, 0], pool)
+    with pytest.raises(InputError, match="file bytes differ"):
+        select(run, other, tmp_path / "o.jsonl", keep="2")
+    assert select(run, pool, tmp_path / "o.jsonl", keep="2")["kept"] == 2
+    assert records(tmp_path / "o.jsonl") == plain[3:]
+
+
 def test_select_run_without_file_fingerprint_checks_ids(tmp_path):
     """Runs written before run.json had fingerprints.pool_file: the ids are compared,
     and records the run skipped as invalid do not count as unscored."""

@@ -1,8 +1,9 @@
 """One self-contained HTML page for an experiment directory or a single score run.
 
 ``write_report(path)``: ``path`` is an experiment directory (``results.json``, from
-:mod:`.protocols`) or a score run directory (``scores.jsonl`` + ``run.json``, from
-``prism-select score``). The page ``<path>/report.html`` holds
+:mod:`.protocols`), a ``prism-select compare`` directory (``compare.json``) or a score run
+directory (``scores.jsonl`` + ``run.json``, from ``prism-select score``). The page
+``<path>/report.html`` holds
 
 * the result tables (methods x settings, mean ± std over seeds, the best value of a
   column in bold) and a per-run summary (pool size, harmful count, pairs, ``pi`` range,
@@ -76,6 +77,8 @@ def _slug(text: str) -> str:
 
 
 def _excerpt(text, n=EXCERPT) -> str:
+    if isinstance(text, list) and all(isinstance(m, dict) and "role" in m for m in text):  # chat messages
+        text = "\n".join(f"{m['role']}: {m.get('content', '')}" for m in text)
     if not isinstance(text, str):
         text = json.dumps(text, ensure_ascii=False)
     return text if len(text) <= n else text[:n] + " …"
@@ -400,21 +403,63 @@ def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
     return _page("prism-select score run", body)
 
 
+def _compare_report(base: Path, plots: _Plots, label: str | None) -> str:
+    """A ``prism-select compare`` directory: each method's run side by side (the ranking
+    table, ROC curves, score histograms and top/bottom examples from its scores.jsonl)."""
+    res = json.loads((base / "compare.json").read_text(encoding="utf-8"))
+    rows = res.get("methods", [])
+    pool_path = Path(res.get("pool", ""))
+    body = [f"<h1>prism-select compare: {_esc(', '.join(r['method'] for r in rows))}</h1>",
+            f"<p>{res.get('n_pool')} pool examples; model <code>{_esc((res.get('model') or {}).get('path'))}</code>; "
+            f"curvature <code>{_esc((res.get('curvature_settings') or {}).get('kind'))}</code>.</p>"]
+    if not pool_path.is_file():
+        body.append(f'<p class="err">the pool file {_esc(pool_path)} named in compare.json is not readable here</p>')
+        return _page("prism-select compare", body)
+    pool = _pool_index(pool_path)
+    label = label or res.get("label")
+    if label is None and pool and all("harmful" in raw for _, _, raw in pool.values()):
+        label = "harmful"
+    labels = _labels(pool, label)
+    table = ["<h2>Methods</h2><table class=results id=table-compare><tr><th class=l>method</th><th>wall s</th>"
+             + (f"<th>AUROC ({_esc(label)})</th><th>AUPRC</th>" if labels else "") + "</tr>"]
+    for r in rows:
+        cells = f"<td>{_fmt(r.get('wall_s'), 1)}</td>"
+        sp = base / r["method"] / "scores.jsonl"
+        if labels and sp.is_file():
+            scored = _read_jsonl(sp)
+            s, y = [float(x["score"]) for x in scored], [labels[x["id"]] for x in scored]
+            cells += f"<td>{_fmt(auroc(s, y))}</td><td>{_fmt(auprc(s, y))}</td>"
+        table.append(f"<tr><td class=l>{_esc(r['method'])}</td>{cells}</tr>")
+    body.append("".join(table) + "</table>")
+    groups = _pi_groups(base, [{"methods": {r["method"]: {"status": "ok", "dir": r["method"]} for r in rows},
+                                "targets": res["targets"] if str(res.get("targets")).endswith(".jsonl") else None}])
+    if groups:
+        body.append(plots.pi_hist(groups, "pi over target pairs", "pi"))
+    run = {"pool": str(pool_path), "label": label,
+           "methods": {r["method"]: {"status": "ok", "dir": r["method"]} for r in rows}}
+    body.append("<h2>Rankings</h2>")
+    body.append(_run_figures(plots, base, run, "compare", "compare"))
+    return _page("prism-select compare", body)
+
+
 def write_report(path, *, label: str | None = None, out: str | None = None) -> Path:
-    """Write ``report.html`` (and its PNGs) for an experiment or score run directory;
+    """Write ``report.html`` (and its PNGs) for an experiment, compare or score run directory;
     returns the page's path. ``label``: the pool's boolean label field for a score
     run (default ``harmful`` when every record has it)."""
     base = Path(path)
     if (base / "results.json").is_file():
         kind = "experiment"
+    elif (base / "compare.json").is_file():
+        kind = "compare"
     elif (base / "scores.jsonl").is_file() and (base / "run.json").is_file():
         kind = "score"
     else:
-        raise InputError("neither an experiment directory (results.json) nor a finished score run "
-                         "(scores.jsonl + run.json)", path=base,
-                         fix="pass the --out directory of `prism-select experiment` or `prism-select score`")
+        raise InputError("neither an experiment directory (results.json), a compare directory (compare.json) "
+                         "nor a finished score run (scores.jsonl + run.json)", path=base,
+                         fix="pass the --out directory of `prism-select experiment`, `compare` or `score`")
     page_path = Path(out) if out else base / "report.html"
     plots = _Plots(page_path.parent)
-    text = _experiment_report(base, plots) if kind == "experiment" else _score_run_report(base, plots, label)
+    text = (_experiment_report(base, plots) if kind == "experiment" else _compare_report(base, plots, label)
+            if kind == "compare" else _score_run_report(base, plots, label))
     atomic_write_text(page_path, text)
     return page_path

@@ -73,6 +73,19 @@ def test_spilled_eigenvalue_pass_equals_running_the_model_again(model, modules, 
         assert rel_err(got.tensors[k], t) <= 1e-14, k
 
 
+def test_eigendecompositions_have_a_progress_bar(model, modules, tok, encoded_pool, monkeypatch, capsys):
+    """The eigendecompositions show progress: one bar step per factor (fit from the model)
+    or per layer input, whose task decomposes its factors (fit from the spill)."""
+    import re
+    settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
+    fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=True)
+    assert re.search(r"curvature:\s+0%\|[^|]*\| 0/\d+ .*group/s", capsys.readouterr().err)
+    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=True)
+    n = re.search(r"eigendecompositions:\s+0%\|[^|]*\| 0/(\d+) .*factor/s", capsys.readouterr().err)
+    assert n and int(n.group(1)) > len(modules)  # each layer's S and the layer inputs' A
+
+
 def test_spill_is_bounded(model, modules, tok, encoded_pool, monkeypatch):
     from prism_select.curvature.fit import _spill_bytes, length_batches
     batches = length_batches(encoded_pool, list(range(len(encoded_pool))), 3)

@@ -733,6 +733,52 @@ def test_report_escapes_html(tmp_path):
     assert "<script>" not in html and "&lt;script&gt;" in html and "a &amp; b" in html
 
 
+def _write_run(run, pool, scores, method="prism"):
+    run.mkdir(parents=True)
+    order = sorted(range(len(pool)), key=lambda i: -scores[i])
+    (run / "scores.jsonl").write_text("".join(json.dumps({"id": pool[i]["id"], "score": float(scores[i]),
+                                                          "rank": order.index(i) + 1}) + "\n"
+                                              for i in range(len(pool))))
+    return run
+
+
+def test_report_of_a_compare_directory(tmp_path, capsys):
+    """`report --run` takes a `prism-select compare` directory: each method's AUROC and
+    AUPRC from its scores.jsonl, the ROC curves and each method's top examples."""
+    from prism_select.cli import main
+    pool = [{"id": f"x{i}", "prompt": f"q{i}", "response": f"a{i}", "harmful": i % 2 == 0} for i in range(6)]
+    (tmp_path / "pool.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pool))
+    cmp = tmp_path / "cmp"
+    _write_run(cmp / "prism", pool, [float(i) for i in range(6)])
+    _write_run(cmp / "random", pool, [-float(i) for i in range(6)])
+    (cmp / "compare.json").write_text(json.dumps({
+        "pool": str(tmp_path / "pool.jsonl"), "targets": "", "label": "harmful", "n_pool": 6,
+        "methods": [{"method": "prism", "wall_s": 2.0}, {"method": "random", "wall_s": 0.1}]}))
+    assert main(["report", "--run", str(cmp)]) == 0
+    html = (cmp / "report.html").read_text()
+    assert "table-compare" in html and "<td class=l>prism</td>" in html and "<td class=l>random</td>" in html
+    assert "<td>0.333</td>" in html and "<td>0.667</td>" in html  # AUROC of each method's scores
+    assert html.count('<img src="data:image/png;base64,') >= 2  # ROC, histograms
+    assert "by <b>prism</b>" in html and "by <b>random</b>" in html
+    capsys.readouterr()
+    assert main(["report", "--run", str(cmp), "--label", "harmfull"]) == 0  # a typo: warned, not silent
+    assert "no record of" in capsys.readouterr().err
+
+
+def test_report_shows_chat_prompts_as_chat(tmp_path):
+    """A messages-form prompt is shown as its turns ("role: content"), not as a JSON list."""
+    from prism_select.evaluation.report import write_report
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+2?"}]
+    pool = [{"id": f"x{i}", "prompt": chat, "response": f"{i}", "harmful": i % 2 == 0} for i in range(4)]
+    (tmp_path / "pool.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pool))
+    run = _write_run(tmp_path / "run", pool, [float(i) for i in range(4)])
+    (run / "run.json").write_text(json.dumps({"method": "prism", "inputs": {"pool": str(tmp_path / "pool.jsonl")},
+                                              "counts": {"pool": 4}, "timings": {"total_s": 1.0}}))
+    html = write_report(run).read_text()
+    assert "system: be brief\nuser: what is 2+2?" in html
+    assert "&quot;role&quot;" not in html and '"role"' not in html
+
+
 def test_cli_build_data(tmp_path, gsm8k, bbh_dir):
     from prism_select.cli import main
     assert main(["build-data", "mistake-math", "--gsm8k", str(gsm8k / "train.jsonl"), "--n", "10",
