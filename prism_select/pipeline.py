@@ -566,6 +566,7 @@ class RunContext:
             in_fit, direction = self._score_in_fit(direction)
         if saved:
             v = load_file(str(v_path))
+            stage_line(self.settings, f"H^-1 direction ({tag}) reused from {v_path.parent}: no fit")
             if "curvature" not in self.info and info_path.exists():
                 self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
         elif in_fit is not None:
@@ -781,9 +782,10 @@ def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool):
                              f"{', '.join(_differences(old, json.loads(json.dumps(run_key)))) or 'types'}); "
                              "rerun its own command to resume it, or pass --overwrite")
         log.info("resuming the unfinished run in %s", out_dir)
-    else:
-        partial.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(state, run_key)
+        return True
+    partial.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(state, run_key)
+    return False
 
 
 def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSettings,
@@ -949,7 +951,8 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     run_key = {"settings": settings.run_key(), "curvature": key_of(curvature), "fingerprints": fingerprints,
                "dtype": str(lm.dtype), "modules": sha256_json(list(modules))}
     if distributed.is_main():
-        _prepare_out_dir(out_dir, run_key, settings.overwrite)
+        if _prepare_out_dir(out_dir, run_key, settings.overwrite):
+            stage_line(settings, f"resuming the unfinished run in {out_dir}: its finished work in .partial is reused")
     distributed.barrier()
     check_disk_for_v(plan, modules, lm.dtype, out_dir, distributed.world() if sharding.is_sharded(lm.model) else 1)
     ctx = RunContext(lm, modules, inputs, settings, curvature, out_dir, timings,

@@ -386,3 +386,25 @@ def test_run_json_records_the_gpu_peak_of_each_planned_stage(tmp_path, model_dir
     assert set(stages) == {"direction", "fit", "scoring"}  # the memory plan's stages
     assert all(v > 0 for v in stages.values())
     assert run["gpu_peak_bytes"] >= max(stages.values())
+
+
+def test_a_resumed_run_says_on_the_console_what_it_reuses(tmp_path, model_dir, data, capsys, monkeypatch):
+    from prism_select import scoring
+    real_save, saved = scoring._save_chunk, []
+
+    def save_then_stop(*a):
+        real_save(*a)
+        saved.append(1)
+        raise KeyboardInterrupt
+    argv = ["score", "--model", str(model_dir), "--pool", str(data[0]), "--targets", str(data[1]),
+            "--out", str(tmp_path / "run"), "--chunk-size", "2", "--batch-size", "2"]
+    monkeypatch.setattr(scoring, "_save_chunk", save_then_stop)
+    assert main(argv) == 130
+    first = capsys.readouterr().err
+    assert "resuming" not in first and "reused" not in first
+    monkeypatch.setattr(scoring, "_save_chunk", real_save)
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"resuming the unfinished run in {tmp_path / 'run'}" in err
+    assert "reused from" in err and "no fit" in err  # H^-1 g_KL from .partial
+    assert "scoring: 2 of" in err and "examples reused from the finished chunks" in err
