@@ -357,6 +357,19 @@ def _experiment_report(base: Path, plots: _Plots) -> str:
     return _page(f"prism-select {proto}", body)
 
 
+def _pool_with_labels(pool_path: Path, label: str | None, body: list, named_in: str):
+    """``(pool index, label, labels)`` of a run's pool (``label`` defaults to ``harmful``
+    when every record has it), or None after an error line in ``body`` when the pool file
+    named in ``named_in`` is not readable here."""
+    if not pool_path.is_file():
+        body.append(f'<p class="err">the pool file {_esc(pool_path)} named in {named_in} is not readable here</p>')
+        return None
+    pool = _pool_index(pool_path)
+    if label is None and pool and all("harmful" in raw for _, _, raw in pool.values()):
+        label = "harmful"
+    return pool, label, _labels(pool, label)
+
+
 def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
     run = json.loads((base / "run.json").read_text(encoding="utf-8"))
     pool_path = Path(run.get("inputs", {}).get("pool", ""))
@@ -367,13 +380,10 @@ def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
             f"{counts.get('invalid', 0)} skipped; model <code>{_esc(run.get('model', {}).get('model'))}</code>; "
             f"curvature <code>{_esc(run.get('curvature_settings', {}).get('kind'))}</code>; "
             f"{run.get('timings', {}).get('total_s', 0):.1f} s.</p>"]
-    if not pool_path.is_file():
-        body.append(f'<p class="err">the pool file {_esc(pool_path)} named in run.json is not readable here</p>')
+    got = _pool_with_labels(pool_path, label, body, "run.json")
+    if got is None:
         return _page("prism-select score run", body)
-    pool = _pool_index(pool_path)
-    if label is None and pool and all("harmful" in raw for _, _, raw in pool.values()):
-        label = "harmful"
-    labels = _labels(pool, label)
+    pool, label, labels = got
     rows = _read_jsonl(base / "scores.jsonl")
     s = [float(r["score"]) for r in rows]
     if labels is not None:
@@ -412,14 +422,10 @@ def _compare_report(base: Path, plots: _Plots, label: str | None) -> str:
     body = [f"<h1>prism-select compare: {_esc(', '.join(r['method'] for r in rows))}</h1>",
             f"<p>{res.get('n_pool')} pool examples; model <code>{_esc((res.get('model') or {}).get('path'))}</code>; "
             f"curvature <code>{_esc((res.get('curvature_settings') or {}).get('kind'))}</code>.</p>"]
-    if not pool_path.is_file():
-        body.append(f'<p class="err">the pool file {_esc(pool_path)} named in compare.json is not readable here</p>')
+    got = _pool_with_labels(pool_path, label or res.get("label"), body, "compare.json")
+    if got is None:
         return _page("prism-select compare", body)
-    pool = _pool_index(pool_path)
-    label = label or res.get("label")
-    if label is None and pool and all("harmful" in raw for _, _, raw in pool.values()):
-        label = "harmful"
-    labels = _labels(pool, label)
+    _, label, labels = got
     table = ["<h2>Methods</h2><table class=results id=table-compare><tr><th class=l>method</th><th>wall s</th>"
              + (f"<th>AUROC ({_esc(label)})</th><th>AUPRC</th>" if labels else "") + "</tr>"]
     for r in rows:
