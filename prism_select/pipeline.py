@@ -761,6 +761,17 @@ def _differences(a, b, prefix: str = "") -> list:
     return out
 
 
+def _finished_run(out_dir: Path, run_key: dict) -> dict | None:
+    """``run.json`` of a finished run in ``out_dir`` whose recorded ``run_key`` is
+    ``run_key``, else None."""
+    try:
+        done = json.loads((out_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+    same = done.get("status") == "complete" and done.get("run_key") == json.loads(json.dumps(run_key))
+    return done if same and (out_dir / "scores.jsonl").is_file() else None
+
+
 def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool):
     check_writable_dir(out_dir)
     run_json = out_dir / "run.json"
@@ -892,10 +903,12 @@ def _drop_partial_without_chunks(out_dir: Path) -> None:
 
 
 def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_dir, settings: ScoreSettings | None = None,
-               curvature: CurvatureSettings | None = None) -> dict:
+               curvature: CurvatureSettings | None = None, *, reuse_finished: bool = False) -> dict:
     """Score every pool example and write ``scores.jsonl``, ``pairs.jsonl`` and ``run.json``.
 
-    Returns the run summary (the content of run.json). Under ``settings.stream`` the pool
+    Returns the run summary (the content of run.json). ``reuse_finished``: a finished run
+    in ``out_dir`` with the same inputs and settings (its ``run.json``'s ``run_key``) is
+    returned as it is instead of refused (``prism-select compare`` resumed). Under ``settings.stream`` the pool
     is read a window at a time (see :func:`prepare_stream_inputs`); an unset
     ``curvature.fit_examples`` then becomes ``STREAM_FIT_EXAMPLES``. Under
     ``settings.deterministic`` the whole run uses deterministic kernels
@@ -903,10 +916,11 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     """
     settings = settings or ScoreSettings()
     with deterministic_kernels(settings.deterministic):
-        return _score_pool(model, pool_path, targets_path, out_dir, settings, curvature)
+        return _score_pool(model, pool_path, targets_path, out_dir, settings, curvature, reuse_finished)
 
 
-def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings, curvature) -> dict:
+def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings, curvature,
+                reuse_finished: bool = False) -> dict:
     curvature = curvature or CurvatureSettings()
     fit_default = settings.stream and curvature.fit_examples is None
     if fit_default:
@@ -950,6 +964,10 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     plan = plan_run(lm, modules, inputs, settings, curvature)
     run_key = {"settings": settings.run_key(), "curvature": key_of(curvature), "fingerprints": fingerprints,
                "dtype": str(lm.dtype), "modules": sha256_json(list(modules))}
+    finished = _finished_run(out_dir, run_key) if reuse_finished and not settings.overwrite else None
+    if finished is not None:
+        stage_line(settings, f"reusing the finished run in {out_dir} (same inputs and settings)")
+        return finished
     if distributed.is_main():
         if _prepare_out_dir(out_dir, run_key, settings.overwrite):
             stage_line(settings, f"resuming the unfinished run in {out_dir}: its finished work in .partial is reused")
@@ -984,8 +1002,7 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     if pairs and main:
         atomic_write_jsonl(out_dir / "pairs.jsonl", pairs)
     timings["total_s"] = time.perf_counter() - t0
-    info = dict(ctx.info)
-    info.pop("run_key", None)
+    info = dict(ctx.info)  # run_key included: a resumed compare reuses a finished run with the same key
     if "method" in info:  # a method's own record of the options it used
         info["method_info"] = info.pop("method")
     summary = {

@@ -96,8 +96,9 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
     ``model``: :class:`~prism_select.model.ModelSettings` or an already
     :class:`~prism_select.model.LoadedModel` (loaded once either way). ``settings``: a
     :class:`~prism_select.pipeline.ScoreSettings` whose ``method`` is replaced per
-    method. A finished run in ``<out>/<method>/`` is an error unless
-    ``settings.overwrite``.
+    method. A finished run in ``<out>/<method>/`` with the same inputs and settings is
+    reused (a compare stopped after some methods resumes with the same call); one with
+    others is an error unless ``settings.overwrite``.
     """
     from ..pipeline import ScoreSettings, score_pool
 
@@ -132,7 +133,7 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
     summaries = {}
     for m in methods:
         t = time.perf_counter()
-        summary = score_pool(lm, pool, targets, out_dir / m, per_method[m], curvature)
+        summary = score_pool(lm, pool, targets, out_dir / m, per_method[m], curvature, reuse_finished=True)
         wall = time.perf_counter() - t
         summaries[m] = summary
         row = {"method": m, "wall_s": wall, "run_dir": str(out_dir / m),

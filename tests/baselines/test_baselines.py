@@ -4,6 +4,7 @@ References compute hidden states with forward hooks on the decoder blocks (not
 ``output_hidden_states``) and gradients with explicit autograd per example / per token.
 """
 
+import dataclasses
 import json
 import math
 
@@ -18,7 +19,7 @@ from prism_select.baselines.ifguide import contrastive_target, ifguide_rank, ifg
 from prism_select.curvature import CurvatureSettings
 from prism_select.data.records import PoolExample, TargetPair
 from prism_select.data.tokenize import Encoded, encode
-from prism_select.errors import ConfigError, InputError
+from prism_select.errors import ConfigError, InputError, OutputError
 from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
 from prism_select.pipeline import Inputs, RunContext, ScoreSettings, score_pool
 
@@ -560,3 +561,34 @@ def test_cli_methods_and_compare(tmp_path, tok, pool_examples, pair_examples, ca
     text = capsys.readouterr().out
     assert "| random |" in text and "| vecfilter |" in text
     assert json.loads((tmp_path / "c" / "vecfilter" / "run.json").read_text())["method_info"]["options"]["layer"] == 1
+
+
+def test_a_stopped_compare_resumes_reusing_its_finished_methods(lm, tmp_path, pool_examples, pair_examples,
+                                                                monkeypatch):
+    """A compare killed after its first method: the same call reuses that method's finished
+    run (no second scoring) and scores the rest; other settings are refused as before."""
+    from prism_select import pipeline
+    pool, targets = _write_inputs(tmp_path, pool_examples, pair_examples)
+    s = ScoreSettings(batch_size=4, progress=False)
+    c = CurvatureSettings(kind="identity")
+    out = tmp_path / "cmp"
+    real, calls = pipeline._score_pool, []
+
+    def stop_at_second(*a, **k):
+        calls.append(a[4].method)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(pipeline, "_score_pool", stop_at_second)
+    with pytest.raises(KeyboardInterrupt):
+        compare(lm, pool, targets, out, ["random", "prism"], s, c)
+    first = (out / "random" / "scores.jsonl").read_bytes()
+    monkeypatch.setattr(pipeline, "_score_pool", real)
+    scored = []
+    monkeypatch.setattr(pipeline, "_method_fn", lambda m, f=pipeline._method_fn: (scored.append(m), f(m))[1])
+    res = compare(lm, pool, targets, out, ["random", "prism"], s, c)
+    assert scored == ["prism"]  # random's finished run was reused, not scored again
+    assert [r["method"] for r in res["methods"]] == ["random", "prism"]
+    assert (out / "random" / "scores.jsonl").read_bytes() == first
+    with pytest.raises(OutputError):  # a finished run with other settings is still refused
+        compare(lm, pool, targets, out, ["random"], dataclasses.replace(s, seed=1), c)
