@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,13 @@ def world() -> int:
 
 def is_main() -> bool:
     return rank() == 0
+
+
+def say(text: str, on: bool = True) -> None:
+    """One console line (stderr) from the main rank, where ``on`` (a run's ``progress``): a
+    stage that ended, with its time, or what a resumed run reuses."""
+    if on and is_main():
+        print(text, file=sys.stderr, flush=True)
 
 
 def init_from_env(device: str = "auto") -> bool:

@@ -272,8 +272,8 @@ class RunContext:
                 sharded_sums=plan.fit.get("sums", "step") if plan is not None else "step")
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
-            stage_line(st, f"curvature ({cur.kind}): " + (f"loaded from the cache {directory}" if reused else "fitted")
-                       + f" in {dt:.1f} s")
+            how = f"loaded from the cache {directory}" if reused else "fitted"
+            distributed.say(f"curvature ({cur.kind}): {how} in {dt:.1f} s", st.progress)
             self.stage_peak("fit")
             info = self.info.get("curvature", {})
             merged = {k: phases.get(k, 0) + info.get("phases_s", {}).get(k, 0) for k in phases}
@@ -566,7 +566,7 @@ class RunContext:
             in_fit, direction = self._score_in_fit(direction)
         if saved:
             v = load_file(str(v_path))
-            stage_line(self.settings, f"H^-1 direction ({tag}) reused from {v_path.parent}: no fit")
+            distributed.say(f"H^-1 direction ({tag}) reused from {v_path.parent}: no fit", self.settings.progress)
             if "curvature" not in self.info and info_path.exists():
                 self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
         elif in_fit is not None:
@@ -641,7 +641,8 @@ class RunContext:
         dt = time.perf_counter() - t
         self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + dt
         what = "scoring" if tag == "scores" else f"scoring ({tag})"
-        stage_line(st, f"{what}: inside the curvature fit" if stats.get("in_fit") else f"{what}: {dt:.1f} s")
+        distributed.say(f"{what}: inside the curvature fit" if stats.get("in_fit") else f"{what}: {dt:.1f} s",
+                        st.progress)
         self.stage_peak("scoring")
         if stats.get("in_fit"):  # scored inside the fit: no time of its own
             self.info.setdefault("throughput", {})[tag] = {**stats, "ranks": self.execution.world}
@@ -672,13 +673,6 @@ def resume_groups(saved: list, planned: list, finished) -> list:
         else:
             out.append(g)
     return out
-
-
-def stage_line(settings, text: str) -> None:
-    """One console line (stderr) as a stage of the run ends, with its time: the run's
-    story next to run.json's ``timings``; with progress on, on the main rank."""
-    if settings.progress and distributed.is_main():
-        print(text, file=sys.stderr, flush=True)
 
 
 def _summary(xs: list) -> dict:
@@ -719,8 +713,8 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     ctx.stage_peak("direction")
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
              ctx.timings["preference_s"])
-    stage_line(ctx.settings, f"target direction ({ctx.settings.method}, {len(ctx.inputs.pairs)} pairs): "
-                             f"{ctx.timings['preference_s']:.1f} s")
+    distributed.say(f"target direction ({ctx.settings.method}, {len(ctx.inputs.pairs)} pairs): "
+                    f"{ctx.timings['preference_s']:.1f} s", ctx.settings.progress)
     ctx.info["pi"] = _summary(pref.pi.tolist())
     pairs = [{"id": p.id, "pi": float(pref.pi[i]), "margin": float(pref.margin[i]),
               "weight": float(pref.weights[i]), "loss_chosen": float(pref.loss_chosen[i]),
@@ -772,7 +766,8 @@ def _finished_run(out_dir: Path, run_key: dict) -> dict | None:
     return done if same and (out_dir / "scores.jsonl").is_file() else None
 
 
-def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool):
+def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool) -> bool:
+    """Make ``out_dir`` ready for the run ``run_key``; True where it resumes an unfinished one."""
     check_writable_dir(out_dir)
     run_json = out_dir / "run.json"
     partial = out_dir / ".partial"
@@ -780,7 +775,7 @@ def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool):
         shutil.rmtree(partial, ignore_errors=True)
         for f in ("scores.jsonl", "pairs.jsonl", "run.json"):
             (out_dir / f).unlink(missing_ok=True)
-        return
+        return False
     if run_json.exists():
         raise OutputError(f"{out_dir} already holds a finished run (run.json); "
                           "pass --overwrite to replace it, or choose another --out")
@@ -908,9 +903,10 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
 
     Returns the run summary (the content of run.json). ``reuse_finished``: a finished run
     in ``out_dir`` with the same inputs and settings (its ``run.json``'s ``run_key``) is
-    returned as it is instead of refused (``prism-select compare`` resumed). Under ``settings.stream`` the pool
-    is read a window at a time (see :func:`prepare_stream_inputs`); an unset
-    ``curvature.fit_examples`` then becomes ``STREAM_FIT_EXAMPLES``. Under
+    returned as it is instead of refused (``prism-select compare`` resumed). Under
+    ``settings.stream`` the pool is read a window at a time (see
+    :func:`prepare_stream_inputs`); an unset ``curvature.fit_examples`` then becomes
+    ``STREAM_FIT_EXAMPLES``. Under
     ``settings.deterministic`` the whole run uses deterministic kernels
     (:func:`prism_select.execution.deterministic`).
     """
@@ -938,7 +934,7 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     lm = model if isinstance(model, LoadedModel) else load_model(model, host=fsdp)
     timings["load_model_s"] = time.perf_counter() - t
     if not isinstance(model, LoadedModel):
-        stage_line(settings, f"model loaded in {timings['load_model_s']:.1f} s")
+        distributed.say(f"model loaded in {timings['load_model_s']:.1f} s", settings.progress)
     model_bytes = None
     if fsdp:
         t = time.perf_counter()
@@ -957,20 +953,21 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
         inputs = prepare_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
                                 skip_invalid=settings.skip_invalid, pool=pool)
     timings["read_inputs_s"] = time.perf_counter() - t
-    stage_line(settings, f"inputs read in {timings['read_inputs_s']:.1f} s")
+    distributed.say(f"inputs read in {timings['read_inputs_s']:.1f} s", settings.progress)
     modules = tracked_linear_modules(lm.model, settings.modules)
     fingerprints = {"model": lm.fingerprint, "pool": inputs.pool_fingerprint,
                     "targets": encoded_fingerprint(inputs.chosen + inputs.rejected)}
-    plan = plan_run(lm, modules, inputs, settings, curvature)
     run_key = {"settings": settings.run_key(), "curvature": key_of(curvature), "fingerprints": fingerprints,
                "dtype": str(lm.dtype), "modules": sha256_json(list(modules))}
     finished = _finished_run(out_dir, run_key) if reuse_finished and not settings.overwrite else None
-    if finished is not None:
-        stage_line(settings, f"reusing the finished run in {out_dir} (same inputs and settings)")
+    if finished is not None:  # before the plan, which measures an example on the device
+        distributed.say(f"reusing the finished run in {out_dir} (same inputs and settings)", settings.progress)
         return finished
+    plan = plan_run(lm, modules, inputs, settings, curvature)
     if distributed.is_main():
         if _prepare_out_dir(out_dir, run_key, settings.overwrite):
-            stage_line(settings, f"resuming the unfinished run in {out_dir}: its finished work in .partial is reused")
+            distributed.say(f"resuming the unfinished run in {out_dir}: its finished work in .partial is reused",
+                            settings.progress)
     distributed.barrier()
     check_disk_for_v(plan, modules, lm.dtype, out_dir, distributed.world() if sharding.is_sharded(lm.model) else 1)
     ctx = RunContext(lm, modules, inputs, settings, curvature, out_dir, timings,

@@ -101,9 +101,10 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
     starts = list(range(0, Q, batch_size))
     share = share and distributed.active()
     scale = distributed.world() if share else 1
-    steps = distributed.lockstep(distributed.round_robin(starts), starts[0]) if share else ((s, True) for s in starts)
+    mine = distributed.round_robin(starts) if share else starts
+    steps = distributed.lockstep(mine, starts[0]) if share else ((s, True) for s in starts)
     with tracked_param_grad_mode(model, modules), _HostAccumulator(modules, accumulate == "host") as host:
-        bar = tqdm(total=len(distributed.round_robin(starts)) if share else len(starts),
+        bar = tqdm(total=len(mine),
                    desc=f"target direction ({method})", unit="batch", leave=False,
                    disable=not progress or not distributed.is_main())
         for s, real in profiling.steps(f"target direction ({method})", steps):
@@ -151,8 +152,8 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
         bar.close()
         direction = host.result() if host.active else _take_grads(modules, store)
     if share:  # every rank's pairs, in pair order
-        mine = [(s, *(x.cpu() for x in xs)) for s, *xs in zip(done, margins, pis, lcs, lrs, ws)]
-        every = sorted((t for part in distributed.gather_values(mine) for t in part), key=lambda t: t[0])
+        rows = [(s, *(x.cpu() for x in xs)) for s, *xs in zip(done, margins, pis, lcs, lrs, ws)]
+        every = sorted((t for part in distributed.gather_values(rows) for t in part), key=lambda t: t[0])
         margins, pis, lcs, lrs, ws = (list(col) for col in zip(*[t[1:] for t in every]))
     release_host_memory()  # the batches' graphs are gone: their heap goes back to the system
     if host.active:  # (_take_grads checks each gradient where autograd left it)

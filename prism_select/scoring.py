@@ -30,7 +30,6 @@ window at a time (host memory flat in pool size).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -349,10 +348,9 @@ def score_chunks(scorer, encoded: list, chunks: list, *, pad_id: int, batch_size
             results[k] = got
         else:
             todo.append(k)
-    if results and progress and distributed.is_main():  # what a resumed run reuses, on the console
-        n_done = sum(len(chunks[k]) for k in results)
-        print(f"scoring: {n_done} of {sum(len(chunks[k]) for k in mine)} examples reused from the finished chunks "
-              f"in {partial_dir}", file=sys.stderr, flush=True)
+    if results:  # what a resumed run reuses, on the console
+        distributed.say(f"scoring: {sum(len(chunks[k]) for k in results)} of {sum(len(chunks[k]) for k in mine)} "
+                        f"examples reused from the finished chunks in {partial_dir}", progress)
     bar = tqdm(total=sum(len(chunks[k]) for k in todo), desc="scoring", unit="ex",
                disable=not progress or not distributed.is_main())
     # (chunk, first example) of every batch to run; under FSDP2 every rank runs as many

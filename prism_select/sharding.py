@@ -165,7 +165,7 @@ def shard_model(model: torch.nn.Module, modules: dict, device) -> torch.nn.Modul
 
 @contextmanager
 def weights_gathered(model: torch.nn.Module, on: bool):
-    """While the block runs, each decoder block of a sharded ``model`` keeps the weights (and
+    """Inside the ``with``, each decoder block of a sharded ``model`` keeps the weights (and
     ``V``) it gathers for its forward until its backward has run, which then needs no
     second all-gather (FSDP2's ``set_reshard_after_forward``): one transfer of the model per
     step instead of two, for a whole unsharded model on every rank at the end of each
