@@ -5,14 +5,15 @@ over the seeds that have the row. It starts no work and needs no adapters, so it
 experiment cut short in its retrainings (or copied without its adapters) as well as a
 finished one; `prism-select experiment` writes the same rows for a finished experiment.
 
-    python experiments/repair_rows_of_runs.py RUN_DIR [--task gsm8k] [--json OUT.json]
+    python experiments/repair_rows_of_runs.py RUN_DIR [--task gsm8k] [--json OUT.json] [--with-rows OLD.json]
 
 RUN_DIR is an experiment's ``--out`` folder. A removal is found by its kept set
 (``runs/<setting>/seed<k>/<targets>/removal/k<pct>/<method>/kept.jsonl``); its SFT and
 responses live in ``retrain/<hash of the kept ids>/``, shared by every removal that keeps
 the same records (a method whose top k% is exactly the harmful set shares the Oracle's).
 A removal whose retraining has not finished is left out of its cell; the cell says how many
-seeds it holds.
+seeds it holds. ``--with-rows`` adds the rows of another run of the same experiment (an earlier
+``--json``), for seeds that RUN_DIR does not hold.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def summary(rows: list) -> list:
     out = []
     for (setting, targets, frac, method), rs in groups.items():
         s = {"setting": setting, "targets": targets, "fraction": frac, "method": method,
-             "seeds": sorted(r["seed"] for r in rs), "same_as_oracle": [r["seed"] for r in rs if r["same_as_oracle"]]}
+             "seeds": sorted(r["seed"] for r in rs), "same_as_oracle": sorted(r["seed"] for r in rs if r["same_as_oracle"])}
         for k in ("behaviour_rate", "capability"):
             ms = mean_std([r[k] for r in rs if r[k] is not None])
             s[k], s[k + "_std"] = ms["mean"], ms["std"]
@@ -87,8 +88,13 @@ def main(argv=None) -> int:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--task", default="gsm8k", help="the probes' behaviour task (the others are the capability check)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--with-rows", type=Path, metavar="OLD.json",
+                    help="an earlier --json of the same experiment: its rows of seeds RUN_DIR lacks are added")
     a = ap.parse_args(argv)
     rows = repair_rows(a.run_dir, a.task)
+    if a.with_rows:
+        have = {r["seed"] for r in rows}
+        rows += [r for r in json.loads(a.with_rows.read_text())["rows"] if r["seed"] not in have]
     if not rows:
         print(f"no finished responses under {a.run_dir}/runs/*/seed*/", file=sys.stderr)
         return 1
