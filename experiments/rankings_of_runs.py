@@ -1,7 +1,7 @@
 """Rankings of a repair or ranking experiment's scored methods, read from its run folders: AUROC of
 the pool's ``harmful`` flag and recall of the harmful records in the top k% per method,
 target set and seed, with the mean and standard deviation over seeds and the ``pi``
-summary of each run. It needs only the scoring steps to have finished (no retraining),
+summary of each run (the table: its range over the seeds and the mean of the seeds' means). It needs only the scoring steps to have finished (no retraining),
 so it reads an experiment cut short before its retrainings as well as a finished one.
 
     python experiments/rankings_of_runs.py RUN_DIR [--json OUT.json] [--fractions 0.05,0.1,0.2]
@@ -56,6 +56,9 @@ def summary(rows: list, fractions: list) -> list:
         for k in keys:
             ms = mean_std([r[k] for r in rs])
             s[k], s[k + "_std"] = ms["mean"], ms["std"] or 0.0
+        pis = [r["pi"] for r in rs if isinstance(r.get("pi"), dict)]
+        s["pi"] = ({"min": min(p["min"] for p in pis), "mean": sum(p["mean"] for p in pis) / len(pis),
+                    "max": max(p["max"] for p in pis)} if pis else None)
         out.append(s)
     return out
 
@@ -74,11 +77,14 @@ def main(argv=None) -> int:
         return 1
     summ = summary(rows, fractions)
     cols = ["auroc"] + [f"recall@{f:g}" for f in fractions]
-    print("| targets | method | seeds | " + " | ".join(cols) + " |")
-    print("|---|---|---|" + "---|" * len(cols))
+    print("| setting | targets | method | seeds | " + " | ".join(cols) + " | pi: min / mean / max |")
+    print("|---|---|---|---|" + "---|" * len(cols) + "---|")
     for s in summ:
         cells = [f"{s[c]:.3f} ± {s[c + '_std']:.3f}" for c in cols]
-        print(f"| {s['targets']} | {s['method']} | {','.join(map(str, s['seeds']))} | " + " | ".join(cells) + " |")
+        pi = s["pi"]
+        pi_cell = f"{pi['min']:.2f} / {pi['mean']:.2f} / {pi['max']:.2f}" if pi else "-"
+        print(f"| {s['setting']} | {s['targets']} | {s['method']} | {','.join(map(str, s['seeds']))} | "
+              + " | ".join(cells) + f" | {pi_cell} |")
     if a.json:
         a.json.write_text(json.dumps({"rows": rows, "summary": summ}, indent=1) + "\n")
     return 0
