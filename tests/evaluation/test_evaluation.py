@@ -553,6 +553,13 @@ def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_pa
             for name, row in rows.items():
                 got = read[(r["variant"], k, name)]
                 assert (got["behaviour_rate"], got["capability"]) == (row["behaviour_rate"], row["capability"])
+    # --with-rows adds an earlier run's rows for the seeds the folder lacks, and only those
+    rows = reader.repair_rows(out, "gsm8k")
+    other = [dict(rows[0], seed=7, behaviour_rate=1.0), dict(rows[0], behaviour_rate=0.5)]
+    (tmp_path / "old.json").write_text(json.dumps({"rows": other}))
+    assert reader.main([str(out), "--with-rows", str(tmp_path / "old.json"), "--json", str(tmp_path / "new.json")]) == 0
+    merged = json.loads((tmp_path / "new.json").read_text())["rows"]
+    assert len(merged) == len(rows) + 1 and [r["behaviour_rate"] for r in merged if r["seed"] == 7] == [1.0]
 
 
 def test_jobs_are_for_the_repair_protocol(tmp_path):
