@@ -207,6 +207,7 @@ class RunContext:
     execution: ExecutionContext | None = None
     _curvature: Curvature | None = None
     _fit_timings: dict = field(default_factory=dict)  # the fit's running phase totals
+    _alloc_retries: int = 0  # the CUDA allocator's retries counted so far (stage_peak)
     #: the fit's spill (:meth:`prism_select.curvature.fit._Spill.scores`) when it holds the
     #: scoring loss's gradients of every pool example (:meth:`_spill_scores_pool`)
     _spill: object | None = None
@@ -226,13 +227,21 @@ class RunContext:
 
     def stage_peak(self, stage: str) -> None:
         """Record the GPU peak since the last stage under ``gpu_peak_bytes_by_stage[stage]``
-        (the memory plan's stage names: direction, fit, scoring) and start the next stage's
-        count; a no-op off CUDA."""
+        (the memory plan's stage names: direction, fit, scoring) and the allocator's retries
+        under ``gpu_alloc_retries_by_stage[stage]``, and start the next stage's count; a
+        no-op off CUDA."""
         dev = self.lm.device
         if dev.type != "cuda":
             return
         peaks = self.info.setdefault("gpu_peak_bytes_by_stage", {})
         peaks[stage] = max(peaks.get(stage, 0), torch.cuda.max_memory_allocated(dev))
+        # the caching allocator's retries (a failed allocation that freed its cached blocks
+        # and synchronised the device before trying again): a stage near its memory limit
+        # pays them in time, not in peak bytes
+        retries = int(torch.cuda.memory_stats(dev).get("num_alloc_retries", 0))
+        by_stage = self.info.setdefault("gpu_alloc_retries_by_stage", {})
+        by_stage[stage] = by_stage.get(stage, 0) + retries - self._alloc_retries
+        self._alloc_retries = retries
         torch.cuda.reset_peak_memory_stats(dev)
 
     def curvature(self, on_group=None, groups: list | None = None, fit_scores=None) -> Curvature:

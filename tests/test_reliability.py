@@ -386,6 +386,8 @@ def test_run_json_records_the_gpu_peak_of_each_planned_stage(tmp_path, model_dir
     assert set(stages) == {"direction", "fit", "scoring"}  # the memory plan's stages
     assert all(v > 0 for v in stages.values())
     assert run["gpu_peak_bytes"] >= max(stages.values())
+    assert set(run["gpu_alloc_retries_by_stage"]) == set(stages)
+    assert all(v >= 0 for v in run["gpu_alloc_retries_by_stage"].values())
 
 
 def test_a_resumed_run_says_on_the_console_what_it_reuses(tmp_path, model_dir, data, capsys, monkeypatch):
