@@ -25,7 +25,8 @@
 #   KS (GPU counts of the shard step), K1NOGRAPHS (shard step: also one GPU without CUDA
 #   graphs, the FSDP runs' arithmetic), FSDP_LEAN (shard step: also each K with
 #   --fsdp-sums step --fsdp-keep-gathered off, the transfers of every step, beside the
-#   plan's choice), FSDP_GPUS / FSDP_DEVICES (fsdp-full step).
+#   plan's choice), FSDP_SPLIT (shard step: also each K with one of the two choices alone,
+#   --fsdp-sums pass / --fsdp-keep-gathered on), FSDP_GPUS / FSDP_DEVICES (fsdp-full step).
 #   A step longer than a call: start it in its own process session on the warm machine,
 #   `setsid nohup bash benchmarks/scale_suite.sh STEP > /tmp/STEP.log 2>&1 &`, and look at
 #   the log in the next calls (it runs until the machine goes back).
@@ -79,6 +80,13 @@ for step in "$@"; do
           CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((K - 1))) score "fsdp-lean-k$K" --modules "$MODS" --shard fsdp \
             --fsdp-sums step --fsdp-keep-gathered off --cache-dir "$S/cache-fsdp-lean-k$K"
           runs="$runs $S/run-fsdp-lean-k$K"
+        fi
+        if [ -n "${FSDP_SPLIT:-}" ]; then  # each of the plan's two transfer choices alone
+          CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((K - 1))) score "fsdp-pass-k$K" --modules "$MODS" --shard fsdp \
+            --fsdp-sums pass --fsdp-keep-gathered off --cache-dir "$S/cache-fsdp-pass-k$K"
+          CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((K - 1))) score "fsdp-gathered-k$K" --modules "$MODS" --shard fsdp \
+            --fsdp-sums step --fsdp-keep-gathered on --cache-dir "$S/cache-fsdp-gathered-k$K"
+          runs="$runs $S/run-fsdp-pass-k$K $S/run-fsdp-gathered-k$K"
         fi
         if [ -z "${NODDP:-}" ]; then
           CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((K - 1))) score "ddp-k$K" --modules "$MODS" --cache-dir "$S/cache-ddp-k$K"
