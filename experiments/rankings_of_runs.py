@@ -1,8 +1,9 @@
 """Rankings of a repair or ranking experiment's scored methods, read from its run folders: AUROC of
 the pool's ``harmful`` flag and recall of the harmful records in the top k% per method,
 target set and seed, with the mean and standard deviation over seeds and the ``pi``
-summary of each run (the table: its range over the seeds and the mean of the seeds' means). It needs only the scoring steps to have finished (no retraining),
-so it reads an experiment cut short before its retrainings as well as a finished one.
+summary of each run (in the table: its range over the seeds and the mean of the seeds'
+means). It needs only the scoring steps to have finished (no retraining), so it reads an
+experiment cut short before its retrainings as well as a finished one.
 
     python experiments/rankings_of_runs.py RUN_DIR [--json OUT.json] [--fractions 0.05,0.1,0.2]
 
