@@ -848,3 +848,31 @@ def test_report_renders_in_headless_chromium(tmp_path, tiny_dir, gsm8k):
     dom = subprocess.run([str(CHROMIUM), *flags, "--dump-dom", page.as_uri()], check=True, timeout=120,
                          capture_output=True, text=True).stdout
     assert 'id="table-auroc"' in dom and "prism" in dom
+
+
+def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
+    """experiments/rankings_of_runs.py: AUROC and recall per setting, method and seed from
+    the run folders alone, with the seeds' pi range; settings are not mixed."""
+    spec = importlib.util.spec_from_file_location(
+        "rankings_of_runs", Path(__file__).resolve().parents[2] / "experiments" / "rankings_of_runs.py")
+    reader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reader)
+    harmful = [True, True, False, False, False, False, False, False, False, False]
+    for setting, good in (("r20", [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]), ("r50", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9])):
+        for seed, pi in ((0, {"min": 0.1, "mean": 0.3, "max": 0.5}), (1, {"min": 0.2, "mean": 0.5, "max": 0.9})):
+            d = tmp_path / "runs" / setting / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "pool.jsonl").write_text("".join(json.dumps({"id": f"x{i}", "harmful": h}) + "\n"
+                                                  for i, h in enumerate(harmful)))
+            m = d / "t" / "scores" / "prism"
+            m.mkdir(parents=True)
+            order = sorted(range(10), key=lambda i: -good[i])
+            m.joinpath("scores.jsonl").write_text("".join(
+                json.dumps({"id": f"x{i}", "score": float(good[i]), "rank": r + 1}) + "\n" for r, i in enumerate(order)))
+            m.joinpath("run.json").write_text(json.dumps({"pi": pi}))
+    assert reader.main([str(tmp_path), "--fractions", "0.2", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| setting | targets | method | seeds | auroc | recall@0.2 | pi")
+    assert out[2] == "| r20 | t | prism | 0,1 | 1.000 ± 0.000 | 1.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
+    assert out[3] == "| r50 | t | prism | 0,1 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
+    assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 4
