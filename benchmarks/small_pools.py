@@ -31,7 +31,9 @@ data): every pool (seed) with the shrinkage weight ``rho`` and the noise damping
 multiple of the default damping (means over layers), the mean +- standard deviation over
 seeds, and each curvature's paired difference to EK-FAC (mean and range over seeds: the
 pools of one seed share everything but the curvature). Runs of different devices are kept
-apart (a CPU and a GPU run of the same pool are not two seeds).
+apart (a CPU and a GPU run of the same pool are not two seeds). ``--plot FILE.png`` draws
+those paired differences against the pool size (mean +- standard error over seeds), a
+panel per family and harmful ratio with at least two pool sizes.
 """
 
 from __future__ import annotations
@@ -172,6 +174,8 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", help="folder holding gsm8k/train.jsonl and bbh/*.json (required unless --report)")
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of these finished runs and exit")
+    ap.add_argument("--plot", metavar="PNG", help="with --report: also draw each curvature's paired difference to "
+                    "EK-FAC against the pool size, a panel per family and harmful ratio (needs matplotlib)")
     ap.add_argument("--families", nargs="+", default=["mistake-math", "bbh-wrong"], choices=list(FAMILIES))
     ap.add_argument("--sizes", nargs="+", type=int, default=[60, 300, 3000])
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.25], help="harmful fractions (a pool for each)")
@@ -194,6 +198,8 @@ def main():
     a = parse_args()
     if a.report:
         report(a.report, a.variants)
+        if a.plot:
+            plot(a.report, a.plot)
         return
     t0 = time.perf_counter()
     dev = torch.device(a.device if a.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
@@ -343,6 +349,50 @@ def report(paths: list, names: list):
                          else f"{sum(d) / len(d):+.3f} [{min(d):+.3f}, {max(d):+.3f}]")
                          + (f" ({len(d)} seed{'s' * (len(d) > 1)})" if len(d) < len(runs) else ""))
         print(f"| {dev} | {fam} | {n} | {ratio:g} | {len(runs)} | " + " | ".join(cells) + " |")
+
+
+#: the curvatures drawn by --plot, against EK-FAC (the zero line)
+PLOTTED = {"identity": "identity", "kfac": "K-FAC", "ekfac damping x100": "x100 damping",
+           "ekfac damping-noise": "--damping-noise"}
+
+
+def plot(paths: list, out: str):
+    """Each curvature's paired difference to EK-FAC against the pool size (see the module's
+    docstring); panels with a single pool size are left out."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for p in paths for r in _rows(json.loads(Path(p).read_text()))]
+    panels: dict = {}
+    for (dev, fam, n, ratio), runs in _groups(rows).items():
+        panels.setdefault((dev, fam, ratio), []).append((n, runs))
+    panels = {k: v for k, v in panels.items() if len(v) > 1}
+    if not panels:
+        print(f"--plot: no family has two pool sizes in {paths}; nothing drawn", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
+    for ax, ((dev, fam, ratio), sizes) in zip(axes[0], panels.items()):
+        for key, label in PLOTTED.items():
+            xs, ms, es = [], [], []
+            for n, runs in sorted(sizes, key=lambda t: t[0]):
+                d = [r["auroc"][key] - r["auroc"]["ekfac"] for r in runs if key in r["auroc"]]
+                if not d:
+                    continue
+                m = sum(d) / len(d)
+                se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5 if len(d) > 1 else 0.0
+                xs.append(n), ms.append(m), es.append(se)
+            ax.errorbar(xs, ms, yerr=es, marker="o", capsize=3, label=label)
+        ax.axhline(0.0, color="black", lw=0.8)
+        seeds = "/".join(str(len(runs)) for _, runs in sorted(sizes, key=lambda t: t[0]))
+        ax.set(xscale="log", xlabel="pool size (records)",
+               title=f"{fam}, {ratio:g} harmful ({dev})\nseeds per size: {seeds}")
+        ax.set_xticks([n for n, _ in sizes], [str(n) for n, _ in sizes])
+    axes[0][0].set_ylabel("AUROC minus EK-FAC's (paired)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
