@@ -373,9 +373,10 @@ def plot(paths: list, out: str):
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
     for ax, ((dev, fam, ratio), sizes) in zip(axes[0], panels.items()):
+        sizes = sorted(sizes, key=lambda t: t[0])
         for key, label in PLOTTED.items():
             xs, ms, es = [], [], []
-            for n, runs in sorted(sizes, key=lambda t: t[0]):
+            for n, runs in sizes:
                 d = [r["auroc"][key] - r["auroc"]["ekfac"] for r in runs if key in r["auroc"]]
                 if not d:
                     continue
@@ -384,7 +385,7 @@ def plot(paths: list, out: str):
                 xs.append(n), ms.append(m), es.append(se)
             ax.errorbar(xs, ms, yerr=es, marker="o", capsize=3, label=label)
         ax.axhline(0.0, color="black", lw=0.8)
-        seeds = "/".join(str(len(runs)) for _, runs in sorted(sizes, key=lambda t: t[0]))
+        seeds = "/".join(str(len(runs)) for _, runs in sizes)
         ax.set(xscale="log", xlabel="pool size (records)",
                title=f"{fam}, {ratio:g} harmful ({dev})\nseeds per size: {seeds}")
         ax.set_xticks([n for n, _ in sizes], [str(n) for n, _ in sizes])

@@ -207,7 +207,7 @@ class RunContext:
     execution: ExecutionContext | None = None
     _curvature: Curvature | None = None
     _fit_timings: dict = field(default_factory=dict)  # the fit's running phase totals
-    _alloc_retries: int = 0  # the CUDA allocator's retries counted so far (stage_peak)
+    _alloc_retries: int = 0  # the CUDA allocator's retries when the last stage ended (stage_peak)
     #: the fit's spill (:meth:`prism_select.curvature.fit._Spill.scores`) when it holds the
     #: scoring loss's gradients of every pool example (:meth:`_spill_scores_pool`)
     _spill: object | None = None
@@ -215,6 +215,8 @@ class RunContext:
     def __post_init__(self):
         if self.execution is None:
             self.execution = resolve_execution(self.settings, self.lm.model, self.lm.device)
+        if self.lm.device.type == "cuda":  # a model loaded once for several runs (compare) has counted before
+            self._alloc_retries = int(torch.cuda.memory_stats(self.lm.device).get("num_alloc_retries", 0))
 
     @property
     def plan(self) -> MemoryPlan | None:

@@ -437,12 +437,12 @@ def _compare_report(base: Path, plots: _Plots, label: str | None) -> str:
             cells += f"<td>{_fmt(auroc(s, y))}</td><td>{_fmt(auprc(s, y))}</td>"
         table.append(f"<tr><td class=l>{_esc(r['method'])}</td>{cells}</tr>")
     body.append("".join(table) + "</table>")
-    groups = _pi_groups(base, [{"methods": {r["method"]: {"status": "ok", "dir": r["method"]} for r in rows},
+    methods = {r["method"]: {"status": "ok", "dir": r["method"]} for r in rows}  # as an experiment's run lists them
+    groups = _pi_groups(base, [{"methods": methods,
                                 "targets": res["targets"] if str(res.get("targets")).endswith(".jsonl") else None}])
     if groups:
         body.append(plots.pi_hist(groups, "pi over target pairs", "pi"))
-    run = {"pool": str(pool_path), "label": label,
-           "methods": {r["method"]: {"status": "ok", "dir": r["method"]} for r in rows}}
+    run = {"pool": str(pool_path), "label": label, "methods": methods}
     body.append("<h2>Rankings</h2>")
     body.append(_run_figures(plots, base, run, "compare", "compare"))
     return _page("prism-select compare", body)
@@ -465,7 +465,11 @@ def write_report(path, *, label: str | None = None, out: str | None = None) -> P
                          fix="pass the --out directory of `prism-select experiment`, `compare` or `score`")
     page_path = Path(out) if out else base / "report.html"
     plots = _Plots(page_path.parent)
-    text = (_experiment_report(base, plots) if kind == "experiment" else _compare_report(base, plots, label)
-            if kind == "compare" else _score_run_report(base, plots, label))
+    if kind == "experiment":
+        text = _experiment_report(base, plots)
+    elif kind == "compare":
+        text = _compare_report(base, plots, label)
+    else:
+        text = _score_run_report(base, plots, label)
     atomic_write_text(page_path, text)
     return page_path
