@@ -723,3 +723,44 @@ def test_deterministic_run_scores_as_the_default_and_is_keyed(run_files, monkeyp
     from prism_select.pipeline import ScoreSettings
     assert summary["settings"]["deterministic"] is True
     assert ScoreSettings(deterministic=True).run_key() != ScoreSettings().run_key()
+
+
+def test_sharded_pass_sums_send_each_input_once(model, modules, tok, encoded_pool, monkeypatch):
+    """With the statistics sent once per pass (``--fsdp-sums pass``) the layers reading one
+    input (q/k/v, gate/up) send one sum of that input, and its eigenbasis is computed once.
+    Over more than two ranks a reduction adds the ranks' copies in an order that depends on
+    the offset in its buffer (NCCL's ring): the stand-in all-reduce below adds a rounding
+    error of its own at every offset, so copies summed apart would differ in their last
+    bits and be decomposed once each (the 4-GPU eigendecompositions of docs/scale.md)."""
+    from prism_select import distributed
+    from prism_select.curvature import fit as fitmod
+
+    calls = []
+
+    def offset_order_all_reduce(tensors):
+        calls.append(len(tensors))
+        off = 0
+        for t in tensors:
+            t.add_(off * 1e-14 * t.abs().max())  # another order of addition at each offset
+            off += t.numel()
+
+    decomposed = []
+    real_eigh = fitmod._eigh
+    monkeypatch.setattr(distributed, "all_reduce_sum", offset_order_all_reduce)
+    monkeypatch.setattr(fitmod, "SPILL_MAX_BYTES", 0)  # the sums of the pass, as on a GPU
+    monkeypatch.setattr(fitmod, "_eigh", lambda M: (decomposed.append(M.shape[0]), real_eigh(M))[1])
+    s = CurvatureSettings(kind="ekfac", batch_size=3)
+    idx = fitmod.fit_indices(len(encoded_pool), s)
+    batches = fitmod.length_batches(encoded_pool, idx, s.batch_size)
+    timings = {"factors_s": 0.0, "eigh_s": 0.0, "lambda_s": 0.0}
+    t = fitmod._fit_group(model, modules, encoded_pool, batches, len(idx), s, pad_id=tok.pad_token_id,
+                          device=next(model.parameters()).device, progress=False, timings=timings,
+                          cuda_graphs="off", owners={n: 0 for n in modules}, local_sums=True)
+    # a decoder block's distinct inputs: q/k/v's, o's, gate/up's, down's
+    n_inputs = 4 * len({n.split(".mlp")[0].split(".self_attn")[0] for n in modules})
+    a_sent = calls[0] - 1 - len(modules)  # the factor pass's sums, less n_tokens and one S per layer
+    assert a_sent == n_inputs, (a_sent, n_inputs)
+    assert len(decomposed) == n_inputs + len(modules)  # one A per input, one S per layer
+    for block in {n.rsplit(".", 1)[0] for n in modules if ".self_attn." in n}:  # one eigenbasis per input
+        qa = [t[f"{block}.{p}::QA"] for p in ("q_proj", "k_proj", "v_proj")]
+        assert torch.equal(qa[0], qa[1]) and torch.equal(qa[0], qa[2])

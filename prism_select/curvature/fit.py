@@ -1266,11 +1266,19 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     A.update({n: A[first[n]] for n in summing})
     for n in summing:
         S[n] = _mirror(S[n])
+    if local:
+        # Layers reading one input (q/k/v, gate/up) hold bitwise-identical sums here (one
+        # product per input in the pass): each input's sum is sent once. Summed apart over
+        # more than two ranks, copies at other offsets of the reduction buffer would be
+        # added in other orders, differ in their last bits and be decomposed once each.
+        first = _identical_across_ranks(roots, A)
+        roots = [n for n in roots if first[n] == n]
+        A = {n: A[first[n]] for n in summing}
     # sharded factors summed every step were summed on their owners as the pass went
     distributed.all_reduce_sum(([] if step_sums else [A[n] for n in roots] + list(S.values())) + [n_tok])
-    if local:  # this rank keeps its own layers' sums (sharded: one A per layer, first[n] == n)
-        A, S = {n: A[n] for n in own}, {n: S[n] for n in own}
-        roots = list(own)
+    if local:  # this rank keeps its own layers' sums and the accumulators they read
+        roots = list(dict.fromkeys(first[n] for n in own))
+        A, S = {n: A[n] for n in [*roots, *own]}, {n: S[n] for n in own}
     n_tokens = int(round(float(n_tok)))
     sync()
     timings["factors_s"] += time.perf_counter() - t0
@@ -1278,18 +1286,9 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     # Layers reading the same input have bitwise-identical A (one product per input in
     # the pass): group them by a fingerprint (one host sync), confirm with torch.equal,
     # and decompose each distinct A once.
-    fps = torch.stack([torch.stack([A[n].sum(), A[n].diagonal().sum(), A[n][0].sum()]) for n in roots]).tolist() \
-        if roots else []
-    fp = dict(zip(roots, fps))
-    group_of, reps = {}, []  # layer -> group id; group id -> representative layer
-    for n in roots:
-        for gid, r in enumerate(reps):
-            if A[r].shape == A[n].shape and fp[r] == fp[n] and torch.equal(A[r], A[n]):
-                group_of[n] = gid
-                break
-        else:
-            group_of[n] = len(reps)
-            reps.append(n)
+    rep = _identical(roots, A)
+    reps = [n for n in roots if rep[n] == n]  # group id -> representative layer
+    group_of = {n: reps.index(rep[n]) for n in roots}  # layer -> group id
     for n in own:  # summed in the accumulator of the first layer reading their input
         group_of[n] = group_of[first[n]]
     for n in roots:
@@ -1391,6 +1390,32 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     sync()
     timings["lambda_s"] += time.perf_counter() - t0
     return tensors
+
+
+def _identical(names: list, tensors: dict) -> dict:
+    """Each name's representative: the first name in ``names`` whose tensor is bitwise
+    equal to its own (grouped by a fingerprint, one host sync, confirmed by ``torch.equal``)."""
+    fps = torch.stack([torch.stack([tensors[n].sum(), tensors[n].diagonal().sum(), tensors[n][0].sum()])
+                       for n in names]).tolist() if names else []
+    fp = dict(zip(names, fps))
+    rep, reps = {}, []
+    for n in names:
+        rep[n] = next((r for r in reps if tensors[r].shape == tensors[n].shape and fp[r] == fp[n]
+                       and torch.equal(tensors[r], tensors[n])), n)
+        if rep[n] == n:
+            reps.append(n)
+    return rep
+
+
+def _identical_across_ranks(names: list, tensors: dict) -> dict:
+    """:func:`_identical` of every rank's own ``tensors``, merged: two names share a
+    representative only where they do on every rank (the same on every rank, so that the
+    ranks then sum the same tensors)."""
+    views = distributed.gather_values([_identical(names, tensors)[n] for n in names])
+    rep, seen = {}, {}
+    for i, n in enumerate(names):
+        rep[n] = seen.setdefault(tuple(v[i] for v in views), n)
+    return rep
 
 
 def _unshare_inputs(tensors: dict, own: list) -> None:
