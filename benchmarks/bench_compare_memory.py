@@ -4,6 +4,8 @@ one run, and optionally the whole `compare` over every method in one process.
 
     python benchmarks/bench_compare_memory.py --sizes 60,1000 --json out.json
     python benchmarks/bench_compare_memory.py --sizes 60 --methods prism,random --compare
+    python benchmarks/bench_compare_memory.py --sizes 1000 --jobs 9 --threads 4 --cpus 16-63 \
+        --method-threads less=12 --json out.json      # the methods side by side (a large host)
 
 Pool and targets: the generated arithmetic example (``prism_select.examples``: real
 text, a quarter of the answers wrong) at each size, 8 target pairs. Model: ``--model``
@@ -14,6 +16,13 @@ the user's cache, linked into each size's cache directory; ``none``: converted b
 first method, whose peak then includes the conversion). Peak RSS is ``ru_maxrss`` of the child (the whole run:
 imports, model, fit or load, scoring, writing); CPU seconds are user + system of the
 child. Prints a table and writes ``--json``.
+
+``--jobs N`` runs up to N methods side by side, each with ``--threads`` threads (or its
+``--method-threads``) on CPUs of its own from ``--cpus``, and each with its own
+curvature cache: every gradient method then fits the curvature itself, as the first
+gradient method of a `compare` does, so its peak is at least its peak inside `compare`.
+While they run, the JSON holds each running method's high-water mark so far (``VmHWM``,
+read every ``--sample-s`` seconds, ``"running": true``).
 """
 
 from __future__ import annotations
@@ -62,6 +71,12 @@ def main():
                     help="a cache's converted models to link into each size's cache (default: the user's "
                          "cache; 'none': convert in the first run)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--jobs", type=int, default=1, help="methods run side by side (each with its own cache)")
+    ap.add_argument("--threads", type=int, default=None, help="threads of each run (default: torch's)")
+    ap.add_argument("--method-threads", action="append", default=[], metavar="METHOD=N",
+                    help="threads of one method's run (repeatable)")
+    ap.add_argument("--cpus", default=None, help="CPUs the runs are pinned to, e.g. 16-63 (each run its own)")
+    ap.add_argument("--sample-s", type=float, default=10.0)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("argv", nargs="*", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -74,19 +89,61 @@ def main():
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
     rows = []
 
-    def run(size, name, argv):
-        cmd = [sys.executable, __file__, "--child", "--", *argv]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "{}"
-        row = {"records": size, "method": name, **json.loads(last), "load_average_end": os.getloadavg()}
-        if r.returncode != 0 or row.get("code"):
-            row["error"] = r.stderr.strip().splitlines()[-1:] or ["exit %d" % r.returncode]
+    per_method = {k: int(v) for k, v in (x.split("=", 1) for x in a.method_threads)}
+    free_cpus = _cpu_list(a.cpus) if a.cpus else None
+    running: list = []  # (row, process, cpus)
+
+    def threads_of(name):
+        return per_method.get(name, a.threads)
+
+    def write():
+        if a.json:
+            live = [{**row, "running": True, "peak_rss_mib": _hwm_mib(p.pid), "wall_s": time.time() - row["t0"]}
+                    for row, p, _ in running]
+            Path(a.json).write_text(json.dumps(rows + live, indent=1, default=str))
+
+    def finish(row, p, cpus):
+        out, err = p.communicate()
+        last = out.strip().splitlines()[-1] if out.strip() else "{}"
+        row.update(json.loads(last), load_average_end=os.getloadavg())
+        if p.returncode != 0 or row.get("code"):
+            row["error"] = err.strip().splitlines()[-1:] or ["exit %d" % p.returncode]
+        row.pop("t0", None)
         rows.append(row)
-        print(f"{size:>6} {name:>12}: peak RSS {row.get('peak_rss_mib', float('nan')):8.1f} MiB, "
+        if free_cpus is not None:
+            free_cpus.extend(cpus)
+        print(f"{row['records']:>6} {row['method']:>12}: peak RSS {row.get('peak_rss_mib', float('nan')):8.1f} MiB, "
               f"{row.get('wall_s', float('nan')):7.1f} s wall, {row.get('cpu_s', float('nan')):7.1f} s CPU"
               + (f"  ERROR {row['error']}" if "error" in row else ""), flush=True)
-        if a.json:
-            Path(a.json).write_text(json.dumps(rows, indent=1))
+        write()
+
+    def wait(limit):  # until fewer than `limit` runs are running
+        while len(running) >= max(limit, 1) or (limit == 0 and running):
+            for item in list(running):
+                if item[1].poll() is not None:
+                    running.remove(item)
+                    finish(*item)
+            write()
+            if len(running) >= max(limit, 1) or (limit == 0 and running):
+                time.sleep(a.sample_s)
+
+    def run(size, name, argv):
+        wait(a.jobs)
+        n = threads_of(name)
+        child_env = dict(env, **({"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)} if n else {}))
+        cpus = []
+        if free_cpus is not None:
+            want = n or 1
+            if len(free_cpus) < want:
+                raise SystemExit(f"--cpus: {len(free_cpus)} free CPUs left, {name} needs {want}")
+            cpus, free_cpus[:] = free_cpus[:want], free_cpus[want:]
+        cmd = [sys.executable, __file__, "--child", "--", *argv]
+        p = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        row = {"records": size, "method": name, "threads": n, "t0": time.time()}
+        running.append((row, p, cpus))
+        if a.jobs <= 1:
+            wait(0)
 
     from prism_select.model import default_cache_dir
     models = None if a.models_from == "none" else Path(a.models_from or default_cache_dir() / "models")
@@ -97,8 +154,17 @@ def main():
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(models.resolve(), target_is_directory=True)
         common = ["--model", a.model, "--pool", str(pool), "--targets", str(targets), "--device", "cpu",
-                  "--batch-size", str(a.batch_size), "--cache-dir", str(d / f"cache{size}"), "--no-progress",
-                  "--overwrite"]
+                  "--batch-size", str(a.batch_size), "--no-progress", "--overwrite"]
+
+        def cache(name):  # side by side, each run its own cache (its models linked as the shared one's)
+            c = d / f"cache{size}"
+            if a.jobs > 1:
+                c = d / f"cache{size}-{name}"
+                if link.exists() and not (c / "models").exists():
+                    c.mkdir(parents=True, exist_ok=True)
+                    (c / "models").symlink_to(link.resolve(), target_is_directory=True)
+            return ["--cache-dir", str(c)]
+
         if a.max_length:
             common += ["--max-length", str(a.max_length)]
         if a.fit_examples:
@@ -106,16 +172,37 @@ def main():
         for o in a.option:
             common += ["--option", o]
         for m in [] if a.compare_only else methods:
-            run(size, m, ["score", "--method", m, "--out", str(d / f"run{size}" / m), *common])
+            run(size, m, ["score", "--method", m, "--out", str(d / f"run{size}" / m), *common, *cache(m)])
         if a.compare or a.compare_only:
             run(size, "compare(all)", ["compare", "--methods", *methods, "--label", "harmful",
-                                       "--out", str(d / f"compare{size}"), *common])
+                                       "--out", str(d / f"compare{size}"), *common, *cache("compare")])
+    wait(0)
     print("| records | method | peak RSS MiB | wall s | CPU s |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['records']} | {r['method']} | {r.get('peak_rss_mib', float('nan')):.0f} | "
               f"{r.get('wall_s', float('nan')):.1f} | {r.get('cpu_s', float('nan')):.1f} |"
               + (" error |" if "error" in r else ""))
+
+
+def _cpu_list(spec: str) -> list:
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]``."""
+    out = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _hwm_mib(pid: int) -> float | None:
+    """A running process's high-water mark of resident memory (``VmHWM``), MiB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
 
 
 if __name__ == "__main__":
