@@ -57,9 +57,16 @@ def cpu_response_split(model, modules: dict | None = None):
     return split
 
 
-def _ce_chunk_tokens(vocab: int) -> int:
-    # ~256 MiB of float32 logits per chunk
-    return max(256, (1 << 26) // max(vocab, 1))
+#: bytes of float32 logits per chunk of the fused loss: on the CPU they are resident
+#: memory next to the model and its activations (a 135M model's vocabulary of 49,152 gives
+#: 341 tokens a chunk there), on accelerators larger chunks keep the head's GEMMs large
+CE_CHUNK_BYTES = {"cpu": 1 << 26, "other": 1 << 28}
+
+
+def _ce_chunk_tokens(vocab: int, device_type: str = "cuda") -> int:
+    """Tokens per chunk of the fused loss (at least 256)."""
+    budget = CE_CHUNK_BYTES["cpu" if device_type == "cpu" else "other"]
+    return max(256, budget // 4 // max(vocab, 1))
 
 
 class _FusedCE(torch.autograd.Function):
@@ -80,7 +87,7 @@ class _FusedCE(torch.autograd.Function):
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         losses = torch.zeros(B, dtype=acc, device=hidden.device)
         dh = torch.empty_like(h) if need_grad else None
-        step = _ce_chunk_tokens(weight.shape[0])
+        step = _ce_chunk_tokens(weight.shape[0], hidden.device.type)
         mixed = h.dtype != weight.dtype  # split32: float32 activations, half-precision head
         linear = (lambda a, w, b: split_linear(a, w, b, kernels)) if mixed else F.linear
         for c in range(0, h.shape[0], step):
@@ -90,7 +97,7 @@ class _FusedCE(torch.autograd.Function):
             ce = lse - logits.gather(1, yy[:, None]).squeeze(1)
             losses.index_add_(0, bi[c:c + step], ce)
             if need_grad:
-                p = torch.exp(logits.sub_(lse[:, None]))
+                p = logits.sub_(lse[:, None]).exp_()  # the softmax, in the logits' memory
                 p[torch.arange(p.shape[0], device=p.device), yy] -= 1
                 dh[c:c + step] = cotangent_mm(p, weight, kernels) if mixed else p.to(h.dtype) @ weight
             del logits
