@@ -1411,7 +1411,8 @@ def _identical_across_ranks(names: list, tensors: dict) -> dict:
     """:func:`_identical` of every rank's own ``tensors``, merged: two names share a
     representative only where they do on every rank (the same on every rank, so that the
     ranks then sum the same tensors)."""
-    views = distributed.gather_values([_identical(names, tensors)[n] for n in names])
+    mine = _identical(names, tensors)
+    views = distributed.gather_values([mine[n] for n in names])
     rep, seen = {}, {}
     for i, n in enumerate(names):
         rep[n] = seen.setdefault(tuple(v[i] for v in views), n)
