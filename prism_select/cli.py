@@ -137,9 +137,17 @@ def cmd_score(a):
     from .pipeline import score_pool
     s, c = _score_settings(a)
     summary = score_pool(_model_settings(a), a.pool, a.targets, a.out, s, c)
+    if not _main_rank():
+        return
     _print_summary(summary, Path(a.out))
     print(f"next: prism-select select --run {a.out} --pool {a.pool} --keep 5% --out selected.jsonl"
           "   (or --remove 10% to drop the top as harmful)")
+
+
+def _main_rank() -> bool:
+    """Whether this process prints a command's summary: under torchrun, rank 0 alone."""
+    from . import distributed
+    return distributed.is_main()
 
 
 def _print_summary(summary: dict, out: Path, top: int = 5):
@@ -212,6 +220,8 @@ def cmd_compare(a):
     from .baselines.compare import compare
     s, c = _score_settings(a)
     result = compare(_model_settings(a), a.pool, a.targets, a.out, a.methods, s, c, a.label)
+    if not _main_rank():
+        return
     print((Path(a.out) / "compare.md").read_text(), end="")
     print(f"wrote {Path(a.out) / 'compare.json'}, {Path(a.out) / 'compare.md'} "
           f"and one run directory per method ({len(result['methods'])})")

@@ -124,7 +124,9 @@ def launch_two_ranks(d):
     (d / "worker.py").write_text(WORKER.format(tests=str(HERE)))
     (d / "chain.py").write_text(CHAIN)
     commands = [_cli_args(d, d / "multi", d / "c2"), *sharded_commands(d)]
-    _torchrun(2, [str(d / "chain.py"), str(d / "worker.py"), str(d / "two.json"), json.dumps(commands)], d)
+    r = _torchrun(2, [str(d / "chain.py"), str(d / "worker.py"), str(d / "two.json"), json.dumps(commands)], d)
+    (d / "console.txt").write_text(r.stdout)
+    (d / "commands.json").write_text(json.dumps(commands))
     return d
 
 
@@ -292,3 +294,11 @@ def test_plan_chunks_interleaved_deals_the_one_rank_batches_in_turn():
     chunks, owners = plan_chunks(enc, 8, parts=2, max_tokens=60, align=batch, interleave=True)
     assert sorted(i for c in chunks for i in c) == list(range(50))
     assert all(len(c) <= 8 and (len(c) == 1 or sum(lengths[i] for i in c) <= 60) for c in chunks)
+
+
+def test_one_summary_per_command_under_torchrun(two_ranks):
+    """Each `score` of the two-rank launch prints its summary once (rank 0), not once per rank."""
+    console = (two_ranks / "console.txt").read_text().splitlines()
+    commands = json.loads((two_ranks / "commands.json").read_text())
+    assert sum(line.startswith("scored ") for line in console) == len(commands)
+    assert sum(line.startswith("next: prism-select select") for line in console) == len(commands)
