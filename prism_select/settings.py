@@ -169,7 +169,7 @@ class RunSettings:
                               "also ends after about a minute's work, so an interrupted run keeps it)")
     skip_invalid: bool = setting(False, help="skip malformed records (listed in run.json)")
     overwrite: bool = setting(False, key=False, help="replace an existing run in --out")
-    progress: bool = setting(True, key=False, help="no progress bars")
+    progress: bool = setting(True, key=False, help="no progress bars and no stage lines on the console (-v still logs the stages)")
     stream: bool = setting(False, group="streaming (pools too large to load)",
                            help="read and score the pool a window at a time (host memory flat in pool size; "
                                 f"prism, equal, unpaired only); the curvature is fitted on a seeded sample of "
