@@ -128,7 +128,11 @@ def _u(a: torch.Tensor, V: torch.Tensor, bias: bool) -> torch.Tensor:
 
 
 def _position_scores(model, modules, V, batch, pad_id, device, dt) -> list:
-    """Per-position scores ``sum_l b_t^T V_l a_t`` (b of the summed loss), all positions.
+    """Per-position scores ``sum_l b_t^T V_l a_t`` (b of the summed loss), all positions,
+    formed in each layer's backward as ``(b_t^T V_l) . a_t``: the forward keeps a reference
+    to the layer's input ``a`` (one tensor for the layers reading it, q/k/v, gate/up), not
+    ``V_l a_t`` of every layer's width (about half the memory of the batch's activations
+    more at the embedded model; the 1,000-record CPU run peaked over 3 GB with it).
     On the CPU the logits are formed at the response positions only
     (:func:`prism_select.engine.cpu_response_split`): every position's logits, their
     softmax and gradient were about 0.4 GB of a batch of 8 at the embedded model's vocabulary."""
@@ -141,11 +145,13 @@ def _position_scores(model, modules, V, batch, pad_id, device, dt) -> list:
         Vl, bias = V[name], has_bias(module)
 
         def fwd(mod, inputs, output):
-            u = _u(inputs[0].detach().to(dt), Vl, bias) * mask[..., None].to(dt)
+            a = inputs[0].detach()
 
             def on_grad(g):
                 nonlocal acc
-                acc = acc + (g.detach().to(dt) * u).sum(-1)
+                g = g.detach().to(dt)
+                s = ((g @ Vl[:, : a.shape[-1]]) * a.to(dt)).sum(-1)
+                acc = acc + (s + g @ Vl[:, -1] if bias else s)
             if output.requires_grad:
                 output.register_hook(on_grad)
         return fwd
@@ -158,6 +164,7 @@ def _position_scores(model, modules, V, batch, pad_id, device, dt) -> list:
     finally:
         for h in handles:
             h.remove()
+    acc = acc * mask.to(dt)  # padding positions score nothing
     return [acc[i, : len(e.input_ids)].double().cpu() for i, e in enumerate(batch)]
 
 
