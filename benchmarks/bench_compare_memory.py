@@ -117,15 +117,15 @@ def main():
               + (f"  ERROR {row['error']}" if "error" in row else ""), flush=True)
         write()
 
-    def wait(limit):  # until fewer than `limit` runs are running
-        while len(running) >= max(limit, 1) or (limit == 0 and running):
-            for item in list(running):
-                if item[1].poll() is not None:
-                    running.remove(item)
-                    finish(*item)
+    def wait(limit):  # until fewer than `limit` runs are running (none, for 0 or 1)
+        while True:
+            for item in [i for i in running if i[1].poll() is not None]:
+                running.remove(item)
+                finish(*item)
             write()
-            if len(running) >= max(limit, 1) or (limit == 0 and running):
-                time.sleep(a.sample_s)
+            if len(running) <= max(limit - 1, 0):
+                return
+            time.sleep(a.sample_s)
 
     def run(size, name, argv):
         wait(a.jobs)

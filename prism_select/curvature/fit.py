@@ -1286,7 +1286,8 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     # Layers reading the same input have bitwise-identical A (one product per input in
     # the pass): group them by a fingerprint (one host sync), confirm with torch.equal,
     # and decompose each distinct A once.
-    rep = _identical(roots, A)
+    # (sums once per pass: grouped before they were sent, roots are distinct already)
+    rep = {n: n for n in roots} if local else _identical(roots, A)
     reps = [n for n in roots if rep[n] == n]  # group id -> representative layer
     group_of = {n: reps.index(rep[n]) for n in roots}  # layer -> group id
     for n in own:  # summed in the accumulator of the first layer reading their input
