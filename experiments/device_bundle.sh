@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a self-contained bundle for the GPU machine (no network there, 64 MiB carried
 # per call) from THIS working tree: the code (prism_select/ + experiments/ + pyproject),
-# GSM8K and BBH, the peft/gguf wheels and the embedded GGUF split in two parts.
+# GSM8K and BBH (compressed), the peft/gguf wheels and the embedded GGUF split in two parts.
 #
 #   bash experiments/device_bundle.sh DEST      # DEST: an ignored folder of the repository
 #                                               # the device calls send (e.g. .cache/bundle)
@@ -13,9 +13,10 @@ SRC="$(cd "$(dirname "$0")/.." && pwd)"
 DATA="${PRISM_DATA_ROOT:-$SRC/../shared/data}"
 PY="${PYTHON:-python3}"
 rm -rf "$DEST"
-mkdir -p "$DEST/part1" "$DEST/run/part2" "$DEST/run/wheels" "$DEST/run/data" "$DEST/run/tree"
+mkdir -p "$DEST/part1" "$DEST/run/part2" "$DEST/run/wheels" "$DEST/run/tree"
 (cd "$SRC" && tar cf - --exclude=__pycache__ prism_select experiments pyproject.toml) | tar xf - -C "$DEST/run/tree"
-cp -r "$DATA/gsm8k" "$DATA/bbh" "$DEST/run/data/"
+# compressed (7.6 MB -> about 1.5 MB): the carried total stays under 64 MiB as the repository grows
+tar czf "$DEST/run/data.tar.gz" -C "$DATA" gsm8k bbh
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$DEST/run/wheels" \
     "peft==$("$PY" -c 'import peft; print(peft.__version__)')" \
     "gguf==$("$PY" -c 'import importlib.metadata as m; print(m.version("gguf"))')"

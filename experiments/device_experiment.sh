@@ -31,7 +31,9 @@ GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" != "$(cat "$B/run/part2/sha256")" ]; then
   rm -f "$GGUF"; echo "the joined GGUF does not match its checksum: carry part1 in an earlier call" >&2; exit 4
 fi
-export PRISM_SELECT_DEFAULT_GGUF="$GGUF" PRISM_DATA_ROOT="$B/run/data" PRISM_SELECT_CACHE=/tmp/prism-cache \
+DATA=/tmp/prism-data  # the bundle's GSM8K and BBH, unpacked once per machine
+[ -f "$DATA/.unpacked" ] || { mkdir -p "$DATA" && tar xzf "$B/run/data.tar.gz" -C "$DATA" && touch "$DATA/.unpacked"; } || exit 3
+export PRISM_SELECT_DEFAULT_GGUF="$GGUF" PRISM_DATA_ROOT="$DATA" PRISM_SELECT_CACHE=/tmp/prism-cache \
        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
