@@ -230,6 +230,19 @@ def release_host_memory() -> None:
 _libc = None
 
 
+def host_peak_mib() -> float | None:
+    """The process's resident high-water mark so far, MiB (``ru_maxrss``); None where the
+    platform does not report it."""
+    import resource
+    import sys
+
+    try:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (AttributeError, OSError):
+        return None
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes there, KiB on Linux
+
+
 class SpilledLayers:
     """Layer matrices moved from host memory into an unnamed temporary file (removed when
     closed or collected) and read back one at a time: a read-only mapping with ``pop``,

@@ -49,7 +49,7 @@ from .errors import CacheError, ConfigError, InputError, OutOfResourceError, Out
 from .execution import ExecutionContext, direction_kernels
 from .execution import deterministic as deterministic_kernels
 from .execution import resolve as resolve_execution
-from .gradients import SpilledLayers, layer_shape, release_host_memory
+from .gradients import SpilledLayers, host_peak_mib, layer_shape, release_host_memory
 from .precision import direction_policy
 from .io import (
     atomic_write_json,
@@ -228,10 +228,15 @@ class RunContext:
         return self.lm.tokenizer.pad_token_id
 
     def stage_peak(self, stage: str) -> None:
-        """Record the GPU peak since the last stage under ``gpu_peak_bytes_by_stage[stage]``
-        (the memory plan's stage names: direction, fit, scoring) and the allocator's retries
-        under ``gpu_alloc_retries_by_stage[stage]``, and start the next stage's count; a
-        no-op off CUDA."""
+        """At the end of a stage (the memory plan's stage names: direction, fit, scoring),
+        record the process's host high-water mark so far under
+        ``host_peak_mib_by_stage[stage]`` (resident memory, MiB; a value above the previous
+        stage's was set by this stage) and, on CUDA, the GPU peak since the last stage under
+        ``gpu_peak_bytes_by_stage[stage]`` and the allocator's retries under
+        ``gpu_alloc_retries_by_stage[stage]``, starting the next stage's count."""
+        peak = host_peak_mib()
+        if peak is not None:
+            self.info.setdefault("host_peak_mib_by_stage", {})[stage] = round(peak, 1)
         dev = self.lm.device
         if dev.type != "cuda":
             return

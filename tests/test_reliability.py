@@ -376,6 +376,18 @@ def test_same_seed_gives_equal_scores_on_gpu(tmp_path, model_dir, data):
     assert torch.allclose(a, b, rtol=GPU_SCORE_RTOL, atol=GPU_SCORE_RTOL * float(a.abs().max()))
 
 
+def test_run_json_records_the_host_peak_at_the_end_of_each_stage(tmp_path, model_dir, data):
+    """The process's resident high-water mark when each stage ended (what says which stage
+    set a run's host peak, e.g. one method's of a `compare`)."""
+    import resource
+    summary = run(tmp_path, model_dir, *data, tmp_path / "run")
+    stages = summary["host_peak_mib_by_stage"]
+    assert list(stages) == ["direction", "fit", "scoring"]
+    values = list(stages.values())
+    assert 0 < values[0] <= values[1] <= values[2]  # a high-water mark only rises
+    assert values[2] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 + 0.1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_run_json_records_the_gpu_peak_of_each_planned_stage(tmp_path, model_dir, data):
