@@ -213,6 +213,21 @@ def test_ifguide_target_and_position_scores_run_the_head_at_response_positions_o
     assert len(got) == len(ctx.inputs.encoded) and all(torch.isfinite(t).all() for t in got)
 
 
+def test_ifguide_token_scores_hand_the_heap_back_after_each_batch(model, modules, tok, make_ctx, monkeypatch):
+    """On the CPU the token scores trim the heap after every batch: each batch leaves small
+    score tensors between the pages its activations came from, and untrimmed the heap crept
+    ~150 MiB over a 1,000-record pool inside a `compare`."""
+    from prism_select.baselines import ifguide as ifguide_mod
+    ctx = make_ctx("ifguide")
+    g, _, _ = contrastive_target(model, modules, ctx.inputs.chosen, ctx.inputs.rejected, pad_id=tok.pad_token_id)
+    done, trims = [], []
+    scores = ifguide_mod._position_scores
+    monkeypatch.setattr(ifguide_mod, "_position_scores", lambda *a: done.append(1) or scores(*a))
+    monkeypatch.setattr(ifguide_mod, "release_host_memory", lambda: trims.append(len(done)))
+    token_scores(model, modules, ctx.inputs.encoded, g, pad_id=tok.pad_token_id, attribution="position", batch_size=2)
+    assert len(done) >= 2 and trims == list(range(1, len(done) + 1))
+
+
 def test_ifguide_method_rankings(model, modules, tok, make_ctx):
     ctx = make_ctx("ifguide", {"quantile": 0.9, "token_attribution": "loss"})
     scores, rows = REGISTRY["ifguide"](ctx)
