@@ -4,7 +4,8 @@
     python benchmarks/cpu_stages.py -- demo --out /tmp/d --pool-size 1000 --overwrite --no-progress
 
 The stages are timed by wrapping the library's functions (model load, target direction,
-the fit's two passes, curvature save, preconditioning, scoring); the eigendecompositions
+the fit's two passes, curvature save or load, preconditioning, scoring; IF-Guide's target
+and token scores); the eigendecompositions
 are the rest of the curvature stage (their workers overlap, so they are not timed call
 by call). Each stage also records the resident memory at its start and end and the
 process's peak RSS so far (so the stage that set the peak shows). CPU seconds are the
@@ -116,6 +117,10 @@ def main():
     wrap(pipeline, "load_or_fit_curvature", "curvature (all)")
     wrap(base.Curvature, "precondition", "precondition")
     wrap(pipeline, "score_encoded", "scoring")
+    wrap(base.Curvature, "load", "curvature load (cache)")
+    from prism_select.baselines import ifguide  # IF-Guide's own stages (score --method ifguide)
+    wrap(ifguide, "contrastive_target", "IF-Guide target")
+    wrap(ifguide, "token_scores", "IF-Guide token scores")
     if hasattr(fit._Spill, "scores"):  # exact scores from the fit's spill (the pool is the fit sample)
         wrap(fit._Spill, "scores", "scoring (from the fit's spill)")
     # fit.FitScores (the pool scored inside the spilled fit's tasks) is not a stage of its own:
