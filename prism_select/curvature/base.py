@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import threading
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,9 +191,12 @@ class Curvature:
         system (:func:`prism_select.gradients.release_host_memory`) each time
         PRECONDITION_TRIM_BYTES of them have been released, and at the end: glibc kept it
         and does not reuse it for ``v``, so without the trim the process grows by ``v``
-        while its live tensors shrink (docs/performance.md, the 1,000-record CPU fit)."""
+        while its live tensors shrink (docs/performance.md, the 1,000-record CPU fit). A
+        loaded curvature (:class:`HostTensorFiles`) is read layer by layer here, and the
+        heap of those reads is handed back likewise, with or without ``release``."""
         out = {}
-        freed = [0]  # bytes of released host tensors since the last trim
+        freed = [0]  # bytes of released (or read and let go) host tensors since the last trim
+        on_disk = isinstance(self.tensors, HostTensorFiles)
         unknown = [n for n in grads if n not in self.damping]
         if unknown:
             raise ConfigError("curvature", f"no fitted curvature for layer(s) {', '.join(unknown[:3])}")
@@ -212,11 +219,11 @@ class Curvature:
             else:
                 parts = (t[f"{name}::QA"].to(device=dev, dtype=dt), t[f"{name}::QS"].to(device=dev, dtype=dt),
                          self.eigenvalues(name, device=dev, dtype=dt))
-            if release:
+            if release or on_disk:
                 for k in [k for k in t if k.startswith(f"{name}::")]:
-                    if t[k].device.type == "cpu":
-                        freed[0] += t[k].untyped_storage().nbytes()
-                    del t[k]
+                    freed[0] += _host_bytes(t, k)
+                    if release:
+                        del t[k]
                 if freed[0] >= PRECONDITION_TRIM_BYTES:
                     freed[0] = 0
                     release_host_memory()
@@ -244,7 +251,7 @@ class Curvature:
         results = side_by_side(compute, jobs, window=torch.get_num_threads() + 1) if on_cpu else map(compute, jobs)
         for name, v in results:
             out[name] = v
-        if release and freed[0]:
+        if freed[0]:
             release_host_memory()
         return out
 
@@ -286,7 +293,9 @@ class Curvature:
     def load(cls, directory, expect: dict | None = None, device=None) -> "Curvature":
         """Load a saved curvature (onto ``device``, default the host); with ``expect``,
         refuse (CacheError) unless every key of ``expect`` equals the saved metadata
-        (settings and fingerprints)."""
+        (settings and fingerprints). On the host its tensors stay in the files until used
+        (:class:`HostTensorFiles`: each read when asked for, the files held open); on
+        another device they are read whole."""
         d = Path(directory)
         meta_path = d / "curvature.json"
         if not meta_path.exists():
@@ -302,11 +311,11 @@ class Curvature:
                 raise CacheError(
                     f"saved curvature in {d} was fitted with other {', '.join(diff)}; "
                     "refusing to reuse it (fit again, or pass the matching model/pool/settings)")
-        tensors: dict = {}
-        for f in files:
-            if device is None or torch.device(device).type == "cpu":
-                tensors.update(read_host_tensors(d / f))
-            else:
+        if device is None or torch.device(device).type == "cpu":
+            tensors = HostTensorFiles([d / f for f in files])
+        else:
+            tensors = {}
+            for f in files:
                 tensors.update(load_file(str(d / f), device=str(device)))
         return cls(meta["kind"], meta["layers"], tensors, meta["damping"], meta, meta.get("shrinkage"))
 
@@ -316,32 +325,113 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def read_host_tensors(path) -> dict:
-    """The tensors of a safetensors file, each read into host memory of its own by plain
-    file reads, in ``load_file``'s order. ``load_file`` maps the file instead: its
-    tensors share one mapping whose pages, once read, stay resident until the last
-    tensor is gone, so a curvature freed layer by layer
-    (:meth:`Curvature.precondition` with ``release``) kept all of it resident (1.6 GB for
-    the embedded model's EK-FAC). A dtype not listed here falls back to ``load_file``."""
-    from safetensors import safe_open
-    with safe_open(str(path), "pt") as so:  # the header only: no tensor is read
-        keys = list(so.keys())
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        if any(header[k]["dtype"] not in _SAFETENSORS_DTYPES for k in keys):
-            return load_file(str(path))
-        out = {}
-        for k in keys:
-            h = header[k]
-            b, e = h["data_offsets"]
-            t = torch.empty(h["shape"], dtype=_SAFETENSORS_DTYPES[h["dtype"]])
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            f.seek(8 + n + b)
-            if view.nbytes != e - b or f.readinto(view) != e - b:
-                raise CacheError(f"saved curvature file {path} is truncated or damaged at tensor {k!r}")
-            out[k] = t
-    return out
+class HostTensorFiles(MutableMapping):
+    """The tensors of saved safetensors files, read from their files when asked for: a
+    loaded curvature that stays on disk until used. Each ``self[key]`` reads that tensor
+    into host memory of its own by plain file reads (nothing is kept here), so a curvature
+    used layer by layer holds about one layer at a time, not the whole file (1.5 GB for the
+    embedded model's EK-FAC at 1,000 records; docs/performance.md, Session 18). Reading,
+    not mapping: a mapping's pages, once read, stay resident until the mapping is gone.
+
+    The files are opened (and their headers and sizes checked) here and held open until
+    every file-backed key is deleted or :meth:`close`: a cache entry evicted, or replaced
+    by an atomic rename, while a run uses it is still read whole from the file it opened.
+    Keys keep the files' order (``load_file``'s); a key set here holds its tensor in memory,
+    and a file with a dtype not listed in ``_SAFETENSORS_DTYPES`` is read whole by
+    ``load_file``."""
+
+    def __init__(self, paths):
+        self._files: list = []
+        self._where: dict = {}  # key -> (file index, dtype, shape, offset, bytes)
+        self._held: dict = {}  # keys set in memory
+        self._lock = threading.Lock()
+        from safetensors import SafetensorError, safe_open
+        try:
+            for path in paths:
+                try:
+                    with safe_open(str(path), "pt") as so:  # the header only: no tensor is read
+                        keys = list(so.keys())
+                except SafetensorError as exc:
+                    raise CacheError(f"saved curvature file {path} is truncated or damaged ({exc})") from exc
+                f = open(path, "rb")
+                self._files.append(f)
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+                if any(header[k]["dtype"] not in _SAFETENSORS_DTYPES for k in keys):
+                    self._held.update(load_file(str(path)))
+                    continue
+                size = os.fstat(f.fileno()).st_size
+                for k in keys:
+                    h = header[k]
+                    b, e = h["data_offsets"]
+                    dtype = _SAFETENSORS_DTYPES[h["dtype"]]
+                    count = math.prod(h["shape"]) * torch.empty((), dtype=dtype).element_size()
+                    if count != e - b or 8 + n + e > size:
+                        raise CacheError(f"saved curvature file {path} is truncated or damaged at tensor {k!r}")
+                    self._where[k] = (len(self._files) - 1, dtype, h["shape"], 8 + n + b, e - b)
+        except BaseException:
+            self.close()
+            raise
+
+    def __getitem__(self, key):
+        if key in self._held:
+            return self._held[key]
+        i, dtype, shape, offset, count = self._where[key]
+        t = torch.empty(shape, dtype=dtype)
+        view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        with self._lock:
+            f = self._files[i]
+            f.seek(offset)
+            got = f.readinto(view)
+        if got != count:
+            raise CacheError(f"saved curvature file {f.name} is truncated or damaged at tensor {key!r}")
+        return t
+
+    def __setitem__(self, key, value):
+        self._where.pop(key, None)
+        self._held[key] = value
+
+    def __delitem__(self, key):
+        if key in self._held:
+            del self._held[key]
+        else:
+            del self._where[key]
+            if not self._where:
+                self.close()
+
+    def __contains__(self, key):
+        return key in self._where or key in self._held
+
+    def __iter__(self):
+        yield from list(self._where)
+        yield from list(self._held)
+
+    def __len__(self):
+        return len(self._where) + len(self._held)
+
+    def host_bytes(self, key) -> int:
+        """Bytes of host memory that ``self[key]`` takes: a read for a key on disk, the
+        held tensor's storage otherwise (without reading anything)."""
+        if key in self._where:
+            return self._where[key][4]
+        return _host_bytes(self._held, key)
+
+    def close(self):
+        """Close the files; the keys on disk can no longer be read."""
+        for f in self._files:
+            f.close()
+
+    def __del__(self):
+        self.close()
+
+
+def _host_bytes(tensors, key) -> int:
+    """Bytes of host memory that ``tensors[key]`` takes or, for a key of a
+    :class:`HostTensorFiles` still on disk, that reading it takes."""
+    if isinstance(tensors, HostTensorFiles):
+        return tensors.host_bytes(key)
+    t = tensors[key]
+    return t.untyped_storage().nbytes() if t.device.type == "cpu" else 0
 
 
 def kfac_matched(lam: torch.Tensor, kfac: torch.Tensor) -> torch.Tensor:

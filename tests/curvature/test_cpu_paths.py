@@ -202,29 +202,101 @@ def test_precondition_releasing_the_curvature_gives_the_same_result(model, modul
         cur.precondition(dict(g))
 
 
-def test_loaded_curvature_is_read_into_memory_of_its_own(model, modules, tok, encoded_pool, tmp_path):
-    """On the host a saved curvature is read, not memory-mapped: a mapping's pages stay
-    resident until every tensor of the file is gone, so releasing the curvature layer by
-    layer freed nothing. Overwriting the file after the load shows the difference (a
-    mapped tensor reads the new bytes); the loaded tensors equal ``load_file``'s, in its
-    order."""
+def _saved_curvature(model, modules, tok, encoded_pool, directory, kind="ekfac"):
+    cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind=kind, damping=1e-3, batch_size=3),
+                        pad_id=tok.pad_token_id)
+    cur.save(directory, {"k": 1})
+    return cur
+
+
+def test_loaded_curvature_stays_in_its_file_until_read(model, modules, tok, encoded_pool, tmp_path):
+    """On the host a saved curvature is not read at load: each tensor is read from the file
+    when asked for, into memory of its own (not mapped: overwriting the file's bytes after
+    a read leaves the tensor read), equal to ``load_file``'s, in its order. The file is held
+    open, so the cache replacing it by an atomic rename or evicting it while a run uses it
+    changes nothing that run reads."""
     from safetensors.torch import load_file
 
-    from prism_select.curvature.base import Curvature
-    cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3),
-                        pad_id=tok.pad_token_id)
-    cur.save(tmp_path, {"k": 1})
+    from prism_select.curvature.base import Curvature, HostTensorFiles
+    _saved_curvature(model, modules, tok, encoded_pool, tmp_path)
     f = tmp_path / "factors.safetensors"
     ref = {k: v.clone() for k, v in load_file(str(f)).items()}
     back = Curvature.load(tmp_path, expect={"k": 1})
+    assert isinstance(back.tensors, HostTensorFiles)
     assert list(back.tensors) == list(ref)
+    first = next(iter(ref))
+    read = back.tensors[first]
     size = f.stat().st_size
     with open(f, "r+b") as fh:  # the header stays, every tensor's bytes become 0xFF (NaN)
         n = int.from_bytes(fh.read(8), "little")
         fh.seek(8 + n)
         fh.write(b"\xff" * (size - 8 - n))
-    assert all(torch.equal(back.tensors[k], ref[k]) for k in ref)
+    assert torch.equal(read, ref[first])  # a tensor read is memory of its own
+    assert back.tensors[first].isnan().all()  # ... and the next read reads the file
+    back = Curvature.load(tmp_path, expect={"k": 1})
+    tmp = tmp_path / ".replacement"
+    tmp.write_bytes(b"not a curvature")
+    tmp.replace(f)  # the cache's atomic write of another fit
+    (tmp_path / "curvature.json").unlink()
+    f.unlink()  # the cache evicting the entry
+    assert all(back.tensors[k].isnan().all() for k in ref if ref[k].is_floating_point() and ref[k].numel())
     assert all(t.dtype == ref[k].dtype and t.shape == ref[k].shape for k, t in back.tensors.items())
+
+
+def test_loaded_curvature_refuses_a_truncated_file(model, modules, tok, encoded_pool, tmp_path):
+    from prism_select.curvature.base import Curvature
+    from prism_select.errors import CacheError
+    _saved_curvature(model, modules, tok, encoded_pool, tmp_path)
+    f = tmp_path / "factors.safetensors"
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 8)
+    with pytest.raises(CacheError, match="truncated or damaged"):
+        Curvature.load(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["ekfac", "kfac", "diagonal"])
+def test_loaded_curvature_preconditions_as_the_fitted_one_reading_a_layer_at_a_time(
+        model, modules, tok, encoded_pool, tmp_path, monkeypatch, kind):
+    """Preconditioning from a loaded curvature equals the fitted one's, again and again, and
+    with ``release`` (the caller's last use) each layer is read once and dropped: the tensors
+    read and still alive never exceed the few layers in flight (``side_by_side``'s window),
+    where loading used to read the whole file; the file is closed once every layer is used."""
+    import gc
+    import weakref
+
+    from prism_select.curvature.base import Curvature, HostTensorFiles
+    from prism_select.curvature.fit import apply_damping
+    from prism_select.curvature.base import PreconditionSettings
+    fitted = _saved_curvature(model, modules, tok, encoded_pool, tmp_path, kind)
+    g = {n: torch.randn(m.weight.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+         for i, (n, m) in enumerate(modules.items())}
+    ref = fitted.precondition(dict(g))
+    settings = PreconditionSettings(damping=1e-3)
+    back = apply_damping(Curvature.load(tmp_path), settings)
+    assert back.damping == fitted.damping
+    assert all(torch.equal(got, ref[n]) for n, got in back.precondition(dict(g)).items())
+    live, most, reads = set(), [0], []
+    real = HostTensorFiles.__getitem__
+
+    def counted(self, key):
+        t = real(self, key)
+        token = object()
+        live.add(token)
+        weakref.finalize(t, live.discard, token)
+        most[0] = max(most[0], len(live))
+        reads.append(key)
+        return t
+
+    monkeypatch.setattr(HostTensorFiles, "__getitem__", counted)
+    gc.collect()
+    got = back.precondition(dict(g), consume=True, release=True)
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+    per_layer = {"ekfac": 3, "kfac": 4, "diagonal": 1}[kind]  # tensors read for one layer (no shrinkage)
+    window = torch.get_num_threads() + 2  # side_by_side's window, and the layer being read
+    assert len(modules) > window
+    assert len(reads) <= per_layer * len(modules)
+    assert 0 < most[0] <= per_layer * window
+    assert len(back.tensors) == 0 and all(f.closed for f in back.tensors._files)
 
 
 def test_release_host_memory_is_safe_to_call():
