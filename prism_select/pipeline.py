@@ -228,8 +228,9 @@ class RunContext:
         return self.lm.tokenizer.pad_token_id
 
     def stage_peak(self, stage: str) -> None:
-        """At the end of a stage (the memory plan's stage names: direction, fit, scoring),
-        record the process's host high-water mark so far under
+        """At the end of a stage (the memory plan's stage names: direction, fit, scoring;
+        a baseline's own stages by the names of their timings, e.g. IF-Guide's ``target``
+        and ``token_scores``), record the process's host high-water mark so far under
         ``host_peak_mib_by_stage[stage]`` (resident memory, MiB; a value above the previous
         stage's was set by this stage) and, on CUDA, the GPU peak since the last stage under
         ``gpu_peak_bytes_by_stage[stage]`` and the allocator's retries under

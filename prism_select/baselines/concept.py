@@ -54,6 +54,7 @@ def _common(ctx, fn, opts):
     t = time.perf_counter()
     v, hc, hr = concept_vector(ctx, layer)
     ctx.timings["concept_vector_s"] = time.perf_counter() - t
+    ctx.stage_peak("concept_vector")
     return opts, layer, v, hc, hr
 
 
@@ -140,6 +141,7 @@ def projdiff_method(ctx) -> tuple[torch.Tensor, list]:
                                       cache_dir=lm.settings.resolved_cache_dir(), progress=st.progress)
         gen_info["source"] = "sampled"
     ctx.timings["own_responses_s"] = time.perf_counter() - t
+    ctx.stage_peak("own_responses")
     enc_own = []
     for ex, text in zip(ctx.inputs.pool, own):
         try:
@@ -191,6 +193,7 @@ def conceptinf_method(ctx) -> tuple[torch.Tensor, list]:
     grad_f = concept_gradient(ctx.lm.model, ctx.modules, ctx.inputs.chosen, layer, vhat, pad_id=ctx.pad_id,
                               batch_size=ctx.settings.batch_size)
     ctx.timings["concept_gradient_s"] = time.perf_counter() - t
+    ctx.stage_peak("concept_gradient")
     direction = {n: -g for n, g in grad_f.items()}
     del grad_f
     scores = ctx.score_direction(direction, tag="conceptinf", last=True)

@@ -385,6 +385,7 @@ def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     ctx.timings["less_warmup_s"] = time.perf_counter() - t
+    ctx.stage_peak("less_warmup")
     return [target / n for n in names], {**info, "reused": False}
 
 
@@ -557,6 +558,7 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
             os.replace(tmp, feats_path)
         sim += w * (_normalise(cand) @ _normalise(targ).T)
     ctx.timings["less_gradients_s"] = time.perf_counter() - t
+    ctx.stage_peak("less_gradients")
     scores, task_names = task_max_of_means(sim, tasks)
     record(ctx, "less", opts, seed=seed, proj_seed=proj_seed, checkpoints=[str(c) for c in ckpts],
            checkpoint_weights=weights, checkpoint_weight_source=wsource, skipped_checkpoints=skipped, warmup=warm,
