@@ -136,7 +136,8 @@ PRECONDITION_TRIM_BYTES = 128 << 20
 class Curvature:
     """Per-layer damped inverse of ``H``, applied to ``out x in'`` gradient matrices.
 
-    ``tensors`` holds, per layer ``name``: ekfac ``name::QA``, ``name::QS``,
+    ``tensors`` (a dict; a loaded curvature's is a :class:`HostTensorFiles`, which reads
+    each tensor from its file when used) holds, per layer ``name``: ekfac ``name::QA``, ``name::QS``,
     ``name::Lambda``, and the K-FAC eigenvalues ``name::lamA``, ``name::lamS`` with
     ``name::LambdaVar`` (the estimated sampling variance of ``Lambda``, summed over its
     entries) for the shrinkage and the noise damping; kfac ``name::QA``, ``name::lamA``, ``name::QS``,
@@ -145,7 +146,7 @@ class Curvature:
     (:class:`CurvatureSettings`; absent = 0).
     """
 
-    def __init__(self, kind: str, layers: list, tensors: dict, damping: dict, meta: dict | None = None,
+    def __init__(self, kind: str, layers: list, tensors: MutableMapping, damping: dict, meta: dict | None = None,
                  shrinkage: dict | None = None):
         if kind not in KINDS:
             raise ConfigError("curvature", f"unknown kind {kind!r}")
