@@ -86,7 +86,7 @@ from tqdm.auto import tqdm
 
 from ..data.tokenize import collate, encoded_fingerprint, token_losses
 from ..errors import CacheError, ConfigError, InputError
-from ..gradients import Taps, activation_grad_mode, check_finite
+from ..gradients import Taps, activation_grad_mode, check_finite, release_host_memory
 from ..io import atomic_write_json, sha256_json
 from ..settings import key_of
 from .common import compute_dtype, method, record, require_pairs, resolve_options
@@ -247,7 +247,11 @@ def projected_gradients(model, modules: dict, encoded: list, *, pad_id: int, bat
     """Projected (not yet normalised) per-example gradients of the mean response loss
     over ``modules`` (LoRA Linear layers), Adam-preconditioned when ``adam`` maps
     ``param_key -> (m, v)``, with :func:`project` ``projection``. Returns ``(N, dim)``
-    float64 on the CPU."""
+    float64 on the CPU, filled chunk by chunk. On the CPU the heap is handed back to the
+    system after each chunk (:func:`prism_select.gradients.release_host_memory`): each
+    chunk's per-example gradients (up to ``SJLT_CHUNK_BYTES``) are freed between the
+    pages of the next chunk's activations, and inside a `compare` at 1,000 records the
+    process crept by ~60 MiB a checkpoint without it (docs/performance.md, Session 18)."""
     device = next(model.parameters()).device
     dt = compute_dtype(model)
     keys = {name: param_key(name) for name in modules}
@@ -262,7 +266,7 @@ def projected_gradients(model, modules: dict, encoded: list, *, pad_id: int, bat
     state = None
     if adam is not None:
         state = {name: (adam[k][0].to(device, dt), adam[k][1].to(device, dt)) for name, k in keys.items()}
-    out = []
+    out = torch.empty(len(encoded), dim, dtype=torch.float64)
     bar = tqdm(total=len(encoded), desc=desc, disable=not progress, leave=False)
     with activation_grad_mode(model), Taps(modules, compute_dtype=dt) as taps:
         for c0 in range(0, len(encoded), chunk):
@@ -291,9 +295,12 @@ def projected_gradients(model, modules: dict, encoded: list, *, pad_id: int, bat
                 p = project(flat, keys[name], dim, proj_seed, projection)
                 feats = p if feats is None else feats + p
             check_finite(feats, "the projected LESS gradients")
-            out.append(feats.double().cpu())
+            out[c0:c0 + len(part)] = feats
+            del feats, flats
+            if device.type == "cpu":
+                release_host_memory()
     bar.close()
-    return torch.cat(out)
+    return out
 
 
 def _normalise(x: torch.Tensor) -> torch.Tensor:
@@ -557,6 +564,9 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
                       metadata={"projection": projection})
             os.replace(tmp, feats_path)
         sim += w * (_normalise(cand) @ _normalise(targ).T)
+        del cand, targ
+        if ctx.lm.device.type == "cpu":  # the checkpoint's adapter, Adam state and features are freed
+            release_host_memory()
     ctx.timings["less_gradients_s"] = time.perf_counter() - t
     ctx.stage_peak("less_gradients")
     scores, task_names = task_max_of_means(sim, tasks)

@@ -1,5 +1,6 @@
 """LESS against a step-by-step float64 reference on a tiny Llama with hand-made checkpoints."""
 
+import itertools
 import json
 from pathlib import Path
 
@@ -188,6 +189,29 @@ def test_gradient_chunk_is_bounded_in_bytes(tmp_path, two_checkpoints, monkeypat
     got = LESS(make_ctx(tmp_path, opts, out="run2"))[0]
     assert seen and max(seen) == 1
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_less_hands_the_heap_back_after_each_chunk_and_checkpoint(tmp_path, two_checkpoints, monkeypatch):
+    """On the CPU the heap is trimmed after each projected chunk (its freed per-example
+    gradients) and after each checkpoint (its adapter, Adam state and features): untrimmed,
+    a 1,000-record `compare` crept ~60 MiB a checkpoint. The scores stay the same."""
+    ck = two_checkpoints
+    opts = {"checkpoints": [str(c) for c in ck], "proj_dim": 16, "proj_seed": 7, "proj_chunk": 2,
+            "projection": "sjlt"}
+    ref = LESS(make_ctx(tmp_path, opts))[0]
+    events = []
+    project = less_mod.project
+    monkeypatch.setattr(less_mod, "project", lambda flat, *a: (events.append("chunk"), project(flat, *a))[1])
+    monkeypatch.setattr(less_mod, "release_host_memory", lambda: events.append("trim"))
+    got = LESS(make_ctx(tmp_path, opts, out="run2"))[0]
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    # every chunk's layers are projected, then trimmed; each checkpoint ends with one more trim
+    chunks = [len(list(g)) for k, g in itertools.groupby(events) if k == "chunk"]
+    trims = [len(list(g)) for k, g in itertools.groupby(events) if k == "trim"]
+    n_pool, n_targets = len(POOL), len(PAIRS)
+    per_ckpt = -(-n_pool // 2) + -(-n_targets // 2)  # chunks of 2 examples: candidates, then targets
+    assert len(chunks) == len(ck) * per_ckpt and len(set(chunks)) == 1
+    assert sum(trims) == len(ck) * (per_ckpt + 1) and events[-2:] == ["trim", "trim"]
 
 
 def test_one_task_and_rejected_side(tmp_path, two_checkpoints):
