@@ -460,7 +460,7 @@ def _convert_gguf(gguf_path: Path, target: Path, key: str) -> None:
     """Load ``gguf_path`` with transformers and write the converted copy to ``target``
     atomically (temporary sibling directory + rename)."""
     if importlib.util.find_spec("gguf") is None:
-        raise ModelError("loading a .gguf file needs the 'gguf' package; install it with: pip install 'gguf>=0.10'")
+        raise ModelError(f"loading {gguf_path} needs the 'gguf' package; install it with: pip install 'gguf>=0.10'")
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -529,6 +529,18 @@ def test_missing_or_corrupt_gguf_file(tmp_path):
     assert not list((tmp_path / "c").glob("models/*"))
 
 
+def test_gguf_without_the_gguf_package_names_the_file_and_the_install(tmp_path, monkeypatch):
+    """Where ``gguf`` is not installed (e.g. the GPU machine) the error names the file too."""
+    import importlib.util
+
+    from prism_select import model as model_mod
+    real = importlib.util.find_spec
+    monkeypatch.setattr(model_mod.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all" * 100)
+    with pytest.raises(ModelError, match=r"bad\.gguf needs the 'gguf' package.*pip install"):
+        load_model(ModelSettings(str(tmp_path / "bad.gguf"), device="cpu", cache_dir=str(tmp_path / "c")))
+
+
 @needs_gguf
 def test_gguf_metadata_and_special_token_repair(tmp_path):
     gg = tmp_path / "tiny.gguf"
