@@ -227,6 +227,12 @@ class RunContext:
     def pad_id(self) -> int:
         return self.lm.tokenizer.pad_token_id
 
+    def end_stage(self, stage: str, started: float) -> None:
+        """A baseline's own stage is over: its seconds since ``started`` (``perf_counter``)
+        under ``timings[stage + "_s"]``, and its memory peaks (:meth:`stage_peak`)."""
+        self.timings[f"{stage}_s"] = time.perf_counter() - started
+        self.stage_peak(stage)
+
     def stage_peak(self, stage: str) -> None:
         """At the end of a stage (the memory plan's stage names: direction, fit, scoring;
         a baseline's own stages by the names of their timings, e.g. IF-Guide's ``target``

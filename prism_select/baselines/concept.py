@@ -53,8 +53,7 @@ def _common(ctx, fn, opts):
     layer = resolve_layer(ctx.lm.model, opts["layer"])
     t = time.perf_counter()
     v, hc, hr = concept_vector(ctx, layer)
-    ctx.timings["concept_vector_s"] = time.perf_counter() - t
-    ctx.stage_peak("concept_vector")
+    ctx.end_stage("concept_vector", t)
     return opts, layer, v, hc, hr
 
 
@@ -140,8 +139,7 @@ def projdiff_method(ctx) -> tuple[torch.Tensor, list]:
         own, gen_info = own_responses(lm, ctx.inputs.encoded, max_new_tokens=n_new, seed=st.seed,
                                       cache_dir=lm.settings.resolved_cache_dir(), progress=st.progress)
         gen_info["source"] = "sampled"
-    ctx.timings["own_responses_s"] = time.perf_counter() - t
-    ctx.stage_peak("own_responses")
+    ctx.end_stage("own_responses", t)
     enc_own = []
     for ex, text in zip(ctx.inputs.pool, own):
         try:
@@ -192,8 +190,7 @@ def conceptinf_method(ctx) -> tuple[torch.Tensor, list]:
     t = time.perf_counter()
     grad_f = concept_gradient(ctx.lm.model, ctx.modules, ctx.inputs.chosen, layer, vhat, pad_id=ctx.pad_id,
                               batch_size=ctx.settings.batch_size)
-    ctx.timings["concept_gradient_s"] = time.perf_counter() - t
-    ctx.stage_peak("concept_gradient")
+    ctx.end_stage("concept_gradient", t)
     direction = {n: -g for n, g in grad_f.items()}
     del grad_f
     scores = ctx.score_direction(direction, tag="conceptinf", last=True)

@@ -277,8 +277,7 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     t = time.perf_counter()
     g, lc, lr = contrastive_target(lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
                                    pad_id=ctx.pad_id, batch_size=st.batch_size, progress=st.progress)
-    ctx.timings["target_s"] = time.perf_counter() - t
-    ctx.stage_peak("target")
+    ctx.end_stage("target", t)
     pairs = [{"id": p.id, "loss_chosen": float(lc[i]), "loss_rejected": float(lr[i]),
               **({"task": p.task} if p.task else {})} for i, p in enumerate(ctx.inputs.pairs)]
     if opts["ranking"] == "sum":
@@ -295,8 +294,7 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     ts = token_scores(lm.model, ctx.modules, ctx.inputs.encoded, V, pad_id=ctx.pad_id,
                       attribution=opts["token_attribution"], batch_size=st.batch_size, token_chunk=tc,
                       progress=st.progress, ids=[e.id for e in ctx.inputs.pool])
-    ctx.timings["token_scores_s"] = time.perf_counter() - t
-    ctx.stage_peak("token_scores")
+    ctx.end_stage("token_scores", t)
     tau = ifguide_threshold(ts, q)
     scores = ifguide_rank(ts, q, "harmonic")
     record(ctx, "ifguide", opts, tau=tau, tokens=sum(len(x) for x in ts),

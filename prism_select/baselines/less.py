@@ -391,8 +391,7 @@ def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    ctx.timings["less_warmup_s"] = time.perf_counter() - t
-    ctx.stage_peak("less_warmup")
+    ctx.end_stage("less_warmup", t)
     return [target / n for n in names], {**info, "reused": False}
 
 
@@ -567,8 +566,7 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
         del cand, targ
         if ctx.lm.device.type == "cpu":  # the checkpoint's adapter, Adam state and features are freed
             release_host_memory()
-    ctx.timings["less_gradients_s"] = time.perf_counter() - t
-    ctx.stage_peak("less_gradients")
+    ctx.end_stage("less_gradients", t)
     scores, task_names = task_max_of_means(sim, tasks)
     record(ctx, "less", opts, seed=seed, proj_seed=proj_seed, checkpoints=[str(c) for c in ckpts],
            checkpoint_weights=weights, checkpoint_weight_source=wsource, skipped_checkpoints=skipped, warmup=warm,
