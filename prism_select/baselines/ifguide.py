@@ -233,11 +233,10 @@ def token_scores(model, modules: dict, encoded: list, V: dict, *, pad_id: int, a
             for k, t in enumerate(res):
                 check_finite(t, "IF-Guide token scores", record=None if ids is None else ids[s + k])
             out.extend(res)
-            if device.type == "cpu":
-                # each batch leaves its examples' small score tensors between the pages its
-                # activations were freed from: untrimmed, the heap crept ~150 MiB over the
-                # 1,000-record pool's batches inside a `compare` (docs/performance.md, Session 17)
-                release_host_memory()
+            # each batch leaves its examples' small score tensors between the pages its
+            # activations were freed from: untrimmed, the heap crept ~150 MiB over the
+            # 1,000-record pool's batches inside a `compare` (docs/performance.md, Session 17)
+            release_host_memory(device)
     return out
 
 

@@ -250,8 +250,8 @@ def projected_gradients(model, modules: dict, encoded: list, *, pad_id: int, bat
     float64 on the CPU, filled chunk by chunk. On the CPU the heap is handed back to the
     system after each chunk (:func:`prism_select.gradients.release_host_memory`): each
     chunk's per-example gradients (up to ``SJLT_CHUNK_BYTES``) are freed between the
-    pages of the next chunk's activations, and inside a `compare` at 1,000 records the
-    process crept by ~60 MiB a checkpoint without it (docs/performance.md, Session 18)."""
+    pages of the next chunk's activations, which would otherwise keep them resident
+    (docs/performance.md, Session 18)."""
     device = next(model.parameters()).device
     dt = compute_dtype(model)
     keys = {name: param_key(name) for name in modules}
@@ -297,8 +297,7 @@ def projected_gradients(model, modules: dict, encoded: list, *, pad_id: int, bat
             check_finite(feats, "the projected LESS gradients")
             out[c0:c0 + len(part)] = feats
             del feats, flats
-            if device.type == "cpu":
-                release_host_memory()
+            release_host_memory(device)
     bar.close()
     return out
 
@@ -564,8 +563,7 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
             os.replace(tmp, feats_path)
         sim += w * (_normalise(cand) @ _normalise(targ).T)
         del cand, targ
-        if ctx.lm.device.type == "cpu":  # the checkpoint's adapter, Adam state and features are freed
-            release_host_memory()
+        release_host_memory(ctx.lm.device)  # the checkpoint's adapter, Adam state and features are freed
     ctx.end_stage("less_gradients", t)
     scores, task_names = task_max_of_means(sim, tasks)
     record(ctx, "less", opts, seed=seed, proj_seed=proj_seed, checkpoints=[str(c) for c in ckpts],

@@ -305,6 +305,23 @@ def test_release_host_memory_is_safe_to_call():
     release_host_memory()
 
 
+def test_release_host_memory_trims_only_after_work_on_the_cpu(monkeypatch):
+    """Work that ran on an accelerator left nothing on the host heap: no trim for it."""
+    import sys
+
+    from prism_select import gradients as grad_mod
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the trim is glibc's")
+    calls = []
+    monkeypatch.setattr(grad_mod, "_libc", type("Libc", (), {"malloc_trim": staticmethod(calls.append)})())
+    grad_mod.release_host_memory(torch.device("cuda", 0))
+    grad_mod.release_host_memory("mps")
+    assert calls == []
+    grad_mod.release_host_memory(torch.device("cpu"))
+    grad_mod.release_host_memory()
+    assert calls == [0, 0]
+
+
 #: float64 end to end: the spilled products and exact scoring differ in GEMM order and
 #: padding (the fit's batches of 3 against scoring's of 4) only
 SPILL_SCORE_REL_TOL = 1e-12
