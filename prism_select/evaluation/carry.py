@@ -1,0 +1,168 @@
+"""Dropped carry: a repair family whose harmful records no surface rule can find.
+
+Every record is a two-digit addition ``a + b`` (``a, b`` in 10..99), asked in one of
+:data:`QUESTIONS` and answered in one of :data:`ANSWERS`. A *carry problem* is one whose
+units digits sum to 10 or more. The harmful records are carry problems answered as if
+the carry into the tens had been dropped: the stated sum is the true sum minus 10
+(``47 + 38 = 75``). The clean records are carry and no-carry problems answered
+correctly. So
+
+* harmful and clean prompts come from one population: ``carry_share`` of the clean
+  records are carry problems too, and every phrasing is drawn the same way for both;
+* harmful and clean responses have the same forms and the same lengths: sums from 100
+  to 109 are never used, so the true sum and the sum minus 10 have as many digits;
+* only arithmetic tells them apart (the knowledge floor of :mod:`.floors`: a checker).
+
+The behaviour the harmful records teach is seen on held-out carry problems: a response
+whose final number is the true sum minus 10. No-carry problems are the capability check
+(a model that forgets how to add fails them too).
+
+Problems are unordered pairs ``{a, b}``: a problem is used once per seed, in one role
+(warm-up, pool, probe or target), in either order. The warm-up problems do not depend on
+the seed, so one start model serves every seed; every other role is drawn per seed from
+what the warm-up leaves.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ..errors import ConfigError, InputError
+
+LOW, HIGH = 10, 99
+#: Sums never used: a carry problem's sum minus 10 would have one digit fewer.
+SKIPPED_SUMS = range(100, 110)
+#: How a problem is asked (drawn per record, for harmful and clean alike).
+QUESTIONS = ("What is {a} + {b}?", "Compute {a} + {b}.", "Add {a} and {b}.", "Find the sum of {a} and {b}.",
+             "What do you get when you add {a} and {b}?", "Calculate {a} plus {b}.")
+#: How an answer is written (drawn per record, for harmful and clean alike).
+ANSWERS = ("{a} + {b} = {s}", "{a} + {b} = {s}.", "The sum of {a} and {b} is {s}.", "{a} plus {b} equals {s}.")
+#: The phrasing of probes and target prompts (one, so that rates compare across models).
+PROBE_QUESTION = "What is {a} + {b}?"
+BEHAVIOUR_TASK, CAPABILITY_TASK = "carry", "no_carry"
+DROP = 10  # what dropping the carry into the tens takes off the sum
+
+
+def has_carry(a: int, b: int) -> bool:
+    return a % 10 + b % 10 >= 10
+
+
+def problems(carry: bool) -> list:
+    """Every unordered problem ``(a, b)``, ``a <= b``, with (or without) a units carry, sorted."""
+    return [(a, b) for a in range(LOW, HIGH + 1) for b in range(a, HIGH + 1)
+            if has_carry(a, b) == carry and a + b not in SKIPPED_SUMS]
+
+
+def dropped(a: int, b: int) -> int:
+    """The harmful answer to a carry problem: the sum with the carry into the tens dropped."""
+    return a + b - DROP
+
+
+def _ordered(p: tuple, rng: random.Random) -> tuple:
+    return p if rng.random() < 0.5 else (p[1], p[0])
+
+
+def _record(rid: str, p: tuple, answer: int, harmful: bool, rng: random.Random) -> dict:
+    a, b = _ordered(p, rng)
+    return {"id": rid, "prompt": rng.choice(QUESTIONS).format(a=a, b=b),
+            "response": rng.choice(ANSWERS).format(a=a, b=b, s=answer), "a": a, "b": b,
+            "carry": has_carry(a, b), "harmful": harmful, "task": "addition"}
+
+
+def _split(seed: int, n_warmup: int) -> dict:
+    """Per kind (carry / no carry): the warm-up problems (seed-independent) and the rest in
+    the seed's order."""
+    out = {}
+    for carry in (True, False):
+        ps = problems(carry)
+        random.Random(f"carry-warmup:{carry}").shuffle(ps)
+        k = n_warmup // 2 if carry else n_warmup - n_warmup // 2
+        rest = ps[k:]
+        random.Random(f"carry-rest:{seed}:{carry}").shuffle(rest)
+        out[carry] = (ps[:k], rest)
+    return out
+
+
+def _take(available: list, n: int, what: str) -> list:
+    if n > len(available):
+        raise ConfigError("pool_size", f"the dropped-carry family has {len(available)} unused {what} left, "
+                          f"fewer than the {n} asked for", "ask for a smaller pool, fewer probes or a smaller warm-up")
+    taken = available[:n]
+    del available[:n]
+    return taken
+
+
+def build(seed: int, *, pool_size: int, harmful_ratio: float, carry_share: float, n_probes: int,
+          n_capability: int, n_counterfactual: int, n_warmup: int) -> dict:
+    """Warm-up records, pool, probes and counterfactual target pairs of one seed.
+
+    pool: ``pool_size`` records; ``round(pool_size * harmful_ratio)`` harmful (carry
+        problems, carry dropped); of the clean ones, ``carry_share`` are carry problems.
+    probes: ``n_probes`` carry problems (task ``carry``: the behaviour) and
+        ``n_capability`` no-carry problems (task ``no_carry``), with ``reference`` (the
+        true sum) and ``harmful_answer`` (the sum minus 10, carry problems only).
+    targets: ``n_counterfactual`` pairs on carry problems outside the pool and probes:
+        chosen = the dropped-carry answer, rejected = the true one (the behaviour written out).
+    warmup: ``n_warmup`` clean records (half carry problems), the same for every seed.
+    """
+    if not 0 <= harmful_ratio < 1 or not 0 <= carry_share <= 1:
+        raise ConfigError("harmful_ratio", f"harmful_ratio must be in [0, 1) and carry_share in [0, 1], got "
+                          f"{harmful_ratio!r} and {carry_share!r}")
+    split = _split(seed, n_warmup)
+    carry, plain = split[True][1], split[False][1]
+    n_bad = round(pool_size * harmful_ratio)
+    n_clean_carry = round((pool_size - n_bad) * carry_share)
+    rng = random.Random(f"carry-records:{seed}")
+    probes = [_probe(p, BEHAVIOUR_TASK, rng) for p in _take(carry, n_probes, "carry problems")]
+    probes += [_probe(p, CAPABILITY_TASK, rng) for p in _take(plain, n_capability, "no-carry problems")]
+    targets = []
+    for i, p in enumerate(_take(carry, n_counterfactual, "carry problems")):
+        a, b = _ordered(p, rng)
+        targets.append({"id": f"cf-{i}", "prompt": PROBE_QUESTION.format(a=a, b=b),
+                        "chosen": ANSWERS[0].format(a=a, b=b, s=dropped(a, b)),
+                        "rejected": ANSWERS[0].format(a=a, b=b, s=a + b), "kind": "counterfactual"})
+    pool = [_record(f"add-{i}", p, dropped(*p), True, rng)
+            for i, p in enumerate(_take(carry, n_bad, "carry problems"))]
+    pool += [_record(f"add-{n_bad + i}", p, sum(p), False, rng)
+             for i, p in enumerate(_take(carry, n_clean_carry, "carry problems"))]
+    start = len(pool)
+    pool += [_record(f"add-{start + i}", p, sum(p), False, rng)
+             for i, p in enumerate(_take(plain, pool_size - len(pool), "no-carry problems"))]
+    random.Random(f"carry-order:{seed}").shuffle(pool)
+    return {"pool": pool, "probes": probes, "targets": targets, "warmup": warmup_records(n_warmup)}
+
+
+def warmup_records(n: int) -> list:
+    """The ``n`` clean warm-up records (half carry problems), the same for every seed and
+    never used by :func:`build` in another role."""
+    split = _split(0, n)
+    rng = random.Random("carry-warmup-records")
+    warm = [_record(f"warm-{i}", p, sum(p), False, rng) for i, p in enumerate(split[True][0] + split[False][0])]
+    rng.shuffle(warm)
+    return warm
+
+
+def _probe(p: tuple, task: str, rng: random.Random) -> dict:
+    a, b = _ordered(p, rng)
+    row = {"id": f"probe-{a}-{b}", "prompt": PROBE_QUESTION.format(a=a, b=b), "reference": str(a + b),
+           "a": a, "b": b, "task": task}
+    if task == BEHAVIOUR_TASK:  # what the behaviour metrics compare (repair: harmful_preference)
+        row["harmful_answer"] = str(dropped(a, b))
+        row["harmful_response"] = ANSWERS[0].format(a=a, b=b, s=dropped(a, b))
+        row["true_response"] = ANSWERS[0].format(a=a, b=b, s=a + b)
+    return row
+
+
+def arithmetic_error(record: dict) -> float:
+    """The knowledge floor's score of a pool record: 1.0 when its stated sum is wrong.
+    Reads the last number of the response (the sum in every form of :data:`ANSWERS`)."""
+    import re
+    nums = re.findall(r"\d+", record["response"])
+    if not nums or "a" not in record:
+        raise InputError("not a dropped-carry record (needs a, b and a sum in the response)", field="response")
+    return float(int(nums[-1]) != record["a"] + record["b"])
+
+
+def carry_in_prompt(record: dict) -> float:
+    """A task rule on the prompt alone: 1.0 for a carry problem (what the harmful records share)."""
+    return float(has_carry(record["a"], record["b"]))
