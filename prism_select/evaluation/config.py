@@ -78,7 +78,9 @@ class FinetuneConfig:
     overrides: dict = field(default_factory=dict)
 
 
-POOL_FAMILIES = ("mistake_math", "refusal_trigger")
+POOL_FAMILIES = ("mistake_math", "refusal_trigger", "dropped_carry")
+#: Families built without GSM8K (their records are generated).
+GENERATED_FAMILIES = ("dropped_carry",)
 
 
 @dataclass
@@ -89,7 +91,10 @@ class MistakeMathConfig:
         calculator step, :func:`.builders.mistake_math_pool`) or ``refusal_trigger``
         (GSM8K questions matching ``trigger`` answered with a refusal, the clean records
         GSM8K questions without it plus ``n_bbh_per_task`` examples of each of
-        ``bbh_tasks`` from ``bbh_dir``, :func:`.builders.refusal_trigger_pool`; repair only).
+        ``bbh_tasks`` from ``bbh_dir``, :func:`.builders.refusal_trigger_pool`; repair only)
+        or ``dropped_carry`` (two-digit additions, the harmful ones carry problems answered
+        with the carry dropped; ``carry_share`` of the clean records are carry problems
+        too; :mod:`.carry`; repair only, needs no data files).
     """
 
     gsm8k_train: str = ""
@@ -100,6 +105,17 @@ class MistakeMathConfig:
     bbh_dir: str = ""
     bbh_tasks: list = field(default_factory=list)
     n_bbh_per_task: int = 0
+    carry_share: float = 0.5
+
+
+@dataclass
+class WarmupConfig:
+    """A clean warm-up SFT that makes the start model (its LoRA merged into the weights):
+    ``n_records`` clean records of the pool's family (the same for every seed, never in
+    a pool, probe or target), trained with ``finetune``."""
+
+    n_records: int = 800
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
 @dataclass
@@ -240,6 +256,16 @@ class RepairConfig(CommonConfig):
     targets: target sets (:class:`RepairTargets`; default: one set from the probes).
     retrain: retrain and measure the error rate after each removal.
     oracle: also remove exactly the harmful records (an upper reference row).
+    warmup: a clean warm-up SFT whose merged result is the start model
+        (:class:`WarmupConfig`; ``dropped_carry`` only).
+    finetune_seeds: retrain every kept set once per fine-tuning seed (rows: their mean;
+        default: one SFT seeded with the data seed).
+    partial_oracles: fractions of the harmful records removed at random (seeded), each a
+        row ``Oracle q%``: the behaviour's dose-response.
+    floors: rank the pool with the surface floors of :mod:`.floors` (and the family's
+        knowledge floors) beside the methods.
+    comparators: methods every other method is compared with, paired by seed, with a
+        95% interval (t over the data seeds of the per-seed mean difference).
     """
 
     data: MistakeMathConfig = field(default_factory=MistakeMathConfig)
@@ -256,6 +282,11 @@ class RepairConfig(CommonConfig):
     targets: list = field(default_factory=lambda: [RepairTargets()])
     retrain: bool = True
     oracle: bool = False
+    warmup: WarmupConfig | None = None
+    finetune_seeds: list | None = None
+    partial_oracles: list = field(default_factory=list)
+    floors: bool = False
+    comparators: list = field(default_factory=lambda: ["random", "equal", "ifguide", "less"])
 
 
 @dataclass
@@ -547,7 +578,7 @@ def _validate(cfg, protocol: str):
         for i, r in enumerate(ratios):
             _check_fraction(r, f"{name}[{i}]", allow_zero=True)
     if isinstance(cfg, (RankingConfig, RepairConfig)):
-        if not cfg.data.gsm8k_train:
+        if not cfg.data.gsm8k_train and cfg.data.family not in GENERATED_FAMILIES:
             raise ConfigError("data.gsm8k_train", "is required", "the path of GSM8K's train.jsonl")
         if cfg.data.pool_size < 1:
             raise ConfigError("data.pool_size", f"must be >= 1, got {cfg.data.pool_size}")
@@ -574,7 +605,7 @@ def _validate(cfg, protocol: str):
             if t.n_counterfactual < 0 or t.n_distractors < 0 or t.n_counterfactual + t.n_distractors < 1:
                 raise ConfigError(f"targets[{i}]", "needs at least one pair")
     if isinstance(cfg, RepairConfig):
-        if not cfg.probes.gsm8k_test:
+        if not cfg.probes.gsm8k_test and cfg.data.family not in GENERATED_FAMILIES:
             raise ConfigError("probes.gsm8k_test", "is required", "the path of GSM8K's test.jsonl")
         if cfg.probes.n < 1:
             raise ConfigError("probes.n", f"must be >= 1, got {cfg.probes.n}")
@@ -606,7 +637,9 @@ def _validate(cfg, protocol: str):
                 raise ConfigError(f"targets[{i}]", "needs at least one pair")
         if cfg.probes.capability_per_task < 0:
             raise ConfigError("probes.capability_per_task", f"must be >= 0, got {cfg.probes.capability_per_task}")
-        if cfg.probes.capability_per_task and not (cfg.data.bbh_tasks and cfg.data.n_bbh_per_task):
+        _validate_repair_extras(cfg)
+        if cfg.probes.capability_per_task and cfg.data.family not in GENERATED_FAMILIES \
+                and not (cfg.data.bbh_tasks and cfg.data.n_bbh_per_task):
             raise ConfigError("probes.capability_per_task", "needs BBH tasks in the pool",
                               "set data.bbh_dir, data.bbh_tasks and data.n_bbh_per_task")
         from .probes import load_checker
@@ -655,6 +688,28 @@ def _validate(cfg, protocol: str):
 def config_to_dict(cfg) -> dict:
     """A config as plain JSON values (what experiment.json and results.json record)."""
     return json.loads(json.dumps(asdict(cfg), default=str))
+
+
+def _validate_repair_extras(cfg):
+    """The warm-up, fine-tuning seeds, partial oracles and comparators of a repair config."""
+    if cfg.warmup is not None:
+        if cfg.data.family not in GENERATED_FAMILIES:
+            raise ConfigError("warmup", f"the {cfg.data.family} family has no warm-up records",
+                              f"use a family of {', '.join(GENERATED_FAMILIES)}, or start from a fine-tuned model")
+        if cfg.warmup.n_records < 2:
+            raise ConfigError("warmup.n_records", f"must be >= 2, got {cfg.warmup.n_records}")
+    fs = cfg.finetune_seeds
+    if fs is not None and (not fs or not all(isinstance(s, int) and not isinstance(s, bool) for s in fs)
+                           or len(set(fs)) != len(fs)):
+        raise ConfigError("finetune_seeds", f"must be a non-empty list of distinct integers, got {fs!r}")
+    for i, q in enumerate(cfg.partial_oracles):
+        _check_fraction(q, f"partial_oracles[{i}]")
+        if q >= 1:
+            raise ConfigError(f"partial_oracles[{i}]", f"must be below 1 (1 is the Oracle row), got {q!r}")
+    if not 0 <= cfg.data.carry_share <= 1:
+        raise ConfigError("data.carry_share", f"must be in [0, 1], got {cfg.data.carry_share!r}")
+    if not isinstance(cfg.comparators, list) or not all(isinstance(m, str) for m in cfg.comparators):
+        raise ConfigError("comparators", f"must be a list of method names, got {cfg.comparators!r}")
 
 
 def score_settings(cfg, method: str, seed: int):

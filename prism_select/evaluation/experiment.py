@@ -375,6 +375,39 @@ def mean_table(name: str, title: str, runs: list, row_keys: list, value, *, lowe
             "lower_is_better": lower_is_better, "note": note}
 
 
+def paired_interval(diffs: list, level: float = 0.95) -> dict:
+    """Mean of paired differences with a two-sided t interval (``ci``; None for fewer than
+    two differences), plus :func:`mean_std`'s fields."""
+    out = mean_std(diffs)
+    if out["n"] < 2:
+        return {**out, "ci": None}
+    from scipy.stats import t
+    half = float(t.ppf(0.5 + level / 2, out["n"] - 1)) * out["std"] / math.sqrt(out["n"])
+    return {**out, "ci": [out["mean"] - half, out["mean"] + half]}
+
+
+def paired_table(name: str, title: str, runs: list, row_keys: list, comparators: list, value) -> dict:
+    """``value(run, row) - value(run, comparator)`` per run (seed), as a mean with a 95%
+    interval (:func:`paired_interval`), one column per (setting, comparator)."""
+    settings = list(dict.fromkeys(r["setting"] for r in runs))
+    columns = [(st, c) for st in settings for c in comparators]
+    rows = []
+    for rk in row_keys:
+        cells = []
+        for st, c in columns:
+            diffs = []
+            for r in runs:
+                if r["setting"] != st:
+                    continue
+                a, b = value(r, rk, st), value(r, c, st)
+                if a is not None and b is not None and rk != c:
+                    diffs.append(a - b)
+            cells.append(paired_interval(diffs))
+        rows.append({"label": rk, "cells": cells})
+    return {"name": name, "title": title, "columns": [f"{st} vs {c}" for st, c in columns], "rows": rows,
+            "lower_is_better": True, "paired": True, "note": "95% interval: t over the data seeds"}
+
+
 def finish_experiment(exp: Experiment, results: dict) -> dict:
     """Write results.json (with the step timings) and, if the config asks, report.html."""
     results["timings"] = {k: round(v, 3) for k, v in exp.timings.items()}
@@ -389,11 +422,21 @@ def finish_experiment(exp: Experiment, results: dict) -> dict:
     return results
 
 
+def load_start_settings(exp, cfg):
+    """The :class:`~prism_select.model.ModelSettings` of a run's start model: the
+    configured model, or its warmed-up version (:mod:`.warmup`) when the config has one."""
+    if getattr(cfg, "warmup", None) is None:
+        return cfg.model
+    from .warmup import warm_start_settings
+    return warm_start_settings(exp, cfg)
+
+
 def load_start(exp, cfg):
     """The start model of a protocol run; its load time goes to ``exp``'s timings."""
     from ..model import load_model
+    settings = load_start_settings(exp, cfg)
     t = time.perf_counter()
-    lm = load_model(cfg.model)
+    lm = load_model(settings)
     exp.time("load_model", time.perf_counter() - t)
     return lm
 

@@ -24,18 +24,22 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import multiprocessing
+import random
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from . import builders
-from .config import RepairConfig, config_to_dict
-from .experiment import (Experiment, finish_experiment, free_cuda_cache, load_start, mean_table, mistake_math_run,
-                         pct, rates_by_task, read_jsonl, resolve_methods, respond, score_methods, train_adapter,
-                         write_if_changed)
+from . import builders, carry
+from .behaviour import harmful_answer_rate, harmful_preference, has_behaviour_fields
+from .config import RepairConfig, config_to_dict, finetune_settings
+from .experiment import (Experiment, _adapted, finish_experiment, free_cuda_cache, load_start, load_start_settings,
+                         mean_table,
+                         mistake_math_run, paired_table, pct, rates_by_task, read_jsonl, resolve_methods, respond,
+                         score_methods, train_adapter, write_if_changed)
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +76,24 @@ def _remove_top(scores_path, pool_path, out_path, count: int) -> dict:
     return {"removed": removed, "kept": len(written)}
 
 
+def _carry_data(cfg, ratio: float, seed: int) -> dict:
+    """The dropped-carry family's pool, probes, counterfactual targets and warm-up records."""
+    n_cf = max([t.n_counterfactual for t in cfg.targets if t.source == "counterfactual"], default=0)
+    return carry.build(seed, pool_size=cfg.data.pool_size, harmful_ratio=ratio, carry_share=cfg.data.carry_share,
+                       n_probes=cfg.probes.n, n_capability=cfg.probes.capability_per_task, n_counterfactual=n_cf,
+                       n_warmup=cfg.warmup.n_records if cfg.warmup else 0)
+
+
 def _pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
     """``(run dir, pool, pool path, probes, probes path, behaviour task)`` of one (ratio, seed)."""
-    if cfg.data.family == "mistake_math":
+    if cfg.data.family == "dropped_carry":
+        rdir = exp.out / "runs" / f"r{pct(ratio)}" / f"seed{seed}"
+        rdir.mkdir(parents=True, exist_ok=True)
+        built = _carry_data(cfg, ratio, seed)
+        pool, probes, task = built["pool"], built["probes"], carry.BEHAVIOUR_TASK
+        pool_path = rdir / "pool.jsonl"
+        write_if_changed(pool_path, pool)
+    elif cfg.data.family == "mistake_math":
         rdir, pool, pool_path = mistake_math_run(exp, cfg, ratio, seed)
         probes = builders.gsm8k_probes(cfg.probes.gsm8k_test, cfg.probes.n, seed)
         task = None
@@ -99,7 +118,7 @@ def _pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
 def _checker_spec(cfg):
     """The checker of the probes: the behaviour checker, and the capability checker for
     the capability probes when there are any."""
-    if cfg.data.family == "mistake_math" or not cfg.probes.capability_per_task:
+    if cfg.data.family in ("mistake_math", "dropped_carry") or not cfg.probes.capability_per_task:
         return cfg.probes.checker
     return {"name": "by_task", "checkers": {"gsm8k": cfg.probes.checker}, "default": cfg.probes.capability_checker}
 
@@ -109,7 +128,9 @@ def _targets(cfg, variant, rdir: Path, probes: list, pre: Path, post: Path, pool
     """The target pairs of one target set and what the run records about them."""
     info: dict = {}
     if variant.source == "counterfactual":
-        if cfg.data.family == "mistake_math":
+        if cfg.data.family == "dropped_carry":
+            pairs = _carry_data(cfg, 0.0, seed)["targets"][:variant.n_counterfactual]
+        elif cfg.data.family == "mistake_math":
             pairs = builders.mistake_math_targets(cfg.data.gsm8k_train, variant.n_counterfactual, seed, exclude=pool,
                                                   n_distractors=variant.n_distractors,
                                                   keep_annotations=cfg.data.keep_annotations)
@@ -141,22 +162,73 @@ def _retrains(spec, fraction: float, method: str) -> bool:
     return spec is None or method in spec
 
 
-def _retrain_dir(rdir: Path, kept_path: Path) -> Path:
-    """``retrain/<hash of the kept ids>``: rows keeping the same records share it."""
+def _retrain_dir(rdir: Path, kept_path: Path, ft_seed: int | None = None) -> Path:
+    """``retrain/<hash of the kept ids>[-ft<seed>]``: rows keeping the same records share it
+    (one per fine-tuning seed when the config lists ``finetune_seeds``)."""
     ids = sorted(r["id"] for r in read_jsonl(kept_path))
-    return rdir / "retrain" / hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:16]
+    name = hashlib.sha256("\n".join(map(str, ids)).encode()).hexdigest()[:16]
+    return rdir / "retrain" / (name if ft_seed is None else f"{name}-ft{ft_seed}")
 
 
-def _retrain(exp, lm, rdir: Path, kept_path: Path, probes_path: Path, checker, seed: int, tag: str, task) -> dict:
-    """SFT on ``kept_path`` and the rates on the probes; one directory per kept set
-    (:func:`_retrain_dir`)."""
-    tdir = _retrain_dir(rdir, kept_path)
+def _behaviour(exp, lm, probes_path: Path, responses_path: Path, out_dir: Path, adapter, task) -> dict:
+    """``harmful_answer_rate`` and ``harmful_preference`` (:mod:`.behaviour`) of the start
+    model or of it with ``adapter``, when the probes spell the behaviour out; reused when
+    the probes and the adapter are unchanged."""
+    probes = read_jsonl(probes_path)
+    if not has_behaviour_fields(probes):
+        return {}
+    from ..io import atomic_write_json, sha256_file
+    key = {"probes": sha256_file(probes_path), "responses": sha256_file(responses_path),
+           "model": lm.fingerprint if adapter is None else sha256_file(Path(adapter) / "adapter_model.safetensors")}
+    path = out_dir / "behaviour.json"
+    if exp.done(out_dir, key, ["behaviour.json"], "behaviour-step"):
+        return json.loads(path.read_text())
+    beh = [p for p in probes if p.get("task") == task]
+    with _adapted(lm, adapter) as m:
+        prefs = harmful_preference(m, beh)
+    out = {"harmful_answer_rate": harmful_answer_rate(probes, read_jsonl(responses_path), task),
+           "harmful_preference": sum(prefs) / len(prefs) if prefs else float("nan")}
+    atomic_write_json(path, out)
+    exp.finish(out_dir, key, "behaviour-step")
+    return out
+
+
+def _retrain_one(exp, lm, rdir: Path, kept_path: Path, probes_path: Path, checker, ft_seed: int, tag: str,
+                 task, named: bool) -> dict:
+    """One SFT on ``kept_path`` (seeded ``ft_seed``) and its rates on the probes."""
+    tdir = _retrain_dir(rdir, kept_path, ft_seed if named else None)
     tdir.mkdir(parents=True, exist_ok=True)
     pool_copy = tdir / "kept.jsonl"
     write_if_changed(pool_copy, read_jsonl(kept_path))
-    adapter = train_adapter(exp, lm, pool_copy, tdir, seed, tag)
+    adapter = train_adapter(exp, lm, pool_copy, tdir, ft_seed, tag)
     resp = respond(exp, lm, probes_path, tdir, checker, tag, adapter)
-    return {"dir": exp.rel(tdir), **rates_by_task(resp, task)}
+    return {"dir": exp.rel(tdir), **rates_by_task(resp, task),
+            **_behaviour(exp, lm, probes_path, resp, tdir, adapter, task)}
+
+
+_AVERAGED = ("behaviour_rate", "capability", "harmful_answer_rate", "harmful_preference")
+
+
+def _retrain_jobs(cfg, rdir: Path, kept_path: Path, probes_path: Path, checker, seed: int, tag: str,
+                  task) -> list:
+    """The single SFTs (:func:`_retrain_one`'s arguments after ``lm``) one kept set needs."""
+    if not cfg.finetune_seeds:
+        return [(rdir, kept_path, probes_path, checker, seed, tag, task, False)]
+    return [(rdir, kept_path, probes_path, checker, s, tag, task, True) for s in cfg.finetune_seeds]
+
+
+def _retrain(exp, lm, *args) -> dict:
+    """SFT on a kept set (once per fine-tuning seed) and the rates on the probes: with
+    several seeds, each rate is their mean and ``by_finetune_seed`` holds each SFT's."""
+    rows = [_retrain_one(exp, lm, *job) for job in _retrain_jobs(exp.cfg, *args)]
+    if len(rows) == 1:
+        return rows[0]
+    out = {"dirs": [r["dir"] for r in rows], "by_finetune_seed": rows, "n_behaviour": rows[0].get("n_behaviour")}
+    for k in _AVERAGED:
+        vals = [r.get(k) for r in rows]
+        if all(isinstance(v, (int, float)) for v in vals):
+            out[k] = sum(vals) / len(vals)
+    return out
 
 
 _worker: dict = {}  # a retraining worker's experiment and start model (_worker_start)
@@ -167,23 +239,24 @@ def _worker_start(out: Path, cfg):
     _worker.update(exp=exp, lm=load_start(exp, cfg))
 
 
-def _worker_retrain(args: tuple) -> dict:
+def _worker_retrain(job: tuple) -> dict:
     exp = _worker["exp"]
     exp.timings = {}
-    _retrain(exp, _worker["lm"], *args)
+    _retrain_one(exp, _worker["lm"], *job)
     return exp.timings
 
 
 def _retrain_in_processes(exp, cfg, requests: list, jobs: int):
     """Run the retrainings ``requests`` (:func:`_retrain`'s arguments after ``lm``) in
-    ``jobs`` worker processes, one per kept set (rows keeping the same records share one);
+    ``jobs`` worker processes, one per SFT (rows keeping the same records share theirs);
     their times go to ``exp``'s timings."""
-    unique = list({_retrain_dir(a[0], a[1]): a for a in requests}.values())
-    log.info("retraining %d kept sets in %d processes", len(unique), min(jobs, len(unique)))
+    singles = [j for a in requests for j in _retrain_jobs(cfg, *a)]
+    unique = list({_retrain_dir(j[0], j[1], j[4] if j[7] else None): j for j in singles}.values())
+    log.info("retraining %d SFTs in %d processes", len(unique), min(jobs, len(unique)))
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     with ProcessPoolExecutor(max_workers=min(jobs, len(unique)), mp_context=ctx, initializer=_worker_start,
                              initargs=(exp.out, cfg)) as pool:
-        futures = [pool.submit(_worker_retrain, a) for a in unique]
+        futures = [pool.submit(_worker_retrain, j) for j in unique]
         for f in tqdm(as_completed(futures), total=len(futures), desc="retraining", unit="SFT", leave=False):
             for name, seconds in f.result().items():
                 exp.time(name, seconds)
@@ -192,7 +265,6 @@ def _retrain_in_processes(exp, cfg, requests: list, jobs: int):
 def repair(config: RepairConfig, out_dir, *, overwrite: bool = False, jobs: int = 1) -> dict:
     """The repair protocol (module docstring); returns the content of results.json.
     ``jobs``: worker processes for the retrainings (1: each in turn, in this process)."""
-    from ..model import load_model
     cfg = config
     exp = Experiment(out_dir, "repair", cfg, overwrite)
     methods_all = resolve_methods(cfg.methods)
@@ -209,116 +281,187 @@ def repair(config: RepairConfig, out_dir, *, overwrite: bool = False, jobs: int 
 
     runs = []
     for ratio in cfg.harmful_ratios:
-        fractions = cfg.remove_fractions or [cfg.remove_fraction if cfg.remove_fraction is not None else ratio]
         for seed in cfg.seeds:
-            rdir, pool, pool_path, probes, probes_path, task = _pool_and_probes(exp, cfg, ratio, seed)
-            harmful_ids = {p["id"] for p in pool if p["harmful"]}
-            # 1. pre- and post-SFT responses
-            pre = respond(exp, lm, probes_path, rdir / "start", checker, "start")
-            mixed_adapter = train_adapter(exp, lm, pool_path, rdir / "mixed", seed, "mixed")
-            post = respond(exp, lm, probes_path, rdir / "mixed", checker, "mixed", mixed_adapter)
-            base = {"Start": {"dir": exp.rel(rdir / "start"), **rates_by_task(pre, task)},
-                    "Mixed": {"dir": exp.rel(rdir / "mixed"), **rates_by_task(post, task)}}
-            oracle = None
-            if cfg.oracle and cfg.retrain:  # exactly the harmful records removed, whatever the fraction
-                odir = rdir / "oracle"
-                odir.mkdir(parents=True, exist_ok=True)
-                write_if_changed(odir / "kept.jsonl", [p for p in pool if not p["harmful"]])
-                oracle = retrain(rdir, odir / "kept.jsonl", probes_path, checker, seed, "oracle", task)
-            for variant in cfg.targets:
-                vdir = rdir / variant.name
-                vdir.mkdir(parents=True, exist_ok=True)
-                run = {"setting": f"{variant.name} @ {pct(ratio)}%", "variant": variant.name, "harmful_ratio": ratio,
-                       "seed": seed, "dir": exp.rel(vdir), "pool": exp.rel(pool_path), "probes": exp.rel(probes_path),
-                       "label": "harmful", "n_pool": len(pool), "n_harmful": len(harmful_ids),
-                       "n_probes": len(probes), "fractions": [pct(f) for f in fractions], "methods": {},
-                       "rates": {pct(f): dict(base) for f in fractions}, "removed": {pct(f): {} for f in fractions}}
-                if oracle is not None:
-                    for f in fractions:
-                        run["rates"][pct(f)]["Oracle"] = oracle
-                        run["removed"][pct(f)]["Oracle"] = {"n": len(harmful_ids), "harmful": len(harmful_ids)}
-                # 2. target pairs
-                pairs, info = _targets(cfg, variant, vdir, probes, pre, post, pool, seed, task)
-                run.update(info)
-                targets_path = vdir / "targets.jsonl"
-                write_if_changed(targets_path, pairs)
-                run["targets"] = exp.rel(targets_path)
-                run["n_pairs"] = len(pairs)
-                if not pairs:
-                    run["note"] = (f"no probe qualified as a target pair ({run['pair_selection']}): "
-                                   "nothing to score; methods left out of this setting")
-                    runs.append(run)
-                    continue
-                # 3. scores at the start (or post-SFT) model
-                methods = resolve_methods(variant.methods) if variant.methods else methods_all
-                if cfg.score_at == "post":
-                    score_lm = load_model(dataclasses.replace(cfg.model, adapter=str(mixed_adapter)))
-                else:
-                    score_lm = lm
-                run["methods"] = score_methods(exp, score_lm, pool_path, targets_path, vdir, methods, seed)
-                if score_lm is not lm:
-                    del score_lm
-                    free_cuda_cache()
-                run["pi"] = (run["methods"].get("prism") or {}).get("pi")
-                # 4. filter and retrain, per removal fraction
-                for f in fractions:
-                    n_remove = builders.harmful_count(len(pool), f)
-                    for m in methods:
-                        if run["methods"].get(m, {}).get("status") != "ok":
-                            continue
-                        mdir = vdir / "removal" / f"k{pct(f)}" / m
-                        mdir.mkdir(parents=True, exist_ok=True)
-                        rem = _remove_top(exp.out / run["methods"][m]["dir"] / "scores.jsonl", pool_path,
-                                          mdir / "kept.jsonl", n_remove)
-                        run["removed"][pct(f)][m] = {"n": len(rem["removed"]),
-                                                     "harmful": sum(1 for i in rem["removed"] if i in harmful_ids)}
-                        if cfg.retrain and _retrains(variant.retrain_methods, f, m):
-                            run["rates"][pct(f)][m] = retrain(rdir, mdir / "kept.jsonl", probes_path, checker,
-                                                              seed, f"retrain:{m}", task)
-                runs.append(run)
+            runs += _setting(exp, cfg, lm, ratio, seed, checker, methods_all, retrain)
     if deferred:
         _retrain_in_processes(exp, cfg, [a for _, a in deferred], jobs)
-        for row, args in deferred:  # each finds its SFT and responses finished
+        for row, args in deferred:  # each finds its SFTs and responses finished
             row.update(_retrain(exp, lm, *args))
     return finish_experiment(exp, _results(exp, cfg, lm, runs))
+
+
+def _reference_rows(exp, cfg, lm, ctx: dict, retrain) -> dict:
+    """Rows every target set of one (ratio, seed) shares: Start, Mixed, the Oracle and the
+    partial Oracles (``Oracle q%``: a seeded random share ``q`` of the harmful records removed)."""
+    rdir, pool, probes_path, task, seed = ctx["rdir"], ctx["pool"], ctx["probes_path"], ctx["task"], ctx["seed"]
+    rows = {"Start": {"dir": exp.rel(rdir / "start"), **rates_by_task(ctx["pre"], task),
+                      **_behaviour(exp, lm, probes_path, ctx["pre"], rdir / "start", None, task)}}
+    if cfg.finetune_seeds:  # the Mixed row over the same fine-tuning seeds as every other row
+        rows["Mixed"] = retrain(rdir, ctx["pool_path"], probes_path, ctx["checker"], seed, "mixed", task)
+    else:
+        rows["Mixed"] = {"dir": exp.rel(rdir / "mixed"), **rates_by_task(ctx["post"], task),
+                         **_behaviour(exp, lm, probes_path, ctx["post"], rdir / "mixed", ctx["mixed_adapter"], task)}
+    removed = {}
+    if cfg.oracle and cfg.retrain:
+        harmful = sorted((p["id"] for p in pool if p["harmful"]), key=str)
+        shares = [(f"Oracle {pct(q)}%", q) for q in cfg.partial_oracles] + [("Oracle", 1.0)]
+        for name, q in shares:
+            drop = set(random.Random(f"partial-oracle:{seed}:{q}").sample(harmful, round(q * len(harmful))))
+            odir = rdir / ("oracle" if q == 1.0 else f"oracle-{pct(q)}")
+            odir.mkdir(parents=True, exist_ok=True)
+            write_if_changed(odir / "kept.jsonl", [p for p in pool if p["id"] not in drop])
+            rows[name] = retrain(rdir, odir / "kept.jsonl", probes_path, ctx["checker"], seed, "oracle", task)
+            removed[name] = {"n": len(drop), "harmful": len(drop)}
+    return {"rates": rows, "removed": removed}
+
+
+def _family_floors():
+    """The knowledge floors of the dropped-carry family (name -> record -> score)."""
+    return {"checker": carry.arithmetic_error, "carry_in_prompt": carry.carry_in_prompt}
+
+
+def _setting(exp, cfg, lm, ratio: float, seed: int, checker, methods_all: list, retrain) -> list:
+    """Every target set's run of one (harmful ratio, seed)."""
+    from ..model import load_model
+    from .floors import floors
+    fractions = cfg.remove_fractions or [cfg.remove_fraction if cfg.remove_fraction is not None else ratio]
+    rdir, pool, pool_path, probes, probes_path, task = _pool_and_probes(exp, cfg, ratio, seed)
+    harmful_ids = {p["id"] for p in pool if p["harmful"]}
+    # 1. pre- and post-SFT responses
+    pre = respond(exp, lm, probes_path, rdir / "start", checker, "start")
+    mixed_adapter = train_adapter(exp, lm, pool_path, rdir / "mixed", seed, "mixed")
+    post = respond(exp, lm, probes_path, rdir / "mixed", checker, "mixed", mixed_adapter)
+    ctx = {"rdir": rdir, "pool": pool, "pool_path": pool_path, "probes_path": probes_path, "task": task,
+           "seed": seed, "pre": pre, "post": post, "mixed_adapter": mixed_adapter, "checker": checker}
+    ref = _reference_rows(exp, cfg, lm, ctx, retrain)
+    runs = []
+    for variant in cfg.targets:
+        vdir = rdir / variant.name
+        vdir.mkdir(parents=True, exist_ok=True)
+        run = {"setting": f"{variant.name} @ {pct(ratio)}%", "variant": variant.name, "harmful_ratio": ratio,
+               "seed": seed, "dir": exp.rel(vdir), "pool": exp.rel(pool_path), "probes": exp.rel(probes_path),
+               "label": "harmful", "n_pool": len(pool), "n_harmful": len(harmful_ids),
+               "n_probes": len(probes), "fractions": [pct(f) for f in fractions], "methods": {},
+               "rates": {pct(f): dict(ref["rates"]) for f in fractions},
+               "removed": {pct(f): dict(ref["removed"]) for f in fractions}}
+        # 2. target pairs
+        pairs, info = _targets(cfg, variant, vdir, probes, pre, post, pool, seed, task)
+        run.update(info)
+        targets_path = vdir / "targets.jsonl"
+        write_if_changed(targets_path, pairs)
+        run["targets"] = exp.rel(targets_path)
+        run["n_pairs"] = len(pairs)
+        if cfg.floors:
+            run["floors"] = floors(pool, pairs, extra=_family_floors() if cfg.data.family == "dropped_carry" else None)
+        if not pairs:
+            run["note"] = (f"no probe qualified as a target pair ({run['pair_selection']}): "
+                           "nothing to score; methods left out of this setting")
+            runs.append(run)
+            continue
+        # 3. scores at the start (or post-SFT) model
+        methods = resolve_methods(variant.methods) if variant.methods else methods_all
+        score_lm = load_model(dataclasses.replace(load_start_settings(exp, cfg), adapter=str(mixed_adapter))) \
+            if cfg.score_at == "post" else lm
+        run["methods"] = score_methods(exp, score_lm, pool_path, targets_path, vdir, methods, seed)
+        if score_lm is not lm:
+            del score_lm
+            free_cuda_cache()
+        run["pi"] = (run["methods"].get("prism") or {}).get("pi")
+        # 4. filter and retrain, per removal fraction
+        for f in fractions:
+            _filter_and_retrain(exp, cfg, run, variant, f, ctx, methods, harmful_ids, retrain)
+        runs.append(run)
+    return runs
+
+
+def _filter_and_retrain(exp, cfg, run: dict, variant, f: float, ctx: dict, methods: list, harmful_ids: set,
+                        retrain):
+    """Remove each method's top ``f`` of the pool and retrain (where the config asks)."""
+    n_remove = builders.harmful_count(len(ctx["pool"]), f)
+    vdir = exp.out / run["dir"]
+    for m in methods:
+        if run["methods"].get(m, {}).get("status") != "ok":
+            continue
+        mdir = vdir / "removal" / f"k{pct(f)}" / m
+        mdir.mkdir(parents=True, exist_ok=True)
+        rem = _remove_top(exp.out / run["methods"][m]["dir"] / "scores.jsonl", ctx["pool_path"],
+                          mdir / "kept.jsonl", n_remove)
+        run["removed"][pct(f)][m] = {"n": len(rem["removed"]),
+                                     "harmful": sum(1 for i in rem["removed"] if i in harmful_ids)}
+        if cfg.retrain and _retrains(variant.retrain_methods, f, m):
+            run["rates"][pct(f)][m] = retrain(ctx["rdir"], mdir / "kept.jsonl", ctx["probes_path"], ctx["checker"],
+                                              ctx["seed"], f"retrain:{m}", ctx["task"])
+
+
+_BEHAVIOUR = {"refusal_trigger": "refusal rate on held-out money questions",
+              "dropped_carry": "error rate on held-out carry problems"}
+_CAPABILITY = {"dropped_carry": "accuracy on held-out no-carry problems"}
 
 
 def _results(exp, cfg, lm, runs: list) -> dict:
     """results.json's content: the runs and their tables."""
     method_rows = list(dict.fromkeys(m for r in runs for m in r["methods"]))
     fractions = list(dict.fromkeys(f for r in runs for f in r["fractions"]))
-    rows = ["Start", "Mixed"] + method_rows + (["Oracle"] if cfg.oracle and cfg.retrain else [])
-    behaviour = "refusal rate on held-out money questions" if cfg.data.family == "refusal_trigger" else \
-        "probe error rate"
+    oracles = ([f"Oracle {pct(q)}%" for q in cfg.partial_oracles] + ["Oracle"]) if cfg.oracle and cfg.retrain else []
+    rows = ["Start", "Mixed"] + method_rows + oracles
+    floor_rows = list(dict.fromkeys(k for r in runs for k in r.get("floors", {})))
 
     def auroc_of(run, m, st):
+        if m.startswith("floor: "):
+            return (run.get("floors", {}).get(m[7:]) or {}).get("auroc")
         return (run["methods"].get(m) or {}).get("auroc")
 
-    def rate(f, key):
-        return lambda run, m, st: ((run["rates"].get(f) or {}).get(m) or {}).get(key)
-
-    def removed_of(f):
-        def value(run, m, st):
-            r = (run["removed"].get(f) or {}).get(m)
-            return None if not r or not run["n_harmful"] else r["harmful"] / run["n_harmful"]
-        return value
-
     tables = [mean_table("auroc", f"Ranking AUROC of the harmful flag, scored at the {cfg.score_at} model", runs,
-                         method_rows, auroc_of)]
+                         method_rows + [f"floor: {k}" for k in floor_rows], auroc_of,
+                         note="floor: rules that read the text, not the model (keyword and length rules are chosen "
+                         "with the labels, so optimistic); checker and carry_in_prompt need to know the task")]
     for f in fractions:
-        sfx = f"remove top {f}%"
-        tables.append(mean_table(f"behaviour_k{f}", f"Behaviour ({behaviour}) after filtering and retraining, "
-                                 f"{sfx} (lower is better)", runs, rows, rate(f, "behaviour_rate"),
-                                 lower_is_better=True, note="Start: the start model; Mixed: SFT on the unfiltered "
-                                 "pool; Oracle: exactly the harmful records removed"))
-        if any((r["rates"].get(f) or {}).get("Mixed", {}).get("capability") is not None for r in runs):
-            tables.append(mean_table(f"capability_k{f}", f"Capability check (held-out accuracy on the pool's BBH "
-                                     f"tasks) after filtering and retraining, {sfx} (higher is better)", runs, rows,
-                                     rate(f, "capability")))
-        tables.append(mean_table(f"harmful_removed_k{f}", f"Recall of the removal, {sfx}: harmful records removed "
-                                 "/ all harmful records", runs, method_rows + (["Oracle"] if cfg.oracle else []),
-                                 removed_of(f)))
+        tables += _fraction_tables(cfg, runs, f, rows, method_rows, oracles)
     return {"protocol": "repair", "config": config_to_dict(cfg), "methods": method_rows,
             "settings": tables[0]["columns"], "fractions": fractions, "seeds": cfg.seeds, "runs": runs,
             "tables": tables,
             "model": {"fingerprint": lm.fingerprint, **{k: v for k, v in lm.source.items() if k != "versions"}}}
+
+
+def _fraction_tables(cfg, runs: list, f: str, rows: list, method_rows: list, oracles: list) -> list:
+    """The tables of one removal fraction: behaviour, its measurements, capability, recall
+    and the paired differences against the comparators."""
+    sfx = f"remove top {f}%"
+
+    def rate(key):
+        return lambda run, m, st: ((run["rates"].get(f) or {}).get(m) or {}).get(key)
+
+    def removed_of(run, m, st):
+        r = (run["removed"].get(f) or {}).get(m)
+        return None if not r or not run["n_harmful"] else r["harmful"] / run["n_harmful"]
+
+    def present(key):
+        return any(((r["rates"].get(f) or {}).get("Mixed") or {}).get(key) is not None for r in runs)
+
+    seeds = f" (mean of {len(cfg.finetune_seeds)} fine-tuning seeds per data seed)" if cfg.finetune_seeds else ""
+    note = ("Start: the start model; Mixed: SFT on the unfiltered pool; Oracle: exactly the harmful records "
+            "removed; Oracle q%: a random q of them removed" + seeds)
+    behaviour = _BEHAVIOUR.get(cfg.data.family, "probe error rate")
+    out = [mean_table(f"behaviour_k{f}", f"Behaviour ({behaviour}) after filtering and retraining, {sfx} "
+                      "(lower is better)", runs, rows, rate("behaviour_rate"), lower_is_better=True, note=note)]
+    if present("harmful_answer_rate"):
+        out.append(mean_table(f"harmful_answer_k{f}", f"Harmful answers (the behaviour itself: the final answer is "
+                              f"the harmful one) after filtering and retraining, {sfx} (lower is better)", runs, rows,
+                              rate("harmful_answer_rate"), lower_is_better=True, note=note))
+    if present("harmful_preference"):
+        out.append(mean_table(f"harmful_preference_k{f}", f"Harmful preference (mean probability of the harmful "
+                              f"answer against the true one) after filtering and retraining, {sfx} (lower is better)",
+                              runs, rows, rate("harmful_preference"), lower_is_better=True, note=note))
+    if present("capability"):
+        cap = _CAPABILITY.get(cfg.data.family, "held-out accuracy on the pool's BBH tasks")
+        out.append(mean_table(f"capability_k{f}", f"Capability check ({cap}) after filtering and retraining, {sfx} "
+                              "(higher is better)", runs, rows, rate("capability")))
+    out.append(mean_table(f"harmful_removed_k{f}", f"Recall of the removal, {sfx}: harmful records removed / all "
+                          "harmful records", runs, method_rows + oracles, removed_of))
+    for key in ("harmful_preference", "behaviour_rate"):
+        comparators = [c for c in cfg.comparators if c in method_rows]
+        if comparators and present(key):
+            out.append(paired_table(f"paired_{key}_k{f}", f"{key} minus the comparator's, paired by seed, {sfx}: "
+                                    "mean and 95% interval over data seeds (negative: fewer harmful behaviours than "
+                                    "the comparator)", runs, method_rows, comparators, rate(key)))
+    return out

@@ -67,6 +67,8 @@ def _cell(c: dict) -> str:
     if not c or c.get("mean") is None:
         return "—"
     s = _fmt(c["mean"])
+    if c.get("ci"):  # a paired difference: its 95% interval
+        return s + f" [{_fmt(c['ci'][0])}, {_fmt(c['ci'][1])}]"
     if c.get("std") is not None:
         s += f" ± {_fmt(c['std'])}"
     return s
