@@ -1,0 +1,178 @@
+"""Rows of a repair experiment read from the files its steps left, finished or not.
+
+`prism-select experiment repair` writes results.json at the end; a run stopped before
+(a device call's time ran out) still holds every finished step: per seed the Start and
+Mixed responses, each method's scores, and each retraining's responses and behaviour
+measurements under ``retrain/<hash of the kept ids>[-ft<seed>]``. This script finds, for
+every row (Start, Mixed, Oracle and partial Oracles, each method's removal at each
+fraction), the retrainings that finished, and writes the tables: ranking AUROC with the
+floors, behaviour per row (mean over fine-tuning seeds per data seed, then mean, sd and n
+over data seeds), and paired differences with 95% t intervals over data seeds. A row
+whose retrainings did not all finish on a seed leaves that seed out, and says so (n).
+
+    python experiments/repair_rows_from_files.py RUN_DIR --config experiments/dropped_carry.yaml \
+        --json rows.json --markdown rows.md
+Nothing is trained or scored; adapters are not needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from prism_select.evaluation.config import load_config
+from prism_select.evaluation.experiment import mean_std, paired_interval, pct, ranking_metrics, read_jsonl
+from prism_select.evaluation.floors import floors
+from prism_select.evaluation.repair import _family_floors, _retrain_dir, rates_by_task
+
+METRICS = ("behaviour_rate", "harmful_answer_rate", "harmful_preference", "capability")
+
+
+def _measure(tdir: Path, task: str) -> dict | None:
+    """A finished retraining's (or start/mixed folder's) rates, None when unfinished."""
+    if not (tdir / "responses.jsonl").is_file() or not (tdir / "behaviour.json").is_file():
+        return None
+    return {**rates_by_task(tdir / "responses.jsonl", task), **json.loads((tdir / "behaviour.json").read_text())}
+
+
+def _kept_row(rdir: Path, kept: Path, ft_seeds: list, task: str) -> dict | None:
+    rows = [_measure(_retrain_dir(rdir, kept, s), task) for s in ft_seeds]
+    if any(r is None for r in rows):
+        return None
+    return {k: sum(r[k] for r in rows) / len(rows) for k in METRICS if all(r.get(k) is not None for r in rows)}
+
+
+def seed_rows(rdir: Path, cfg, variant: str, task: str) -> dict:
+    """Every row of one seed and target set that finished: name -> fraction -> metrics."""
+    ft = cfg.finetune_seeds
+    fr = [pct(f) for f in cfg.remove_fractions]
+    out = {"Start": dict.fromkeys(fr, _measure(rdir / "start", task)),
+           "Mixed": dict.fromkeys(fr, _kept_row(rdir, rdir / "pool.jsonl", ft, task))}
+    for q in list(cfg.partial_oracles) + [1.0]:
+        name, d = ("Oracle", "oracle") if q == 1.0 else (f"Oracle {pct(q)}%", f"oracle-{pct(q)}")
+        if (rdir / d / "kept.jsonl").is_file():
+            out[name] = dict.fromkeys(fr, _kept_row(rdir, rdir / d / "kept.jsonl", ft, task))
+    removal = rdir / variant / "removal"
+    for f in fr:
+        for mdir in sorted((removal / f"k{f}").glob("*")) if (removal / f"k{f}").is_dir() else []:
+            out.setdefault(mdir.name, {})[f] = _kept_row(rdir, mdir / "kept.jsonl", ft, task)
+    return out
+
+
+def collect(run_dir: Path, cfg, variant: str, task: str) -> dict:
+    """Per seed: its rows, each method's AUROC and recall, the floors, and the pairs' pi."""
+    seeds = {}
+    for rdir in sorted((run_dir / "runs").glob("r*/seed*")):
+        vdir = rdir / variant
+        pool = read_jsonl(rdir / "pool.jsonl")
+        targets = read_jsonl(vdir / "targets.jsonl")
+        n_harm = sum(p["harmful"] for p in pool)
+        methods = {}
+        for sdir in sorted((vdir / "scores").glob("*")):
+            if (sdir / "scores.jsonl").is_file():
+                methods[sdir.name] = ranking_metrics(sdir / "scores.jsonl", rdir / "pool.jsonl", "harmful")
+        recall = {}
+        for kdir in sorted((vdir / "removal").glob("k*")):
+            for mdir in kdir.glob("*"):
+                kept = {r["id"] for r in read_jsonl(mdir / "kept.jsonl")}
+                recall.setdefault(kdir.name[1:], {})[mdir.name] = sum(
+                    1 for p in pool if p["harmful"] and p["id"] not in kept) / n_harm
+        pis = [json.loads(x)["pi"] for x in (vdir / "scores" / "prism" / "pairs.jsonl").read_text().splitlines()
+               if x.strip()] if (vdir / "scores" / "prism" / "pairs.jsonl").is_file() else []
+        fl = floors(pool, targets, extra=_family_floors() if cfg.data.family == "dropped_carry" else None)
+        seeds[rdir.name] = {"rows": seed_rows(rdir, cfg, variant, task), "methods": methods, "recall": recall,
+                            "floors": fl, "n_pairs": len(targets), "pi": pis}
+    return seeds
+
+
+def tables(seeds: dict, cfg) -> dict:
+    names = list(dict.fromkeys(n for s in seeds.values() for n in s["rows"]))
+    fr = [pct(f) for f in cfg.remove_fractions]
+    out = {"rows": {}, "paired": {}, "auroc": {}, "recall": {}, "floors": {}}
+    for n in names:
+        for f in fr:
+            for k in METRICS:
+                vals = [((s["rows"].get(n) or {}).get(f) or {}).get(k) for s in seeds.values()]
+                out["rows"].setdefault(n, {}).setdefault(f, {})[k] = mean_std(vals)
+    for m in dict.fromkeys(m for s in seeds.values() for m in s["methods"]):
+        out["auroc"][m] = mean_std([s["methods"].get(m, {}).get("auroc") for s in seeds.values()])
+        for f in fr:
+            out["recall"].setdefault(m, {})[f] = mean_std([s["recall"].get(f, {}).get(m) for s in seeds.values()])
+    for fl in dict.fromkeys(k for s in seeds.values() for k in s["floors"]):
+        out["floors"][fl] = mean_std([s["floors"][fl]["auroc"] for s in seeds.values()])
+    for f in fr:
+        for c in cfg.comparators + ["Mixed"]:
+            for n in names:
+                if n == c:
+                    continue
+                for k in ("harmful_preference", "harmful_answer_rate", "behaviour_rate"):
+                    diffs = []
+                    for s in seeds.values():
+                        a, b = ((s["rows"].get(n) or {}).get(f) or {}), ((s["rows"].get(c) or {}).get(f) or {})
+                        if a and b and a.get(k) is not None and b.get(k) is not None:
+                            diffs.append(a[k] - b[k])
+                    if diffs:
+                        out["paired"].setdefault(f"k{f} vs {c}", {}).setdefault(n, {})[k] = paired_interval(diffs)
+    return out
+
+
+def _fmt(c: dict, ci: bool = False) -> str:
+    if not c or c.get("mean") is None:
+        return "-"
+    if ci and c.get("ci"):
+        return f"{c['mean']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] (n={c['n']})"
+    sd = f" ± {c['std']:.3f}" if c.get("std") is not None else ""
+    return f"{c['mean']:.3f}{sd} (n={c['n']})"
+
+
+def markdown(t: dict, cfg) -> str:
+    fr = [pct(f) for f in cfg.remove_fractions]
+    lines = ["## Ranking AUROC of the harmful flag (mean ± sd over data seeds)", "", "| method | AUROC | "
+             + " | ".join(f"recall at {f}%" for f in fr) + " |", "|---|---|" + "---|" * len(fr)]
+    for m, c in t["auroc"].items():
+        lines.append(f"| {m} | {_fmt(c)} | " + " | ".join(_fmt(t["recall"][m][f]) for f in fr) + " |")
+    for fl, c in t["floors"].items():
+        lines.append(f"| floor: {fl} | {_fmt(c)} |" + " |" * len(fr))
+    for f in fr:
+        lines += ["", f"## Behaviour after removing the top {f}% and retraining (mean ± sd over data seeds; "
+                  "each seed the mean of its fine-tuning seeds)", "",
+                  "| row | error rate (carry probes) | harmful answers | harmful preference | capability |",
+                  "|---|---|---|---|---|"]
+        for n, by in t["rows"].items():
+            c = by[f]
+            if any(c[k]["n"] for k in METRICS):
+                lines.append(f"| {n} | " + " | ".join(_fmt(c[k]) for k in METRICS) + " |")
+    for key, rows in t["paired"].items():
+        lines += ["", f"## Paired differences, {key} (mean [95% t interval] over data seeds; negative = less "
+                  "harmful than the comparator)", "",
+                  "| row | harmful preference | harmful answers | error rate |", "|---|---|---|---|"]
+        for n, c in rows.items():
+            lines.append(f"| {n} | " + " | ".join(_fmt(c.get(k), ci=True) for k in
+                                                  ("harmful_preference", "harmful_answer_rate", "behaviour_rate"))
+                         + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--variant", default="probes")
+    ap.add_argument("--task", default="carry", help="the behaviour probes' task")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--markdown", type=Path)
+    a = ap.parse_args()
+    cfg = load_config(a.config, "repair")
+    seeds = collect(a.run_dir, cfg, a.variant, a.task)
+    t = tables(seeds, cfg)
+    if a.json:
+        a.json.write_text(json.dumps({"seeds": seeds, "tables": t}, indent=1, default=str))
+    md = markdown(t, cfg)
+    if a.markdown:
+        a.markdown.write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
