@@ -111,18 +111,36 @@ class Inputs:
     fit_sample: dict | None = None
 
 
-def _encode_all(tokenizer, items, fields, max_length, path, skip_invalid, invalid):
+def _encode_all(tokenizer, items, fields, max_length, path, skip_invalid, invalid, check=None):
+    """``items`` that tokenise (and pass ``check(item, encodings, path)``), with their
+    encodings; the others raise, or under ``skip_invalid`` join ``invalid``."""
     kept, encs = [], []
     for item in items:
         try:
-            encs.append([encode(tokenizer, item.prompt, getattr(item, f), max_length, path=path,
-                                row=item.row, line=item.line, field=f) for f in fields])
+            enc = [encode(tokenizer, item.prompt, getattr(item, f), max_length, path=path,
+                          row=item.row, line=item.line, field=f) for f in fields]
+            if check is not None:
+                check(item, enc, path)
+            encs.append(enc)
             kept.append(item)
         except InputError as exc:
             if not skip_invalid:
                 raise
             invalid.append(InvalidRecord.of(exc, path))
     return kept, encs
+
+
+def _distinct_tokens(pair, enc, path) -> None:
+    """A pair whose two responses tokenise to the same ids (text that differs only in
+    characters the vocabulary lacks, which all become its unknown token) has a margin and
+    a direction of exactly zero: every score would be 0 and the ranking the pool's order."""
+    chosen, rejected = enc
+    if chosen.input_ids == rejected.input_ids:
+        raise InputError("'chosen' and 'rejected' differ as text but tokenise to the same tokens (characters "
+                         "outside the tokenizer's vocabulary become one unknown token), so the pair carries no "
+                         "preference", path=path, row=pair.row, line=pair.line, field="rejected",
+                         fix="make the responses differ in characters the model's tokenizer knows, or drop the "
+                             "pair (--skip-invalid skips it)")
 
 
 def _with_targets(tokenizer, targets_path, max_length: int, skip_invalid: bool, *, invalid: list,
@@ -133,7 +151,7 @@ def _with_targets(tokenizer, targets_path, max_length: int, skip_invalid: bool, 
         tg = load_targets(targets_path, skip_invalid=skip_invalid)
         invalid += tg.invalid
         pairs, penc = _encode_all(tokenizer, tg.items, ["chosen", "rejected"], max_length, targets_path,
-                                  skip_invalid, invalid)
+                                  skip_invalid, invalid, check=_distinct_tokens)
         chosen = [c for c, _ in penc]
         rejected = [r for _, r in penc]
         if not pairs:
@@ -895,6 +913,11 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
     Returns the read pool (None under ``stream``, whose own pass reads it)."""
     if targets_path is None and settings.method in DIRECTION_METHODS:
         raise ConfigError("targets", f"method {settings.method!r} needs target pairs", "pass --targets FILE")
+    if settings.method in DIRECTION_METHODS and settings.method_options:
+        raise ConfigError("method_options", f"method {settings.method!r} takes no options, got "
+                          f"{', '.join(map(str, settings.method_options))}",
+                          "drop --option: options belong to the baselines (see `prism-select methods`); "
+                          f"{settings.method}'s own settings are flags (see `prism-select score --help`)")
     for pattern in settings.modules or []:
         try:
             re.compile(pattern)
@@ -934,8 +957,25 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     (:func:`prism_select.execution.deterministic`).
     """
     settings = settings or ScoreSettings()
-    with deterministic_kernels(settings.deterministic):
-        return _score_pool(model, pool_path, targets_path, out_dir, settings, curvature, reuse_finished)
+    created = not Path(out_dir).exists()
+    try:
+        with deterministic_kernels(settings.deterministic):
+            return _score_pool(model, pool_path, targets_path, out_dir, settings, curvature, reuse_finished)
+    except BaseException:
+        if created:  # a run that failed before any finished work leaves no empty --out behind
+            _remove_empty_dir(Path(out_dir))
+        raise
+
+
+def _remove_empty_dir(out_dir: Path) -> None:
+    """Remove ``out_dir`` when nothing but an empty ``.partial`` (or its ``key.json``) is in it."""
+    partial = out_dir / ".partial"
+    if partial.is_dir() and {p.name for p in partial.iterdir()} <= {"key.json"}:
+        shutil.rmtree(partial, ignore_errors=True)
+    try:
+        out_dir.rmdir()
+    except OSError:
+        pass  # not empty (finished work is kept), or already gone
 
 
 def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings, curvature,

@@ -45,7 +45,7 @@ def options_for(method: str, options: dict, known: list | None = None) -> dict:
     from . import REGISTRY
     known = known if known is not None else _known_methods()
     fn = REGISTRY.get(method)
-    declared = getattr(fn, "options", None)
+    declared = getattr(fn, "options", None) if fn is not None else {}  # a target direction takes none
     shared, own = {}, {}
     for k, v in (options or {}).items():
         if k in known:

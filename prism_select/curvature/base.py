@@ -63,6 +63,17 @@ def _shrinkage_value(text):
         return text
 
 
+#: the largest explicit damping: scores are products of gradients divided by the damped
+#: eigenvalues, in float32 where the model is; a damping above float32's range (3.4e38)
+#: becomes inf and every score exactly 0, and up to 1e30 a product of gradients as small as
+#: 1e-8 still gives a normal float32 score (an ever larger damping only tends to the
+#: identity's ranking, which --kind identity computes directly)
+MAX_DAMPING = 1e30
+#: the largest damping factor: the heuristic damping is the factor times a layer's mean
+#: eigenvalue, which must stay below :data:`MAX_DAMPING` for mean eigenvalues up to 1e10
+MAX_DAMPING_FACTOR = 1e20
+
+
 @dataclass
 class PreconditionSettings:
     """How the fitted ``H`` is damped and shrunk before it is inverted; applied to a fit
@@ -102,12 +113,13 @@ class PreconditionSettings:
 
     def __post_init__(self):
         if self.damping is not None and (isinstance(self.damping, bool) or not (
-                isinstance(self.damping, (int, float)) and self.damping >= 0 and self.damping < float("inf"))):
-            raise ConfigError("damping", f"must be a finite number >= 0, got {self.damping}",
+                isinstance(self.damping, (int, float)) and 0 <= self.damping <= MAX_DAMPING)):
+            raise ConfigError("damping", f"must be a number within [0, {MAX_DAMPING:g}], got {self.damping}",
                               "pass e.g. --damping 1e-3, or leave it out for the heuristic")
         if isinstance(self.damping_factor, bool) or not (isinstance(self.damping_factor, (int, float))
-                                                         and self.damping_factor > 0):
-            raise ConfigError("damping_factor", "must be > 0")
+                                                         and 0 < self.damping_factor <= MAX_DAMPING_FACTOR):
+            raise ConfigError("damping_factor", f"must be within (0, {MAX_DAMPING_FACTOR:g}], got "
+                              f"{self.damping_factor}", f"pass e.g. --damping-factor {DEFAULT_DAMPING_FACTOR}")
         if not isinstance(self.damping_noise, bool):
             raise ConfigError("damping_noise", f"must be true or false, got {self.damping_noise!r}")
         sh = self.shrinkage

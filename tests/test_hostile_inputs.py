@@ -1,0 +1,144 @@
+"""Inputs a careless or hostile user can give: each ends in a named error before any
+memory runaway or long work, with nothing written and the inputs untouched, or in the
+right result. Runs the CLI in-process on a tiny random-init model (no downloads)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from prism_select import cli
+from prism_select.baselines.compare import options_for
+from prism_select.curvature import CurvatureSettings
+from prism_select.data import load_pool
+from prism_select.data.tokenize import encode, render
+from prism_select.errors import ConfigError, InputError
+from prism_select.examples import make_example
+from prism_select.pipeline import ScoreSettings, check_before_loading, prepare_inputs
+
+from tiny import save_tiny, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile")
+    pool, targets = make_example(d / "data", n_pool=8, n_pairs=3)
+    return save_tiny(d / "model"), pool, targets
+
+
+def _score_argv(model, pool, targets, out, *extra):
+    return ["score", "--model", str(model), "--pool", str(pool), "--targets", str(targets), "--out", str(out),
+            "--device", "cpu", "--dtype", "float32", "--max-length", "128", "--no-progress",
+            "--cache-dir", str(Path(out).parent / "cache"), *extra]
+
+
+def _fails(argv, capsys, *needles) -> str:
+    """``prism-select argv`` exits 2 with a named error that holds every ``needle``."""
+    assert cli.main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("prism-select: error: "), err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+# --------------------------------------------------------------------------- memory runaways
+
+
+class _CountingTokenizer:
+    """The tiny tokenizer, recording the length of every text it is asked to tokenise."""
+
+    def __init__(self):
+        self.tok, self.longest = tiny_tokenizer(), 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __call__(self, text, **kw):
+        self.longest = max(self.longest, len(text))
+        return self.tok(text, **kw)
+
+
+#: characters tokenised at most for a max_length of 64: a bounded prefix, not the record
+TOKENISED_CHARS_BOUND = 64 * 2 * 16 * 4
+
+
+def test_a_huge_response_is_refused_after_tokenising_a_bounded_prefix():
+    tok = _CountingTokenizer()
+    with pytest.raises(InputError, match="more than 64 tokens") as e:
+        encode(tok, "What is 2+2?", "4" * 400_000, 64, path="pool.jsonl", row=0, line=1)
+    assert e.value.line == 1 and e.value.field == "response"
+    assert tok.longest <= TOKENISED_CHARS_BOUND
+
+
+def test_a_huge_prompt_is_cut_from_the_left_as_the_whole_text_would_be():
+    tok = _CountingTokenizer()
+    prompt = "".join(f"step {i}: add {i % 7}. " for i in range(20_000))
+    got = encode(tok, prompt, "The answer is 5.", 64)
+    assert tok.longest <= TOKENISED_CHARS_BOUND
+    p_text, r_text = render(tok.tok, prompt, "The answer is 5.")
+    p_ids = tok.tok(p_text, add_special_tokens=False)["input_ids"]
+    r_ids = tok.tok(r_text, add_special_tokens=False)["input_ids"]
+    room = 64 - len(r_ids)
+    assert got.truncated and got.input_ids == p_ids[-room:] + r_ids and got.response_start == room
+
+
+def test_a_response_that_fits_is_tokenised_whole():
+    tok = tiny_tokenizer()
+    text = " ".join(["word"] * 300)  # longer than the first prefix: fits within 4096 tokens
+    got = encode(tok, "Repeat.", text, 4096)
+    p_text, r_text = render(tok, "Repeat.", text)
+    assert got.input_ids[got.response_start:] == tok(r_text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo"])
+def test_a_pool_that_is_not_a_regular_file_is_refused_before_reading(tmp_path, kind, files, capsys):
+    pool = tmp_path / "pool.jsonl"
+    if kind == "device":
+        pool.symlink_to("/dev/zero")
+    else:
+        os.mkfifo(pool)  # no writer: opening it would block forever
+    with pytest.raises(InputError, match="not a regular file"):
+        load_pool(pool)
+    model, _, targets = files
+    out = tmp_path / "run"
+    _fails(_score_argv(model, pool, targets, out), capsys, str(pool), "not a regular file")
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- silent wrong results
+
+
+def test_a_pair_whose_responses_tokenise_the_same_is_invalid(tmp_path):
+    targets = tmp_path / "targets.jsonl"
+    rows = [{"prompt": "Pick one.", "chosen": "It is \u20ac.", "rejected": "It is \u00a5."},  # both <unk>
+            {"prompt": "What is 1+1?", "chosen": "3", "rejected": "2"}]
+    targets.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pool, _ = make_example(tmp_path / "data", n_pool=4)
+    tok = tiny_tokenizer()
+    with pytest.raises(InputError, match="tokenise to the same tokens") as e:
+        prepare_inputs(tok, pool, targets, max_length=128)
+    assert e.value.line == 1 and e.value.field == "rejected" and str(targets) in str(e.value)
+    inputs = prepare_inputs(tok, pool, targets, max_length=128, skip_invalid=True)
+    assert [p.id for p in inputs.pairs] == [1] and [r.row for r in inputs.invalid] == [0]
+
+
+@pytest.mark.parametrize("flag, value", [("--damping", "1e300"), ("--damping", "inf"), ("--damping-factor", "1e300")])
+def test_a_damping_beyond_float32_is_refused(flag, value, files, tmp_path, capsys):
+    field = flag[2:].replace("-", "_")
+    with pytest.raises(ConfigError, match=field):
+        CurvatureSettings(**{field: float(value)})
+    model, pool, targets = files
+    _fails(_score_argv(model, pool, targets, tmp_path / "run", flag, value), capsys, f"setting '{field}'")
+    assert not (tmp_path / "run").exists()
+
+
+def test_options_given_to_a_target_direction_are_refused(files, tmp_path, capsys):
+    model, pool, targets = files
+    with pytest.raises(ConfigError, match="takes no options, got layer"):
+        check_before_loading(None, pool, targets, ScoreSettings(method="prism", method_options={"layer": 1}))
+    _fails(_score_argv(model, pool, targets, tmp_path / "run", "--option", "layer=1"), capsys,
+           "method 'prism' takes no options, got layer")
+    assert options_for("prism", {"layer": 1}) == {}  # compare hands a shared option to the baselines only
+    assert options_for("vecfilter", {"layer": 1}) == {"layer": 1}
