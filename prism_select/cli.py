@@ -171,6 +171,8 @@ def cmd_select(a):
     from .selection import describe
     summary = select(a.run, a.pool, a.out, keep=a.keep, remove=a.remove, overwrite=a.overwrite,
                      allow_other_pool=a.allow_other_pool)
+    for w in summary.get("warnings", []):
+        print(f"prism-select: warning: {w}", file=sys.stderr)
     print(describe(summary))
 
 
@@ -280,7 +282,7 @@ def cmd_report(a):
     from .evaluation.report import write_report
     if a.label is not None:
         _warn_unknown_label(Path(a.run), a.label)
-    page = write_report(a.run, label=a.label, out=a.out)
+    page = write_report(a.run, label=a.label, out=a.out, overwrite=a.overwrite)
     print(f"wrote {page}")
 
 
@@ -384,6 +386,7 @@ def _add_evaluation_parsers(sub):
     rp.add_argument("--label", default=None,
                     help="boolean label field of the pool (score and compare runs; default harmful)")
     rp.add_argument("--out", default=None, help="page path (default <run>/report.html)")
+    rp.add_argument("--overwrite", action="store_true", help="replace an existing --out page")
     rp.set_defaults(func=cmd_report)
 
 

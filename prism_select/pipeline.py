@@ -1074,7 +1074,9 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
         "model": {**lm.source, "settings": asdict(lm.settings), "dtype": str(lm.dtype),
                   "device": str(lm.device), "chat_template": has_chat_template(lm.tokenizer)},
         "tracked_modules": list(modules),
-        "inputs": {"pool": inputs.pool_path, "pool_format": inputs.pool_format, "targets": inputs.targets_path},
+        # absolute: `select` and `report` find the files from any working directory
+        "inputs": {"pool": str(Path(inputs.pool_path).absolute()), "pool_format": inputs.pool_format,
+                   "targets": str(Path(inputs.targets_path).absolute()) if inputs.targets_path else ""},
         # pool_file: the pool's bytes, which `select` checks without loading a tokenizer
         "fingerprints": {**fingerprints, "pool_file": sha256_file(pool_path)},
         "versions": _versions(),

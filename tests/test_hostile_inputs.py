@@ -142,3 +142,121 @@ def test_options_given_to_a_target_direction_are_refused(files, tmp_path, capsys
            "method 'prism' takes no options, got layer")
     assert options_for("prism", {"layer": 1}) == {}  # compare hands a shared option to the baselines only
     assert options_for("vecfilter", {"layer": 1}) == {"layer": 1}
+
+
+# --------------------------------------------------------------------------- select and report
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _fake_run(run, pool, targets=None, scores=None, **extra):
+    """A finished score run over ``pool`` as score writes it (absolute inputs, fingerprint)."""
+    from prism_select.io import sha256_file
+    from prism_select.selection import read_scores  # noqa: F401 (the format it must pass)
+    n = sum(1 for line in pool.read_text().splitlines() if line.strip())
+    recs = [json.loads(line) for line in pool.read_text().splitlines() if line.strip()]
+    ids = [r.get("id", i) for i, r in enumerate(recs)]
+    scores = scores if scores is not None else [float(n - i) for i in range(n)]
+    order = sorted(range(n), key=lambda i: -scores[i])
+    run.mkdir(parents=True)
+    _jsonl(run / "scores.jsonl", [{"id": ids[i], "score": scores[i], "rank": order.index(i) + 1} for i in range(n)])
+    info = {"status": "complete", "method": "prism", "counts": {"pool": n, "pairs": 1}, "timings": {"total_s": 1.0},
+            "inputs": {"pool": str(pool.absolute()), "targets": str(targets.absolute()) if targets else ""},
+            "fingerprints": {"pool_file": sha256_file(pool)}, **extra}
+    (run / "run.json").write_text(json.dumps(info))
+    return run
+
+
+@pytest.fixture
+def scored(tmp_path):
+    """A pool without ids (row numbers are its ids), its targets and a finished run over it."""
+    pool = _jsonl(tmp_path / "pool.jsonl", [{"prompt": f"q{i}", "response": f"a{i}", "harmful": i < 2}
+                                            for i in range(6)])
+    targets = _jsonl(tmp_path / "targets.jsonl", [{"prompt": "q", "chosen": "x", "rejected": "y"}])
+    return pool, targets, _fake_run(tmp_path / "run", pool, targets)
+
+
+def test_select_from_another_pool_without_ids_is_refused(scored, tmp_path, capsys):
+    pool, _, run = scored
+    rows = [json.loads(line) for line in pool.read_text().splitlines()]
+    other = _jsonl(tmp_path / "other.jsonl", [{"prompt": "new", "response": "inserted"}] + rows)
+    out = tmp_path / "kept.jsonl"
+    _fails(["select", "--run", run, "--pool", other, "--keep", "2", "--out", out, "--allow-other-pool"], capsys,
+           "--allow-other-pool needs ids", "row number", str(other))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("which", ["scores.jsonl", "run.json", "pairs.jsonl", "targets", "run"])
+def test_select_never_writes_over_the_runs_files_or_inputs(scored, which, capsys):
+    pool, targets, run = scored
+    (run / "pairs.jsonl").write_text('{"id": 0, "pi": 0.5}\n')
+    out = {"targets": targets, "run": run}.get(which, run / which)
+    before = {p: p.read_bytes() for p in [targets, pool, *run.iterdir()]}
+    _fails(["select", "--run", run, "--pool", pool, "--keep", "2", "--out", out, "--overwrite"], capsys,
+           f"cannot write {out}", "choose another output path")
+    assert {p: p.read_bytes() for p in [targets, pool, *run.iterdir()]} == before
+
+
+@pytest.mark.parametrize("text, needle", [("null", "got null"), ("[1, 2]", "got list"),
+                                          ('{"status": "compl', "cannot read run.json"),
+                                          ('{"status": "running"}', "status is 'running'")])
+def test_select_and_report_refuse_a_run_json_that_is_no_finished_run(scored, tmp_path, text, needle, capsys):
+    pool, _, run = scored
+    (run / "run.json").write_text(text)
+    out = tmp_path / "kept.jsonl"
+    _fails(["select", "--run", run, "--pool", pool, "--keep", "2", "--out", out], capsys, str(run / "run.json"),
+           needle)
+    assert not out.exists()
+    if "status" not in needle:  # report shows an unfinished run's scores as they are
+        _fails(["report", "--run", run], capsys, str(run / "run.json"))
+        assert not (run / "report.html").exists()
+
+
+def test_select_warns_when_the_run_has_no_pool_fingerprint(scored, tmp_path, capsys):
+    pool, _, run = scored
+    info = json.loads((run / "run.json").read_text())
+    del info["fingerprints"]
+    (run / "run.json").write_text(json.dumps(info))
+    assert cli.main(["select", "--run", str(run), "--pool", str(pool), "--keep", "2",
+                     "--out", str(tmp_path / "kept.jsonl")]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "prism-select: warning:" in err and "no fingerprint of the pool file" in err and "record ids only" in err
+
+
+def test_report_refuses_a_pool_other_than_the_scored_one(scored, tmp_path, monkeypatch, capsys):
+    """run.json names the pool by a relative path, as runs did: from another folder, a file
+    with other labels at that path gives no AUROC of the wrong labels."""
+    pool, _, run = scored
+    info = json.loads((run / "run.json").read_text())
+    info["inputs"]["pool"] = "pool.jsonl"
+    (run / "run.json").write_text(json.dumps(info))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    rows = [json.loads(line) for line in pool.read_text().splitlines()]
+    _jsonl(elsewhere / "pool.jsonl", [{**r, "harmful": not r["harmful"]} for r in rows])  # labels flipped
+    monkeypatch.chdir(elsewhere)
+    _fails(["report", "--run", run, "--label", "harmful"], capsys, "is not the pool file that was scored",
+           "pool.jsonl")
+    assert not (run / "report.html").exists()
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["report", "--run", str(run), "--label", "harmful"]) == 0
+    assert "<td>1.000</td>" in (run / "report.html").read_text()  # the scored labels: harmful ranked first
+
+
+def test_report_never_writes_over_an_input_and_leaves_no_images(scored, tmp_path, capsys):
+    pool, targets, run = scored
+    before = {p: p.read_bytes() for p in (pool, targets)}
+    for out in (pool, targets, run / "scores.jsonl", run / "run.json"):
+        _fails(["report", "--run", run, "--out", out], capsys, "an input or output of the run")
+        _fails(["report", "--run", run, "--out", out, "--overwrite"], capsys, "an input or output of the run")
+    assert {p: p.read_bytes() for p in (pool, targets)} == before
+    page = tmp_path / "page.html"
+    page.write_text("mine")
+    _fails(["report", "--run", run, "--out", page], capsys, "already exists", "--overwrite")
+    assert page.read_text() == "mine"
+    assert cli.main(["report", "--run", str(run), "--out", str(page), "--overwrite"]) == 0
+    assert page.read_text().startswith("<!DOCTYPE html>") or "<html" in page.read_text()
+    assert not list(tmp_path.rglob("*.png"))
