@@ -55,6 +55,7 @@ from .io import (
     atomic_write_json,
     atomic_write_jsonl,
     check_writable_dir,
+    read_saved_state,
     sha256_file,
     sha256_json,
 )
@@ -803,7 +804,7 @@ def _finished_run(out_dir: Path, run_key: dict) -> dict | None:
         done = json.loads((out_dir / "run.json").read_text())
     except (OSError, ValueError):
         return None
-    same = done.get("status") == "complete" and done.get("run_key") == json.loads(json.dumps(run_key))
+    same = isinstance(done, dict) and done.get("status") == "complete" and done.get("run_key") == json.loads(json.dumps(run_key))
     return done if same and (out_dir / "scores.jsonl").is_file() else None
 
 
@@ -822,8 +823,7 @@ def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool) -> bool:
                           "pass --overwrite to replace it, or choose another --out")
     state = partial / "key.json"
     if state.exists():
-        import json
-        old = json.loads(state.read_text())
+        old = read_saved_state(state)
         if old != run_key:
             raise CacheError(f"{out_dir} holds an unfinished run with other settings or inputs (differs in: "
                              f"{', '.join(_differences(old, json.loads(json.dumps(run_key)))) or 'types'}); "
@@ -925,6 +925,7 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
             raise ConfigError("modules", f"{pattern!r} is not a regular expression ({e})",
                               "pass e.g. --modules 'mlp' 'self_attn\\.(q|v)_proj'") from None
     if isinstance(model, ModelSettings):
+        check_cache_dir(model.resolved_cache_dir())
         model.resolved_device()
         if model.adapter is not None:
             check_adapter_dir(Path(model.adapter).expanduser().resolve())
@@ -932,6 +933,21 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
     if targets_path is not None:
         load_targets(targets_path, skip_invalid=settings.skip_invalid)
     return None if settings.stream else load_pool(pool_path, skip_invalid=settings.skip_invalid)
+
+
+def check_cache_dir(root: Path) -> None:
+    """The cache (``--cache-dir``) is a folder this process can create and write in: the
+    fitted curvature and converted models are saved there. Raises :class:`ConfigError`."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError("cache_dir", f"{root} is a file, not a folder",
+                          "pass --cache-dir a folder (it is created if missing), or move the file away")
+    try:
+        check_writable_dir(root)
+    except OutputError as e:
+        raise ConfigError("cache_dir", f"{root} cannot be written: {e.__cause__.strerror or e.__cause__}"
+                          if isinstance(e.__cause__, OSError) else str(e),
+                          "pass --cache-dir a writable folder (or set PRISM_SELECT_CACHE)") from None
 
 
 def _drop_partial_without_chunks(out_dir: Path) -> None:

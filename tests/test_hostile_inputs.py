@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from prism_select import cli
 from prism_select.baselines.compare import options_for
@@ -37,7 +38,7 @@ def _fails(argv, capsys, *needles) -> str:
     """``prism-select argv`` exits 2 with a named error that holds every ``needle``."""
     assert cli.main([str(a) for a in argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("prism-select: error: "), err
+    assert err.splitlines()[-1].startswith("prism-select: error: "), err
     for needle in needles:
         assert needle in err, err
     return err
@@ -260,3 +261,195 @@ def test_report_never_writes_over_an_input_and_leaves_no_images(scored, tmp_path
     assert cli.main(["report", "--run", str(run), "--out", str(page), "--overwrite"]) == 0
     assert page.read_text().startswith("<!DOCTYPE html>") or "<html" in page.read_text()
     assert not list(tmp_path.rglob("*.png"))
+
+
+# --------------------------------------------------------------------------- the cache and resumed runs
+
+
+def _scores_of(out):
+    return [json.loads(line) for line in (Path(out) / "scores.jsonl").read_text().splitlines()]
+
+
+def _curvature_entry(cache):
+    (entry,) = [p for p in (Path(cache) / "curvature").iterdir() if p.is_dir()]
+    return entry
+
+
+@pytest.fixture(scope="module")
+def reference_run(files, tmp_path_factory):
+    """One finished run and the cache holding its fitted curvature (EK-FAC)."""
+    d = tmp_path_factory.mktemp("hostile-ref")
+    model, pool, targets = files
+    assert cli.main(_score_argv(model, pool, targets, d / "ref")) == 0
+    return d / "ref", d / "cache"
+
+
+def _rerun(files, cache, out):
+    model, pool, targets = files
+    argv = _score_argv(model, pool, targets, out)
+    argv[argv.index("--cache-dir") + 1] = str(cache)
+    assert cli.main(argv) == 0
+    return json.loads((Path(out) / "run.json").read_text())["curvature"]
+
+
+#: relative gap between a run's scores and the reference run's (same fit, same arithmetic)
+SAME_SCORES_RTOL = 1e-5
+
+
+def _assert_same_scores(a, b):
+    for x, y in zip(_scores_of(a), _scores_of(b), strict=True):
+        assert x["id"] == y["id"] and x["rank"] == y["rank"]
+        assert abs(x["score"] - y["score"]) <= SAME_SCORES_RTOL * max(abs(y["score"]), 1e-12)
+
+
+def test_a_cached_curvature_changed_in_place_is_fitted_again(files, reference_run, tmp_path):
+    import shutil
+
+    ref, cache = reference_run
+    mine = tmp_path / "cache"
+    shutil.copytree(cache, mine)
+    assert _rerun(files, mine, tmp_path / "same")["reused"] is True
+    factors = _curvature_entry(mine) / "factors.safetensors"
+    data = bytearray(factors.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    at = 8 + header + 64  # one float32 of the first tensor's data (fitted in float32)
+    value = torch.frombuffer(data[at:at + 4], dtype=torch.float32).item()
+    data[at:at + 4] = torch.tensor([value * 64 if value else 1.0], dtype=torch.float32).numpy().tobytes()
+    factors.write_bytes(bytes(data))  # same size, one value changed
+    assert _rerun(files, mine, tmp_path / "changed")["reused"] is False
+    _assert_same_scores(tmp_path / "changed", ref)
+
+
+def test_a_truncated_curvature_json_is_an_incomplete_entry_fitted_again(files, reference_run, tmp_path, capsys):
+    import shutil
+
+    from prism_select import cache as cache_mod
+
+    ref, cache = reference_run
+    mine = tmp_path / "cache"
+    shutil.copytree(cache, mine)
+    meta = _curvature_entry(mine) / "curvature.json"
+    meta.write_text(meta.read_text()[:40])
+    assert [e.complete for e in cache_mod.entries(mine)] == [False]
+    assert cli.main(["cache", "list", "--cache-dir", str(mine)]) == 0
+    assert "(incomplete)" in capsys.readouterr().out
+    assert _rerun(files, mine, tmp_path / "again")["reused"] is False
+    _assert_same_scores(tmp_path / "again", ref)
+    assert [e.complete for e in cache_mod.entries(mine)] == [True]  # saved again, whole
+
+
+def test_a_damaged_record_of_an_unfinished_run_is_a_named_error(files, reference_run, tmp_path, capsys):
+    ref, cache = reference_run
+    model, pool, targets = files
+    out = tmp_path / "run"
+    (out / ".partial").mkdir(parents=True)
+    (out / ".partial" / "key.json").write_text('{"settings": {"meth')
+    argv = _score_argv(model, pool, targets, out)
+    argv[argv.index("--cache-dir") + 1] = str(cache)
+    _fails(argv, capsys, "key.json", "damaged", "--overwrite")
+    assert cli.main(argv + ["--overwrite"]) == 0
+    _assert_same_scores(out, ref)
+
+
+@pytest.mark.parametrize("kind", ["file", "read-only"])
+def test_a_cache_dir_that_cannot_be_written_is_a_named_error(files, tmp_path, kind, capsys, monkeypatch):
+    import errno
+    import tempfile
+
+    model, pool, targets = files
+    cache = tmp_path / "cache"
+    if kind == "file":
+        cache.write_text("not a folder")
+    else:  # a read-only mount, as the OS reports it (a mode-0555 folder is writable for root)
+        cache.mkdir()
+        mkstemp = tempfile.mkstemp
+
+        def read_only(*args, dir=None, **kw):
+            if dir is not None and Path(dir) == cache:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(cache))
+            return mkstemp(*args, dir=dir, **kw)
+        monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    out = tmp_path / "run"
+    argv = _score_argv(model, pool, targets, out)
+    argv[argv.index("--cache-dir") + 1] = str(cache)
+    _fails(argv, capsys, "setting 'cache_dir'", str(cache))
+    assert not out.exists()
+
+
+def test_cache_commands_refuse_a_missing_folder_and_an_unknown_kind(tmp_path, capsys):
+    _fails(["cache", "list", "--cache-dir", tmp_path / "nowhere"], capsys, "does not exist")
+    _fails(["cache", "clear", "--cache-dir", tmp_path, "--kind", "bogus"], capsys, "unknown cache kind 'bogus'",
+           "curvature")
+    (tmp_path / "file").write_text("x")
+    _fails(["cache", "prune", "--cache-dir", tmp_path / "file"], capsys, "is a file")
+
+
+def test_score_into_an_existing_file_names_the_problem(files, tmp_path, capsys):
+    model, pool, targets = files
+    out = tmp_path / "run.txt"
+    out.write_text("keep me")
+    err = _fails(_score_argv(model, pool, targets, out), capsys, "is a file, not a folder")
+    assert "File exists" not in err and out.read_text() == "keep me"
+
+
+def test_a_closed_console_pipe_ends_quietly(tmp_path):
+    """``prism-select ... | head -1``: the reader goes away; the command's files are written,
+    so it ends with exit 0 and no traceback."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(cli.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-m", "prism_select.cli", "methods"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    p.stdout.close()  # before the command prints a line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_the_next_command_quotes_paths_with_spaces(files, reference_run, tmp_path, capsys):
+    import shlex
+
+    model, pool, targets = files
+    _, cache = reference_run
+    out = tmp_path / "my runs" / "first run"
+    argv = _score_argv(model, pool, targets, out)
+    argv[argv.index("--cache-dir") + 1] = str(cache)
+    assert cli.main(argv) == 0
+    nxt = [line for line in capsys.readouterr().out.splitlines() if line.startswith("next: ")][0]
+    words = shlex.split(nxt[len("next: "):].split("   (")[0])
+    assert words[words.index("--run") + 1] == str(out) and words[words.index("--pool") + 1] == str(pool)
+
+
+def test_a_pickle_model_that_the_safe_loader_refuses_is_named_without_an_unsafe_fix(tmp_path):
+    import argparse
+
+    from safetensors.torch import load_file
+
+    from prism_select.errors import ModelError
+    from prism_select.model import ModelSettings, load_model
+
+    d = save_tiny(tmp_path / "model")
+    state = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    torch.save({**state, "extra": argparse.Namespace(a=1)}, d / "pytorch_model.bin")
+    with pytest.raises(ModelError) as e:
+        load_model(ModelSettings(model=str(d), device="cpu", cache_dir=str(tmp_path / "cache")))
+    text = str(e.value)
+    assert "safetensors" in text and "argparse.Namespace" in text and "weights_only=False" not in text
+    assert "Fix:" in text
+
+
+def test_a_model_with_its_own_code_names_the_flag(tmp_path):
+    from prism_select.errors import ModelError
+    from prism_select.model import ModelSettings, load_model
+
+    d = save_tiny(tmp_path / "model")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update({"model_type": "mystery", "auto_map": {"AutoConfig": "modeling_mystery.MysteryConfig",
+                                                      "AutoModelForCausalLM": "modeling_mystery.Mystery"}})
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError) as e:
+        load_model(ModelSettings(model=str(d), device="cpu", cache_dir=str(tmp_path / "cache")))
+    assert "--trust-remote-code" in str(e.value) and "trust_remote_code=True" not in str(e.value)

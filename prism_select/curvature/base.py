@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CacheError, ConfigError
 from ..gradients import release_host_memory, side_by_side
-from ..io import atomic_write_json
+from ..io import atomic_write_json, sha256_file
 from ..settings import DEFAULT_BATCH_SIZE, setting
 
 KINDS = ("ekfac", "kfac", "diagonal", "identity")
@@ -298,6 +298,9 @@ class Curvature:
         full.update({"kind": self.kind, "layers": self.layers, "damping": self.damping,
                      "shrinkage": self.shrinkage, "files": files})
         if distributed.is_main():
+            # the files' content, checked on every load: a factor changed in place (same size)
+            # would otherwise give other scores without a word
+            full["files_sha256"] = {f: sha256_file(d / f) for f in files}
             atomic_write_json(d / "curvature.json", full)
         distributed.barrier()
         self.meta = full
@@ -313,11 +316,16 @@ class Curvature:
         meta_path = d / "curvature.json"
         if not meta_path.exists():
             raise CacheError(f"no saved curvature in {d} (expected curvature.json)")
-        meta = json.loads(meta_path.read_text())
+        meta = read_meta(meta_path)
         files = meta.get("files", ["factors.safetensors"])
         missing = [f for f in files if not (d / f).exists()]
         if missing:
             raise CacheError(f"saved curvature in {d} is incomplete: {', '.join(missing)} missing")
+        sums = meta.get("files_sha256")
+        changed = [f for f in files if not isinstance(sums, dict) or sums.get(f) != sha256_file(d / f)]
+        if changed:
+            raise CacheError(f"saved curvature in {d}: the content of {', '.join(changed)} does not match its "
+                             "checksum in curvature.json (changed since it was saved, or saved without one)")
         if expect:
             diff = [k for k, v in expect.items() if meta.get(k) != v]
             if diff:
@@ -331,6 +339,19 @@ class Curvature:
             for f in files:
                 tensors.update(load_file(str(d / f), device=str(device)))
         return cls(meta["kind"], meta["layers"], tensors, meta["damping"], meta, meta.get("shrinkage"))
+
+
+def read_meta(path: Path) -> dict:
+    """A saved curvature's ``curvature.json``, or :class:`CacheError` when it cannot be
+    read, is truncated (a write cut short outside :func:`atomic_write_json`, a damaged
+    disk) or holds no JSON object: the caller fits again."""
+    try:
+        meta = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CacheError(f"saved curvature metadata {path} cannot be read ({e})") from e
+    if not isinstance(meta, dict) or not isinstance(meta.get("layers"), list) or "kind" not in meta:
+        raise CacheError(f"saved curvature metadata {path} is not a curvature's description")
+    return meta
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
