@@ -304,10 +304,28 @@ def test_loaded_curvature_preconditions_as_the_fitted_one_reading_a_layer_at_a_t
     assert len(back.tensors) == 0 and all(f.closed for f in back.tensors._files)
 
 
-def test_release_host_memory_is_safe_to_call():
-    from prism_select.gradients import release_host_memory
-    release_host_memory()
-    release_host_memory()
+@pytest.mark.parametrize("libc", ["missing", "without malloc_trim"])
+def test_release_host_memory_is_safe_to_call(monkeypatch, libc):
+    """Where the C library cannot be loaded, or has no ``malloc_trim`` (not glibc), the
+    call does nothing, raises nothing and does not try again."""
+    import ctypes
+    import sys
+
+    from prism_select import gradients as grad_mod
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the trim is glibc's")
+    loads = []
+
+    def load(name):
+        loads.append(name)
+        if libc == "missing":
+            raise OSError("no C library here")
+        return type("Musl", (), {})()  # a C library without malloc_trim
+    monkeypatch.setattr(grad_mod, "_libc", None)
+    monkeypatch.setattr(ctypes, "CDLL", load)
+    assert grad_mod.release_host_memory() is None
+    assert grad_mod.release_host_memory() is None
+    assert len(loads) == 1 and grad_mod._libc is False
 
 
 def test_release_host_memory_trims_only_after_work_on_the_cpu(monkeypatch):
