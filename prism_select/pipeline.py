@@ -973,25 +973,28 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     (:func:`prism_select.execution.deterministic`).
     """
     settings = settings or ScoreSettings()
-    created = not Path(out_dir).exists()
+    out_dir = Path(out_dir)
+    missing = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # the folders this run creates
     try:
         with deterministic_kernels(settings.deterministic):
             return _score_pool(model, pool_path, targets_path, out_dir, settings, curvature, reuse_finished)
     except BaseException:
-        if created:  # a run that failed before any finished work leaves no empty --out behind
-            _remove_empty_dir(Path(out_dir))
+        if missing:  # a run that failed before any finished work leaves no empty --out behind
+            _remove_empty_dirs(missing)
         raise
 
 
-def _remove_empty_dir(out_dir: Path) -> None:
-    """Remove ``out_dir`` when nothing but an empty ``.partial`` (or its ``key.json``) is in it."""
-    partial = out_dir / ".partial"
+def _remove_empty_dirs(created: list) -> None:
+    """Remove the folders a failed run created (``--out`` first, then its new parents),
+    each only when nothing but an empty ``.partial`` (or its ``key.json``) is in it."""
+    partial = created[0] / ".partial"
     if partial.is_dir() and {p.name for p in partial.iterdir()} <= {"key.json"}:
         shutil.rmtree(partial, ignore_errors=True)
-    try:
-        out_dir.rmdir()
-    except OSError:
-        pass  # not empty (finished work is kept), or already gone
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:
+            return  # not empty (finished work is kept), or already gone
 
 
 def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings, curvature,

@@ -453,3 +453,15 @@ def test_a_model_with_its_own_code_names_the_flag(tmp_path):
     with pytest.raises(ModelError) as e:
         load_model(ModelSettings(model=str(d), device="cpu", cache_dir=str(tmp_path / "cache")))
     assert "--trust-remote-code" in str(e.value) and "trust_remote_code=True" not in str(e.value)
+
+
+def test_an_input_error_found_after_the_model_loads_leaves_no_out_folder(files, tmp_path, capsys):
+    """A response too long for --max-length is found when the pool is tokenised, after the
+    model has loaded: the run ends with the named error and no --out folder behind."""
+    model, _, targets = files
+    pool = _jsonl(tmp_path / "pool.jsonl", [{"prompt": "q", "response": "a"}, {"prompt": "q", "response": "b" * 400}])
+    out = tmp_path / "new" / "run"
+    argv = _score_argv(model, pool, targets, out)
+    argv[argv.index("--cache-dir") + 1] = str(tmp_path / "cache")
+    _fails(argv, capsys, str(pool), "line 2", "--max-length")
+    assert not out.parent.exists()

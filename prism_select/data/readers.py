@@ -176,7 +176,8 @@ def _iter_json(path: Path) -> Iterator[tuple[int, int | None, Any]]:
         raise InputError(f"line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})",
                          path=path, fix="fix the JSON, or use JSON Lines") from e
     except (ValueError, RecursionError) as e:
-        raise InputError(f"invalid JSON ({e})", path=path) from e
+        raise InputError(f"invalid JSON ({e})", path=path,
+                         fix="fix the JSON (values nested thousands deep are refused), or use JSON Lines") from e
     if isinstance(value, dict):
         lists = [k for k, v in value.items() if isinstance(v, list)]
         if len(lists) != 1 or value.keys() & {"messages", "prompt", "instruction"}:
