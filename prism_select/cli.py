@@ -140,6 +140,8 @@ def cmd_score(a):
     summary = score_pool(_model_settings(a), a.pool, a.targets, a.out, s, c)
     if not _main_rank():
         return
+    for w in summary.get("warnings", []):
+        print(f"prism-select: warning: {w}", file=sys.stderr)
     _print_summary(summary, Path(a.out))
     print(f"next: prism-select select --run {shlex.quote(str(a.out))} --pool {shlex.quote(str(a.pool))} --keep 5% "
           "--out selected.jsonl   (or --remove 10% to drop the top as harmful)")

@@ -1080,6 +1080,11 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
             os.replace(ctx.streamed["path"], out_dir / "scores.jsonl")
     if pairs and main:
         atomic_write_jsonl(out_dir / "pairs.jsonl", pairs)
+    warnings = []
+    if ctx.streamed is None and len(scores) > 1 and bool((scores == scores[0]).all()):
+        warnings.append(f"every score is {float(scores[0])!r}, so the ranking is the pool's own order: the direction "
+                        "or the preconditioned curvature vanished (check the target pairs, --damping and pairs.jsonl)")
+        log.warning("%s", warnings[-1])
     timings["total_s"] = time.perf_counter() - t0
     info = dict(ctx.info)  # run_key included: a resumed compare reuses a finished run with the same key
     if "method" in info:  # a method's own record of the options it used
@@ -1103,6 +1108,7 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
                    "truncated_pool": truncated_pool, "truncated_targets": inputs.truncated["targets"]},
         "invalid_records": invalid,
         "timings": timings,
+        "warnings": warnings,
         "stream": settings.stream,
         **info,
     }

@@ -465,3 +465,27 @@ def test_an_input_error_found_after_the_model_loads_leaves_no_out_folder(files, 
     argv[argv.index("--cache-dir") + 1] = str(tmp_path / "cache")
     _fails(argv, capsys, str(pool), "line 2", "--max-length")
     assert not out.parent.exists()
+
+
+def test_compare_refuses_an_option_that_no_compared_method_takes(files, tmp_path, capsys):
+    model, pool, targets = files
+    out = tmp_path / "cmp"
+    _fails(["compare", "--model", model, "--pool", pool, "--targets", targets, "--out", out, "--device", "cpu",
+            "--methods", "prism", "random", "--option", "layr=1", "--cache-dir", tmp_path / "cache"], capsys,
+           "no method of prism, random takes the option(s) layr")
+    assert not out.exists()
+
+
+def test_scores_that_are_all_equal_are_warned_about(files, reference_run, tmp_path, capsys, monkeypatch):
+    from prism_select import pipeline
+
+    model, pool, targets = files
+    _, cache = reference_run
+    n = sum(1 for line in Path(pool).read_text().splitlines() if line.strip())
+    monkeypatch.setattr(pipeline, "_method_fn", lambda name: lambda ctx: (torch.zeros(n, dtype=torch.float64), []))
+    out = tmp_path / "run"
+    argv = _score_argv(model, pool, targets, out)
+    argv[argv.index("--cache-dir") + 1] = str(cache)
+    assert cli.main(argv) == 0
+    assert "prism-select: warning: every score is 0.0" in capsys.readouterr().err
+    assert json.loads((out / "run.json").read_text())["warnings"][0].startswith("every score is 0.0")

@@ -117,6 +117,12 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
     per_method = {m: dataclasses.replace(settings, method=m, method_options=options_for(m, settings.method_options,
                                                                                          known))
                   for m in methods}
+    shared = [k for k in settings.method_options or {} if k not in known and k.partition(".")[0] not in known]
+    unused = [k for k in shared if not any(k in s.method_options for s in per_method.values())]
+    if unused:  # a typo, or an option of a method not compared: it would be dropped without a word
+        raise ConfigError("method_options", f"no method of {', '.join(methods)} takes the option(s) "
+                          f"{', '.join(unused)}", "check the spelling (see each method in `prism-select methods`), "
+                          "or drop the option")
     out_dir = Path(out_dir)
     check_writable_dir(out_dir)
     labels = None
