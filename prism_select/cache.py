@@ -6,8 +6,9 @@
 
 An entry is a folder; it is *complete* once its marker file (written last, atomically)
 exists and holds a JSON object, so a killed writer (or a damaged marker) leaves an
-incomplete entry that is never read and that ``prune`` removes. Reading an entry touches its marker: the marker's modification time
-is the entry's last use, which orders eviction (least recently used first).
+incomplete entry that is never read and that ``prune`` removes. Reading an entry
+touches its marker: the marker's modification time is the entry's last use, which
+orders eviction (least recently used first).
 
 :func:`make_room` evicts entries until a new one of a given size fits under
 ``max_bytes`` (``--cache-max-gb``) and on the disk. :func:`guarded_write` runs a writer

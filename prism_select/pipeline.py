@@ -804,7 +804,8 @@ def _finished_run(out_dir: Path, run_key: dict) -> dict | None:
         done = json.loads((out_dir / "run.json").read_text())
     except (OSError, ValueError):
         return None
-    same = isinstance(done, dict) and done.get("status") == "complete" and done.get("run_key") == json.loads(json.dumps(run_key))
+    same = (isinstance(done, dict) and done.get("status") == "complete"
+            and done.get("run_key") == json.loads(json.dumps(run_key)))
     return done if same and (out_dir / "scores.jsonl").is_file() else None
 
 

@@ -239,8 +239,9 @@ def _check_out(run_dir: Path, run: dict, pool_path, out_path) -> None:
     target = Path(out_path).resolve()
     for p in protected:
         if target == p.resolve():
-            raise OutputError(f"cannot write {out_path}: it is {'the pool' if p == Path(pool_path) else 'an input or output of the run in ' + str(run_dir)}; "
-                              "choose another output path (--overwrite never replaces a run's inputs)")
+            what = "the pool" if p == Path(pool_path) else f"an input or output of the run in {run_dir}"
+            raise OutputError(f"cannot write {out_path}: it is {what}; choose another output path "
+                              "(--overwrite never replaces a run's inputs)")
 
 
 def describe(summary: dict) -> str:

@@ -482,8 +482,8 @@ def _check_page_path(base: Path, page: Path, default: bool, overwrite: bool) -> 
             pass
     target = page.resolve()
     if page.is_dir() or any(target == p.resolve() for p in own if p.exists()):
-        raise OutputError(f"cannot write the report to {page}: it is {'a directory' if page.is_dir() else 'an input or output of the run'}; "
-                          "choose another --out (e.g. report.html)")
+        what = "a directory" if page.is_dir() else "an input or output of the run"
+        raise OutputError(f"cannot write the report to {page}: it is {what}; choose another --out (e.g. report.html)")
     if page.exists() and not default and not overwrite:
         raise OutputError(f"{page} already exists; pass --overwrite to replace it, or choose another --out")
 

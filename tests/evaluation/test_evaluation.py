@@ -286,7 +286,7 @@ def test_metrics_without_sklearn_name_the_install(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "sklearn", None)  # `import sklearn` now raises ImportError
     for f in (auroc, auprc, roc_points):
-        with pytest.raises(MissingDependencyError, match=r"one of prism-select's dependencies.*pip install scikit-learn"):
+        with pytest.raises(MissingDependencyError, match=r"prism-select's dependencies.*pip install scikit-learn"):
             f([0.1, 0.2], [False, True])
     with pytest.raises(ImportError):  # callers that treat a missing optional package as ImportError
         auroc([0.1, 0.2], [False, True])
