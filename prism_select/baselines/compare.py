@@ -155,7 +155,8 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
         release_host_memory()
     any_summary = next(iter(summaries.values()))
     result = {
-        "pool": str(pool), "targets": str(targets or ""), "label": label,
+        # absolute, as run.json's: `report` finds the pool from any working directory
+        "pool": any_summary["inputs"]["pool"], "targets": any_summary["inputs"]["targets"], "label": label,
         "n_pool": any_summary["counts"]["pool"],
         "n_positive": None if labels is None else sum(
             labels[r["id"]] for r in read_scores(out_dir / methods[0] / "scores.jsonl")),
