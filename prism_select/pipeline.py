@@ -1005,12 +1005,12 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     if fit_default:
         curvature = replace(curvature, fit_examples=STREAM_FIT_EXAMPLES)
     out_dir = Path(out_dir)
-    check_writable_dir(out_dir)  # fail before any long work
     t0 = time.perf_counter()
     timings = {}
     if not isinstance(model, LoadedModel) and distributed.init_from_env(model.device):  # torchrun / accelerate
         model = replace(model, device=distributed.local_device(model.device))
-    pool = check_before_loading(model, pool_path, targets_path, settings)
+    pool = check_before_loading(model, pool_path, targets_path, settings)  # before --out is made
+    check_writable_dir(out_dir)  # fail before any long work
     timings["check_inputs_s"] = time.perf_counter() - t0
     t = time.perf_counter()
     fsdp = settings.shard == "fsdp"
