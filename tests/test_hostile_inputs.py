@@ -489,3 +489,12 @@ def test_scores_that_are_all_equal_are_warned_about(files, reference_run, tmp_pa
     assert cli.main(argv) == 0
     assert "prism-select: warning: every score is 0.0" in capsys.readouterr().err
     assert json.loads((out / "run.json").read_text())["warnings"][0].startswith("every score is 0.0")
+
+
+def test_compare_with_a_cache_dir_that_is_a_file_is_a_named_error(files, tmp_path, capsys):
+    model, pool, targets = files
+    (tmp_path / "cache").write_text("not a folder")
+    out = tmp_path / "cmp"
+    _fails(["compare", "--model", model, "--pool", pool, "--targets", targets, "--out", out, "--device", "cpu",
+            "--methods", "prism", "random", "--cache-dir", tmp_path / "cache"], capsys, "setting 'cache_dir'")
+    assert not out.exists()

@@ -124,7 +124,6 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
                           f"{', '.join(unused)}", "check the spelling (see each method in `prism-select methods`), "
                           "or drop the option")
     out_dir = Path(out_dir)
-    check_writable_dir(out_dir)
     labels = None
     if label:
         labels = labels_by_id(pool, label)  # fails early on a missing field
@@ -132,6 +131,10 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
             raise InputError(f"the label field '{label}' has only one value ({next(iter(labels.values()), None)}) "
                              "in the pool; AUROC/AUPRC need both", path=pool, field=label,
                              fix="name a boolean field with both true and false records")
+    if not isinstance(model, LoadedModel):
+        from ..pipeline import check_cache_dir
+        check_cache_dir(model.resolved_cache_dir())
+    check_writable_dir(out_dir)  # after the checks of the inputs: a refused command leaves no --out
     t = time.perf_counter()
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     load_s = time.perf_counter() - t
