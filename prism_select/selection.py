@@ -216,6 +216,7 @@ def select(run_dir: str | os.PathLike, pool_path: str | os.PathLike,
     run_dir = Path(run_dir)
     run = _read_run(run_dir)
     scores = read_scores(run_dir / "scores.jsonl")
+    detect_format(pool_path)  # a regular file (or saved dataset) before its bytes are hashed
     _check_out(run_dir, run, pool_path, out_path)
     if Path(out_path).exists() and not overwrite:
         raise OutputError(f"{out_path} already exists; pass --overwrite to replace it, "

@@ -106,6 +106,10 @@ def test_a_pool_that_is_not_a_regular_file_is_refused_before_reading(tmp_path, k
     out = tmp_path / "run"
     _fails(_score_argv(model, pool, targets, out), capsys, str(pool), "not a regular file")
     assert not out.exists()
+    _, real_pool, _ = files  # select hashes the pool's bytes: never those of a device or a pipe
+    run = _fake_run(tmp_path / "scored", real_pool)
+    _fails(["select", "--run", run, "--pool", pool, "--keep", "1", "--out", tmp_path / "kept.jsonl"], capsys,
+           str(pool), "not a regular file")
 
 
 # --------------------------------------------------------------------------- silent wrong results
