@@ -5,9 +5,10 @@
     <root>/less/<key>/        LESS warm-up adapters
 
 An entry is a folder; it is *complete* once its marker file (written last, atomically)
-exists, so a killed writer leaves an incomplete entry that is never read and that
-``prune`` removes. Reading an entry touches its marker: the marker's modification time
-is the entry's last use, which orders eviction (least recently used first).
+exists and holds a JSON object, so a killed writer (or a damaged marker) leaves an
+incomplete entry that is never read and that ``prune`` removes. Reading an entry
+touches its marker: the marker's modification time is the entry's last use, which
+orders eviction (least recently used first).
 
 :func:`make_room` evicts entries until a new one of a given size fits under
 ``max_bytes`` (``--cache-max-gb``) and on the disk. :func:`guarded_write` runs a writer
@@ -18,6 +19,7 @@ list | prune | clear`` is built on :func:`entries`, :func:`prune` and :func:`cle
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -55,6 +57,14 @@ def _marker(kind: str, d: Path) -> Path | None:
     return None
 
 
+def _readable(marker: Path) -> bool:
+    """Whether a marker holds a JSON object (a truncated one leaves the entry incomplete)."""
+    try:
+        return isinstance(json.loads(marker.read_text(encoding="utf-8")), dict)
+    except (OSError, ValueError):
+        return False
+
+
 def dir_size(d: Path) -> int:
     total = 0
     for root, _, files in os.walk(d):
@@ -79,7 +89,8 @@ def entries(root) -> list:
                 used = (m or d).stat().st_mtime
             except OSError:
                 continue
-            out.append(Entry(kind_dir.name, d, dir_size(d), used, m is not None and not d.name.startswith(".")))
+            out.append(Entry(kind_dir.name, d, dir_size(d), used,
+                             m is not None and not d.name.startswith(".") and _readable(m)))
     return sorted(out, key=lambda e: e.last_used)
 
 

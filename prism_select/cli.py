@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import sys
 import typing
 from pathlib import Path
@@ -139,9 +140,11 @@ def cmd_score(a):
     summary = score_pool(_model_settings(a), a.pool, a.targets, a.out, s, c)
     if not _main_rank():
         return
+    for w in summary.get("warnings", []):
+        print(f"prism-select: warning: {w}", file=sys.stderr)
     _print_summary(summary, Path(a.out))
-    print(f"next: prism-select select --run {a.out} --pool {a.pool} --keep 5% --out selected.jsonl"
-          "   (or --remove 10% to drop the top as harmful)")
+    print(f"next: prism-select select --run {shlex.quote(str(a.out))} --pool {shlex.quote(str(a.pool))} --keep 5% "
+          "--out selected.jsonl   (or --remove 10% to drop the top as harmful)")
 
 
 def _main_rank() -> bool:
@@ -171,6 +174,8 @@ def cmd_select(a):
     from .selection import describe
     summary = select(a.run, a.pool, a.out, keep=a.keep, remove=a.remove, overwrite=a.overwrite,
                      allow_other_pool=a.allow_other_pool)
+    for w in summary.get("warnings", []):
+        print(f"prism-select: warning: {w}", file=sys.stderr)
     print(describe(summary))
 
 
@@ -280,7 +285,7 @@ def cmd_report(a):
     from .evaluation.report import write_report
     if a.label is not None:
         _warn_unknown_label(Path(a.run), a.label)
-    page = write_report(a.run, label=a.label, out=a.out)
+    page = write_report(a.run, label=a.label, out=a.out, overwrite=a.overwrite)
     print(f"wrote {page}")
 
 
@@ -384,6 +389,7 @@ def _add_evaluation_parsers(sub):
     rp.add_argument("--label", default=None,
                     help="boolean label field of the pool (score and compare runs; default harmful)")
     rp.add_argument("--out", default=None, help="page path (default <run>/report.html)")
+    rp.add_argument("--overwrite", action="store_true", help="replace an existing --out page")
     rp.set_defaults(func=cmd_report)
 
 
@@ -457,6 +463,13 @@ def cmd_cache(a):
     from .errors import ConfigError
     from .model import ModelSettings
     root = ModelSettings(cache_dir=a.cache_dir).resolved_cache_dir()
+    if root.exists() and not root.is_dir():
+        raise ConfigError("cache_dir", f"{root} is a file, not a cache folder", "pass the cache folder")
+    if a.cache_dir is not None and not root.is_dir():
+        raise ConfigError("cache_dir", f"{root} does not exist", "pass the cache folder (prism-select cache list "
+                          "without --cache-dir shows the default one)")
+    if a.kind is not None and a.kind not in cache.MARKERS:
+        raise ConfigError("kind", f"unknown cache kind {a.kind!r}", f"use one of {', '.join(cache.MARKERS)}")
     if a.action == "list":
         es = cache.entries(root)
         for e in es:
@@ -488,6 +501,9 @@ def main(argv=None) -> int:
     except PrismError as exc:
         print(f"prism-select: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        _stdout_gone()
+        return 0
     except KeyboardInterrupt:
         out = getattr(a, "out", None)
         partial = next(Path(out).glob("**/.partial"), None) if out and Path(out).is_dir() else None
@@ -497,6 +513,18 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 130
     return 0
+
+
+def _stdout_gone() -> None:
+    """The reader of the console went away (``prism-select score ... | head -1``): the
+    command's files are written and its console is only a summary, so it ends quietly. The
+    rest of what it printed goes to the null device, so that Python's flush at exit does
+    not fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
+        pass
 
 
 if __name__ == "__main__":

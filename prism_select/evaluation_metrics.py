@@ -29,7 +29,8 @@ def _sklearn_metrics():
         from sklearn import metrics
     except ImportError as e:
         raise MissingDependencyError(
-            f"ranking metrics need scikit-learn, which is not installed; install it with: {INSTALL_EVAL}") from e
+            "ranking metrics need scikit-learn, one of prism-select's dependencies, which is missing here; "
+            "reinstall prism-select (pip install prism-select) or pip install scikit-learn") from e
     return metrics
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import InputError, OutputError
+from .errors import CacheError, InputError, OutputError
 
 # mkstemp/mkdtemp create private (0600/0700) entries; give outputs the usual mode.
 _UMASK = os.umask(0)
@@ -155,6 +155,9 @@ def check_writable_dir(path: str | os.PathLike) -> Path:
     seconds, not after hours of scoring.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"output directory {path} is a file, not a folder: the run's files go into a folder "
+                          "(choose a new or existing folder as --out, or move the file away)")
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".write-probe.")
@@ -164,6 +167,24 @@ def check_writable_dir(path: str | os.PathLike) -> Path:
         raise OutputError(f"output directory {path} is not writable: "
                           f"{e.strerror or e}") from e
     return path
+
+
+def read_saved_state(path: str | os.PathLike) -> dict:
+    """The JSON object an unfinished run saved in its ``.partial`` (``key.json``,
+    ``state.json``). A file that cannot be read, is cut short (a disk that failed, an edit)
+    or holds no object is a :class:`CacheError` saying how to start over: the finished
+    work beside it cannot be matched to its settings."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        value, why = None, str(e)
+    else:
+        why = f"got {type(value).__name__ if value is not None else 'null'}, not an object"
+    if not isinstance(value, dict):
+        raise CacheError(f"the unfinished run's record {path} is damaged ({why}), so its finished work cannot be "
+                         "matched to its settings; pass --overwrite to start the run again, or choose another --out")
+    return value
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

@@ -340,8 +340,18 @@ def _from_pretrained(path: Path, settings: ModelSettings, dtype: torch.dtype, wh
     except Exception as e:
         text = str(e)
         hint = ""
+        if type(e).__name__ == "UnpicklingError" or "weights_only" in text:
+            unsafe = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+            raise ModelError(
+                f"cannot load {what} from {path}: its weights are a pickle file (pytorch_model*.bin) that holds "
+                f"more than tensors{f' ({unsafe.group(1)})' if unsafe else ''}, and prism-select loads pickles only "
+                "with torch's safe loader, which refuses it (loading it unsafely could run any code in the file). "
+                "Fix: save the weights as safetensors where you trust the file (model.save_pretrained(dir, "
+                "safe_serialization=True)) and pass that directory") from None
         if "trust_remote_code" in text:
-            hint = " (this model needs its own code: set trust_remote_code only if you trust it)"
+            raise ModelError(f"cannot load {what} from {path}: its config names model code of its own (auto_map), "
+                             "which is not run by default. Fix: pass --trust-remote-code, only if you trust the "
+                             "code in that directory") from None
         elif settings.attn_implementation and any(w in text.lower() for w in ("attn", "attention")):
             raise ConfigError("attn_implementation",
                               f"{settings.attn_implementation!r} cannot be used with {what} here: "

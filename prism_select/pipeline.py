@@ -55,6 +55,7 @@ from .io import (
     atomic_write_json,
     atomic_write_jsonl,
     check_writable_dir,
+    read_saved_state,
     sha256_file,
     sha256_json,
 )
@@ -111,18 +112,36 @@ class Inputs:
     fit_sample: dict | None = None
 
 
-def _encode_all(tokenizer, items, fields, max_length, path, skip_invalid, invalid):
+def _encode_all(tokenizer, items, fields, max_length, path, skip_invalid, invalid, check=None):
+    """``items`` that tokenise (and pass ``check(item, encodings, path)``), with their
+    encodings; the others raise, or under ``skip_invalid`` join ``invalid``."""
     kept, encs = [], []
     for item in items:
         try:
-            encs.append([encode(tokenizer, item.prompt, getattr(item, f), max_length, path=path,
-                                row=item.row, line=item.line, field=f) for f in fields])
+            enc = [encode(tokenizer, item.prompt, getattr(item, f), max_length, path=path,
+                          row=item.row, line=item.line, field=f) for f in fields]
+            if check is not None:
+                check(item, enc, path)
+            encs.append(enc)
             kept.append(item)
         except InputError as exc:
             if not skip_invalid:
                 raise
             invalid.append(InvalidRecord.of(exc, path))
     return kept, encs
+
+
+def _distinct_tokens(pair, enc, path) -> None:
+    """A pair whose two responses tokenise to the same ids (text that differs only in
+    characters the vocabulary lacks, which all become its unknown token) has a margin and
+    a direction of exactly zero: every score would be 0 and the ranking the pool's order."""
+    chosen, rejected = enc
+    if chosen.input_ids == rejected.input_ids:
+        raise InputError("'chosen' and 'rejected' differ as text but tokenise to the same tokens (characters "
+                         "outside the tokenizer's vocabulary become one unknown token), so the pair carries no "
+                         "preference", path=path, row=pair.row, line=pair.line, field="rejected",
+                         fix="make the responses differ in characters the model's tokenizer knows, or drop the "
+                             "pair (--skip-invalid skips it)")
 
 
 def _with_targets(tokenizer, targets_path, max_length: int, skip_invalid: bool, *, invalid: list,
@@ -133,7 +152,7 @@ def _with_targets(tokenizer, targets_path, max_length: int, skip_invalid: bool, 
         tg = load_targets(targets_path, skip_invalid=skip_invalid)
         invalid += tg.invalid
         pairs, penc = _encode_all(tokenizer, tg.items, ["chosen", "rejected"], max_length, targets_path,
-                                  skip_invalid, invalid)
+                                  skip_invalid, invalid, check=_distinct_tokens)
         chosen = [c for c, _ in penc]
         rejected = [r for _, r in penc]
         if not pairs:
@@ -785,7 +804,8 @@ def _finished_run(out_dir: Path, run_key: dict) -> dict | None:
         done = json.loads((out_dir / "run.json").read_text())
     except (OSError, ValueError):
         return None
-    same = done.get("status") == "complete" and done.get("run_key") == json.loads(json.dumps(run_key))
+    same = (isinstance(done, dict) and done.get("status") == "complete"
+            and done.get("run_key") == json.loads(json.dumps(run_key)))
     return done if same and (out_dir / "scores.jsonl").is_file() else None
 
 
@@ -804,8 +824,7 @@ def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool) -> bool:
                           "pass --overwrite to replace it, or choose another --out")
     state = partial / "key.json"
     if state.exists():
-        import json
-        old = json.loads(state.read_text())
+        old = read_saved_state(state)
         if old != run_key:
             raise CacheError(f"{out_dir} holds an unfinished run with other settings or inputs (differs in: "
                              f"{', '.join(_differences(old, json.loads(json.dumps(run_key)))) or 'types'}); "
@@ -895,6 +914,11 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
     Returns the read pool (None under ``stream``, whose own pass reads it)."""
     if targets_path is None and settings.method in DIRECTION_METHODS:
         raise ConfigError("targets", f"method {settings.method!r} needs target pairs", "pass --targets FILE")
+    if settings.method in DIRECTION_METHODS and settings.method_options:
+        raise ConfigError("method_options", f"method {settings.method!r} takes no options, got "
+                          f"{', '.join(map(str, settings.method_options))}",
+                          "drop --option: options belong to the baselines (see `prism-select methods`); "
+                          f"{settings.method}'s own settings are flags (see `prism-select score --help`)")
     for pattern in settings.modules or []:
         try:
             re.compile(pattern)
@@ -902,6 +926,7 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
             raise ConfigError("modules", f"{pattern!r} is not a regular expression ({e})",
                               "pass e.g. --modules 'mlp' 'self_attn\\.(q|v)_proj'") from None
     if isinstance(model, ModelSettings):
+        check_cache_dir(model.resolved_cache_dir())
         model.resolved_device()
         if model.adapter is not None:
             check_adapter_dir(Path(model.adapter).expanduser().resolve())
@@ -909,6 +934,21 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
     if targets_path is not None:
         load_targets(targets_path, skip_invalid=settings.skip_invalid)
     return None if settings.stream else load_pool(pool_path, skip_invalid=settings.skip_invalid)
+
+
+def check_cache_dir(root: Path) -> None:
+    """The cache (``--cache-dir``) is a folder this process can create and write in: the
+    fitted curvature and converted models are saved there. Raises :class:`ConfigError`."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError("cache_dir", f"{root} is a file, not a folder",
+                          "pass --cache-dir a folder (it is created if missing), or move the file away")
+    try:
+        check_writable_dir(root)
+    except OutputError as e:
+        raise ConfigError("cache_dir", f"{root} cannot be written: {e.__cause__.strerror or e.__cause__}"
+                          if isinstance(e.__cause__, OSError) else str(e),
+                          "pass --cache-dir a writable folder (or set PRISM_SELECT_CACHE)") from None
 
 
 def _drop_partial_without_chunks(out_dir: Path) -> None:
@@ -934,8 +974,28 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     (:func:`prism_select.execution.deterministic`).
     """
     settings = settings or ScoreSettings()
-    with deterministic_kernels(settings.deterministic):
-        return _score_pool(model, pool_path, targets_path, out_dir, settings, curvature, reuse_finished)
+    out_dir = Path(out_dir)
+    missing = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # the folders this run creates
+    try:
+        with deterministic_kernels(settings.deterministic):
+            return _score_pool(model, pool_path, targets_path, out_dir, settings, curvature, reuse_finished)
+    except BaseException:
+        if missing:  # a run that failed before any finished work leaves no empty --out behind
+            _remove_empty_dirs(missing)
+        raise
+
+
+def _remove_empty_dirs(created: list) -> None:
+    """Remove the folders a failed run created (``--out`` first, then its new parents),
+    each only when nothing but an empty ``.partial`` (or its ``key.json``) is in it."""
+    partial = created[0] / ".partial"
+    if partial.is_dir() and {p.name for p in partial.iterdir()} <= {"key.json"}:
+        shutil.rmtree(partial, ignore_errors=True)
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:
+            return  # not empty (finished work is kept), or already gone
 
 
 def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings, curvature,
@@ -945,12 +1005,12 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     if fit_default:
         curvature = replace(curvature, fit_examples=STREAM_FIT_EXAMPLES)
     out_dir = Path(out_dir)
-    check_writable_dir(out_dir)  # fail before any long work
     t0 = time.perf_counter()
     timings = {}
     if not isinstance(model, LoadedModel) and distributed.init_from_env(model.device):  # torchrun / accelerate
         model = replace(model, device=distributed.local_device(model.device))
-    pool = check_before_loading(model, pool_path, targets_path, settings)
+    pool = check_before_loading(model, pool_path, targets_path, settings)  # before --out is made
+    check_writable_dir(out_dir)  # fail before any long work
     timings["check_inputs_s"] = time.perf_counter() - t0
     t = time.perf_counter()
     fsdp = settings.shard == "fsdp"
@@ -1021,6 +1081,11 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
             os.replace(ctx.streamed["path"], out_dir / "scores.jsonl")
     if pairs and main:
         atomic_write_jsonl(out_dir / "pairs.jsonl", pairs)
+    warnings = []
+    if ctx.streamed is None and len(scores) > 1 and bool((scores == scores[0]).all()):
+        warnings.append(f"every score is {float(scores[0])!r}, so the ranking is the pool's own order: the direction "
+                        "or the preconditioned curvature vanished (check the target pairs, --damping and pairs.jsonl)")
+        log.warning("%s", warnings[-1])
     timings["total_s"] = time.perf_counter() - t0
     info = dict(ctx.info)  # run_key included: a resumed compare reuses a finished run with the same key
     if "method" in info:  # a method's own record of the options it used
@@ -1034,7 +1099,9 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
         "model": {**lm.source, "settings": asdict(lm.settings), "dtype": str(lm.dtype),
                   "device": str(lm.device), "chat_template": has_chat_template(lm.tokenizer)},
         "tracked_modules": list(modules),
-        "inputs": {"pool": inputs.pool_path, "pool_format": inputs.pool_format, "targets": inputs.targets_path},
+        # absolute: `select` and `report` find the files from any working directory
+        "inputs": {"pool": str(Path(inputs.pool_path).absolute()), "pool_format": inputs.pool_format,
+                   "targets": str(Path(inputs.targets_path).absolute()) if inputs.targets_path else ""},
         # pool_file: the pool's bytes, which `select` checks without loading a tokenizer
         "fingerprints": {**fingerprints, "pool_file": sha256_file(pool_path)},
         "versions": _versions(),
@@ -1042,6 +1109,7 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
                    "truncated_pool": truncated_pool, "truncated_targets": inputs.truncated["targets"]},
         "invalid_records": invalid,
         "timings": timings,
+        "warnings": warnings,
         "stream": settings.stream,
         **info,
     }

@@ -46,7 +46,7 @@ from .fast import FAST_MODES
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
 from .precision import check_precision, check_precision_scoring, precision_policy
-from .io import atomic_write_json
+from .io import atomic_write_json, read_saved_state
 
 #: examples per resumable chunk, at most (``--chunk-size``)
 DEFAULT_CHUNK_SIZE = 1024
@@ -316,7 +316,7 @@ def _open_partial(partial_dir, run_key):
     if distributed.is_main():
         partial_dir.mkdir(parents=True, exist_ok=True)
         if state.exists():
-            old = json.loads(state.read_text())
+            old = read_saved_state(state)
             if old != run_key:
                 raise CacheError(
                     f"{partial_dir} holds an unfinished run with other settings; "

@@ -216,16 +216,33 @@ def select(run_dir: str | os.PathLike, pool_path: str | os.PathLike,
     run_dir = Path(run_dir)
     run = _read_run(run_dir)
     scores = read_scores(run_dir / "scores.jsonl")
+    detect_format(pool_path)  # a regular file (or saved dataset) before its bytes are hashed
+    _check_out(run_dir, run, pool_path, out_path)
     if Path(out_path).exists() and not overwrite:
         raise OutputError(f"{out_path} already exists; pass --overwrite to replace it, "
                           "or choose another --out")
-    unscored = check_pool(run_dir, run, pool_path, {s["id"] for s in scores}, allow_other_pool)
+    warnings: list = []
+    unscored = check_pool(run_dir, run, pool_path, {s["id"] for s in scores}, allow_other_pool, warnings)
     kept = choose(scores, keep=keep, remove=remove)
     written = write_subset(pool_path, kept, out_path)
     return {"mode": "keep" if keep is not None else "remove",
             "amount": str(keep if keep is not None else remove),
             "scored": len(scores), "kept": written, "removed": len(scores) - written,
-            "unscored": unscored, "pool": str(pool_path), "out": str(out_path)}
+            "unscored": unscored, "pool": str(pool_path), "out": str(out_path), "warnings": warnings}
+
+
+def _check_out(run_dir: Path, run: dict, pool_path, out_path) -> None:
+    """``out_path`` is none of the inputs: the pool, the run's own files and directory, or
+    the target pairs it scored against (``--overwrite`` does not change that)."""
+    inputs = run.get("inputs") if isinstance(run.get("inputs"), dict) else {}
+    protected = [Path(pool_path), run_dir] + [run_dir / f for f in ("scores.jsonl", "pairs.jsonl", "run.json")]
+    protected += [Path(inputs[k]) for k in ("pool", "targets") if isinstance(inputs.get(k), str) and inputs[k]]
+    target = Path(out_path).resolve()
+    for p in protected:
+        if target == p.resolve():
+            what = "the pool" if p == Path(pool_path) else f"an input or output of the run in {run_dir}"
+            raise OutputError(f"cannot write {out_path}: it is {what}; choose another output path "
+                              "(--overwrite never replaces a run's inputs)")
 
 
 def describe(summary: dict) -> str:
@@ -245,34 +262,55 @@ def _read_run(run_dir: Path) -> dict:
         raise InputError("not a finished run: run.json is missing", path=run_dir,
                          fix="point --run at the --out directory of a finished `prism-select score`")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        run = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise InputError(f"cannot read run.json ({e})", path=path,
                          fix="score the pool again; run.json is written by prism-select score") from e
+    if not isinstance(run, dict):
+        raise InputError(f"expected a JSON object, got {'null' if run is None else type(run).__name__}", path=path,
+                         fix="score the pool again; run.json is written by prism-select score")
+    if run.get("status", "complete") != "complete":
+        raise InputError(f"not a finished run: its status is {run.get('status')!r}, not 'complete'", path=path,
+                         field="status", fix="let the run finish (run its score command again to resume it), "
+                                             "then select")
+    return run
 
 
-def check_pool(run_dir: Path, run: dict, pool_path, scored: set, allow_other_pool: bool = False) -> list:
+def check_pool(run_dir: Path, run: dict, pool_path, scored: set, allow_other_pool: bool = False,
+               warnings: list | None = None) -> list:
     """Check that ``pool_path`` is the pool the run scored (see :func:`select`); return the
-    ids of this pool that were not scored (empty unless ``allow_other_pool``)."""
+    ids of this pool that were not scored (empty unless ``allow_other_pool``). A run
+    without the pool file's fingerprint is checked by ids alone, which ``warnings`` says."""
     from .io import sha256_file
 
     expected = (run.get("fingerprints") or {}).get("pool_file")
     if expected is not None and sha256_file(pool_path) == expected:
         return []
+    if expected is None and warnings is not None:
+        warnings.append(f"{run_dir / 'run.json'} holds no fingerprint of the pool file (fingerprints.pool_file): "
+                        "the pool was checked by its record ids only, not by its content")
     # rows the run skipped as invalid (e.g. too long to tokenise): never scored. Only
     # meaningful for the scored file itself, i.e. a run without the file fingerprint.
     skipped = set() if expected is not None else {r.get("row") for r in run.get("invalid_records", [])}
     rows, fmt = [], detect_format(pool_path)  # (row, id) of the valid records
+    by_row = 0  # valid records without an id field: named by their row number
     for row, rec in iter_records(pool_path, on_invalid=lambda e: None):
         try:
             rows.append((row, parse_pool_record(rec, row, fmt == "csv").id))
         except InputError:
             continue
+        by_row += rec.get("id") is None
     here = {rid for _, rid in rows}
     missing = [i for i in scored if i not in here]
     unscored = [rid for row, rid in rows if rid not in scored and row not in skipped]
     if expected is None and not missing and not unscored:
         return []  # a run from before the file fingerprint: the ids agree
+    if allow_other_pool and by_row:
+        raise InputError(f"--allow-other-pool needs ids: {by_row} records of this pool have no 'id' field, so they "
+                         "are matched to the scores by row number, and a record inserted, removed or moved in "
+                         "another file would give every later record another one's score", path=pool_path,
+                         field="id", fix=f"pass the pool that {run_dir} scored, or give every record an 'id' "
+                                         "and score the pool again")
     if allow_other_pool and not missing:
         return unscored
     what = []

@@ -1,17 +1,31 @@
-"""Brute-force float64 references: explicit per-example gradients with autograd."""
+"""Brute-force float64 references: explicit per-example gradients with autograd.
+
+Nothing here uses the package's batching or loss code (``collate``, ``token_losses``): each
+example runs alone, unpadded, and its loss is written out from the definition, so a bug in
+the package's own token shift or masking cannot hide in a shared helper."""
 
 from __future__ import annotations
 
 import torch
 
-from prism_select.data.tokenize import collate, token_losses
+
+def token_log_probs(model, enc, labels=None):
+    """``log p(y_t | y_<t)`` of every response token of ``enc`` (position ``t >=
+    response_start``, predicted by the logits at ``t - 1``), in float64 from the model's
+    own forward of the example alone. ``labels``: token ids to score instead of the
+    example's own (one per position of ``enc.input_ids``)."""
+    ids = torch.tensor([enc.input_ids])
+    logits = model(input_ids=ids).logits[0].double()
+    labels = ids[0] if labels is None else torch.as_tensor(labels)
+    logp = torch.log_softmax(logits, dim=-1)
+    positions = range(enc.response_start, len(enc.input_ids))
+    return torch.stack([logp[t - 1, labels[t]] for t in positions])
 
 
-def example_loss(model, enc, mean: bool = False):
-    b = collate([enc], pad_id=0)
-    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-    total, count = token_losses(logits, b["labels"])
-    return total[0] / count[0] if mean else total[0]
+def example_loss(model, enc, mean: bool = False, labels=None):
+    """The summed (``mean``: averaged) negative log-likelihood of ``enc``'s response."""
+    lp = token_log_probs(model, enc, labels)
+    return -lp.mean() if mean else -lp.sum()
 
 
 def flat_grad(model, modules, loss):

@@ -6,6 +6,7 @@ import torch
 from prism_select.curvature import fit
 
 EIGH32_RTOL = 1e-4  # float32 eigenvalues of a well-scaled factor, relative to the largest
+EIGH64_ATOL = 1e-12  # float64 eigenvalues and reconstruction, relative to the largest eigenvalue
 
 
 def _factor(n, dtype, seed=0):
@@ -36,8 +37,12 @@ def test_float64_fallback(monkeypatch, failure):
             return lam * float("nan"), Q
         return real(M)
     monkeypatch.setattr(torch.linalg, "eigh", eigh)
-    lam, _ = fit._eigh(_factor(16, torch.float32))
-    assert lam.dtype == torch.float64 and torch.isfinite(lam).all()
+    M = _factor(16, torch.float32)
+    lam, Q = fit._eigh(M)
+    assert lam.dtype == Q.dtype == torch.float64
+    ref, _ = real(M.double())  # the float64 decomposition of the same factor
+    assert torch.allclose(lam, ref, rtol=0, atol=EIGH64_ATOL * float(ref.max()))
+    assert torch.allclose((Q * lam) @ Q.T, M.double(), rtol=0, atol=EIGH64_ATOL * float(ref.max()))
 
 
 def test_small_factors_run_on_one_thread_and_the_setting_is_restored(monkeypatch):

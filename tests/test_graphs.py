@@ -138,13 +138,23 @@ def test_graph_replays_each_shape_and_counts_captures(gpu_model, tok, encoded_po
     sc = make_scorer(gpu_model, modules, V, pad_id=pad, cuda_graphs="on", batch_size=4)
     assert isinstance(sc, GraphedScorer)
     batches = [engine.collate_to(encoded_pool[i:i + 2], pad, "cuda") for i in range(0, len(encoded_pool), 2)]
+    # the same rows in the other order: the same padded shape (so the same graph) with other
+    # data, which a replay must copy in before it runs
+    swapped = [engine.collate_to(encoded_pool[i:i + 2][::-1], pad, "cuda") for i in range(0, len(encoded_pool), 2)]
     with sc:
         first = [sc.score(b) for b in batches]
         second = [sc.score(b) for b in batches]
+        turned = [sc.score(b) for b in swapped]
         shapes = {bucket_length(b["input_ids"].shape[1]) for b in batches}
         assert sc.captures == len(shapes) and sc.failed is None
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+    eager = make_scorer(gpu_model, modules, V, pad_id=pad, cuda_graphs="off", batch_size=4)
+    with eager:
+        want = [eager.score(b) for b in batches]
+    for got, ref, back in zip(first, want, turned):
+        assert rel_err(got, ref) <= GPU_F32_RTOL["exact"]
+        assert rel_err(back, ref.flip(0)) <= GPU_F32_RTOL["exact"]
 
 
 @needs_cuda

@@ -40,6 +40,8 @@ def test_stream_equals_in_memory(tmp_path, model, modules, tok, pool_examples):
     a = [json.loads(l) for l in (tmp_path / "a.jsonl").read_text().splitlines()]
     assert [x["id"] for x in a] == [r["id"] for r in recs]
     assert torch.equal(torch.tensor([x["score"] for x in a], dtype=torch.float64), ref)
+    order = sorted(range(len(recs)), key=lambda i: -float(ref[i]))  # rank 1 = the in-memory scorer's highest
+    assert [a[i]["rank"] for i in order] == list(range(1, len(recs) + 1))
     # small windows (other batch composition): equal to float64 rounding, same ranks
     score_stream(model, tok, modules, V, tmp_path / "pool.jsonl", tmp_path / "b.jsonl", batch_size=3,
                  chunk_size=4, window=7, progress=False, partial_dir=tmp_path / "partial", run_key={"k": 1})

@@ -45,7 +45,7 @@ def options_for(method: str, options: dict, known: list | None = None) -> dict:
     from . import REGISTRY
     known = known if known is not None else _known_methods()
     fn = REGISTRY.get(method)
-    declared = getattr(fn, "options", None)
+    declared = getattr(fn, "options", None) if fn is not None else {}  # a target direction takes none
     shared, own = {}, {}
     for k, v in (options or {}).items():
         if k in known:
@@ -117,8 +117,13 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
     per_method = {m: dataclasses.replace(settings, method=m, method_options=options_for(m, settings.method_options,
                                                                                          known))
                   for m in methods}
+    shared = [k for k in settings.method_options or {} if k not in known and k.partition(".")[0] not in known]
+    unused = [k for k in shared if not any(k in s.method_options for s in per_method.values())]
+    if unused:  # a typo, or an option of a method not compared: it would be dropped without a word
+        raise ConfigError("method_options", f"no method of {', '.join(methods)} takes the option(s) "
+                          f"{', '.join(unused)}", "check the spelling (see each method in `prism-select methods`), "
+                          "or drop the option")
     out_dir = Path(out_dir)
-    check_writable_dir(out_dir)
     labels = None
     if label:
         labels = labels_by_id(pool, label)  # fails early on a missing field
@@ -126,6 +131,10 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
             raise InputError(f"the label field '{label}' has only one value ({next(iter(labels.values()), None)}) "
                              "in the pool; AUROC/AUPRC need both", path=pool, field=label,
                              fix="name a boolean field with both true and false records")
+    if not isinstance(model, LoadedModel):
+        from ..pipeline import check_cache_dir
+        check_cache_dir(model.resolved_cache_dir())
+    check_writable_dir(out_dir)  # after the checks of the inputs: a refused command leaves no --out
     t = time.perf_counter()
     lm = model if isinstance(model, LoadedModel) else load_model(model)
     load_s = time.perf_counter() - t
@@ -149,7 +158,8 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
         release_host_memory()
     any_summary = next(iter(summaries.values()))
     result = {
-        "pool": str(pool), "targets": str(targets or ""), "label": label,
+        # absolute, as run.json's: `report` finds the pool from any working directory
+        "pool": any_summary["inputs"]["pool"], "targets": any_summary["inputs"]["targets"], "label": label,
         "n_pool": any_summary["counts"]["pool"],
         "n_positive": None if labels is None else sum(
             labels[r["id"]] for r in read_scores(out_dir / methods[0] / "scores.jsonl")),

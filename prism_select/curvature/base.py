@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CacheError, ConfigError
 from ..gradients import release_host_memory, side_by_side
-from ..io import atomic_write_json
+from ..io import atomic_write_json, sha256_file
 from ..settings import DEFAULT_BATCH_SIZE, setting
 
 KINDS = ("ekfac", "kfac", "diagonal", "identity")
@@ -63,6 +63,17 @@ def _shrinkage_value(text):
         return text
 
 
+#: the largest explicit damping: scores are products of gradients divided by the damped
+#: eigenvalues, in float32 where the model is; a damping above float32's range (3.4e38)
+#: becomes inf and every score exactly 0, and up to 1e30 a product of gradients as small as
+#: 1e-8 still gives a normal float32 score (an ever larger damping only tends to the
+#: identity's ranking, which --kind identity computes directly)
+MAX_DAMPING = 1e30
+#: the largest damping factor: the heuristic damping is the factor times a layer's mean
+#: eigenvalue, which must stay below :data:`MAX_DAMPING` for mean eigenvalues up to 1e10
+MAX_DAMPING_FACTOR = 1e20
+
+
 @dataclass
 class PreconditionSettings:
     """How the fitted ``H`` is damped and shrunk before it is inverted; applied to a fit
@@ -102,12 +113,13 @@ class PreconditionSettings:
 
     def __post_init__(self):
         if self.damping is not None and (isinstance(self.damping, bool) or not (
-                isinstance(self.damping, (int, float)) and self.damping >= 0 and self.damping < float("inf"))):
-            raise ConfigError("damping", f"must be a finite number >= 0, got {self.damping}",
+                isinstance(self.damping, (int, float)) and 0 <= self.damping <= MAX_DAMPING)):
+            raise ConfigError("damping", f"must be a number within [0, {MAX_DAMPING:g}], got {self.damping}",
                               "pass e.g. --damping 1e-3, or leave it out for the heuristic")
         if isinstance(self.damping_factor, bool) or not (isinstance(self.damping_factor, (int, float))
-                                                         and self.damping_factor > 0):
-            raise ConfigError("damping_factor", "must be > 0")
+                                                         and 0 < self.damping_factor <= MAX_DAMPING_FACTOR):
+            raise ConfigError("damping_factor", f"must be within (0, {MAX_DAMPING_FACTOR:g}], got "
+                              f"{self.damping_factor}", f"pass e.g. --damping-factor {DEFAULT_DAMPING_FACTOR}")
         if not isinstance(self.damping_noise, bool):
             raise ConfigError("damping_noise", f"must be true or false, got {self.damping_noise!r}")
         sh = self.shrinkage
@@ -286,6 +298,9 @@ class Curvature:
         full.update({"kind": self.kind, "layers": self.layers, "damping": self.damping,
                      "shrinkage": self.shrinkage, "files": files})
         if distributed.is_main():
+            # the files' content, checked on every load: a factor changed in place (same size)
+            # would otherwise give other scores without a word
+            full["files_sha256"] = {f: sha256_file(d / f) for f in files}
             atomic_write_json(d / "curvature.json", full)
         distributed.barrier()
         self.meta = full
@@ -301,11 +316,16 @@ class Curvature:
         meta_path = d / "curvature.json"
         if not meta_path.exists():
             raise CacheError(f"no saved curvature in {d} (expected curvature.json)")
-        meta = json.loads(meta_path.read_text())
+        meta = read_meta(meta_path)
         files = meta.get("files", ["factors.safetensors"])
         missing = [f for f in files if not (d / f).exists()]
         if missing:
             raise CacheError(f"saved curvature in {d} is incomplete: {', '.join(missing)} missing")
+        sums = meta.get("files_sha256")
+        changed = [f for f in files if not isinstance(sums, dict) or sums.get(f) != sha256_file(d / f)]
+        if changed:
+            raise CacheError(f"saved curvature in {d}: the content of {', '.join(changed)} does not match its "
+                             "checksum in curvature.json (changed since it was saved, or saved without one)")
         if expect:
             diff = [k for k, v in expect.items() if meta.get(k) != v]
             if diff:
@@ -319,6 +339,19 @@ class Curvature:
             for f in files:
                 tensors.update(load_file(str(d / f), device=str(device)))
         return cls(meta["kind"], meta["layers"], tensors, meta["damping"], meta, meta.get("shrinkage"))
+
+
+def read_meta(path: Path) -> dict:
+    """A saved curvature's ``curvature.json``, or :class:`CacheError` when it cannot be
+    read, is truncated (a write cut short outside :func:`atomic_write_json`, a damaged
+    disk) or holds no JSON object: the caller fits again."""
+    try:
+        meta = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CacheError(f"saved curvature metadata {path} cannot be read ({e})") from e
+    if not isinstance(meta, dict) or not isinstance(meta.get("layers"), list) or "kind" not in meta:
+        raise CacheError(f"saved curvature metadata {path} is not a curvature's description")
+    return meta
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

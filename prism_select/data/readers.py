@@ -24,6 +24,7 @@ import csv
 import json
 import os
 import random
+import stat
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -66,11 +67,27 @@ def detect_format(path: str | os.PathLike) -> str:
                          path=p, fix=f"pass a file or a saved dataset; supported: {_SUPPORTED}")
     if not p.exists():
         raise InputError("file not found", path=p, fix="check the path")
+    _check_regular(p)
     fmt = SUFFIXES.get(p.suffix.lower())
     if fmt is None:
         raise InputError(f"unknown file format '{p.suffix or '(no extension)'}'", path=p,
                          fix=f"use one of: {_SUPPORTED}")
     return fmt
+
+
+def _check_regular(p: Path) -> None:
+    """Refuse what is not a regular file (after links): a device such as /dev/zero never
+    ends and a FIFO without a writer blocks forever, so neither can be read as a pool."""
+    try:
+        mode = p.stat().st_mode
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror or e}", path=p) from e
+    if not stat.S_ISREG(mode):
+        what = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a regular file")
+        raise InputError(f"is {what}, not a regular file", path=p,
+                         fix="write the records to a file (e.g. `cat source > pool.jsonl`) and pass that file")
 
 
 def iter_records(path: str | os.PathLike, on_invalid: OnInvalid | None = None
@@ -159,7 +176,8 @@ def _iter_json(path: Path) -> Iterator[tuple[int, int | None, Any]]:
         raise InputError(f"line {e.lineno}, column {e.colno}: invalid JSON ({e.msg})",
                          path=path, fix="fix the JSON, or use JSON Lines") from e
     except (ValueError, RecursionError) as e:
-        raise InputError(f"invalid JSON ({e})", path=path) from e
+        raise InputError(f"invalid JSON ({e})", path=path,
+                         fix="fix the JSON (values nested thousands deep are refused), or use JSON Lines") from e
     if isinstance(value, dict):
         lists = [k for k, v in value.items() if isinstance(v, list)]
         if len(lists) != 1 or value.keys() & {"messages", "prompt", "instruction"}:

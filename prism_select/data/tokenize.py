@@ -67,14 +67,47 @@ def render(tokenizer, prompt, response: str) -> tuple[str, str]:
     return _plain_prompt(prompt), response
 
 
+#: characters tokenised per token of ``max_length`` before a text is known to be longer:
+#: a token of a real vocabulary rarely spans more than a few characters, so a prefix of
+#: this many characters per token holds more than ``max_length`` tokens of ordinary text
+#: (a text that packs into fewer tokens is tokenised in longer prefixes, 4x each time)
+CHARS_PER_TOKEN_BOUND = 16
+
+
+def _bounded_ids(tokenizer, text: str, max_length: int, special: bool, from_end: bool) -> list | None:
+    """The token ids of ``text``, tokenising only as much of it as ``max_length`` can use,
+    so that a record of millions of characters costs no more than one that just fits.
+
+    A response (``from_end`` False) is tokenised in growing prefixes: None when a prefix
+    already holds more than twice ``max_length`` tokens (the whole text then cannot fit;
+    twice, so that a token cut at the prefix's end cannot decide it). A prompt
+    (``from_end`` True), which is cut from the left, is tokenised in growing suffixes
+    until a suffix holds twice ``max_length`` tokens: only its last ``max_length``
+    tokens are ever kept, and those lie far from the cut."""
+    limit = 2 * max(max_length, 1)
+    n = limit * CHARS_PER_TOKEN_BOUND
+    while n < len(text):
+        part = text[len(text) - n:] if from_end else text[:n]
+        ids = tokenizer(part, add_special_tokens=special)["input_ids"]
+        if len(ids) > limit:
+            return list(ids) if from_end else None
+        n *= 4
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
 def encode(tokenizer, prompt, response: str, max_length: int = DEFAULT_MAX_LENGTH,
            *, path=None, row=None, field: str = "response", line=None) -> Encoded:
     """Encode one example; raise :class:`InputError` (at ``path``, ``row``, ``line``) if
     the response cannot fit."""
     p_text, r_text = render(tokenizer, prompt, response)
     templated = has_chat_template(tokenizer)
-    p_ids = tokenizer(p_text, add_special_tokens=not templated)["input_ids"]
-    r_ids = tokenizer(r_text, add_special_tokens=False)["input_ids"]
+    r_ids = _bounded_ids(tokenizer, r_text, max_length, False, from_end=False)
+    if r_ids is None:
+        raise InputError(
+            f"the response has more than {max_length} tokens and cannot fit in max_length={max_length} "
+            "with at least one prompt token", path=path, row=row, line=line, field=field,
+            fix="raise --max-length or shorten the response")
+    p_ids = _bounded_ids(tokenizer, p_text, max_length, not templated, from_end=True)
     if not templated and tokenizer.eos_token_id is not None:
         r_ids = list(r_ids) + [tokenizer.eos_token_id]
     if len(r_ids) == 0:

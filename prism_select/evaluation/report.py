@@ -13,9 +13,9 @@ directory (``scores.jsonl`` + ``run.json``, from ``prism-select score``). The pa
   histograms split by label, for the first seed of each setting;
 * the top and bottom 10 pool examples of each method (prompt and response excerpts).
 
-Every image is a PNG written beside the page (``report-*.png``) and inlined as a
-base64 data URI, and the page links no external file, script or font, so it can be
-mailed or archived alone. Plots use matplotlib's Agg backend (no display needed).
+Every image is a PNG inlined as a base64 data URI (no file is written beside the page),
+and the page links no external file, script or font, so it can be mailed or archived
+alone. Plots use matplotlib's Agg backend (no display needed).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import math
 import re
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, OutputError
 from ..evaluation_metrics import auprc, auroc, roc_points
-from ..io import atomic_write_bytes, atomic_write_text
+from ..io import atomic_write_text, sha256_file
 
 CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1200px;
@@ -93,15 +93,29 @@ def _read_jsonl(path) -> list:
 
 # --------------------------------------------------------------------------- plots
 
-class _Plots:
-    """Figures saved beside the page and inlined as data URIs."""
+def _read_json_object(path: Path) -> dict:
+    """The JSON object in ``path`` (run.json, compare.json), or an :class:`InputError`
+    naming the file: unreadable, truncated or not an object."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise InputError(f"cannot read {path.name} ({e})", path=path,
+                         fix="pass a directory written by prism-select; if the run was cut short, run it again") from e
+    if not isinstance(value, dict):
+        raise InputError(f"expected a JSON object, got {type(value).__name__ if value is not None else 'null'}",
+                         path=path, fix="pass a directory written by prism-select; if the file was edited, "
+                                        "run the command that wrote it again")
+    return value
 
-    def __init__(self, out_dir: Path):
+
+class _Plots:
+    """Figures inlined in the page as data URIs."""
+
+    def __init__(self):
         import matplotlib
         matplotlib.use("Agg", force=True)
         import matplotlib.pyplot as plt
         self.plt = plt
-        self.out_dir = out_dir
         self.names: list = []
 
     def img(self, fig, name: str, alt: str) -> str:
@@ -115,7 +129,6 @@ class _Plots:
             fname = f"report-{_slug(name)}-{k}.png"
             k += 1
         self.names.append(fname)
-        atomic_write_bytes(self.out_dir / fname, data)
         b64 = base64.b64encode(data).decode("ascii")
         return f'<img src="data:image/png;base64,{b64}" alt="{_esc(alt)}" title="{_esc(fname)}">'
 
@@ -359,13 +372,19 @@ def _experiment_report(base: Path, plots: _Plots) -> str:
     return _page(f"prism-select {proto}", body)
 
 
-def _pool_with_labels(pool_path: Path, label: str | None, body: list, named_in: str):
+def _pool_with_labels(pool_path: Path, label: str | None, body: list, named_in: str, scored: str | None = None):
     """``(pool index, label, labels)`` of a run's pool (``label`` defaults to ``harmful``
     when every record has it), or None after an error line in ``body`` when the pool file
-    named in ``named_in`` is not readable here."""
+    named in ``named_in`` is not readable here. ``scored``: the sha256 of the pool file
+    that was scored; a pool file with other bytes (another pool at a relative path, or
+    changed labels) is an :class:`InputError`: its labels are not the scored records'."""
     if not pool_path.is_file():
         body.append(f'<p class="err">the pool file {_esc(pool_path)} named in {named_in} is not readable here</p>')
         return None
+    if scored is not None and sha256_file(pool_path) != scored:
+        raise InputError(f"is not the pool file that was scored: its bytes differ from {named_in}'s "
+                         "fingerprints.pool_file (another file at that path, or records or labels changed since)",
+                         path=pool_path, fix="restore the scored pool file at that path, or score this pool again")
     pool = _pool_index(pool_path)
     if label is None and pool and all("harmful" in raw for _, _, raw in pool.values()):
         label = "harmful"
@@ -373,8 +392,8 @@ def _pool_with_labels(pool_path: Path, label: str | None, body: list, named_in: 
 
 
 def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
-    run = json.loads((base / "run.json").read_text(encoding="utf-8"))
-    pool_path = Path(run.get("inputs", {}).get("pool", ""))
+    run = _read_json_object(base / "run.json")
+    pool_path = Path((run.get("inputs") or {}).get("pool", ""))
     targets = run.get("inputs", {}).get("targets") or None
     counts = run.get("counts", {})
     body = [f"<h1>prism-select score run: {_esc(run.get('method'))}</h1>",
@@ -382,7 +401,7 @@ def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
             f"{counts.get('invalid', 0)} skipped; model <code>{_esc(run.get('model', {}).get('model'))}</code>; "
             f"curvature <code>{_esc(run.get('curvature_settings', {}).get('kind'))}</code>; "
             f"{run.get('timings', {}).get('total_s', 0):.1f} s.</p>"]
-    got = _pool_with_labels(pool_path, label, body, "run.json")
+    got = _pool_with_labels(pool_path, label, body, "run.json", (run.get("fingerprints") or {}).get("pool_file"))
     if got is None:
         return _page("prism-select score run", body)
     pool, label, labels = got
@@ -418,13 +437,15 @@ def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
 def _compare_report(base: Path, plots: _Plots, label: str | None) -> str:
     """A ``prism-select compare`` directory: each method's run side by side (the ranking
     table, ROC curves, score histograms and top/bottom examples from its scores.jsonl)."""
-    res = json.loads((base / "compare.json").read_text(encoding="utf-8"))
+    res = _read_json_object(base / "compare.json")
     rows = res.get("methods", [])
     pool_path = Path(res.get("pool", ""))
     body = [f"<h1>prism-select compare: {_esc(', '.join(r['method'] for r in rows))}</h1>",
             f"<p>{res.get('n_pool')} pool examples; model <code>{_esc((res.get('model') or {}).get('path'))}</code>; "
             f"curvature <code>{_esc((res.get('curvature_settings') or {}).get('kind'))}</code>.</p>"]
-    got = _pool_with_labels(pool_path, label or res.get("label"), body, "compare.json")
+    runs = [base / r["method"] / "run.json" for r in rows if (base / r["method"] / "run.json").is_file()]
+    scored = (_read_json_object(runs[0]).get("fingerprints") or {}).get("pool_file") if runs else None
+    got = _pool_with_labels(pool_path, label or res.get("label"), body, "compare.json", scored)
     if got is None:
         return _page("prism-select compare", body)
     _, label, labels = got
@@ -450,10 +471,31 @@ def _compare_report(base: Path, plots: _Plots, label: str | None) -> str:
     return _page("prism-select compare", body)
 
 
-def write_report(path, *, label: str | None = None, out: str | None = None) -> Path:
-    """Write ``report.html`` (and its PNGs) for an experiment, compare or score run directory;
-    returns the page's path. ``label``: the pool's boolean label field for a score
-    run (default ``harmful`` when every record has it)."""
+def _check_page_path(base: Path, page: Path, default: bool, overwrite: bool) -> None:
+    """The page never replaces a run's own files or inputs, and replaces another existing
+    file only with ``overwrite`` (its default place, ``<run>/report.html``, is the report's own)."""
+    own = [base / n for n in ("scores.jsonl", "pairs.jsonl", "run.json", "compare.json", "results.json")]
+    for name in ("run.json", "compare.json"):
+        try:
+            info = json.loads((base / name).read_text(encoding="utf-8"))
+            inputs = info.get("inputs") or info if isinstance(info, dict) else {}
+            own += [Path(inputs[k]) for k in ("pool", "targets") if isinstance(inputs.get(k), str) and inputs[k]]
+        except (OSError, ValueError, AttributeError):
+            pass
+    target = page.resolve()
+    if page.is_dir() or any(target == p.resolve() for p in own if p.exists()):
+        what = "a directory" if page.is_dir() else "an input or output of the run"
+        raise OutputError(f"cannot write the report to {page}: it is {what}; choose another --out (e.g. report.html)")
+    if page.exists() and not default and not overwrite:
+        raise OutputError(f"{page} already exists; pass --overwrite to replace it, or choose another --out")
+
+
+def write_report(path, *, label: str | None = None, out: str | None = None, overwrite: bool = False) -> Path:
+    """Write ``report.html`` for an experiment, compare or score run directory; returns the
+    page's path. ``label``: the pool's boolean label field for a score run (default
+    ``harmful`` when every record has it). ``out``: the page's path (default
+    ``<path>/report.html``); an existing one is replaced only with ``overwrite``, and never
+    when it is one of the run's files or inputs."""
     base = Path(path)
     if (base / "results.json").is_file():
         kind = "experiment"
@@ -466,7 +508,8 @@ def write_report(path, *, label: str | None = None, out: str | None = None) -> P
                          "nor a finished score run (scores.jsonl + run.json)", path=base,
                          fix="pass the --out directory of `prism-select experiment`, `compare` or `score`")
     page_path = Path(out) if out else base / "report.html"
-    plots = _Plots(page_path.parent)
+    _check_page_path(base, page_path, default=not out, overwrite=overwrite)
+    plots = _Plots()
     if kind == "experiment":
         text = _experiment_report(base, plots)
     elif kind == "compare":

@@ -523,7 +523,7 @@ def test_options_for_splits_per_method_options():
     assert options_for("projdiff", opts) == {"layer": 2, "max_new_tokens": 5}
     assert options_for("ifguide", opts) == {"quantile": 0.9}
     assert options_for("random", opts) == {}
-    assert options_for("prism", opts) == {"layer": 2, "quantile": 0.9, "sae": "x.safetensors"}
+    assert options_for("prism", opts) == {}  # a target direction takes no options
     with pytest.raises(ConfigError):
         options_for("vecfilter", {"vecfilter": 3})
 

@@ -218,8 +218,10 @@ def test_loaded_curvature_stays_in_its_file_until_read(model, modules, tok, enco
     from safetensors.torch import load_file
 
     from prism_select.curvature.base import Curvature, HostTensorFiles
+    from prism_select.errors import CacheError
     _saved_curvature(model, modules, tok, encoded_pool, tmp_path)
     f = tmp_path / "factors.safetensors"
+    original = f.read_bytes()
     ref = {k: v.clone() for k, v in load_file(str(f)).items()}
     back = Curvature.load(tmp_path, expect={"k": 1})
     assert isinstance(back.tensors, HostTensorFiles)
@@ -233,13 +235,16 @@ def test_loaded_curvature_stays_in_its_file_until_read(model, modules, tok, enco
         fh.write(b"\xff" * (size - 8 - n))
     assert torch.equal(read, ref[first])  # a tensor read is memory of its own
     assert back.tensors[first].isnan().all()  # ... and the next read reads the file
+    with pytest.raises(CacheError, match="does not match its checksum"):  # changed in place since the save
+        Curvature.load(tmp_path, expect={"k": 1})
+    f.write_bytes(original)
     back = Curvature.load(tmp_path, expect={"k": 1})
     tmp = tmp_path / ".replacement"
     tmp.write_bytes(b"not a curvature")
     tmp.replace(f)  # the cache's atomic write of another fit
     (tmp_path / "curvature.json").unlink()
     f.unlink()  # the cache evicting the entry
-    assert all(back.tensors[k].isnan().all() for k in ref if ref[k].is_floating_point() and ref[k].numel())
+    assert all(torch.equal(back.tensors[k], ref[k]) for k in ref)  # read from the file it opened
     assert all(t.dtype == ref[k].dtype and t.shape == ref[k].shape for k, t in back.tensors.items())
 
 
@@ -250,7 +255,7 @@ def test_loaded_curvature_refuses_a_truncated_file(model, modules, tok, encoded_
     f = tmp_path / "factors.safetensors"
     with open(f, "r+b") as fh:
         fh.truncate(f.stat().st_size - 8)
-    with pytest.raises(CacheError, match="truncated or damaged"):
+    with pytest.raises(CacheError, match="does not match its checksum"):
         Curvature.load(tmp_path)
 
 
@@ -299,10 +304,28 @@ def test_loaded_curvature_preconditions_as_the_fitted_one_reading_a_layer_at_a_t
     assert len(back.tensors) == 0 and all(f.closed for f in back.tensors._files)
 
 
-def test_release_host_memory_is_safe_to_call():
-    from prism_select.gradients import release_host_memory
-    release_host_memory()
-    release_host_memory()
+@pytest.mark.parametrize("libc", ["missing", "without malloc_trim"])
+def test_release_host_memory_is_safe_to_call(monkeypatch, libc):
+    """Where the C library cannot be loaded, or has no ``malloc_trim`` (not glibc), the
+    call does nothing, raises nothing and does not try again."""
+    import ctypes
+    import sys
+
+    from prism_select import gradients as grad_mod
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the trim is glibc's")
+    loads = []
+
+    def load(name):
+        loads.append(name)
+        if libc == "missing":
+            raise OSError("no C library here")
+        return type("Musl", (), {})()  # a C library without malloc_trim
+    monkeypatch.setattr(grad_mod, "_libc", None)
+    monkeypatch.setattr(ctypes, "CDLL", load)
+    assert grad_mod.release_host_memory() is None
+    assert grad_mod.release_host_memory() is None
+    assert len(loads) == 1 and grad_mod._libc is False
 
 
 def test_release_host_memory_trims_only_after_work_on_the_cpu(monkeypatch):
