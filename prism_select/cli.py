@@ -187,7 +187,7 @@ def cmd_demo(a):
     from .pipeline import ScoreSettings, score_pool
     out = Path(a.out)
     pool, targets = make_example(out / "data", n_pool=a.pool_size, seed=a.seed)  # --seed: the data and the run
-    # scores from the fit's spill: the pool is the fit sample (docs/performance.md, session 10)
+    # scores from the fit's spill: the pool is the fit sample (docs/performance.md, "The CPU")
     s = settings_from_args(ScoreSettings, a, method="prism", max_length=DEMO_MAX_LENGTH, scores_from_fit=True)
     c = settings_from_args(CurvatureSettings, a)
     summary = score_pool(_model_settings(a), pool, targets, out / "run", s, c)

@@ -235,7 +235,7 @@ def token_scores(model, modules: dict, encoded: list, V: dict, *, pad_id: int, a
             out.extend(res)
             # each batch leaves its examples' small score tensors between the pages its
             # activations were freed from: untrimmed, the heap crept ~150 MiB over the
-            # 1,000-record pool's batches inside a `compare` (docs/performance.md, Session 17)
+            # 1,000-record pool's batches inside a `compare` (CPU, measured 2026-11-27)
             release_host_memory(device)
     return out
 
@@ -284,7 +284,7 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
         record(ctx, "ifguide", opts)
         return scores, pairs
     # the target and the curvature are not needed once V is formed: neither is held through
-    # the token scores (at 60 records this run peaked at 5158 MiB holding both, session 8),
+    # the token scores (at 60 records this run peaked at 5158 MiB holding both, 2026-11-26),
     # and the target waits on disk while the curvature is fitted
     V = ctx.last_use(g)
     del g

@@ -97,7 +97,7 @@ TILE_ROWS = 4096
 #: the chunk's flattened per-example gradients (``proj_chunk`` x LoRA parameters) are
 #: held at most this large: ``proj_chunk`` is lowered to fit. The default r=128 q/k/v/o
 #: adapter of the embedded 135M model has 14.7M parameters: 64 examples were 3.8 GB of
-#: host memory on the CPU; 1 GiB holds 18 (session 8). A smaller chunk regenerates the
+#: host memory on the CPU; 1 GiB holds 18 (computed from the sizes). A smaller chunk regenerates the
 #: projection more often (more time, same features).
 GRAD_CHUNK_BYTES = 1 << 30
 #: the same bound for the sparse (``sjlt``) projection, which costs little to regenerate
@@ -251,7 +251,7 @@ def projected_gradients(model, modules: dict, encoded: list, *, pad_id: int, bat
     system after each chunk (:func:`prism_select.gradients.release_host_memory`): each
     chunk's per-example gradients (up to ``SJLT_CHUNK_BYTES``) are freed between the
     pages of the next chunk's activations, which would otherwise keep them resident
-    (docs/performance.md, Session 18)."""
+    (measured on the CPU, 2026-11-27)."""
     device = next(model.parameters()).device
     dt = compute_dtype(model)
     keys = {name: param_key(name) for name in modules}

@@ -1,4 +1,4 @@
-"""The CPU-only paths of the fit (session 8): factors formed as their lower block triangle
+"""The CPU-only paths of the fit: factors formed as their lower block triangle
 and mirrored (``fit.GRAM_BLOCK``), and the EK-FAC eigenvalues summed example by example
 into a reused buffer, against float64 references from explicit per-example gradients."""
 
@@ -118,7 +118,7 @@ def test_spill_is_bounded(model, modules, tok, encoded_pool, monkeypatch):
 
 def test_fitted_eigenbases_are_row_major(model, modules, tok, encoded_pool):
     """LAPACK returns column-major eigenvectors; kept so, every one would be copied
-    whole when the curvature is saved (host memory, session 8)."""
+    whole when the curvature is saved (host memory)."""
     cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", batch_size=3),
                         pad_id=tok.pad_token_id)
     from prism_select.curvature.base import _host_tensors
@@ -517,7 +517,7 @@ def test_cpu_eigenvalue_pass_runs_in_bounded_steps(model, modules, tok, encoded_
     """On the CPU (the model run again, the empirical Fisher) the eigenvalue pass cuts each
     fit batch into steps whose tracked layers' inputs and outputs take at most
     ``LAMBDA_STEP_MAX_BYTES`` (one example at least), so its activations do not scale with
-    the batch (issue 16); the curvature equals that of whole batches to float64 rounding."""
+    the batch; the curvature equals that of whole batches to float64 rounding."""
     from prism_select.gradients import layer_shape
     monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=4)
