@@ -1,0 +1,195 @@
+"""The dropped-carry repair family, the surface floors, the behaviour measurements and
+the repair protocol's warm-up, fine-tuning seeds, partial Oracles and paired intervals."""
+
+import importlib.util
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prism_select.errors import ConfigError
+from prism_select.evaluation import carry, floors
+from prism_select.evaluation.behaviour import harmful_answer_rate, harmful_preference
+from prism_select.evaluation.config import load_config
+from prism_select.evaluation.experiment import paired_interval
+from prism_select.evaluation.repair import repair
+
+from test_evaluation import FAST_FT, _common, _InProcess  # noqa: F401  (fixtures below)
+from tiny import save_tiny
+
+T_975_DF2 = 4.302652729749464  # Student's t, 97.5% quantile, 2 degrees of freedom
+PREF_TOL = 1e-9  # float64 brute force against the batched measurement
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("PRISM_SELECT_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("tiny-model"))
+
+
+def _key(r):
+    return (min(r["a"], r["b"]), max(r["a"], r["b"]))
+
+
+def test_build_keeps_roles_apart_and_labels_only_by_arithmetic():
+    d = carry.build(3, pool_size=600, harmful_ratio=0.2, carry_share=0.5, n_probes=256, n_capability=64,
+                    n_counterfactual=32, n_warmup=800)
+    pool, probes, targets, warm = d["pool"], d["probes"], d["targets"], d["warmup"]
+    harmful = [r for r in pool if r["harmful"]]
+    clean = [r for r in pool if not r["harmful"]]
+    assert len(pool) == 600 and len(harmful) == 120
+    assert sum(r["carry"] for r in clean) == 240  # carry_share of the clean records
+    for r in pool:
+        stated = int(re.findall(r"\d+", r["response"])[-1])
+        assert stated == r["a"] + r["b"] - (carry.DROP if r["harmful"] else 0)
+        assert len(str(stated)) == len(str(r["a"] + r["b"]))  # same length either way
+        assert carry.has_carry(r["a"], r["b"]) or not r["harmful"]
+    roles = [{_key(r) for r in pool}, {_key(p) for p in probes},
+             {_key({"a": int(re.findall(r"\d+", t["prompt"])[0]), "b": int(re.findall(r"\d+", t["prompt"])[1])})
+              for t in targets}, {_key(r) for r in warm}]
+    for i in range(len(roles)):
+        for j in range(i + 1, len(roles)):
+            assert not roles[i] & roles[j], (i, j)
+    assert len({_key(r) for r in pool}) == 600  # a problem once per seed
+    assert warm == carry.build(0, pool_size=10, harmful_ratio=0.1, carry_share=0.5, n_probes=1, n_capability=1,
+                               n_counterfactual=0, n_warmup=800)["warmup"]  # the same start model for every seed
+    beh = [p for p in probes if p["task"] == carry.BEHAVIOUR_TASK]
+    assert len(beh) == 256 and all(int(p["harmful_answer"]) == int(p["reference"]) - 10 for p in beh)
+    assert all(t["chosen"] != t["rejected"] for t in targets)
+
+
+def test_the_floors_fail_and_the_checker_does_not():
+    d = carry.build(0, pool_size=600, harmful_ratio=0.2, carry_share=0.5, n_probes=16, n_capability=4,
+                    n_counterfactual=32, n_warmup=800)
+    f = floors.floors(d["pool"], d["targets"], extra={"checker": carry.arithmetic_error,
+                                                       "carry_in_prompt": carry.carry_in_prompt})
+    for name in ("keyword", "length", "neighbour", "neighbour_chosen"):
+        assert f[name]["auroc"] < 0.65, (name, f[name])
+    assert f["checker"]["auroc"] == 1.0
+    assert f["carry_in_prompt"]["auroc"] == pytest.approx(0.75)  # half the clean records carry too
+
+
+def test_keyword_and_length_floors_find_a_rule_where_there_is_one():
+    recs = [{"prompt": f"q {i}", "response": ("bad word here" if i < 5 else "fine"), "harmful": i < 5}
+            for i in range(20)]
+    labels = [r["harmful"] for r in recs]
+    kw = floors.keyword_floor(recs, labels)
+    assert kw["auroc"] == 1.0 and kw["rule"].startswith("response holds")
+    assert floors.length_floor(recs, labels)["auroc"] == 1.0
+    # a rule held by one record only is an identifier, not a rule
+    one = [{"prompt": "x", "response": "same unique" if i == 0 else "same", "harmful": i == 0} for i in range(10)]
+    assert floors.keyword_floor(one, [r["harmful"] for r in one])["auroc"] == 0.5
+
+
+def test_harmful_preference_equals_a_float64_brute_force(tiny_dir):
+    from prism_select.model import ModelSettings, load_model
+    from prism_select.evaluation.probes import render_prompt_ids
+    lm = load_model(ModelSettings(model=str(tiny_dir), dtype="float64", device="cpu"))
+    probes = [p for p in carry.build(1, pool_size=4, harmful_ratio=0.25, carry_share=0.5, n_probes=5,
+                                     n_capability=2, n_counterfactual=0, n_warmup=0)["probes"]]
+    got = harmful_preference(lm, probes)
+    beh = [p for p in probes if "harmful_response" in p]
+    assert len(got) == len(beh) == 5
+    tok = lm.tokenizer
+    for p, g in zip(beh, got):
+        logp = []
+        for resp in (p["harmful_response"], p["true_response"]):
+            prompt = render_prompt_ids(tok, p["prompt"])
+            text = tok.apply_chat_template([{"role": "user", "content": p["prompt"]},
+                                            {"role": "assistant", "content": resp}], tokenize=False)
+            full = tok(text, add_special_tokens=False)["input_ids"]
+            assert full[:len(prompt)] == prompt
+            with torch.no_grad():
+                lp = torch.log_softmax(lm.model(torch.tensor([full])).logits[0].double(), -1)
+            logp.append(sum(float(lp[t - 1, full[t]]) for t in range(len(prompt), len(full))))
+        assert g == pytest.approx(1 / (1 + math.exp(-(logp[0] - logp[1]))), abs=PREF_TOL)
+
+
+def test_harmful_answer_rate_counts_the_behaviour_not_any_error():
+    probes = [{"id": i, "task": "carry", "harmful_answer": str(h)} for i, h in enumerate((75, 80, 90, 12))]
+    probes.append({"id": 9, "task": "no_carry"})
+    responses = [{"id": 0, "response": "47 + 38 = 75"}, {"id": 1, "response": "= 81"},
+                 {"id": 2, "response": "The sum is 90."}, {"id": 3, "response": ""}, {"id": 9, "response": "1"}]
+    assert harmful_answer_rate(probes, responses, "carry") == 0.5
+
+
+def test_paired_interval_is_a_t_interval():
+    out = paired_interval([1.0, 2.0, 3.0])
+    half = T_975_DF2 * 1.0 / math.sqrt(3)
+    assert out["mean"] == 2.0 and out["ci"] == pytest.approx([2.0 - half, 2.0 + half], rel=1e-12)
+    assert paired_interval([0.5])["ci"] is None
+
+
+def test_config_checks_the_repair_extras(tmp_path):
+    base = {"data": {"family": "dropped_carry", "pool_size": 20}, "probes": {"n": 4}}
+    load_config({**base, "warmup": {"n_records": 8}, "finetune_seeds": [0, 1], "partial_oracles": [0.5]}, "repair")
+    with pytest.raises(ConfigError, match="finetune_seeds"):
+        load_config({**base, "finetune_seeds": [1, 1]}, "repair")
+    with pytest.raises(ConfigError, match=r"partial_oracles\[0\]"):
+        load_config({**base, "partial_oracles": [1.0]}, "repair")
+    with pytest.raises(ConfigError, match="warmup"):
+        load_config({"data": {"family": "mistake_math", "gsm8k_train": "x.jsonl"}, "probes": {"gsm8k_test": "y"},
+                     "warmup": {"n_records": 8}}, "repair")
+
+
+def test_repair_with_warm_up_finetune_seeds_partial_oracles_and_floors(tmp_path, tiny_dir, monkeypatch):
+    from prism_select.evaluation import repair as repair_mod
+    monkeypatch.setattr(repair_mod, "ProcessPoolExecutor", _InProcess)
+    cfg = load_config(_common(
+        tiny_dir, data={"family": "dropped_carry", "pool_size": 20, "carry_share": 0.5},
+        warmup={"n_records": 8, "finetune": {"preset": "repair", "overrides": FAST_FT}},
+        probes={"n": 4, "checker": "numeric_final_answer", "capability_per_task": 2},
+        harmful_ratios=[0.2], seeds=[0, 1], methods=["prism", "random"], comparators=["random"],
+        finetune={"preset": "repair", "overrides": FAST_FT}, generation={"max_new_tokens": 6, "batch_size": 8},
+        pair_selection="all", remove_fractions=[0.2], oracle=True, report=False, floors=True,
+        finetune_seeds=[0, 1], partial_oracles=[0.5],
+        targets=[{"name": "probes", "source": "probes"},
+                 {"name": "cf", "source": "counterfactual", "n_counterfactual": 2, "retrain_methods": []}]),
+        "repair")
+    out = tmp_path / "exp"
+    res = repair(cfg, out, jobs=2)
+    assert (out / "start-model" / "model" / "config.json").is_file()
+    runs = [r for r in res["runs"] if r["variant"] == "probes"]
+    assert len(runs) == 2
+    for r in runs:
+        rows = r["rates"]["20"]
+        assert set(rows) == {"Start", "Mixed", "Oracle 50%", "Oracle", "prism", "random"}
+        for name in ("Mixed", "Oracle 50%", "Oracle", "prism", "random"):
+            per = rows[name]["by_finetune_seed"]
+            assert len(per) == 2 and len({p["dir"] for p in per}) == 2
+            for k in ("behaviour_rate", "harmful_preference", "harmful_answer_rate"):
+                assert rows[name][k] == pytest.approx(sum(p[k] for p in per) / 2)
+        assert r["removed"]["20"]["Oracle 50%"] == {"n": 2, "harmful": 2}  # half of the 4 harmful records
+        assert r["floors"]["checker"]["auroc"] == 1.0 and "keyword" in r["floors"]
+        assert 0 <= rows["Start"]["harmful_preference"] <= 1
+    names = [t["name"] for t in res["tables"]]
+    assert {"harmful_preference_k20", "harmful_answer_k20", "paired_harmful_preference_k20",
+            "paired_behaviour_rate_k20"} <= set(names)
+    auroc_rows = [row["label"] for row in res["tables"][0]["rows"]]
+    assert "floor: checker" in auroc_rows and "floor: keyword" in auroc_rows
+    paired = next(t for t in res["tables"] if t["name"] == "paired_harmful_preference_k20")
+    cell = next(row for row in paired["rows"] if row["label"] == "prism")["cells"][0]
+    diffs = [r["rates"]["20"]["prism"]["harmful_preference"] - r["rates"]["20"]["random"]["harmful_preference"]
+             for r in runs]
+    assert cell["n"] == 2 and cell["mean"] == pytest.approx(sum(diffs) / 2)
+    # the rows read back from the files alone (a run cut short) are the protocol's own
+    spec = importlib.util.spec_from_file_location(
+        "repair_rows_from_files", Path(__file__).resolve().parents[2] / "experiments" / "repair_rows_from_files.py")
+    reader = importlib.util.module_from_spec(spec)
+    sys.modules["repair_rows_from_files"] = reader
+    spec.loader.exec_module(reader)
+    seeds = reader.collect(out, cfg, "probes", "carry")
+    for r in runs:
+        got = seeds[f"seed{r['seed']}"]["rows"]
+        for name, row in r["rates"]["20"].items():
+            assert got[name]["20"]["harmful_preference"] == pytest.approx(row["harmful_preference"]), name
+            assert got[name]["20"]["behaviour_rate"] == pytest.approx(row["behaviour_rate"]), name
