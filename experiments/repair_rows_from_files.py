@@ -11,7 +11,7 @@ over data seeds), and paired differences with 95% t intervals over data seeds. A
 whose retrainings did not all finish on a seed leaves that seed out, and says so (n).
 
     python experiments/repair_rows_from_files.py RUN_DIR --config experiments/dropped_carry.yaml \
-        --json rows.json --markdown rows.md
+        --json rows.json --markdown rows.md --plot dose-response.png
 Nothing is trained or scored; adapters are not needed.
 """
 
@@ -154,6 +154,32 @@ def markdown(t: dict, cfg) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(seeds: dict, t: dict, cfg, path: Path, metric: str = "harmful_preference") -> None:
+    """The dose-response: ``metric`` against the share of harmful records removed, the
+    Oracle rows as a line, each method's removals as points (means over data seeds)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    f0 = pct(cfg.remove_fractions[0])
+    line = [(0.0, "Mixed")] + [(q, f"Oracle {pct(q)}%") for q in cfg.partial_oracles] + [(1.0, "Oracle")]
+    xs = [q for q, n in line if t["rows"].get(n, {}).get(f0, {}).get(metric, {}).get("mean") is not None]
+    ys = [t["rows"][n][f0][metric]["mean"] for q, n in line if q in xs]
+    ax.plot(xs, ys, "k-o", label="random share of the harmful records removed (Oracle q%)")
+    start = t["rows"]["Start"][f0][metric]["mean"]
+    ax.axhline(start, color="grey", ls=":", label="Start (no SFT)")
+    for f in [pct(x) for x in cfg.remove_fractions]:
+        for m, by in t["recall"].items():
+            row = t["rows"].get(m, {}).get(f, {}).get(metric, {})
+            if row.get("mean") is not None and by[f]["mean"] is not None:
+                ax.plot(by[f]["mean"], row["mean"], "o", label=f"{m}, top {f}% removed (n={row['n']})")
+    ax.set_xlabel("harmful records removed / all harmful records")
+    ax.set_ylabel(metric.replace("_", " ") + " on held-out carry probes")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path)
@@ -162,6 +188,7 @@ def main():
     ap.add_argument("--task", default="carry", help="the behaviour probes' task")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
+    ap.add_argument("--plot", type=Path, help="a PNG of the dose-response")
     a = ap.parse_args()
     cfg = load_config(a.config, "repair")
     seeds = collect(a.run_dir, cfg, a.variant, a.task)
@@ -171,6 +198,8 @@ def main():
     md = markdown(t, cfg)
     if a.markdown:
         a.markdown.write_text(md)
+    if a.plot:
+        plot(seeds, t, cfg, a.plot)
     print(md)
 
 
