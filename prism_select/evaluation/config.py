@@ -265,7 +265,8 @@ class RepairConfig(CommonConfig):
     floors: rank the pool with the surface floors of :mod:`.floors` (and the family's
         knowledge floors) beside the methods.
     comparators: methods every other method is compared with, paired by seed, with a
-        95% interval (t over the data seeds of the per-seed mean difference).
+        95% interval (t over the data seeds of the per-seed mean difference; with two
+        seeds or more).
     """
 
     data: MistakeMathConfig = field(default_factory=MistakeMathConfig)

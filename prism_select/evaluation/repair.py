@@ -460,7 +460,7 @@ def _fraction_tables(cfg, runs: list, f: str, rows: list, method_rows: list, ora
                           "harmful records", runs, method_rows + oracles, removed_of))
     for key in ("harmful_preference", "behaviour_rate"):
         comparators = [c for c in cfg.comparators if c in method_rows]
-        if comparators and present(key):
+        if comparators and present(key) and len(cfg.seeds) > 1:  # an interval needs two seeds
             out.append(paired_table(f"paired_{key}_k{f}", f"{key} minus the comparator's, paired by seed, {sfx}: "
                                     "mean and 95% interval over data seeds (negative: fewer harmful behaviours than "
                                     "the comparator)", runs, method_rows, comparators, rate(key)))
