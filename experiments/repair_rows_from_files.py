@@ -45,10 +45,10 @@ def _kept_row(rdir: Path, kept: Path, ft_seeds: list, task: str) -> dict | None:
 
 def seed_rows(rdir: Path, cfg, variant: str, task: str) -> dict:
     """Every row of one seed and target set that finished: name -> fraction -> metrics."""
-    ft = cfg.finetune_seeds
+    ft = cfg.finetune_seeds or [None]  # None: one SFT per kept set, named by its records alone
     fr = [pct(f) for f in cfg.remove_fractions]
-    out = {"Start": dict.fromkeys(fr, _measure(rdir / "start", task)),
-           "Mixed": dict.fromkeys(fr, _kept_row(rdir, rdir / "pool.jsonl", ft, task))}
+    mixed = _kept_row(rdir, rdir / "pool.jsonl", ft, task) if cfg.finetune_seeds else _measure(rdir / "mixed", task)
+    out = {"Start": dict.fromkeys(fr, _measure(rdir / "start", task)), "Mixed": dict.fromkeys(fr, mixed)}
     for q in list(cfg.partial_oracles) + [1.0]:
         name, d = ("Oracle", "oracle") if q == 1.0 else (f"Oracle {pct(q)}%", f"oracle-{pct(q)}")
         if (rdir / d / "kept.jsonl").is_file():
