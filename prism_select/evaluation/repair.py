@@ -195,15 +195,27 @@ def _behaviour(exp, lm, probes_path: Path, responses_path: Path, out_dir: Path, 
 
 def _retrain_one(exp, lm, rdir: Path, kept_path: Path, probes_path: Path, checker, ft_seed: int, tag: str,
                  task, named: bool) -> dict:
-    """One SFT on ``kept_path`` (seeded ``ft_seed``) and its rates on the probes."""
+    """One SFT on ``kept_path`` (seeded ``ft_seed``) and its rates on the probes.
+
+    A finished retraining is recognised by its inputs alone (the kept records, the start
+    model, the SFT settings, the probes, decoding and checker: ``.retrain-step.json``), so a
+    run copied without its adapters, to another machine, resumes without training again."""
+    from ..io import sha256_file
     tdir = _retrain_dir(rdir, kept_path, ft_seed if named else None)
     tdir.mkdir(parents=True, exist_ok=True)
     pool_copy = tdir / "kept.jsonl"
     write_if_changed(pool_copy, read_jsonl(kept_path))
-    adapter = train_adapter(exp, lm, pool_copy, tdir, ft_seed, tag)
-    resp = respond(exp, lm, probes_path, tdir, checker, tag, adapter)
-    return {"dir": exp.rel(tdir), **rates_by_task(resp, task),
-            **_behaviour(exp, lm, probes_path, resp, tdir, adapter, task)}
+    key = {"kept": sha256_file(pool_copy), "model": lm.fingerprint, "probes": sha256_file(probes_path),
+           "finetune": dataclasses.asdict(finetune_settings(exp.cfg.finetune, ft_seed)),
+           "generation": dataclasses.asdict(exp.cfg.generation), "checker": checker}
+    if not exp.done(tdir, key, ["responses.jsonl"], "retrain-step"):
+        adapter = train_adapter(exp, lm, pool_copy, tdir, ft_seed, tag)
+        resp = respond(exp, lm, probes_path, tdir, checker, tag, adapter)
+        _behaviour(exp, lm, probes_path, resp, tdir, adapter, task)
+        exp.finish(tdir, key, "retrain-step")
+    resp = tdir / "responses.jsonl"
+    beh = json.loads((tdir / "behaviour.json").read_text()) if (tdir / "behaviour.json").is_file() else {}
+    return {"dir": exp.rel(tdir), **rates_by_task(resp, task), **beh}
 
 
 _AVERAGED = ("behaviour_rate", "capability", "harmful_answer_rate", "harmful_preference")

@@ -181,6 +181,13 @@ def test_repair_with_warm_up_finetune_seeds_partial_oracles_and_floors(tmp_path,
     diffs = [r["rates"]["20"]["prism"]["harmful_preference"] - r["rates"]["20"]["random"]["harmful_preference"]
              for r in runs]
     assert cell["n"] == 2 and cell["mean"] == pytest.approx(sum(diffs) / 2)
+    # a run copied without its retrainings' adapters resumes without training them again
+    import shutil
+    for a in out.glob("runs/*/seed*/retrain/*/adapter"):
+        shutil.rmtree(a)
+    again = repair(cfg, out, jobs=1)
+    assert not [t for t in json.loads((out / "results.json").read_text())["timings"] if t.startswith("finetune:")]
+    assert again["tables"] == res["tables"]
     # the rows read back from the files alone (a run cut short) are the protocol's own
     spec = importlib.util.spec_from_file_location(
         "repair_rows_from_files", Path(__file__).resolve().parents[2] / "experiments" / "repair_rows_from_files.py")
