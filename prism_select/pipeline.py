@@ -68,10 +68,6 @@ from .settings import DEFAULT_STREAM_WINDOW, STREAM_FIT_EXAMPLES, ScoreSettings,
 
 log = logging.getLogger(__name__)
 
-#: pool examples scored both ways before a fast run, and the agreement below which it warns
-FAST_CHECK_EXAMPLES = 64
-FAST_CHECK_MIN_SPEARMAN = 0.95
-
 #: an EK-FAC fit on fewer examples, with the default damping, gets a note recommending
 #: --damping-noise: on the GSM8K pools of 60 and 300 records (3 seeds each) it ranked as
 #: well as the default EK-FAC or better on average, on every seed at 300 (README, "Which
@@ -340,7 +336,7 @@ class RunContext:
         return (st.scores_from_fit and st.method in DIRECTION_METHODS
                 and self.inputs.fit_encoded is None and cs.kind == "ekfac" and cs.fisher == "empirical"
                 and len(fit_indices(len(self.inputs.encoded), cs)) == len(self.inputs.encoded)
-                and not (groups and len(groups) > 1) and st.scoring == "exact" and not st.stream
+                and not (groups and len(groups) > 1) and not st.stream
                 and ex.precision == "model" and not ex.sharded and ex.world == 1
                 and (split_causal_lm(model) is None) == (cpu_response_split(model, self.modules) is None))
 
@@ -540,34 +536,6 @@ class RunContext:
         last.update(now)
         return out
 
-    def check_fast(self, v: dict, n: int = FAST_CHECK_EXAMPLES) -> dict:
-        """Score a few pool examples (the curvature's fit examples under ``stream``) with
-        both the exact route and the configured fast route; warn when they disagree.
-
-        A fast route is only as good as the loss is linear along ``v`` at its step, which
-        depends on the model and the direction (docs/performance.md): this costs one
-        exact pass over ``n`` examples and tells the user before the long run.
-        """
-        from .evaluation_metrics import spearman
-        st = self.settings
-        sample = (self.inputs.encoded or self.inputs.fit_encoded or [])[:n]
-        if len(sample) < 3:
-            return {"examples": len(sample), "skipped": "too few examples to compare"}
-        ex = self.execution
-        kw = {"pad_id": self.pad_id, "batch_size": st.batch_size, "progress": False,
-              "cuda_graphs": ex.cuda_graphs, "precision": ex.precision, "kernels": ex.kernels}
-        exact = score_encoded(self.lm.model, self.modules, sample, v, scoring="exact", **kw)
-        fast = score_encoded(self.lm.model, self.modules, sample, v, scoring=st.scoring, fd_eps=st.fd_eps, **kw)
-        rho = spearman(exact.tolist(), fast.tolist())
-        out = {"examples": len(sample), "spearman_vs_exact": rho,
-               "rel_err_vs_exact": float((fast - exact).norm() / exact.norm().clamp_min(1e-300))}
-        if not rho >= FAST_CHECK_MIN_SPEARMAN:
-            log.warning("--scoring %s agrees poorly with exact scoring on %d pool examples (Spearman %.3f < %.2f); "
-                        "its ranking is unreliable for this model and direction: use --scoring exact "
-                        "(see docs/performance.md)", st.scoring, len(sample), rho, FAST_CHECK_MIN_SPEARMAN)
-            out["warning"] = "fast scores disagree with exact scores; use --scoring exact"
-        return out
-
     def score_direction(self, direction: dict, tag: str = "scores", last: bool = False) -> torch.Tensor | None:
         """``g_z . H^-1 direction`` for every pool example (resumable).
 
@@ -623,14 +591,12 @@ class RunContext:
             sharding.set_v(self.modules, v)
             v = None
         st = self.settings
-        if st.scoring != "exact" and tag not in self.info.get("fast_check", {}):
-            self.info.setdefault("fast_check", {})[tag] = self.check_fast(v)
         t = time.perf_counter()
         stats: dict = {}
         batch = self.plan.scoring["batch_size"] if self.plan is not None and self.plan.scoring else st.batch_size
         common = {"batch_size": batch, "chunk_size": st.chunk_size, "partial_dir": partial / tag,
-                  "run_key": self.info.get("run_key"), "progress": st.progress, "scoring": st.scoring,
-                  "fd_eps": st.fd_eps, "cuda_graphs": self.execution.cuda_graphs,
+                  "run_key": self.info.get("run_key"), "progress": st.progress,
+                  "cuda_graphs": self.execution.cuda_graphs,
                   "precision": self.execution.precision, "kernels": self.execution.kernels}
         if st.stream:
             s = None

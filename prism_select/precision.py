@@ -52,14 +52,6 @@ def check_precision(value: str) -> None:
         raise ConfigError("precision", f"unknown value {value!r}", f"use one of {', '.join(PRECISIONS)}")
 
 
-def check_precision_scoring(precision: str, scoring: str) -> None:
-    """split32 is built into the exact route's layers; the finite-difference routes
-    perturb half-precision weights of their own (``fd32`` is float32 already)."""
-    if precision == "split32" and scoring != "exact":
-        raise ConfigError("precision", f"split32 applies to exact scoring, not {scoring!r}",
-                          "use --scoring exact with --precision split32, or --scoring fd32 alone")
-
-
 def precision_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
     """The context manager that applies ``precision`` (one of :data:`PRECISIONS`) to ``model``
     (``kernels``: those of split32's products)."""

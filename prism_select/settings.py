@@ -32,9 +32,9 @@ from dataclasses import MISSING, dataclass
 from .data.tokenize import DEFAULT_MAX_LENGTH
 from .errors import ConfigError
 from .graphs import GRAPH_MODES, check_graph_mode
-from .precision import PRECISIONS, check_precision, check_precision_scoring
+from .precision import PRECISIONS, check_precision
 from .preference import METHODS as DIRECTION_METHODS
-from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS
+from .scoring import DEFAULT_CHUNK_SIZE
 from .sharding import FSDP_SUMS, KEEP_GATHERED, SHARDS, check_shard
 
 DEFAULT_BATCH_SIZE = 8
@@ -120,13 +120,9 @@ class DirectionSettings:
 
 @dataclass
 class ScoringSettings:
-    """What is scored and how: example length, tracked layers, batch size and route.
+    """What is scored and how: example length, tracked layers and batch size.
 
-    scoring: exact (one forward + one activation-only backward per batch), fast (central
-    finite differences along ``v`` in the model's dtype) or fd32 (the same on a float32
-    copy of the model); not on the CLI (see docs/performance.md). fd_eps: the relative
-    finite-difference step of fast / fd32 (None: the route's default). scores_from_fit:
-    see :meth:`prism_select.pipeline.RunContext.score_direction` (the demo sets it).
+    scores_from_fit: see :meth:`prism_select.pipeline.RunContext.score_direction` (the demo sets it).
     """
 
     max_length: int = setting(DEFAULT_MAX_LENGTH, help="tokens per example; a longer prompt is cut from the left")
@@ -135,8 +131,6 @@ class ScoringSettings:
                                    help="track only linear layers whose name matches one of these regexes "
                                         "(if not given: every linear layer of the decoder blocks; with --adapter, "
                                         "its LoRA matrices)")
-    scoring: str = setting("exact", choices=SCORINGS, cli=False, help="the scoring route")
-    fd_eps: float | None = setting(None, cli=False, help="relative finite-difference step of fast / fd32")
     # not a key field: it changes scores at float rounding only, and a run resumed after its
     # fit scores with the model whatever it says
     scores_from_fit: bool = setting(False, key=False,
@@ -149,10 +143,6 @@ class ScoringSettings:
     def __post_init__(self):
         if not isinstance(self.scores_from_fit, bool):
             raise ConfigError("scores_from_fit", f"must be true or false, got {self.scores_from_fit!r}")
-        if self.scoring not in SCORINGS:
-            raise ConfigError("scoring", f"unknown value {self.scoring!r}", f"use one of {', '.join(SCORINGS)}")
-        if self.fd_eps is not None:
-            _finite(self.fd_eps, "fd_eps", low=0, inclusive=False)
         _int(self.max_length, "max_length", low=2)
         _int(self.batch_size, "batch_size", low=1)
         if self.modules is not None and (not isinstance(self.modules, (list, tuple))
@@ -278,14 +268,13 @@ class ScoreSettings(ExecutionSettings, RunSettings, ScoringSettings, DirectionSe
     """How to score a pool: the fields of :class:`DirectionSettings`,
     :class:`ScoringSettings`, :class:`RunSettings` and :class:`ExecutionSettings` in one
     object (``part(settings, RunSettings)`` gives one stage). Each stage checks its own
-    fields; this checks the combinations: sharding and streaming by method, split32 by
-    scoring route, sharding with precision."""
+    fields; this checks the combinations: sharding and streaming by method, sharding
+    with precision."""
 
     def __post_init__(self):
         for stage in (DirectionSettings, ScoringSettings, RunSettings, ExecutionSettings):
             stage.__post_init__(self)
-        check_precision_scoring(self.precision, self.scoring)
-        check_shard(self.shard, self.method, self.scoring)
+        check_shard(self.shard, self.method)
         if self.shard == "fsdp" and self.precision != "model":
             raise ConfigError("precision", f"--precision {self.precision} does not run under --shard fsdp",
                               "leave --precision out (model), or leave --shard out")

@@ -40,9 +40,8 @@ Correctness
     (``tests/test_sharding.py``).
 
 Limits
-    Exact scoring only (the finite-difference routes perturb whole weights), no CUDA
-    graphs (FSDP's collectives run inside the step), the direction methods only (prism,
-    equal, unpaired).
+    No CUDA graphs (FSDP's collectives run inside the step), the direction methods only
+    (prism, equal, unpaired).
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ KEEP_GATHERED = ("auto", "on", "off")
 SHARDED_METHODS = ("prism", "equal", "unpaired")
 
 
-def check_shard(shard: str, method: str, scoring: str) -> None:
+def check_shard(shard: str, method: str) -> None:
     """Refuse a sharded run the code cannot do, naming the field and the fix."""
     if shard not in SHARDS:
         raise ConfigError("shard", f"unknown value {shard!r}", f"use one of {', '.join(SHARDS)}")
@@ -81,9 +80,6 @@ def check_shard(shard: str, method: str, scoring: str) -> None:
     if method not in SHARDED_METHODS:
         raise ConfigError("shard", f"method {method!r} does not run under --shard fsdp",
                           f"use one of {', '.join(SHARDED_METHODS)}, or leave --shard out")
-    if scoring != "exact":
-        raise ConfigError("shard", f"--scoring {scoring} does not run under --shard fsdp",
-                          "use --scoring exact (the default)")
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

@@ -12,13 +12,11 @@ from prism_select.scoring import make_scorer, score_encoded
 
 from tiny import tiny_llama
 
-#: padded + bucketed vs unpadded eager scores, float64 CPU (same math, other padding);
-#: finite differences divide float64 rounding by their step (1e-6 here)
-PAD_RTOL = {"exact": 1e-10, "fd": 1e-8}
+#: padded + bucketed vs unpadded eager scores, float64 CPU (same math, other padding)
+PAD_RTOL = 1e-10
 #: captured graph vs eager on the GPU in float32 (kernel choice may differ: sdpa causal
-#: kernel in both, but cuBLAS may pick other algorithms for the padded shapes); finite
-#: differences divide that rounding by their step (1e-3 here)
-GPU_F32_RTOL = {"exact": 1e-4, "fd": 1e-3}
+#: kernel in both, but cuBLAS may pick other algorithms for the padded shapes)
+GPU_F32_RTOL = 1e-4
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -74,14 +72,13 @@ def test_graphs_wanted_modes():
         graphs_wanted("sometimes", "cpu")
 
 
-@pytest.mark.parametrize("scoring", ["exact", "fd"])
-def test_padded_bucketed_equals_eager(model, modules, tok, encoded_pool, scoring):
+def test_padded_bucketed_equals_eager(model, modules, tok, encoded_pool):
     """Rows padded to the graph batch, lengths to the bucket, no attention mask: the
     same scores as the eager unpadded batches (the padding logic the graphs replay)."""
     V = _direction(modules)
     pad = tok.pad_token_id
-    eager = make_scorer(model, modules, V, scoring=scoring, pad_id=pad, fd_eps=1e-6)
-    padded = GraphedScorer(make_scorer(model, modules, V, scoring=scoring, pad_id=pad, fd_eps=1e-6),
+    eager = make_scorer(model, modules, V, pad_id=pad)
+    padded = GraphedScorer(make_scorer(model, modules, V, pad_id=pad),
                            batch_size=4, pad_id=pad, capture=False)
     ref, got = [], []
     for sc, out in ((eager, ref), (padded, got)):
@@ -90,7 +87,7 @@ def test_padded_bucketed_equals_eager(model, modules, tok, encoded_pool, scoring
                 out.append(sc.score(engine.collate_to(encoded_pool[i:i + 3], pad, None)))
     ref, got = torch.cat(ref), torch.cat(got)
     assert got.shape == ref.shape
-    assert rel_err(got, ref) <= PAD_RTOL[scoring]
+    assert rel_err(got, ref) <= PAD_RTOL
 
 
 def test_batch_larger_than_graph_batch_is_refused(model, modules, tok, encoded_pool):
@@ -116,16 +113,15 @@ def gpu_model(tok):
 
 
 @needs_cuda
-@pytest.mark.parametrize("scoring", ["exact", "fd"])
-def test_graphs_match_eager_on_gpu(gpu_model, tok, encoded_pool, scoring):
+def test_graphs_match_eager_on_gpu(gpu_model, tok, encoded_pool):
     from prism_select.model import tracked_linear_modules
     modules = tracked_linear_modules(gpu_model, None)
     V = {k: v.cuda() for k, v in _direction(modules, dtype=torch.float32).items()}
-    kw = dict(pad_id=tok.pad_token_id, batch_size=3, progress=False, scoring=scoring, fd_eps=1e-3)
+    kw = dict(pad_id=tok.pad_token_id, batch_size=3, progress=False)
     eager = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="off", **kw)
     graphed = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="on", **kw)
     again = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="on", **kw)
-    assert rel_err(graphed, eager) <= GPU_F32_RTOL[scoring]
+    assert rel_err(graphed, eager) <= GPU_F32_RTOL
     assert torch.equal(graphed, again)  # replay is deterministic
 
 

@@ -222,8 +222,6 @@ def test_row_range_covers_rows_once():
 
 
 def test_shard_settings_refused_with_the_fix():
-    with pytest.raises(ConfigError, match="--scoring fast"):
-        ScoreSettings(shard="fsdp", scoring="fast")
     with pytest.raises(ConfigError, match="does not run under --shard fsdp"):
         ScoreSettings(shard="fsdp", method="random")
     with pytest.raises(ConfigError, match="unknown value"):
