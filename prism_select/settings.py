@@ -27,6 +27,7 @@ key, so changing it reuses the cache or resumes the run.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import MISSING, dataclass
 
 from .data.tokenize import DEFAULT_MAX_LENGTH
@@ -37,6 +38,7 @@ from .preference import METHODS as DIRECTION_METHODS
 from .scoring import DEFAULT_CHUNK_SIZE
 from .sharding import FSDP_SUMS, KEEP_GATHERED, SHARDS, check_shard
 
+GiB = 1 << 30
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_STREAM_WINDOW = 65_536
 # Under ``stream`` the curvature is fitted on a seeded sample of this many valid pool
@@ -185,9 +187,22 @@ class RunSettings:
         return None if self.cache_max_gb is None else int(self.cache_max_gb * (1 << 30))
 
 
-def _memory_size(text):
-    from .plan import parse_bytes
-    return parse_bytes(text)
+def parse_bytes(text, what: str = "max_gpu_memory") -> int | None:
+    """``"70GiB"``, ``"70GB"``, ``"70G"`` or a plain number of GiB -> bytes (None -> None)."""
+    if text is None:
+        return None
+    if isinstance(text, (int, float)):
+        value = float(text) * GiB
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(gib|gb|g|mib|mb|m)?\s*", str(text).lower())
+        if not m:
+            raise ConfigError(what, f"cannot read {text!r} as a memory size", "write e.g. 70GiB, 70GB or 70")
+        unit = m.group(2) or "gib"
+        scale = {"gib": GiB, "g": GiB, "gb": 10 ** 9, "mib": 1 << 20, "m": 1 << 20, "mb": 10 ** 6}[unit]
+        value = float(m.group(1)) * scale
+    if not value > 0:
+        raise ConfigError(what, f"must be > 0, got {text!r}")
+    return int(value)
 
 
 @dataclass
@@ -237,7 +252,7 @@ class ExecutionSettings:
                                                "fixed workspace): the same run on the same kind of GPU and software "
                                                "gives the same scores bit for bit; kernels that add in varying "
                                                "order (attention's backward) run slower ones")
-    max_gpu_memory: int | None = setting(None, key=False, metavar="SIZE", parse=_memory_size,
+    max_gpu_memory: int | None = setting(None, key=False, metavar="SIZE", parse=parse_bytes,
                                          help="cap on the GPU memory the run plans to use, e.g. 70GiB (if not "
                                               "given: the device's); the memory plan groups the curvature fit and "
                                               "lowers batch sizes to fit it")
@@ -250,7 +265,7 @@ class ExecutionSettings:
             if value not in allowed:
                 raise ConfigError(name, f"unknown value {value!r}", f"use one of {', '.join(allowed)}")
         if isinstance(self.max_gpu_memory, str):
-            self.max_gpu_memory = _memory_size(self.max_gpu_memory)
+            self.max_gpu_memory = parse_bytes(self.max_gpu_memory)
         if self.max_gpu_memory is not None and (isinstance(self.max_gpu_memory, bool) or not (
                 isinstance(self.max_gpu_memory, (int, float)) and self.max_gpu_memory > 0)):
             raise ConfigError("max_gpu_memory", f"must be > 0 bytes, got {self.max_gpu_memory}",
