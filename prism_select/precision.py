@@ -42,14 +42,9 @@ from .engine.linear import SplitPrecisionLinear
 from .errors import ConfigError
 from .execution import DEFAULT_KERNELS, Kernels, direction_kernels
 from .gradients import GRAD32
+from .settings import PRECISIONS, check_precision  # noqa: F401 (re-exported)
 
-PRECISIONS = ("model", "residual32", "split32")
 HALF = (torch.bfloat16, torch.float16)
-
-
-def check_precision(value: str) -> None:
-    if value not in PRECISIONS:
-        raise ConfigError("precision", f"unknown value {value!r}", f"use one of {', '.join(PRECISIONS)}")
 
 
 def precision_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):

@@ -40,9 +40,8 @@ from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
 from .precision import check_precision, precision_policy
 from .io import atomic_write_json
+from .settings import DEFAULT_CHUNK_SIZE
 
-#: examples per resumable chunk, at most (``--chunk-size``)
-DEFAULT_CHUNK_SIZE = 1024
 #: On the CPU a chunk also holds at most this many FLOPs of scoring work, counted as
 #: ``4 x parameters`` per token (a forward and an activation-only backward): 1e12 is
 #: about 1,850 tokens of the embedded 135M model, 20-40 s on 2 busy CPU cores, so a

@@ -30,21 +30,67 @@ import dataclasses
 import re
 from dataclasses import MISSING, dataclass
 
-from .data.tokenize import DEFAULT_MAX_LENGTH
 from .errors import ConfigError
-from .graphs import GRAPH_MODES, check_graph_mode
-from .precision import PRECISIONS, check_precision
-from .preference import METHODS as DIRECTION_METHODS
-from .scoring import DEFAULT_CHUNK_SIZE
-from .sharding import FSDP_SUMS, KEEP_GATHERED, SHARDS, check_shard
 
 GiB = 1 << 30
+
+# ----------------------------------------------------------------------------- choices
+# The values a field accepts, and their checks, stand here at the ground floor: the
+# modules that act on them (preference, precision, graphs, sharding, scoring, data)
+# import them from here, so the settings import nothing they configure.
+
+#: the target directions of :mod:`prism_select.preference` (the baselines add their own
+#: methods, :mod:`prism_select.baselines`)
+DIRECTION_METHODS = ("prism", "equal", "unpaired")
+#: arithmetic of a half-precision model while scoring (:mod:`prism_select.precision`)
+PRECISIONS = ("model", "residual32", "split32")
+#: CUDA graphs (:mod:`prism_select.graphs`)
+GRAPH_MODES = ("auto", "on", "off")
+#: multi-GPU sharding of the model (:mod:`prism_select.sharding`)
+SHARDS = ("none", "fsdp")
+#: when a sharded K-FAC / EK-FAC fit's statistics reach the layers' owners
+#: (``--fsdp-sums``; :func:`prism_select.curvature.fit.fit_curvature`, ``sharded_sums``):
+#: every step, once per pass, or as the memory plan finds room (auto)
+FSDP_SUMS = ("auto", "step", "pass")
+#: whether each decoder block keeps its gathered weights from its forward to its backward
+#: (``--fsdp-keep-gathered``, :func:`prism_select.sharding.weights_gathered`): as the memory
+#: plan finds room, or always / never
+KEEP_GATHERED = ("auto", "on", "off")
+#: the scoring methods that run sharded: they need nothing beyond the direction and v
+SHARDED_METHODS = ("prism", "equal", "unpaired")
+#: tokens per example; a longer prompt is cut from the left (:mod:`prism_select.data.tokenize`)
+DEFAULT_MAX_LENGTH = 2048
+#: examples per resumable chunk, at most (``--chunk-size``; :mod:`prism_select.scoring`)
+DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_STREAM_WINDOW = 65_536
 # Under ``stream`` the curvature is fitted on a seeded sample of this many valid pool
 # records when ``FitSettings.fit_examples`` is not set (a fit costs about three
 # forward+backward passes over its examples; 10K is minutes on one GPU at 1B parameters).
 STREAM_FIT_EXAMPLES = 10_000
+
+
+def check_precision(value: str) -> None:
+    """ConfigError naming ``precision`` unless ``value`` is one of :data:`PRECISIONS`."""
+    if value not in PRECISIONS:
+        raise ConfigError("precision", f"unknown value {value!r}", f"use one of {', '.join(PRECISIONS)}")
+
+
+def check_graph_mode(mode: str) -> None:
+    """ConfigError naming ``cuda_graphs`` unless ``mode`` is one of :data:`GRAPH_MODES`."""
+    if mode not in GRAPH_MODES:
+        raise ConfigError("cuda_graphs", f"unknown value {mode!r}", f"use one of {', '.join(GRAPH_MODES)}")
+
+
+def check_shard(shard: str, method: str) -> None:
+    """Refuse a sharded run the code cannot do, naming the field and the fix."""
+    if shard not in SHARDS:
+        raise ConfigError("shard", f"unknown value {shard!r}", f"use one of {', '.join(SHARDS)}")
+    if shard == "none":
+        return
+    if method not in SHARDED_METHODS:
+        raise ConfigError("shard", f"method {method!r} does not run under --shard fsdp",
+                          f"use one of {', '.join(SHARDED_METHODS)}, or leave --shard out")
 
 
 def setting(default=MISSING, *, help: str, default_factory=MISSING, flag: str | None = None,
