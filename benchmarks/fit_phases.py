@@ -34,7 +34,7 @@ def main():
     ap.add_argument("argv", nargs="+", help="the prism-select command line (after --)")
     a = ap.parse_args()
     from prism_select import cli, pipeline
-    from prism_select.curvature import base, fit
+    from prism_select.curvature import base, eigh, fit
 
     acc: dict = collections.defaultdict(lambda: [0.0, 0])
     lock = threading.Lock()
@@ -55,7 +55,8 @@ def main():
                     acc[lab][1] += 1
         setattr(owner, name, g)
 
-    wrap(fit, "_eigh", lambda x: f"eigh {x[0].shape[0]}")
+    wrap(fit, "_eigh", lambda x: f"eigh {x[0].shape[0]}")  # the spilled groups'
+    wrap(eigh, "_eigh", lambda x: f"eigh {x[0].shape[0]}")  # the others' (_eigh_many)
     wrap(fit, "_input_product", lambda x: f"A product {x[0].shape[-1]}")
     wrap(fit, "_gram_into", lambda x: f"S gram {x[1].shape[-1]}")
     wrap(fit._Spill, "read", "spill read")

@@ -745,10 +745,11 @@ def test_sharded_pass_sums_send_each_input_once(model, modules, tok, encoded_poo
             off += t.numel()
 
     decomposed = []
-    real_eigh = fitmod._eigh
+    from prism_select.curvature import eigh as eighmod
+    real_eigh = eighmod._eigh
     monkeypatch.setattr(distributed, "all_reduce_sum", offset_order_all_reduce)
     monkeypatch.setattr(fitmod, "SPILL_MAX_BYTES", 0)  # the sums of the pass, as on a GPU
-    monkeypatch.setattr(fitmod, "_eigh", lambda M: (decomposed.append(M.shape[0]), real_eigh(M))[1])
+    monkeypatch.setattr(eighmod, "_eigh", lambda M: (decomposed.append(M.shape[0]), real_eigh(M))[1])
     s = CurvatureSettings(kind="ekfac", batch_size=3)
     idx = fitmod.fit_indices(len(encoded_pool), s)
     batches = fitmod.length_batches(encoded_pool, idx, s.batch_size)

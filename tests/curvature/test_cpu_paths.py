@@ -92,8 +92,9 @@ def test_eigendecompositions_hand_back_each_freed_factor(model, modules, tok, en
     factors and LAPACK scratch above its results: the highest plateau of the CPU fit)."""
     monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
     decomposed, trims = [], []
-    eigh = fit_mod._eigh
-    monkeypatch.setattr(fit_mod, "_eigh", lambda M: decomposed.append(M.shape) or eigh(M))
+    from prism_select.curvature import eigh as eigh_mod
+    eigh = eigh_mod._eigh
+    monkeypatch.setattr(eigh_mod, "_eigh", lambda M: decomposed.append(M.shape) or eigh(M))
     monkeypatch.setattr(fit_mod, "release_host_memory", lambda: trims.append(len(decomposed)))
     settings = CurvatureSettings(kind="kfac", damping=1e-3, batch_size=3)
     fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
