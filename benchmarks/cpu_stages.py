@@ -63,7 +63,7 @@ def main():
     ap.add_argument("argv", nargs="+", help="the prism-select command line (after --)")
     a = ap.parse_args()
     from prism_select import cli, pipeline
-    from prism_select.curvature import base, fit
+    from prism_select.curvature import base, fit, store
 
     rec: dict = {}
     stack = ["start"]
@@ -112,8 +112,9 @@ def main():
     if hasattr(fit, "_finish_lambda"):
         wrap(fit, "_finish_lambda", "fit: Lambda and its variance")
     wrap(base.Curvature, "save", "curvature save")
-    wrap(fit, "fit_curvature", "fit_curvature (all)")
-    wrap(fit, "apply_damping", "apply damping")
+    wrap(store, "fit_curvature", "fit_curvature (all)")
+    wrap(fit, "apply_damping", "apply damping")  # the fit's
+    wrap(store, "apply_damping", "apply damping")  # a reused fit's
     wrap(pipeline, "load_or_fit_curvature", "curvature (all)")
     wrap(base.Curvature, "precondition", "precondition")
     wrap(pipeline, "score_encoded", "scoring")

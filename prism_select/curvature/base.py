@@ -473,3 +473,44 @@ def _host_tensors(tensors: dict) -> dict:
         out[k] = t
     return out
 
+
+def _shrinkage(settings: PreconditionSettings, cur: Curvature, name: str) -> float:
+    """Layer ``name``'s shrinkage weight ``rho`` (:class:`PreconditionSettings`)."""
+    if settings.shrinkage == "off":
+        return 0.0
+    if settings.shrinkage != "auto":
+        return float(settings.shrinkage)
+    t = cur.tensors
+    kfac = t[f"{name}::lamS"][:, None] * t[f"{name}::lamA"][None, :]
+    return shrinkage_weight(t[f"{name}::Lambda"], kfac, float(t[f"{name}::LambdaVar"]))
+
+
+def _damping(settings: PreconditionSettings, eig: torch.Tensor, noise: torch.Tensor | None = None) -> float:
+    """Explicit, else ``damping_factor`` x the mean eigenvalue, plus (``damping_noise``,
+    EK-FAC: ``noise`` is the layer's ``LambdaVar``) the root-mean-square standard error of
+    the eigenvalues, ``sqrt(LambdaVar / eig.numel())``."""
+    if settings.damping is not None:
+        return float(settings.damping)
+    lam = settings.damping_factor * float(eig.double().mean())
+    if settings.damping_noise and noise is not None:
+        lam += math.sqrt(float(noise) / eig.numel())
+    # A layer with all-zero curvature (e.g. unused) still needs an invertible H.
+    return lam if lam > 0 else 1e-12
+
+
+def apply_damping(cur: Curvature, settings: PreconditionSettings) -> Curvature:
+    """Set each layer's shrinkage weight (EK-FAC) and then its damping from ``settings``
+    (explicit, or the heuristic on the layer's eigenvalues, which the shrinkage leaves at
+    the same mean, plus their noise under ``damping_noise``). A curvature saved without
+    the statistics of either raises :class:`CacheError` when ``settings`` asks for one."""
+    if cur.kind == "identity" or not cur.tensors:
+        return cur
+    if cur.kind == "ekfac":
+        wanted = settings.shrinkage != "off" or settings.damping_noise
+        if wanted and any(f"{n}::LambdaVar" not in cur.tensors for n in cur.layers):
+            raise CacheError("the saved EK-FAC curvature predates the statistics of the shrinkage and the noise "
+                             "damping (lamA, lamS, LambdaVar)")
+        cur.shrinkage = {n: _shrinkage(settings, cur, n) for n in cur.layers}
+    cur.damping = {n: _damping(settings, cur.eigenvalues(n), cur.tensors.get(f"{n}::LambdaVar"))
+                   for n in cur.layers}
+    return cur

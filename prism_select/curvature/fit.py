@@ -29,18 +29,16 @@ from tqdm.auto import tqdm
 
 from .. import distributed, profiling, sharding
 from ..data.tokenize import token_losses
-from ..errors import CacheError
 from ..execution import DEFAULT_KERNELS, Kernels
 from ..engine import (Tap, batch_losses, causal_only, collate_to, mm_acc, mm_acc_into, rowdot, split_causal_lm,
                       tap_linears)
-from ..precision import fit_arithmetic, fit_policy
+from ..precision import fit_policy
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
 from ..gradients import check_finite, has_bias, layer_shape, release_host_memory
 from ..gradients import side_by_side as _side_by_side
-from ..io import sha256_json
-from ..settings import key_of
-from .base import Curvature, CurvatureSettings, FitSettings, PreconditionSettings, shrinkage_weight
+from .base import Curvature, CurvatureSettings, FitSettings, PreconditionSettings, apply_damping
 from .eigh import _eigh, _eigh_many
+
 
 log = logging.getLogger(__name__)
 
@@ -1505,135 +1503,3 @@ def _lambda_variance(m4: torch.Tensor, lam: torch.Tensor, n: int) -> torch.Tenso
     return ((m4.double() - second) / (n - 1)).clamp(min=0).to(m4.dtype)
 
 
-def _shrinkage(settings: PreconditionSettings, cur: Curvature, name: str) -> float:
-    """Layer ``name``'s shrinkage weight ``rho`` (:class:`PreconditionSettings`)."""
-    if settings.shrinkage == "off":
-        return 0.0
-    if settings.shrinkage != "auto":
-        return float(settings.shrinkage)
-    t = cur.tensors
-    kfac = t[f"{name}::lamS"][:, None] * t[f"{name}::lamA"][None, :]
-    return shrinkage_weight(t[f"{name}::Lambda"], kfac, float(t[f"{name}::LambdaVar"]))
-
-
-def _damping(settings: PreconditionSettings, eig: torch.Tensor, noise: torch.Tensor | None = None) -> float:
-    """Explicit, else ``damping_factor`` x the mean eigenvalue, plus (``damping_noise``,
-    EK-FAC: ``noise`` is the layer's ``LambdaVar``) the root-mean-square standard error of
-    the eigenvalues, ``sqrt(LambdaVar / eig.numel())``."""
-    if settings.damping is not None:
-        return float(settings.damping)
-    lam = settings.damping_factor * float(eig.double().mean())
-    if settings.damping_noise and noise is not None:
-        lam += math.sqrt(float(noise) / eig.numel())
-    # A layer with all-zero curvature (e.g. unused) still needs an invertible H.
-    return lam if lam > 0 else 1e-12
-
-
-def curvature_key(settings: FitSettings, model_fingerprint: str, pool_fingerprint: str,
-                  layers: list, max_length: int, arithmetic: str) -> dict:
-    """What a saved curvature must match to be reused: exactly what determines the fitted
-    factors: the key fields of :class:`FitSettings` (not its batch size, which does not
-    change the sums). The damping and the shrinkage (:class:`PreconditionSettings`) are
-    applied when preconditioning (:func:`apply_damping`), so a new ``--damping`` or
-    ``--shrinkage`` reuses the fit. ``arithmetic``
-    is how the fit computed (:func:`prism_select.precision.fit_arithmetic`: the weights'
-    dtype, and whether ``--precision split32`` was active)."""
-    return {
-        "settings": key_of(settings, FitSettings),
-        "model_fingerprint": model_fingerprint,
-        "pool_fingerprint": pool_fingerprint,
-        "layers_key": sha256_json(layers),
-        "max_length": max_length,
-        "arithmetic": arithmetic,
-    }
-
-
-def apply_damping(cur: Curvature, settings: PreconditionSettings) -> Curvature:
-    """Set each layer's shrinkage weight (EK-FAC) and then its damping from ``settings``
-    (explicit, or the heuristic on the layer's eigenvalues, which the shrinkage leaves at
-    the same mean, plus their noise under ``damping_noise``). A curvature saved without
-    the statistics of either raises :class:`CacheError` when ``settings`` asks for one."""
-    if cur.kind == "identity" or not cur.tensors:
-        return cur
-    if cur.kind == "ekfac":
-        wanted = settings.shrinkage != "off" or settings.damping_noise
-        if wanted and any(f"{n}::LambdaVar" not in cur.tensors for n in cur.layers):
-            raise CacheError("the saved EK-FAC curvature predates the statistics of the shrinkage and the noise "
-                             "damping (lamA, lamS, LambdaVar)")
-        cur.shrinkage = {n: _shrinkage(settings, cur, n) for n in cur.layers}
-    cur.damping = {n: _damping(settings, cur.eigenvalues(n), cur.tensors.get(f"{n}::LambdaVar"))
-                   for n in cur.layers}
-    return cur
-
-
-def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_root,
-                          model_fingerprint, pool_fingerprint, max_length, device=None, progress=True,
-                          cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model",
-                          groups: list | None = None, store: str = "device", on_group=None,
-                          cache_max_bytes: int | None = None, kernels: Kernels = DEFAULT_KERNELS,
-                          offload: bool | None = None, on_spill=None, scores: FitScores | None = None,
-                          sharded_sums: str = "step"):
-    """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
-    and save it (``timings``, ``precision``, ``groups``, ``store``, ``offload``, ``on_group``,
-    ``on_spill``, ``scores`` and ``sharded_sums`` as in :func:`fit_curvature`; a reused curvature is handed to
-    ``on_group`` whole, and does not score).
-
-    The cache (:mod:`prism_select.cache`) is bounded by ``cache_max_bytes``: older entries
-    are evicted to make room, and a curvature larger than the bound, a ``transient`` one,
-    or one whose write fails (disk full) is not kept: the run goes on with it in memory.
-    Returns ``(curvature, directory, reused)``.
-    """
-    from pathlib import Path
-
-    from .. import cache
-
-    key = curvature_key(settings, model_fingerprint, pool_fingerprint, list(modules), max_length,
-                        fit_arithmetic(model, precision))
-    directory = Path(cache_root) / sha256_json(key)[:24]
-    # Under torchrun the fit is collective: reuse only if every rank loads the saved copy
-    # (a cache directory that is not shared by all nodes means fitting again).
-    cur = None
-    # a transient plan means the whole curvature does not fit host memory: never load it
-    if settings.kind != "identity" and store != "transient" \
-            and distributed.all_or_nothing((directory / "curvature.json").exists()):
-        try:
-            cur = apply_damping(Curvature.load(directory, expect=key, device="cpu" if store != "device" else device),
-                                settings)
-        except CacheError as exc:
-            log.warning("%s; fitting again", exc)
-    if distributed.all_or_nothing(cur is not None):
-        log.info("reusing curvature from %s", directory)
-        cache.touch(directory)
-        if on_group is not None:
-            on_group(list(cur.layers), cur)
-        return cur, directory, True
-    spill_dir = None  # the spill goes where the cache is (a disk, not a RAM-backed /tmp)
-    try:
-        Path(cache_root).mkdir(parents=True, exist_ok=True)
-        spill_dir = str(cache_root)
-    except OSError:
-        pass
-    cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
-                        cuda_graphs=cuda_graphs, timings=timings, precision=precision, groups=groups,
-                        store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels, offload=offload,
-                        on_spill=on_spill, scores=scores, sharded_sums=sharded_sums)
-    if settings.kind == "identity":
-        return cur, directory, False
-    if store == "transient":
-        log.info("the curvature was not kept (transient memory plan), so it is not cached")
-        return cur, None, False
-    if cur.meta.get("owners"):
-        log.info("the curvature's factors are sharded over the ranks (FSDP), so it is not cached")
-        return cur, None, False
-    size = sum(t.numel() * t.element_size() for t in cur.tensors.values())
-    root = Path(cache_root).parent
-    room = True
-    if distributed.is_main():
-        room = cache.make_room(root, size, cache_max_bytes, keep=[directory])
-        if not room:
-            log.warning("the fitted curvature (%s) does not fit the cache (--cache-max-gb, or the free disk "
-                        "space under %s): it is used from memory and not saved", cache.format_size(size), root)
-    if distributed.all_or_nothing(room):
-        saved = cache.guarded_write(directory, lambda: cur.save(directory, key), "the fitted curvature")
-        return cur, directory if saved else None, False
-    return cur, None, False

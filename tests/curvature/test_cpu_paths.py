@@ -266,7 +266,7 @@ def test_loaded_curvature_preconditions_as_the_fitted_one_reading_a_layer_at_a_t
     import weakref
 
     from prism_select.curvature.base import Curvature, HostTensorFiles
-    from prism_select.curvature.fit import apply_damping
+    from prism_select.curvature.base import apply_damping
     from prism_select.curvature.base import PreconditionSettings
     fitted = _saved_curvature(model, modules, tok, encoded_pool, tmp_path, kind)
     g = {n: torch.randn(m.weight.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
