@@ -124,7 +124,7 @@ def main():
     wrap(ifguide, "token_scores", "IF-Guide token scores")
     if hasattr(fit._Spill, "scores"):  # exact scores from the fit's spill (the pool is the fit sample)
         wrap(fit._Spill, "scores", "scoring (from the fit's spill)")
-    # fit.FitScores (the pool scored inside the spilled fit's tasks) is not a stage of its own:
+    # spill.FitScores (the pool scored inside the spilled fit's tasks) is not a stage of its own:
     # its work runs on the fit's workers, within "fit: factors, eigh, eigenvalues (spill)"
     # (benchmarks/fit_phases.py times it per thread)
     c, w, q = time.process_time(), time.perf_counter(), runqueue_wait_s()

@@ -204,7 +204,7 @@ class RunContext:
     _curvature: Curvature | None = None
     _fit_timings: dict = field(default_factory=dict)  # the fit's running phase totals
     _alloc_retries: int = 0  # the CUDA allocator's retries when the last stage ended (stage_peak)
-    #: the fit's spill (:meth:`prism_select.curvature.fit._Spill.scores`) when it holds the
+    #: the fit's spill (:meth:`prism_select.curvature.spill._Spill.scores`) when it holds the
     #: scoring loss's gradients of every pool example (:meth:`_spill_scores_pool`)
     _spill: object | None = None
 
@@ -259,7 +259,7 @@ class RunContext:
         the memory plan says (groups of layers, where the fitted tensors are kept).
         ``on_group(layers, part)`` sees each finished group; ``groups`` restricts a
         transient fit to these groups (the others were finished before a resume).
-        ``fit_scores`` (:class:`prism_select.curvature.fit.FitScores`): handed to the fit
+        ``fit_scores`` (:class:`prism_select.curvature.spill.FitScores`): handed to the fit
         when its spill would hold the scoring gradients (:meth:`_spill_scores_pool`)."""
         if self._curvature is None or on_group is not None:
             from .curvature.fit import fit_indices
@@ -342,14 +342,14 @@ class RunContext:
 
     def _score_in_fit(self, direction: dict):
         """The pool's scores along ``H^-1 direction`` formed by the fit itself
-        (:class:`prism_select.curvature.fit.FitScores`), when the curvature is still to be
+        (:class:`prism_select.curvature.spill.FitScores`), when the curvature is still to be
         fitted and its spill would hold the scoring gradients (:meth:`_spill_scores_pool`):
         no ``v`` is formed and no scoring pass runs. Returns ``(scores, direction)``:
         ``scores`` None when the fit did not score (the curvature came from the cache, or
         the kept products would be too large), and the direction then left to precondition
         (waiting in a temporary file during the fit, as :meth:`last_use` does; the run's
         curvature is the fitted one)."""
-        from .curvature.fit import FitScores
+        from .curvature.spill import FitScores
         if (self._curvature is not None or not self.settings.scores_from_fit or not direction
                 or self._transient() or self.execution.sharded
                 or any(t.device.type != "cpu" for t in direction.values())):

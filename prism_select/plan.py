@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import PrismError
-from .curvature.fit import RECENT_INPUTS, REDUCE_WINDOW
+from .curvature.stats import RECENT_INPUTS, REDUCE_WINDOW
 from .gradients import layer_shape
 from .settings import GiB, parse_bytes  # noqa: F401 (parse_bytes: part of the plan's interface)
 

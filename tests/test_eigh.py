@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from prism_select.curvature import eigh as eigh_mod
-from prism_select.curvature import fit
+from prism_select.gradients import side_by_side
 
 EIGH32_RTOL = 1e-4  # float32 eigenvalues of a well-scaled factor, relative to the largest
 
@@ -88,7 +88,7 @@ def test_small_cpu_factors_are_decomposed_side_by_side_like_one_by_one(monkeypat
 
 
 def test_side_by_side_runs_one_thread_workers_and_restores_the_threads():
-    """``fit._side_by_side`` (the spilled fit's and scores' task runner): results in the items'
+    """``gradients.side_by_side`` (the spilled fit's and scores' task runner): results in the items'
     order, every worker at one thread, this thread's setting restored."""
     import threading
 
@@ -100,7 +100,7 @@ def test_side_by_side_runs_one_thread_workers_and_restores_the_threads():
         def fn(i):
             seen.append((threading.get_ident(), torch.get_num_threads()))
             return i * i
-        assert list(fit._side_by_side(fn, list(range(7)))) == [i * i for i in range(7)]
+        assert list(side_by_side(fn, list(range(7)))) == [i * i for i in range(7)]
         assert {n for _, n in seen} == {1} and threading.get_ident() not in {t for t, _ in seen}
         assert torch.get_num_threads() == 2
     finally:

@@ -4,6 +4,7 @@ float64 against unpadded eager scores; capture and replay against eager on a GPU
 import pytest
 import torch
 
+from prism_select.curvature import factors as factors_mod, spill as spill_mod, stats as stats_mod
 from prism_select import engine
 from prism_select.data.tokenize import encode
 from prism_select.errors import ConfigError
@@ -189,7 +190,7 @@ def test_fit_through_padded_graph_path_equals_plain_fit(monkeypatch, model, modu
 
     monkeypatch.setattr(fit_mod, "graphs_wanted", lambda mode, dev, model=None: True)
     monkeypatch.setattr(fit_mod, "GraphedScorer", functools.partial(padded))
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)  # the CPU's spill would spare the second pass
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)  # the CPU's spill would spare the second pass
     got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, cuda_graphs="on")
     assert len(used) == 2  # both passes went through the padded path
     for k, t in ref.tensors.items():
@@ -207,10 +208,10 @@ def test_fit_warmup_batch_adds_nothing(model, modules, tok, encoded_pool):
     from prism_select.engine import tap_linears
     from prism_select.graphs import pad_batch
     from prism_select.gradients import layer_shape
-    stats = fit_mod._Stats(torch.float64)
+    stats = stats_mod._Stats(torch.float64)
     A = {n: torch.zeros(layer_shape(m)[1], layer_shape(m)[1], dtype=torch.float64) for n, m in modules.items()}
     S = {n: torch.zeros(layer_shape(m)[0], layer_shape(m)[0], dtype=torch.float64) for n, m in modules.items()}
-    taps = {n: fit_mod._CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
+    taps = {n: factors_mod._CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
     step = fit_mod._FitStep(model, stats, "empirical", 0, None)
     b = pad_batch(engine.collate_to(encoded_pool[:3], tok.pad_token_id, None), 4, 64, tok.pad_token_id)
     with tap_linears(model, taps):

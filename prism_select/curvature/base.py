@@ -28,7 +28,7 @@ DEFAULT_SHRINKAGE = "off"
 
 @dataclass
 class FitSettings:
-    """What determines the fitted factors (:func:`prism_select.curvature.fit.curvature_key`
+    """What determines the fitted factors (:func:`prism_select.curvature.store.curvature_key`
     keys the saved fit by these, less ``batch_size``, which does not change the sums).
 
     fisher: "empirical" (gradients at the data's own labels, as kronfluence's default) or
@@ -66,7 +66,7 @@ def _shrinkage_value(text):
 @dataclass
 class PreconditionSettings:
     """How the fitted ``H`` is damped and shrunk before it is inverted; applied to a fit
-    (:func:`prism_select.curvature.fit.apply_damping`), so none of it is in the fit's key.
+    (:func:`apply_damping`), so none of it is in the fit's key.
 
     damping: explicit ``lambda`` added to every eigenvalue; ``None`` uses the heuristic
         ``damping_factor * mean eigenvalue`` of each layer (for diagonal, the mean
