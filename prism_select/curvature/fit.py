@@ -272,6 +272,67 @@ def factors_sharded(model, kind: str) -> bool:
     return kind in ("ekfac", "kfac") and distributed.active() and sharding.is_sharded(model)
 
 
+def _diagonal(model, modules, encoded, batches, n_examples, stats, zeros, pass_args) -> dict:
+    """The diagonal curvature ``(1/N) sum_n G_n**2`` of every layer, in one pass."""
+    D = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
+    taps = {n: _DiagTap(m, stats, D[n]) for n, m in modules.items()}
+    _passes(model, taps, stats, encoded, batches, *pass_args)
+    distributed.all_reduce_sum(list(D.values()))
+    tensors = {}
+    for n in modules:
+        tensors[f"{n}::D"] = D[n] / n_examples
+        check_finite(tensors[f"{n}::D"], "the diagonal curvature", layer=n)
+    return tensors
+
+
+def _decompose(A: dict, S: dict, reps: list, own: list, owners, compute, desc: str, progress: bool):
+    """Eigendecompose each distinct ``A`` (one per representative in ``reps``) and each
+    owned layer's ``S``, freeing each factor (its entry set to None) once it is decomposed.
+    Returns ``(results, tasks, where)``: ``(kind, layer) -> (eigenvalues, eigenbasis)``, the
+    tasks in order, and the rank that decomposes each (the others' results are empty
+    tensors until :func:`prism_select.distributed.share_from_owners`)."""
+    me = distributed.rank()
+    # Tasks: one eigh per distinct A and one per layer's S. Under torchrun they are
+    # spread over the ranks by cost (~size^3, largest first), and each result is then
+    # broadcast by the rank that computed it; sharded factors are decomposed by their owner.
+    # Each factor is freed once decomposed.
+    tasks = [("A", r) for r in reps] + [("S", n) for n in own]
+    where = distributed.balance([(A[n] if k == "A" else S[n]).shape[0] ** 3 for k, n in tasks]) \
+        if owners is None else [me] * len(tasks)
+    results = {}
+
+    def factor(i):
+        k, n = tasks[i]
+        return A[n] if k == "A" else S[n]
+
+    mine = [i for i, r in enumerate(where) if r == distributed.rank()]
+    with tqdm(total=len(tasks), desc=desc, unit="factor", leave=False,
+              disable=not progress or not distributed.is_main()) as bar:
+        for i in (i for i, r in enumerate(where) if r != distributed.rank()):
+            M = factor(i)
+            results[tasks[i]] = (M.new_empty(M.shape[0]), torch.empty_like(M))
+            k, n = tasks[i]
+            (A if k == "A" else S)[n] = None  # another rank decomposes it
+            del M
+        for i, (lam, Q) in _eigh_many(factor, mine):
+            k, n = tasks[i]
+            # row-major: LAPACK's column-major Q would be copied whole when the curvature is
+            # saved (+0.8 GB of host memory for the embedded model)
+            results[(k, n)] = (lam.clamp(min=0).to(compute), Q.to(compute).contiguous())
+            on_host = Q.device.type == "cpu"
+            del lam, Q
+            (A if k == "A" else S)[n] = None  # each factor is freed once decomposed
+            if on_host:
+                # the freed factor, LAPACK's column-major Q and the workers' scratch are
+                # holes in the heap arenas that the next factor's sizes do not fill:
+                # untrimmed, the phase rose ~560 MiB above the decomposed curvature on the
+                # embedded model (dropped at its end), the highest plateau of the CPU fit
+                release_host_memory()
+            bar.update()
+        bar.update(len(tasks) - len(mine))
+    return results, tasks, where
+
+
 def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id, device, progress, timings,
                cuda_graphs, tag="", offload=False, spill_dir=None, owners: dict | None = None, on_spill=None,
                scores: FitScores | None = None, local_sums: bool = False):
@@ -308,14 +369,9 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
 
     if settings.kind == "diagonal":
         t0 = time.perf_counter()
-        D = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
-        taps = {n: _DiagTap(m, stats, D[n]) for n, m in modules.items()}
-        _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-                "curvature (diagonal)" + tag, progress, cuda_graphs, settings.batch_size)
-        distributed.all_reduce_sum(list(D.values()))
-        for n in layers:
-            tensors[f"{n}::D"] = D[n] / n_examples
-            check_finite(tensors[f"{n}::D"], "the diagonal curvature", layer=n)
+        pass_args = (settings.fisher, settings.seed, device, pad_id, "curvature (diagonal)" + tag, progress,
+                     cuda_graphs, settings.batch_size)
+        tensors = _diagonal(model, modules, encoded, batches, n_examples, stats, zeros, pass_args)
         sync()
         timings["factors_s"] += time.perf_counter() - t0
         return tensors
@@ -438,44 +494,7 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     for n in own:  # the duplicates' accumulators are not needed any more
         if n != reps[group_of[n]]:
             A[n] = None
-    # Tasks: one eigh per distinct A and one per layer's S. Under torchrun they are
-    # spread over the ranks by cost (~size^3, largest first), and each result is then
-    # broadcast by the rank that computed it; sharded factors are decomposed by their owner.
-    # Each factor is freed once decomposed.
-    tasks = [("A", r) for r in reps] + [("S", n) for n in own]
-    where = distributed.balance([(A[n] if k == "A" else S[n]).shape[0] ** 3 for k, n in tasks]) \
-        if owners is None else [me] * len(tasks)
-    results = {}
-
-    def factor(i):
-        k, n = tasks[i]
-        return A[n] if k == "A" else S[n]
-
-    mine = [i for i, r in enumerate(where) if r == distributed.rank()]
-    with tqdm(total=len(tasks), desc="eigendecompositions" + tag, unit="factor", leave=False,
-              disable=not progress or not distributed.is_main()) as bar:
-        for i in (i for i, r in enumerate(where) if r != distributed.rank()):
-            M = factor(i)
-            results[tasks[i]] = (M.new_empty(M.shape[0]), torch.empty_like(M))
-            k, n = tasks[i]
-            (A if k == "A" else S)[n] = None  # another rank decomposes it
-            del M
-        for i, (lam, Q) in _eigh_many(factor, mine):
-            k, n = tasks[i]
-            # row-major: LAPACK's column-major Q would be copied whole when the curvature is
-            # saved (+0.8 GB of host memory for the embedded model, session 8)
-            results[(k, n)] = (lam.clamp(min=0).to(compute), Q.to(compute).contiguous())
-            on_host = Q.device.type == "cpu"
-            del lam, Q
-            (A if k == "A" else S)[n] = None  # each factor is freed once decomposed
-            if on_host:
-                # the freed factor, LAPACK's column-major Q and the workers' scratch are
-                # holes in the heap arenas that the next factor's sizes do not fill:
-                # untrimmed, the phase rose ~560 MiB above the decomposed curvature on the
-                # embedded model (dropped at its end), the highest plateau of the CPU fit
-                release_host_memory()
-            bar.update()
-        bar.update(len(tasks) - len(mine))
+    results, tasks, where = _decompose(A, S, reps, own, owners, compute, "eigendecompositions" + tag, progress)
     if owners is None:
         distributed.share_from_owners([t for kn in tasks for t in results[kn]], [r for r in where for _ in range(2)])
     for n in own:  # layers reading one input share its eigenbasis until _unshare_inputs
