@@ -79,7 +79,7 @@ def pad_batch(batch: dict, rows: int, length: int, pad_id: int, out: dict | None
 
 
 #: ``auto`` captures graphs for models below this many parameters: measured on an H200
-#: (docs/performance.md, runs 5-7), graphs speed a 135M and a 0.3B model's steps 1.2-2.4x
+#: (docs/performance.md), graphs speed a 135M and a 0.3B model's steps 1.2-2.4x
 #: (the host's kernel launches bound them) and slow a 1.1B model's by 3-7% (padding,
 #: capture), where the GPU is already the bottleneck
 AUTO_MAX_PARAMS = 1_000_000_000

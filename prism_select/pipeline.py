@@ -687,7 +687,7 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     accumulate = d.get("accumulate", "device") if ex.precision != "split32" else "device"
     # one half's graph alive at a time: under a bounded plan (GPU) and on the CPU (host
     # memory: with both halves' activations at once the direction stage reached 2.7-2.9 GB
-    # at 60 records, model and gradients included, session 9), for one more forward of the
+    # at 60 records, model and gradients included), for one more forward of the
     # rejected half without a graph
     one_graph = ctx.plan is not None and ctx.plan.bounded or ctx.lm.device.type == "cpu"
     with direction_policy(ctx.lm.model, ex.precision, ex.kernels):

@@ -331,7 +331,7 @@ class HostTensorFiles(MutableMapping):
     loaded curvature that stays on disk until used. Each ``self[key]`` reads that tensor
     into host memory of its own by plain file reads (nothing is kept here), so a curvature
     used layer by layer holds about one layer at a time, not the whole file (1.5 GB for the
-    embedded model's EK-FAC at 1,000 records; docs/performance.md, Session 18). Reading,
+    embedded model's EK-FAC at 1,000 records; docs/performance.md). Reading,
     not mapping: a mapping's pages, once read, stay resident until the mapping is gone.
 
     The files are opened (and their headers and sizes checked) here and held open until

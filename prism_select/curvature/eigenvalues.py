@@ -60,7 +60,7 @@ class _LambdaTap(Tap):
         if bq.device.type == "cpu" and bq.dtype == st.acc:
             # example by example into one reused buffer: a (B, out, in) product, squared
             # into a second one, cost three times the GEMMs on the CPU (memory traffic
-            # and page faults; session 8)
+            # and page faults)
             R = st.scratch(bq.shape[-1], aq.shape[-1])
             flat = R.view(-1)
             for n in range(bq.shape[0]):

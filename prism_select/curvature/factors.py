@@ -21,7 +21,7 @@ def _key(x, *extra):
 #: on the CPU a factor ``a^T a`` wider than this is formed block by block, the lower block
 #: triangle only (``_gram_into``), and mirrored once after the pass (``_mirror``): about
 #: 0.65 of the full product's time at 576 and 1536 wide (measured on a 2-core EPYC,
-#: benchmarks/results/INDEX.md, session 8). GPUs keep the one full product.
+#: benchmarks/results/INDEX.md). GPUs keep the one full product.
 GRAM_BLOCK = 384
 
 

@@ -15,6 +15,17 @@ diagonal of ``F`` in that eigenbasis. The same pass sums the fourth powers, so t
 entries; with the K-FAC eigenvalues ``lamA``, ``lamS``, which EK-FAC keeps, it sets the
 shrinkage weight and the noise damping (:class:`CurvatureSettings`).
 ``diagonal`` uses ``(1/N) sum_n G_n**2``.
+
+This module runs the passes and puts a fit together; the pieces live beside it:
+
+    factors.py      the factor pass's Gram products and taps, layers sharing one input
+    eigh.py         the factors' eigendecompositions and their thread schedule
+    eigenvalues.py  EK-FAC's eigenvalue pass (Lambda, LambdaVar)
+    stats.py        the passes' sums and their reduction across ranks
+    sharded.py      the taps of a sharded (FSDP2) fit
+    spill.py        the CPU fit's host spill, and scores formed from it
+    base.py         Curvature, the settings, damping and shrinkage
+    store.py        the cache key and load-or-fit
 """
 
 from __future__ import annotations
@@ -108,7 +119,7 @@ class _FitStep:
 
 #: under ``cuda_graphs="auto"`` a fit pass is captured only when it replays each padded
 #: shape at least this often on average: a capture costs a few steps, and a short or
-#: very varied fit never earns it back (docs/performance.md, runs 6-9)
+#: very varied fit never earns it back (docs/performance.md)
 FIT_GRAPH_MIN_REPLAYS = 8
 
 

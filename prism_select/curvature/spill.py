@@ -347,7 +347,7 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
         lam, Q = _eigh(A)
         del A
         # row-major: LAPACK's column-major Q would be copied whole when the curvature is
-        # saved (+0.8 GB of host memory for the embedded model, session 8)
+        # saved (+0.8 GB of host memory for the embedded model)
         lamA, QA = lam.clamp(min=0).to(compute), Q.to(compute).contiguous()
         for n in layers:
             Sn = S.pop(n).div_(n_examples)  # lower triangle, as A
