@@ -35,6 +35,8 @@ from safetensors.torch import load_file, save_file
 from . import __version__, distributed, sharding
 from .curvature import Curvature, CurvatureSettings, load_or_fit_curvature
 from .curvature.base import DEFAULT_DAMPING_FACTOR, DEFAULT_SHRINKAGE
+from .curvature.fit import fit_indices
+from .curvature.spill import FitScores
 from .data import load_pool, load_targets
 from .data.readers import detect_format, scan_pool
 from .data.records import InvalidRecord, Loaded
@@ -46,6 +48,7 @@ from .data.tokenize import (
     tokenizer_fingerprint,
 )
 from .errors import CacheError, ConfigError, InputError, OutOfResourceError, OutputError, resource_error
+from .engine import cpu_response_split, split_causal_lm
 from .execution import ExecutionContext, direction_kernels
 from .execution import deterministic as deterministic_kernels
 from .execution import resolve as resolve_execution
@@ -262,7 +265,6 @@ class RunContext:
         ``fit_scores`` (:class:`prism_select.curvature.spill.FitScores`): handed to the fit
         when its spill would hold the scoring gradients (:meth:`_spill_scores_pool`)."""
         if self._curvature is None or on_group is not None:
-            from .curvature.fit import fit_indices
             t = time.perf_counter()
             cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
             fit = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
@@ -329,8 +331,6 @@ class RunContext:
         tokens per example), in one group of layers, in the model's own arithmetic, both
         with the same loss route (the logits at response positions, or the model's), and
         the pool is scored in memory by the exact route."""
-        from .curvature.fit import fit_indices
-        from .engine import cpu_response_split, split_causal_lm
         st, ex = self.settings, self.execution
         model = self.lm.model
         return (st.scores_from_fit and st.method in DIRECTION_METHODS
@@ -349,7 +349,6 @@ class RunContext:
         the kept products would be too large), and the direction then left to precondition
         (waiting in a temporary file during the fit, as :meth:`last_use` does; the run's
         curvature is the fitted one)."""
-        from .curvature.spill import FitScores
         if (self._curvature is not None or not self.settings.scores_from_fit or not direction
                 or self._transient() or self.execution.sharded
                 or any(t.device.type != "cpu" for t in direction.values())):

@@ -61,9 +61,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .cache import format_size
+from .engine import batch_losses, causal_only, collate_to, split_causal_lm
 from .errors import PrismError
 from .curvature.stats import RECENT_INPUTS, REDUCE_WINDOW
-from .gradients import layer_shape
+from .gradients import activation_grad_mode, layer_shape
 from .settings import GiB, parse_bytes  # noqa: F401 (parse_bytes: part of the plan's interface)
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,6 @@ class PlanError(PrismError):
 
 
 def _gib(b: float) -> str:
-    from .cache import format_size
     return format_size(b)
 
 
@@ -223,8 +224,6 @@ def measure_example_bytes(model, example, pad_id: int, device, copies: int = 1) 
 def example_step(model, example, pad_id: int, device, copies: int = 1) -> None:
     """The step :func:`measure_example_bytes` measures: one forward and activation backward
     of ``copies`` of ``example`` (tests measure it on the CPU with their own tracker)."""
-    from .engine import batch_losses, causal_only, collate_to, split_causal_lm
-    from .gradients import activation_grad_mode
 
     b = collate_to([example] * copies, pad_id, torch.device(device))
     with activation_grad_mode(model), torch.enable_grad():

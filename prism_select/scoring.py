@@ -32,14 +32,16 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from . import distributed, profiling
-from .data.tokenize import collate, token_losses
-from .errors import CacheError, ConfigError
+from .data.readers import iter_pool
+from .data.records import InvalidRecord
+from .data.tokenize import collate, encode, token_losses
+from .errors import CacheError, ConfigError, InputError
 from .execution import DEFAULT_KERNELS, Kernels
 from .engine import ExactScorer, collate_to, cpu_response_split
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
 from .precision import check_precision, precision_policy
-from .io import atomic_write_json
+from .io import atomic_open, atomic_write_json
 from .settings import DEFAULT_CHUNK_SIZE
 
 #: On the CPU a chunk also holds at most this many FLOPs of scoring work, counted as
@@ -410,11 +412,6 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
 
 def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_invalid: bool, invalid: list):
     """Yield lists of ``(id, Encoded)`` of at most ``window`` valid records, in file order."""
-    from .data.readers import iter_pool
-    from .data.records import InvalidRecord
-    from .data.tokenize import encode
-    from .errors import InputError
-
     def bad(err):
         invalid.append(InvalidRecord.of(err, pool_path))
 
@@ -506,7 +503,6 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
         rank[order] = np.arange(1, n + 1)
         del order
         if distributed.is_main():
-            from .io import atomic_open
             with open(ids_path) as src, atomic_open(out_path) as dst:
                 for i, line in enumerate(src):
                     dst.write(_json.dumps({"id": _json.loads(line), "score": float(scores[i]),
