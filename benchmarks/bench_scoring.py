@@ -1,8 +1,7 @@
 """One-process benchmark of every route, side by side on the same model, batch and length.
 
 Measures, in this order: plain forward (inference), forward+backward (a training step,
-HF loss), exact scoring (the fused route and the hook-based route, ``impl="hooks"``), fast scoring
-(central finite differences ``fd``, ``fd-hp``, forward-mode ``jvp``), the EK-FAC fit
+HF loss), exact scoring (the fused route and the hook-based route, ``impl="hooks"``), the EK-FAC fit
 (factors pass, eigendecompositions, eigenvalue pass) and, if importable, kronfluence's
 EK-FAC. Prints a table (ex/s, real tokens/s, ratios, peak GPU memory) and writes JSON.
 
@@ -11,7 +10,7 @@ Models: ``--config 0.3b`` (Llama, hidden 1024, 16 layers, 271M params), ``1b``
 (CPU smoke test), random init, random tokens of
 ``--seq-len``; or ``--config embedded`` (SmolLM2-135M-Instruct, GGUF) on real text
 (``--pool`` GSM8K jsonl), where PRISM's own direction (``--targets``) and EK-FAC give
-``v`` and the fast routes are compared to the exact one (Pearson, Spearman, top-5%).
+``v`` and the other routes are compared to the exact one (Pearson, Spearman, top-5%).
 
     python benchmarks/bench_scoring.py --config 0.3b --seq-len 512 --batch 16 --n 512 --json out.json
 """
@@ -32,7 +31,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prism_select import engine  # noqa: E402
-from prism_select import fast  # noqa: E402
 from prism_select.curvature import CurvatureSettings, fit_curvature  # noqa: E402
 from prism_select.data.tokenize import Encoded, collate, encode  # noqa: E402
 from prism_select.execution import Kernels  # noqa: E402
@@ -256,10 +254,8 @@ def main():
                     help="random data: fraction of each sequence that is prompt (no loss); 0 = all response")
     ap.add_argument("--fit-n", type=int, default=512, help="examples for the EK-FAC fit timing (0 = skip)")
     ap.add_argument("--routes", default="forward,fwd_bwd,exact,exact_bmm,exact_mulsum,exact_fusedce,"
-                                        "exact_hooks,fd,fd_fusedce,fd_hp,jvp,fit,kronfluence")
+                                        "exact_hooks,fit,kronfluence")
     ap.add_argument("--kron-n", type=int, default=None, help="examples for kronfluence's fit (default --fit-n)")
-    ap.add_argument("--fd-eps", default="0.005,0.01,0.02,0.05", help="relative FD steps compared for accuracy")
-    ap.add_argument("--fd32-eps", default="1e-5", help="relative steps of the float32 FD route (fd32)")
     ap.add_argument("--pool", default=None, help="embedded: GSM8K-style jsonl (question/answer)")
     ap.add_argument("--targets", type=int, default=64, help="embedded: target pairs built from the pool file")
     ap.add_argument("--max-length", type=int, default=512)
@@ -454,8 +450,8 @@ def main():
         info["resident_gib_scoring"] = torch.cuda.memory_allocated(dev) / 2**30
         log(f"  resident before scoring (weights + v): {info['resident_gib_scoring']:.2f} GiB")
 
-    def scorer_fn(kind, **kw):
-        sc = make_scorer(model, modules, V, scoring=kind, pad_id=pad_id, device=dev, **kw)
+    def scorer_fn(**kw):
+        sc = make_scorer(model, modules, V, pad_id=pad_id, device=dev, **kw)
         state = {"entered": False}
 
         def f(b):
@@ -469,7 +465,7 @@ def main():
         if name not in routes:
             return
         if impl == "hooks":
-            f, sc = scorer_fn("exact", impl="hooks")
+            f, sc = scorer_fn(impl="hooks")
         else:
             sc = engine.ExactScorer(model, modules, V, fused_loss=fused_loss, kernels=Kernels(rowdot=backend))
             sc.__enter__()
@@ -497,22 +493,11 @@ def main():
     exact_variant("exact_mulsum", "mulsum")
     exact_variant("exact_fusedce", "auto", fused_loss=True)
     exact_variant("exact_hooks", impl="hooks")
-    eps_list = [float(x) for x in a.fd_eps.split(",") if x]
-    def fd_variant(route, mode, fused):
-        if route not in routes:
-            return
-        for i, e in enumerate(eps_list if route != "fd_fusedce" else eps_list[:1]):
-            sc = fast.FDScorer(model, modules, V, fd_eps=e, mode=mode, fused_loss=fused)
-            with sc:
-                run_phase(f"{route}@{e:g}", sc.score, encoded, batches, pad_id, dev, results=R,
-                          warm=2 if i == 0 else 0)
-            del sc
-
-    def lib_route(name, kind, graphs, eps=None, precision="model", split_gemm="two", split_backward=False):
+    def lib_route(name, graphs, precision="model", split_gemm="two", split_backward=False):
         """The library's own scorer, as the CLI builds it (``make_scorer``)."""
-        if name.split("@")[0] not in routes:
+        if name not in routes:
             return
-        sc = make_scorer(model, modules, V, scoring=kind, pad_id=pad_id, device=dev, fd_eps=eps,
+        sc = make_scorer(model, modules, V, pad_id=pad_id, device=dev,
                          cuda_graphs="on" if graphs else "off", batch_size=a.batch, precision=precision,
                          kernels=Kernels(split_gemm=split_gemm, split_backward=split_backward))
         try:
@@ -526,22 +511,16 @@ def main():
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
-    lib_route("lib_exact", "exact", False)
-    lib_route("lib_exact_graphs", "exact", True)
+    lib_route("lib_exact", False)
+    lib_route("lib_exact_graphs", True)
     # --precision residual32: the residual stream in float32, matmuls in the model dtype
-    lib_route("lib_exact_r32", "exact", False, precision="residual32")
-    lib_route("lib_exact_r32_graphs", "exact", True, precision="residual32")
+    lib_route("lib_exact_r32", False, precision="residual32")
+    lib_route("lib_exact_r32_graphs", True, precision="residual32")
     # --precision split32: float32 activations, linear layers as split half-precision GEMMs
-    lib_route("lib_exact_s32", "exact", False, precision="split32")
-    lib_route("lib_exact_s32_graphs", "exact", True, precision="split32")
-    lib_route("lib_exact_s32k_graphs", "exact", True, precision="split32", split_gemm="kcat")
-    lib_route("lib_exact_s32b_graphs", "exact", True, precision="split32", split_backward=True)
-    fd32_eps = [float(x) for x in a.fd32_eps.split(",") if x]
-    for e in fd32_eps:
-        lib_route(f"fd32@{e:g}", "fd32", False, e)
-        lib_route(f"fd32_graphs@{e:g}", "fd32", True, e)
-    for e in eps_list[:1]:
-        lib_route(f"fd_graphs@{e:g}", "fd", True, e)
+    lib_route("lib_exact_s32", False, precision="split32")
+    lib_route("lib_exact_s32_graphs", True, precision="split32")
+    lib_route("lib_exact_s32k_graphs", True, precision="split32", split_gemm="kcat")
+    lib_route("lib_exact_s32b_graphs", True, precision="split32", split_backward=True)
     if "jvp_mixed" in routes:  # hand-written forward-mode JVP, float32 tangent sites (benchmarks/mixed_jvp.py)
         try:
             from mixed_jvp import MixedJVPScorer
@@ -552,23 +531,6 @@ def main():
                 del sc
         except Exception as e:  # a route that cannot run must not lose the others
             R["jvp_mixed"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    fd_variant("fd", "fd", False)
-    fd_variant("fd_fusedce", "fd", True)
-    fd_variant("fd_hp", "fd-hp", False)
-    if "jvp" in routes:
-        prev = getattr(model.config, "_attn_implementation", None)
-        try:
-            try:
-                sc = fast.JVPScorer(model, modules, V)
-                run_phase("jvp", sc.score, encoded, batches[:8], pad_id, dev, results=R)
-                if "error" in R.get("jvp", {}) and hasattr(model, "set_attn_implementation"):
-                    model.set_attn_implementation("eager")
-                    run_phase("jvp(eager)", sc.score, encoded, batches[:8], pad_id, dev, results=R)
-            finally:
-                if prev and hasattr(model, "set_attn_implementation"):
-                    model.set_attn_implementation(prev)
-        except Exception as e:
-            R["jvp"] = {"error": str(e)}
     if "kronfluence" in routes and a.fit_n > 0:
         try:
             import kronfluence  # noqa: F401
@@ -588,19 +550,6 @@ def main():
             import traceback
             traceback.print_exc()
             R["kronfluence_fit"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-
-    if "randv" in routes:  # the fast route on a random direction, for contrast with PRISM's v
-        g = torch.Generator(device="cpu").manual_seed(3)
-        Vr = {n: (torch.randn(tuple(V[n].shape), generator=g) * 1e-3).to(dev) for n in modules}
-        sc = engine.ExactScorer(model, modules, Vr)
-        with sc:
-            run_phase("exact[randv]", sc.score, encoded, batches, pad_id, dev, results=R)
-        sc = fast.FDScorer(model, modules, Vr, fd_eps=eps_list[0], mode="fd")
-        with sc:
-            run_phase(f"fd[randv]@{eps_list[0]:g}", sc.score, encoded, batches, pad_id, dev, results=R)
-        if "_scores" in R.get("exact[randv]", {}) and "_scores" in R.get(f"fd[randv]@{eps_list[0]:g}", {}):
-            R["acc_randv"] = accuracy(R["exact[randv]"]["_scores"], R[f"fd[randv]@{eps_list[0]:g}"]["_scores"])
-            log(f"accuracy fd vs exact on a random direction: {R['acc_randv']}")
 
     # -- accuracy against the exact route
     ref_name = "exact" if "_scores" in R.get("exact", {}) else None

@@ -63,7 +63,7 @@ def main():
     ap.add_argument("argv", nargs="+", help="the prism-select command line (after --)")
     a = ap.parse_args()
     from prism_select import cli, pipeline
-    from prism_select.curvature import base, fit
+    from prism_select.curvature import base, fit, store
 
     rec: dict = {}
     stack = ["start"]
@@ -112,8 +112,9 @@ def main():
     if hasattr(fit, "_finish_lambda"):
         wrap(fit, "_finish_lambda", "fit: Lambda and its variance")
     wrap(base.Curvature, "save", "curvature save")
-    wrap(fit, "fit_curvature", "fit_curvature (all)")
-    wrap(fit, "apply_damping", "apply damping")
+    wrap(store, "fit_curvature", "fit_curvature (all)")
+    wrap(fit, "apply_damping", "apply damping")  # the fit's
+    wrap(store, "apply_damping", "apply damping")  # a reused fit's
     wrap(pipeline, "load_or_fit_curvature", "curvature (all)")
     wrap(base.Curvature, "precondition", "precondition")
     wrap(pipeline, "score_encoded", "scoring")
@@ -123,7 +124,7 @@ def main():
     wrap(ifguide, "token_scores", "IF-Guide token scores")
     if hasattr(fit._Spill, "scores"):  # exact scores from the fit's spill (the pool is the fit sample)
         wrap(fit._Spill, "scores", "scoring (from the fit's spill)")
-    # fit.FitScores (the pool scored inside the spilled fit's tasks) is not a stage of its own:
+    # spill.FitScores (the pool scored inside the spilled fit's tasks) is not a stage of its own:
     # its work runs on the fit's workers, within "fit: factors, eigh, eigenvalues (spill)"
     # (benchmarks/fit_phases.py times it per thread)
     c, w, q = time.process_time(), time.perf_counter(), runqueue_wait_s()

@@ -41,7 +41,7 @@ def _child(directory: str, mode: str, threads: int) -> dict:
     import torch
 
     from prism_select.curvature.base import Curvature, PreconditionSettings
-    from prism_select.curvature.fit import apply_damping
+    from prism_select.curvature.base import apply_damping
     from prism_select.gradients import release_host_memory
 
     from safetensors import safe_open

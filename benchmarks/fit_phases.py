@@ -34,7 +34,7 @@ def main():
     ap.add_argument("argv", nargs="+", help="the prism-select command line (after --)")
     a = ap.parse_args()
     from prism_select import cli, pipeline
-    from prism_select.curvature import base, fit
+    from prism_select.curvature import base, eigenvalues, eigh, factors, fit, sharded, spill
 
     acc: dict = collections.defaultdict(lambda: [0.0, 0])
     lock = threading.Lock()
@@ -55,19 +55,22 @@ def main():
                     acc[lab][1] += 1
         setattr(owner, name, g)
 
-    wrap(fit, "_eigh", lambda x: f"eigh {x[0].shape[0]}")
-    wrap(fit, "_input_product", lambda x: f"A product {x[0].shape[-1]}")
-    wrap(fit, "_gram_into", lambda x: f"S gram {x[1].shape[-1]}")
-    wrap(fit._Spill, "read", "spill read")
-    wrap(fit, "_rotate", lambda x: f"rotate {x[1].shape[0]}")
-    wrap(fit._LambdaTap, "add", lambda x: f"lambda add {x[2].shape[-1]}x{x[1].shape[-1]}")
-    wrap(fit, "release_host_memory", "release_host_memory")
-    wrap(fit, "check_finite", "check_finite")
+    # each name where its callers look it up (the fit's modules import it by name)
+    for mod in (fit, eigh, factors, eigenvalues, sharded, spill):
+        for name, label in (("_eigh", lambda x: f"eigh {x[0].shape[0]}"),
+                            ("_input_product", lambda x: f"A product {x[0].shape[-1]}"),
+                            ("_gram_into", lambda x: f"S gram {x[1].shape[-1]}"),
+                            ("_rotate", lambda x: f"rotate {x[1].shape[0]}"),
+                            ("release_host_memory", "release_host_memory"),
+                            ("check_finite", "check_finite")):
+            if hasattr(mod, name):
+                wrap(mod, name, label)
+    wrap(spill._Spill, "read", "spill read")
+    wrap(eigenvalues._LambdaTap, "add", lambda x: f"lambda add {x[2].shape[-1]}x{x[1].shape[-1]}")
     wrap(pipeline, "compute_preference", "target direction (main thread only)")
     wrap(fit, "_passes", "fit passes (main thread only)")
-    wrap(fit._Spill, "scores", "scores from the spill (main thread only)")
-    if hasattr(fit, "FitScores"):  # the pool scored inside the spilled fit's tasks
-        wrap(fit.FitScores, "score_layer", "scores inside the fit (per layer)")
+    wrap(spill._Spill, "scores", "scores from the spill (main thread only)")
+    wrap(spill.FitScores, "score_layer", "scores inside the fit (per layer)")  # the pool scored inside the fit
     wrap(base.Curvature, "precondition", "precondition (main thread only)")
     c0, w0, load0 = time.process_time(), time.perf_counter(), os.getloadavg()
     code = cli.main(a.argv)

@@ -16,7 +16,6 @@ the pool with:
     jvp fp32 [emu=K1+K2]  MixedJVPScorer on the float32 copy with only the GEMM operands
                  of kinds K (linear, attn, head) and/or the stored residual stream
                  (residual) rounded to bf16: which roundings of the *primal* matter
-    torch.func   fast.JVPScorer (``torch.func.jvp``) on the bf16 model, with --torch-func
 
 and prints Spearman, Pearson, relative error and top-5% / top-10% overlap against
 exact fp32 (and Spearman against exact bf16), then (``--timing``) times one batch.
@@ -42,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prism_select import engine  # noqa: E402
-from prism_select import fast  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.evaluation_metrics import spearman  # noqa: E402
 from bench_scoring import gsm8k_targets, read_gsm8k  # noqa: E402  (the same pool and pairs as bench_scoring)
@@ -178,7 +176,6 @@ def main():
     ap.add_argument("--max-length", type=int, default=384)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
-    ap.add_argument("--torch-func", action="store_true", help="also score with fast.JVPScorer (torch.func, bf16)")
     ap.add_argument("--timing", action="store_true", help="time one batch: forward, JVP, exact (bf16 model)")
     ap.add_argument("--timing-only", action="store_true", help="skip the accuracy part")
     ap.add_argument("--threads", type=int, default=1)
@@ -285,27 +282,6 @@ def main():
             else:
                 S[f"jvp bf16 [{vn}]"] = run(f"jvp_bf16_{vn}", lambda kw=kw: MixedJVPScorer(model, modules, V, **kw),
                                             model)
-        if a.torch_func:
-            class _Ctx:  # parameters frozen: with requires_grad the forward-mode pass ran out of 23 GiB
-                def __init__(self, sc):
-                    self.sc = sc
-
-                def __enter__(self):
-                    self.fr = engine.frozen(model)
-                    self.fr.__enter__()
-                    return self
-
-                def __exit__(self, *e):
-                    self.fr.__exit__(*e)
-
-                def score(self, col):
-                    return self.sc.score(col)
-            prev = model.config._attn_implementation
-            model.set_attn_implementation("eager")  # SDPA has no forward-mode derivative on the CPU
-            try:
-                S["torch.func jvp bf16"] = run("torchfunc_bf16", lambda: _Ctx(fast.JVPScorer(model, modules, V)), model)
-            finally:
-                model.set_attn_implementation(prev)
 
         if a.cancellation:
             out["cancellation"] = cancellation(model32, modules32, V, cols[:a.cancellation])

@@ -31,7 +31,7 @@ ap.add_argument("--full", action="store_true", help="do not stop after the fit")
 a = ap.parse_args()
 
 from prism_select import cli
-from prism_select.curvature import fit
+from prism_select.curvature import fit, spill
 from prism_select import gradients
 
 libc = ctypes.CDLL("libc.so.6")
@@ -57,7 +57,7 @@ def mark(what, **kw):
     print(json.dumps(e), flush=True)
 
 T0 = time.perf_counter()
-fit.SPILL_MAX_BYTES = a.spill_max
+spill.SPILL_MAX_BYTES = a.spill_max
 peak = [0, None]
 peak_live = [0, None]
 last = [0.0]

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scoring import load_embedded  # noqa: E402
 
 from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature  # noqa: E402
-from prism_select.curvature.fit import apply_damping  # noqa: E402
+from prism_select.curvature.base import apply_damping  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.evaluation import builders  # noqa: E402
 from prism_select.evaluation_metrics import auroc  # noqa: E402

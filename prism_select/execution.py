@@ -1,9 +1,8 @@
 """How a run computes, resolved once and passed down: the execution context.
 
 :class:`Kernels` are the kernel choices of the arithmetic (which GEMMs a split32 linear
-layer runs, whether a backward splits its cotangent, how token dot products are reduced,
-which finite-difference route ``--scoring fast`` means). They are explicit arguments of
-the functions that use them (:func:`prism_select.precision.split32`,
+layer runs, whether a backward splits its cotangent, how token dot products are reduced).
+They are explicit arguments of the functions that use them (:func:`prism_select.precision.split32`,
 :func:`prism_select.engine.arith.split_linear`, :class:`prism_select.engine.ExactScorer`,
 :func:`prism_select.engine.arith.rowdot`, ...), with :data:`DEFAULT_KERNELS` as the default;
 benchmarks pass others to compare them.
@@ -26,7 +25,6 @@ from .errors import ConfigError
 
 SPLIT_GEMMS = ("two", "kcat")
 ROWDOT_BACKENDS = ("auto", "mulsum", "triton", "bmm")
-FAST_ROUTES = ("fd", "fd-hp", "fd32", "jvp")
 
 
 @dataclass(frozen=True)
@@ -50,18 +48,14 @@ class Kernels:
         (mulsum: on an H200 it ties the Triton kernel where the GPU is the bottleneck, 1B:
         110.1 vs 111.0 ex/s, and wins where kernel-launch overhead is, SmolLM2-135M: 324
         vs 291 ex/s).
-    fast_route: the route behind ``scoring="fast"`` (:mod:`prism_select.fast`; chosen with
-        benchmarks/bench_scoring.py).
     """
 
     split_gemm: str = "two"
     split_backward: bool = False
     rowdot: str = "auto"
-    fast_route: str = "fd"
 
     def __post_init__(self):
-        for name, allowed in (("split_gemm", SPLIT_GEMMS), ("rowdot", ROWDOT_BACKENDS),
-                              ("fast_route", FAST_ROUTES)):
+        for name, allowed in (("split_gemm", SPLIT_GEMMS), ("rowdot", ROWDOT_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(name, f"unknown value {getattr(self, name)!r}", f"use one of {', '.join(allowed)}")
         if not isinstance(self.split_backward, bool):

@@ -211,7 +211,7 @@ def release_host_memory(device: torch.device | str | None = None) -> None:
     their own mappings; once freed they stay in the process's resident memory until the
     heap is trimmed, so a stage that is over (the target direction's graph, a fit pass)
     would keep its high-water mark for the rest of the run: about 1.3 GB after the demo's
-    target direction (session 8). A no-op where glibc is not the allocator, and where
+    target direction. A no-op where glibc is not the allocator, and where
     ``device`` (the device the freed work ran on) is not the CPU: that work's tensors were
     not on the host heap."""
     if device is not None and torch.device(device).type != "cpu":

@@ -36,13 +36,14 @@ import logging
 
 import torch
 
+from .settings import GRAPH_MODES, check_graph_mode  # noqa: F401 (re-exported)
+
 log = logging.getLogger(__name__)
 
 #: never pad a batch to fewer than this many tokens of length granularity
 MIN_BUCKET = 16
 #: extra length allowed by bucketing: ``1 / BUCKET_FRACTION`` of the next power of two
 BUCKET_FRACTION = 8
-GRAPH_MODES = ("auto", "on", "off")
 
 
 def bucket_length(t: int) -> int:
@@ -78,18 +79,10 @@ def pad_batch(batch: dict, rows: int, length: int, pad_id: int, out: dict | None
 
 
 #: ``auto`` captures graphs for models below this many parameters: measured on an H200
-#: (docs/performance.md, runs 5-7), graphs speed a 135M and a 0.3B model's steps 1.2-2.4x
+#: (docs/performance.md), graphs speed a 135M and a 0.3B model's steps 1.2-2.4x
 #: (the host's kernel launches bound them) and slow a 1.1B model's by 3-7% (padding,
 #: capture), where the GPU is already the bottleneck
 AUTO_MAX_PARAMS = 1_000_000_000
-
-
-def check_graph_mode(mode: str) -> None:
-    """ConfigError naming ``cuda_graphs`` unless ``mode`` is one of GRAPH_MODES."""
-    from .errors import ConfigError
-
-    if mode not in GRAPH_MODES:
-        raise ConfigError("cuda_graphs", f"unknown value {mode!r}", f"use one of {', '.join(GRAPH_MODES)}")
 
 
 def graphs_wanted(mode: str, device, model=None) -> bool:

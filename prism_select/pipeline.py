@@ -35,6 +35,8 @@ from safetensors.torch import load_file, save_file
 from . import __version__, distributed, sharding
 from .curvature import Curvature, CurvatureSettings, load_or_fit_curvature
 from .curvature.base import DEFAULT_DAMPING_FACTOR, DEFAULT_SHRINKAGE
+from .curvature.fit import fit_indices
+from .curvature.spill import FitScores
 from .data import load_pool, load_targets
 from .data.readers import detect_format, scan_pool
 from .data.records import InvalidRecord, Loaded
@@ -46,6 +48,7 @@ from .data.tokenize import (
     tokenizer_fingerprint,
 )
 from .errors import CacheError, ConfigError, InputError, OutOfResourceError, OutputError, resource_error
+from .engine import cpu_response_split, split_causal_lm
 from .execution import ExecutionContext, direction_kernels
 from .execution import deterministic as deterministic_kernels
 from .execution import resolve as resolve_execution
@@ -68,10 +71,6 @@ from .scoring import score_encoded, score_stream
 from .settings import DEFAULT_STREAM_WINDOW, STREAM_FIT_EXAMPLES, ScoreSettings, key_of  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
-
-#: pool examples scored both ways before a fast run, and the agreement below which it warns
-FAST_CHECK_EXAMPLES = 64
-FAST_CHECK_MIN_SPEARMAN = 0.95
 
 #: an EK-FAC fit on fewer examples, with the default damping, gets a note recommending
 #: --damping-noise: on the GSM8K pools of 60 and 300 records (3 seeds each) it ranked as
@@ -227,7 +226,7 @@ class RunContext:
     _curvature: Curvature | None = None
     _fit_timings: dict = field(default_factory=dict)  # the fit's running phase totals
     _alloc_retries: int = 0  # the CUDA allocator's retries when the last stage ended (stage_peak)
-    #: the fit's spill (:meth:`prism_select.curvature.fit._Spill.scores`) when it holds the
+    #: the fit's spill (:meth:`prism_select.curvature.spill._Spill.scores`) when it holds the
     #: scoring loss's gradients of every pool example (:meth:`_spill_scores_pool`)
     _spill: object | None = None
 
@@ -282,10 +281,9 @@ class RunContext:
         the memory plan says (groups of layers, where the fitted tensors are kept).
         ``on_group(layers, part)`` sees each finished group; ``groups`` restricts a
         transient fit to these groups (the others were finished before a resume).
-        ``fit_scores`` (:class:`prism_select.curvature.fit.FitScores`): handed to the fit
+        ``fit_scores`` (:class:`prism_select.curvature.spill.FitScores`): handed to the fit
         when its spill would hold the scoring gradients (:meth:`_spill_scores_pool`)."""
         if self._curvature is None or on_group is not None:
-            from .curvature.fit import fit_indices
             t = time.perf_counter()
             cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
             fit = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
@@ -352,27 +350,24 @@ class RunContext:
         tokens per example), in one group of layers, in the model's own arithmetic, both
         with the same loss route (the logits at response positions, or the model's), and
         the pool is scored in memory by the exact route."""
-        from .curvature.fit import fit_indices
-        from .engine import cpu_response_split, split_causal_lm
         st, ex = self.settings, self.execution
         model = self.lm.model
         return (st.scores_from_fit and st.method in DIRECTION_METHODS
                 and self.inputs.fit_encoded is None and cs.kind == "ekfac" and cs.fisher == "empirical"
                 and len(fit_indices(len(self.inputs.encoded), cs)) == len(self.inputs.encoded)
-                and not (groups and len(groups) > 1) and st.scoring == "exact" and not st.stream
+                and not (groups and len(groups) > 1) and not st.stream
                 and ex.precision == "model" and not ex.sharded and ex.world == 1
                 and (split_causal_lm(model) is None) == (cpu_response_split(model, self.modules) is None))
 
     def _score_in_fit(self, direction: dict):
         """The pool's scores along ``H^-1 direction`` formed by the fit itself
-        (:class:`prism_select.curvature.fit.FitScores`), when the curvature is still to be
+        (:class:`prism_select.curvature.spill.FitScores`), when the curvature is still to be
         fitted and its spill would hold the scoring gradients (:meth:`_spill_scores_pool`):
         no ``v`` is formed and no scoring pass runs. Returns ``(scores, direction)``:
         ``scores`` None when the fit did not score (the curvature came from the cache, or
         the kept products would be too large), and the direction then left to precondition
         (waiting in a temporary file during the fit, as :meth:`last_use` does; the run's
         curvature is the fitted one)."""
-        from .curvature.fit import FitScores
         if (self._curvature is not None or not self.settings.scores_from_fit or not direction
                 or self._transient() or self.execution.sharded
                 or any(t.device.type != "cpu" for t in direction.values())):
@@ -559,34 +554,6 @@ class RunContext:
         last.update(now)
         return out
 
-    def check_fast(self, v: dict, n: int = FAST_CHECK_EXAMPLES) -> dict:
-        """Score a few pool examples (the curvature's fit examples under ``stream``) with
-        both the exact route and the configured fast route; warn when they disagree.
-
-        A fast route is only as good as the loss is linear along ``v`` at its step, which
-        depends on the model and the direction (docs/performance.md): this costs one
-        exact pass over ``n`` examples and tells the user before the long run.
-        """
-        from .evaluation_metrics import spearman
-        st = self.settings
-        sample = (self.inputs.encoded or self.inputs.fit_encoded or [])[:n]
-        if len(sample) < 3:
-            return {"examples": len(sample), "skipped": "too few examples to compare"}
-        ex = self.execution
-        kw = {"pad_id": self.pad_id, "batch_size": st.batch_size, "progress": False,
-              "cuda_graphs": ex.cuda_graphs, "precision": ex.precision, "kernels": ex.kernels}
-        exact = score_encoded(self.lm.model, self.modules, sample, v, scoring="exact", **kw)
-        fast = score_encoded(self.lm.model, self.modules, sample, v, scoring=st.scoring, fd_eps=st.fd_eps, **kw)
-        rho = spearman(exact.tolist(), fast.tolist())
-        out = {"examples": len(sample), "spearman_vs_exact": rho,
-               "rel_err_vs_exact": float((fast - exact).norm() / exact.norm().clamp_min(1e-300))}
-        if not rho >= FAST_CHECK_MIN_SPEARMAN:
-            log.warning("--scoring %s agrees poorly with exact scoring on %d pool examples (Spearman %.3f < %.2f); "
-                        "its ranking is unreliable for this model and direction: use --scoring exact "
-                        "(see docs/performance.md)", st.scoring, len(sample), rho, FAST_CHECK_MIN_SPEARMAN)
-            out["warning"] = "fast scores disagree with exact scores; use --scoring exact"
-        return out
-
     def score_direction(self, direction: dict, tag: str = "scores", last: bool = False) -> torch.Tensor | None:
         """``g_z . H^-1 direction`` for every pool example (resumable).
 
@@ -642,14 +609,12 @@ class RunContext:
             sharding.set_v(self.modules, v)
             v = None
         st = self.settings
-        if st.scoring != "exact" and tag not in self.info.get("fast_check", {}):
-            self.info.setdefault("fast_check", {})[tag] = self.check_fast(v)
         t = time.perf_counter()
         stats: dict = {}
         batch = self.plan.scoring["batch_size"] if self.plan is not None and self.plan.scoring else st.batch_size
         common = {"batch_size": batch, "chunk_size": st.chunk_size, "partial_dir": partial / tag,
-                  "run_key": self.info.get("run_key"), "progress": st.progress, "scoring": st.scoring,
-                  "fd_eps": st.fd_eps, "cuda_graphs": self.execution.cuda_graphs,
+                  "run_key": self.info.get("run_key"), "progress": st.progress,
+                  "cuda_graphs": self.execution.cuda_graphs,
                   "precision": self.execution.precision, "kernels": self.execution.kernels}
         if st.stream:
             s = None
@@ -740,7 +705,7 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     accumulate = d.get("accumulate", "device") if ex.precision != "split32" else "device"
     # one half's graph alive at a time: under a bounded plan (GPU) and on the CPU (host
     # memory: with both halves' activations at once the direction stage reached 2.7-2.9 GB
-    # at 60 records, model and gradients included, session 9), for one more forward of the
+    # at 60 records, model and gradients included), for one more forward of the
     # rejected half without a graph
     one_graph = ctx.plan is not None and ctx.plan.bounded or ctx.lm.device.type == "cpu"
     with direction_policy(ctx.lm.model, ex.precision, ex.kernels):

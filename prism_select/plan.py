@@ -61,13 +61,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .cache import format_size
+from .engine import batch_losses, causal_only, collate_to, split_causal_lm
 from .errors import PrismError
-from .curvature.fit import RECENT_INPUTS, REDUCE_WINDOW
-from .gradients import layer_shape
+from .curvature.stats import RECENT_INPUTS, REDUCE_WINDOW
+from .gradients import activation_grad_mode, layer_shape
+from .settings import GiB, parse_bytes  # noqa: F401 (parse_bytes: part of the plan's interface)
 
 log = logging.getLogger(__name__)
 
-GiB = 1 << 30
 #: device memory kept free for the CUDA context, allocator fragmentation and library
 #: workspaces (cuBLAS, cuSOLVER) that the estimates do not count
 HEADROOM_BYTES = 3 * GiB
@@ -97,27 +99,7 @@ class PlanError(PrismError):
 
 
 def _gib(b: float) -> str:
-    from .cache import format_size
     return format_size(b)
-
-
-def parse_bytes(text, what: str = "max_gpu_memory") -> int | None:
-    """``"70GiB"``, ``"70GB"``, ``"70G"`` or a plain number of GiB -> bytes (None -> None)."""
-    from .errors import ConfigError
-    if text is None:
-        return None
-    if isinstance(text, (int, float)):
-        value = float(text) * GiB
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(gib|gb|g|mib|mb|m)?\s*", str(text).lower())
-        if not m:
-            raise ConfigError(what, f"cannot read {text!r} as a memory size", "write e.g. 70GiB, 70GB or 70")
-        unit = m.group(2) or "gib"
-        scale = {"gib": GiB, "g": GiB, "gb": 10 ** 9, "mib": 1 << 20, "m": 1 << 20, "mb": 10 ** 6}[unit]
-        value = float(m.group(1)) * scale
-    if not value > 0:
-        raise ConfigError(what, f"must be > 0, got {text!r}")
-    return int(value)
 
 
 def host_available_bytes() -> int:
@@ -242,8 +224,6 @@ def measure_example_bytes(model, example, pad_id: int, device, copies: int = 1) 
 def example_step(model, example, pad_id: int, device, copies: int = 1) -> None:
     """The step :func:`measure_example_bytes` measures: one forward and activation backward
     of ``copies`` of ``example`` (tests measure it on the CPU with their own tracker)."""
-    from .engine import batch_losses, causal_only, collate_to, split_causal_lm
-    from .gradients import activation_grad_mode
 
     b = collate_to([example] * copies, pad_id, torch.device(device))
     with activation_grad_mode(model), torch.enable_grad():

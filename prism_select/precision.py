@@ -5,7 +5,7 @@ A bf16 model rounds every activation to 8 significant bits. PRISM's scores are
 directional derivatives along a preconditioned ``v`` of large curvature, and they are
 sensitive to where the model is linearised: on the embedded SmolLM2-135M with PRISM's
 ``v`` the bf16 exact scores correlate with the float32 exact scores of the same weights
-at Spearman 0.992 only (top-5% overlap 0.90; docs/performance.md, run 10). Which
+at Spearman 0.992 only (top-5% overlap 0.90; docs/performance.md). Which
 roundings matter was measured one site at a time: the residual stream most, then the
 inputs of the linear layers and the attention products; the precision of the cotangent
 (or tangent) much less.
@@ -42,22 +42,9 @@ from .engine.linear import SplitPrecisionLinear
 from .errors import ConfigError
 from .execution import DEFAULT_KERNELS, Kernels, direction_kernels
 from .gradients import GRAD32
+from .settings import PRECISIONS, check_precision  # noqa: F401 (re-exported)
 
-PRECISIONS = ("model", "residual32", "split32")
 HALF = (torch.bfloat16, torch.float16)
-
-
-def check_precision(value: str) -> None:
-    if value not in PRECISIONS:
-        raise ConfigError("precision", f"unknown value {value!r}", f"use one of {', '.join(PRECISIONS)}")
-
-
-def check_precision_scoring(precision: str, scoring: str) -> None:
-    """split32 is built into the exact route's layers; the finite-difference routes
-    perturb half-precision weights of their own (``fd32`` is float32 already)."""
-    if precision == "split32" and scoring != "exact":
-        raise ConfigError("precision", f"split32 applies to exact scoring, not {scoring!r}",
-                          "use --scoring exact with --precision split32, or --scoring fd32 alone")
 
 
 def precision_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
@@ -121,7 +108,7 @@ def float32_weights(model, enabled: bool = True):
     size) while the block runs. A reference for ``split32``'s direction and fit (the
     benchmarks' ``*_f32w`` routes), which run in split arithmetic instead
     (:func:`direction_policy`, :func:`fit_policy`): float32 GEMMs have no tensor cores, and
-    the float32 copy does not fit beside a 1.1B model's fit (docs/performance.md, run 12)."""
+    the float32 copy does not fit beside a 1.1B model's fit (docs/performance.md)."""
     params = [p for p in model.parameters() if p.dtype in HALF] if enabled else []
     dtypes = [p.dtype for p in params]
     for p in params:
@@ -171,7 +158,7 @@ def fit_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
     forwards and backwards run as the scores' do (:func:`split32`: float32 activations
     and cotangents, split GEMMs), and its statistics are formed from them rounded to the
     weights' dtype, on tensor cores (:class:`~prism_select.engine.linear.FitTapLinear`). Fitting on float32 weights
-    instead cost 5.5x the bf16 fit at 0.3B (docs/performance.md, run 12)."""
+    instead cost 5.5x the bf16 fit at 0.3B (docs/performance.md)."""
     check_precision(precision)
     return split32(model, precision == "split32", kernels)
 
@@ -191,7 +178,7 @@ def _float32_sdpa(original):
     """transformers' SDPA attention for float32 activations of a grouped-query model: the
     key/value heads repeated, so that PyTorch can pick its fused memory-efficient float32
     kernel. With ``enable_gqa``, which transformers passes when there is no mask, only
-    the unfused math kernel takes float32 (docs/performance.md, run 11's profile).
+    the unfused math kernel takes float32 (docs/performance.md).
     Anything else goes to ``original``."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,

@@ -31,8 +31,8 @@ from .errors import ConfigError
 from .engine import batch_losses, cpu_response_split
 from .execution import Kernels, direction_kernels
 from .gradients import check_finite, has_bias, release_host_memory, tracked_param_grad_mode, weight_grad
+from .settings import DIRECTION_METHODS as METHODS
 
-METHODS = ("prism", "equal", "unpaired")
 #: the direction's default kernels (:func:`prism_select.execution.direction_kernels`: under
 #: split32 its backwards split the cotangent too)
 DIRECTION_KERNELS = direction_kernels()

@@ -3,17 +3,12 @@
 For each tracked layer with preconditioned target ``V = (H^-1 g_KL)_l``:
 ``g_z . v = sum_l sum_t b_t^T V_l a_t``.
 
-``scoring="exact"`` (default) runs :class:`prism_select.engine.ExactScorer`: one forward
+The scorer is :class:`prism_select.engine.ExactScorer`: one forward
 and one backward *to the activations* (parameters frozen, no weight gradients, nothing
 below the first tracked layer), with each tracked layer contracting ``V`` in the
 model's dtype on tensor cores and the token dot products accumulated in float32
 (float64 models: exact in float64). ``impl="hooks"`` is a hook-based reference route
 (float32 ``u = V a`` in a forward hook).
-
-``scoring="fast"`` runs central finite differences along ``v`` (two perturbed copies
-in one forward of a doubled batch; :class:`prism_select.fast.FDScorer`), for the
-benchmarks: it is not on the command line, since it agrees with the exact route only
-for directions of moderate curvature (docs/performance.md).
 
 Examples are processed in length-sorted chunks; each finished chunk is written to
 ``<out>/.partial/chunk_NNNNNN.safetensors``, so a killed run resumes where it was.
@@ -37,26 +32,24 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from . import distributed, profiling
-from . import fast as _fast
-from .data.tokenize import collate, token_losses
-from .errors import CacheError, ConfigError
+from .data.readers import iter_pool
+from .data.records import InvalidRecord
+from .data.tokenize import collate, encode, token_losses
+from .errors import CacheError, ConfigError, InputError
 from .execution import DEFAULT_KERNELS, Kernels
 from .engine import ExactScorer, collate_to, cpu_response_split
-from .fast import FAST_MODES
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
-from .precision import check_precision, check_precision_scoring, precision_policy
-from .io import atomic_write_json, read_saved_state
+from .io import atomic_open, atomic_write_json, read_saved_state
+from .precision import check_precision, precision_policy
+from .settings import DEFAULT_CHUNK_SIZE
 
-#: examples per resumable chunk, at most (``--chunk-size``)
-DEFAULT_CHUNK_SIZE = 1024
 #: On the CPU a chunk also holds at most this many FLOPs of scoring work, counted as
 #: ``4 x parameters`` per token (a forward and an activation-only backward): 1e12 is
 #: about 1,850 tokens of the embedded 135M model, 20-40 s on 2 busy CPU cores, so a
 #: killed CPU run keeps its work at least every minute or so. A GPU scores 1024
 #: examples in seconds and needs no such cap.
 CPU_CHUNK_FLOPS = 1e12
-SCORINGS = ("exact", "fast", "fd32")
 
 
 class _ScoreHooks:
@@ -202,15 +195,13 @@ def chunk_token_limit(model, device) -> int | None:
     return max(1, int(CPU_CHUNK_FLOPS // (4 * max(params, 1))))
 
 
-def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps: float | None = None,
-                pad_id: int = 0, device=None, impl: str = "auto", cuda_graphs: str = "off",
-                batch_size: int | None = None, precision: str = "model", kernels: Kernels = DEFAULT_KERNELS):
+def make_scorer(model, modules: dict, V: dict, *, pad_id: int = 0, device=None, impl: str = "auto",
+                cuda_graphs: str = "off", batch_size: int | None = None, precision: str = "model",
+                kernels: Kernels = DEFAULT_KERNELS):
     """A context-managed object with ``score(collated_batch) -> (B,) tensor``.
 
-    scoring: ``exact`` (one forward + one activation-only backward) or ``fast``
-    (``kernels.fast_route``, central finite differences by default), or one fast route by name
-    (``fd``, ``fd-hp``, ``jvp``). impl: ``auto`` or ``hooks`` (the reference exact route).
-    cuda_graphs: ``auto`` (on for CUDA devices and models below
+    impl: ``auto`` (one forward + one activation-only backward) or ``hooks`` (the
+    reference route). cuda_graphs: ``auto`` (on for CUDA devices and models below
     ``graphs.AUTO_MAX_PARAMS``) | ``on`` | ``off``; graphs capture the
     whole batch computation once per padded shape (:mod:`prism_select.graphs`) and need
     ``batch_size`` (every batch is padded to it). precision: ``model`` | ``residual32`` | ``split32``
@@ -219,23 +210,14 @@ def make_scorer(model, modules: dict, V: dict, *, scoring: str = "exact", fd_eps
     choices (:class:`prism_select.execution.Kernels`).
     """
     check_precision(precision)
-    check_precision_scoring(precision, scoring)
-    if scoring not in SCORINGS + FAST_MODES:
-        raise ConfigError("scoring", f"unknown value {scoring!r}", f"use one of {', '.join(SCORINGS)}")
     device = device or next(model.parameters()).device
-    if V is None and (scoring != "exact" or impl == "hooks"):  # FSDP2: v lives in the layers
-        raise ConfigError("shard", f"a sharded model scores with the exact route only, not {scoring!r}/{impl!r}",
-                          "use --scoring exact")
-    if scoring == "exact":
-        if impl == "hooks":
-            return _HookScorer(model, modules, V, pad_id, device)
-        # on the CPU the logits only at response positions
-        sc = ExactScorer(model, modules, V, kernels=kernels, fused_loss=cpu_response_split(model, modules) is not None)
-    else:
-        kind = kernels.fast_route if scoring == "fast" else scoring
-        sc = _fast.make_scorer(kind, model, modules, V, fd_eps=fd_eps, kernels=kernels)
-        if not hasattr(sc, "__enter__"):  # jvp: not graphed
-            return _Plain(sc)
+    if V is None and impl == "hooks":  # FSDP2: v lives in the layers
+        raise ConfigError("shard", "a sharded model scores with the fused route only, not impl='hooks'",
+                          "leave impl at auto")
+    if impl == "hooks":
+        return _HookScorer(model, modules, V, pad_id, device)
+    # on the CPU the logits only at response positions
+    sc = ExactScorer(model, modules, V, kernels=kernels, fused_loss=cpu_response_split(model, modules) is not None)
     if precision != "model":
         sc = _WithPrecision(sc, model, precision, kernels)
     if batch_size is not None and V is not None and graphs_wanted(cuda_graphs, device, model):
@@ -398,8 +380,7 @@ def score_chunks(scorer, encoded: list, chunks: list, *, pad_id: int, batch_size
 def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, batch_size: int = 8,
                   device=None, chunk_size: int = DEFAULT_CHUNK_SIZE, partial_dir=None,
                   run_key: dict | None = None, progress: bool = True, ids=None,
-                  scoring: str = "exact", fd_eps: float | None = None, impl: str = "auto",
-                  stats: dict | None = None, cuda_graphs: str = "auto",
+                  impl: str = "auto", stats: dict | None = None, cuda_graphs: str = "auto",
                   precision: str = "model", kernels: Kernels = DEFAULT_KERNELS) -> torch.Tensor:
     """Scores ``g_z . V`` for every encoded example (float64, input order).
 
@@ -413,7 +394,7 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
                                  align=batch_size, interleave=V is None)
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
-    scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
+    scorer = make_scorer(model, modules, V, pad_id=pad_id, device=device,
                          impl=impl, cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision,
                          kernels=kernels)
     results = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
@@ -431,11 +412,6 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
 
 def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_invalid: bool, invalid: list):
     """Yield lists of ``(id, Encoded)`` of at most ``window`` valid records, in file order."""
-    from .data.readers import iter_pool
-    from .data.records import InvalidRecord
-    from .data.tokenize import encode
-    from .errors import InputError
-
     def bad(err):
         invalid.append(InvalidRecord.of(err, pool_path))
 
@@ -458,8 +434,7 @@ def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_inv
 
 def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, *, max_length: int = 2048,
                  batch_size: int = 8, window: int = 65536, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 partial_dir=None, run_key: dict | None = None, scoring: str = "exact",
-                 fd_eps: float | None = None, device=None, progress: bool = True,
+                 partial_dir=None, run_key: dict | None = None, device=None, progress: bool = True,
                  skip_invalid: bool = False, cuda_graphs: str = "auto", precision: str = "model",
                  kernels: Kernels = DEFAULT_KERNELS) -> dict:
     """Score a pool file without holding it in memory; write ``scores.jsonl`` lines
@@ -490,7 +465,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
     pad_id = tokenizer.pad_token_id
     if partial_dir is not None:
         partial_dir = _open_partial(partial_dir, run_key)
-    scorer = make_scorer(model, modules, V, scoring=scoring, fd_eps=fd_eps, pad_id=pad_id, device=device,
+    scorer = make_scorer(model, modules, V, pad_id=pad_id, device=device,
                          cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision, kernels=kernels)
     max_tokens = chunk_token_limit(model, device)
     invalid: list = []
@@ -528,7 +503,6 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
         rank[order] = np.arange(1, n + 1)
         del order
         if distributed.is_main():
-            from .io import atomic_open
             with open(ids_path) as src, atomic_open(out_path) as dst:
                 for i, line in enumerate(src):
                     dst.write(_json.dumps({"id": _json.loads(line), "score": float(scores[i]),

@@ -27,22 +27,70 @@ key, so changing it reuses the cache or resumes the run.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import MISSING, dataclass
 
-from .data.tokenize import DEFAULT_MAX_LENGTH
 from .errors import ConfigError
-from .graphs import GRAPH_MODES, check_graph_mode
-from .precision import PRECISIONS, check_precision, check_precision_scoring
-from .preference import METHODS as DIRECTION_METHODS
-from .scoring import DEFAULT_CHUNK_SIZE, SCORINGS
-from .sharding import FSDP_SUMS, KEEP_GATHERED, SHARDS, check_shard
 
+GiB = 1 << 30
+
+# ----------------------------------------------------------------------------- choices
+# The values a field accepts, and their checks, stand here at the ground floor: the
+# modules that act on them (preference, precision, graphs, sharding, scoring, data)
+# import them from here, so the settings import nothing they configure.
+
+#: the target directions of :mod:`prism_select.preference` (the baselines add their own
+#: methods, :mod:`prism_select.baselines`)
+DIRECTION_METHODS = ("prism", "equal", "unpaired")
+#: arithmetic of a half-precision model while scoring (:mod:`prism_select.precision`)
+PRECISIONS = ("model", "residual32", "split32")
+#: CUDA graphs (:mod:`prism_select.graphs`)
+GRAPH_MODES = ("auto", "on", "off")
+#: multi-GPU sharding of the model (:mod:`prism_select.sharding`)
+SHARDS = ("none", "fsdp")
+#: when a sharded K-FAC / EK-FAC fit's statistics reach the layers' owners
+#: (``--fsdp-sums``; :func:`prism_select.curvature.fit.fit_curvature`, ``sharded_sums``):
+#: every step, once per pass, or as the memory plan finds room (auto)
+FSDP_SUMS = ("auto", "step", "pass")
+#: whether each decoder block keeps its gathered weights from its forward to its backward
+#: (``--fsdp-keep-gathered``, :func:`prism_select.sharding.weights_gathered`): as the memory
+#: plan finds room, or always / never
+KEEP_GATHERED = ("auto", "on", "off")
+#: the scoring methods that run sharded: they need nothing beyond the direction and v
+SHARDED_METHODS = ("prism", "equal", "unpaired")
+#: tokens per example; a longer prompt is cut from the left (:mod:`prism_select.data.tokenize`)
+DEFAULT_MAX_LENGTH = 2048
+#: examples per resumable chunk, at most (``--chunk-size``; :mod:`prism_select.scoring`)
+DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_STREAM_WINDOW = 65_536
 # Under ``stream`` the curvature is fitted on a seeded sample of this many valid pool
 # records when ``FitSettings.fit_examples`` is not set (a fit costs about three
 # forward+backward passes over its examples; 10K is minutes on one GPU at 1B parameters).
 STREAM_FIT_EXAMPLES = 10_000
+
+
+def check_precision(value: str) -> None:
+    """ConfigError naming ``precision`` unless ``value`` is one of :data:`PRECISIONS`."""
+    if value not in PRECISIONS:
+        raise ConfigError("precision", f"unknown value {value!r}", f"use one of {', '.join(PRECISIONS)}")
+
+
+def check_graph_mode(mode: str) -> None:
+    """ConfigError naming ``cuda_graphs`` unless ``mode`` is one of :data:`GRAPH_MODES`."""
+    if mode not in GRAPH_MODES:
+        raise ConfigError("cuda_graphs", f"unknown value {mode!r}", f"use one of {', '.join(GRAPH_MODES)}")
+
+
+def check_shard(shard: str, method: str) -> None:
+    """Refuse a sharded run the code cannot do, naming the field and the fix."""
+    if shard not in SHARDS:
+        raise ConfigError("shard", f"unknown value {shard!r}", f"use one of {', '.join(SHARDS)}")
+    if shard == "none":
+        return
+    if method not in SHARDED_METHODS:
+        raise ConfigError("shard", f"method {method!r} does not run under --shard fsdp",
+                          f"use one of {', '.join(SHARDED_METHODS)}, or leave --shard out")
 
 
 def setting(default=MISSING, *, help: str, default_factory=MISSING, flag: str | None = None,
@@ -120,13 +168,9 @@ class DirectionSettings:
 
 @dataclass
 class ScoringSettings:
-    """What is scored and how: example length, tracked layers, batch size and route.
+    """What is scored and how: example length, tracked layers and batch size.
 
-    scoring: exact (one forward + one activation-only backward per batch), fast (central
-    finite differences along ``v`` in the model's dtype) or fd32 (the same on a float32
-    copy of the model); not on the CLI (see docs/performance.md). fd_eps: the relative
-    finite-difference step of fast / fd32 (None: the route's default). scores_from_fit:
-    see :meth:`prism_select.pipeline.RunContext.score_direction` (the demo sets it).
+    scores_from_fit: see :meth:`prism_select.pipeline.RunContext.score_direction` (the demo sets it).
     """
 
     max_length: int = setting(DEFAULT_MAX_LENGTH, help="tokens per example; a longer prompt is cut from the left")
@@ -135,8 +179,6 @@ class ScoringSettings:
                                    help="track only linear layers whose name matches one of these regexes "
                                         "(if not given: every linear layer of the decoder blocks; with --adapter, "
                                         "its LoRA matrices)")
-    scoring: str = setting("exact", choices=SCORINGS, cli=False, help="the scoring route")
-    fd_eps: float | None = setting(None, cli=False, help="relative finite-difference step of fast / fd32")
     # not a key field: it changes scores at float rounding only, and a run resumed after its
     # fit scores with the model whatever it says
     scores_from_fit: bool = setting(False, key=False,
@@ -149,10 +191,6 @@ class ScoringSettings:
     def __post_init__(self):
         if not isinstance(self.scores_from_fit, bool):
             raise ConfigError("scores_from_fit", f"must be true or false, got {self.scores_from_fit!r}")
-        if self.scoring not in SCORINGS:
-            raise ConfigError("scoring", f"unknown value {self.scoring!r}", f"use one of {', '.join(SCORINGS)}")
-        if self.fd_eps is not None:
-            _finite(self.fd_eps, "fd_eps", low=0, inclusive=False)
         _int(self.max_length, "max_length", low=2)
         _int(self.batch_size, "batch_size", low=1)
         if self.modules is not None and (not isinstance(self.modules, (list, tuple))
@@ -195,9 +233,22 @@ class RunSettings:
         return None if self.cache_max_gb is None else int(self.cache_max_gb * (1 << 30))
 
 
-def _memory_size(text):
-    from .plan import parse_bytes
-    return parse_bytes(text)
+def parse_bytes(text, what: str = "max_gpu_memory") -> int | None:
+    """``"70GiB"``, ``"70GB"``, ``"70G"`` or a plain number of GiB -> bytes (None -> None)."""
+    if text is None:
+        return None
+    if isinstance(text, (int, float)):
+        value = float(text) * GiB
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(gib|gb|g|mib|mb|m)?\s*", str(text).lower())
+        if not m:
+            raise ConfigError(what, f"cannot read {text!r} as a memory size", "write e.g. 70GiB, 70GB or 70")
+        unit = m.group(2) or "gib"
+        scale = {"gib": GiB, "g": GiB, "gb": 10 ** 9, "mib": 1 << 20, "m": 1 << 20, "mb": 10 ** 6}[unit]
+        value = float(m.group(1)) * scale
+    if not value > 0:
+        raise ConfigError(what, f"must be > 0, got {text!r}")
+    return int(value)
 
 
 @dataclass
@@ -247,7 +298,7 @@ class ExecutionSettings:
                                                "fixed workspace): the same run on the same kind of GPU and software "
                                                "gives the same scores bit for bit; kernels that add in varying "
                                                "order (attention's backward) run slower ones")
-    max_gpu_memory: int | None = setting(None, key=False, metavar="SIZE", parse=_memory_size,
+    max_gpu_memory: int | None = setting(None, key=False, metavar="SIZE", parse=parse_bytes,
                                          help="cap on the GPU memory the run plans to use, e.g. 70GiB (if not "
                                               "given: the device's); the memory plan groups the curvature fit and "
                                               "lowers batch sizes to fit it")
@@ -260,7 +311,7 @@ class ExecutionSettings:
             if value not in allowed:
                 raise ConfigError(name, f"unknown value {value!r}", f"use one of {', '.join(allowed)}")
         if isinstance(self.max_gpu_memory, str):
-            self.max_gpu_memory = _memory_size(self.max_gpu_memory)
+            self.max_gpu_memory = parse_bytes(self.max_gpu_memory)
         if self.max_gpu_memory is not None and (isinstance(self.max_gpu_memory, bool) or not (
                 isinstance(self.max_gpu_memory, (int, float)) and self.max_gpu_memory > 0)):
             raise ConfigError("max_gpu_memory", f"must be > 0 bytes, got {self.max_gpu_memory}",
@@ -278,14 +329,13 @@ class ScoreSettings(ExecutionSettings, RunSettings, ScoringSettings, DirectionSe
     """How to score a pool: the fields of :class:`DirectionSettings`,
     :class:`ScoringSettings`, :class:`RunSettings` and :class:`ExecutionSettings` in one
     object (``part(settings, RunSettings)`` gives one stage). Each stage checks its own
-    fields; this checks the combinations: sharding and streaming by method, split32 by
-    scoring route, sharding with precision."""
+    fields; this checks the combinations: sharding and streaming by method, sharding
+    with precision."""
 
     def __post_init__(self):
         for stage in (DirectionSettings, ScoringSettings, RunSettings, ExecutionSettings):
             stage.__post_init__(self)
-        check_precision_scoring(self.precision, self.scoring)
-        check_shard(self.shard, self.method, self.scoring)
+        check_shard(self.shard, self.method)
         if self.shard == "fsdp" and self.precision != "model":
             raise ConfigError("precision", f"--precision {self.precision} does not run under --shard fsdp",
                               "leave --precision out (model), or leave --shard out")

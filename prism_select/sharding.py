@@ -40,9 +40,8 @@ Correctness
     (``tests/test_sharding.py``).
 
 Limits
-    Exact scoring only (the finite-difference routes perturb whole weights), no CUDA
-    graphs (FSDP's collectives run inside the step), the direction methods only (prism,
-    equal, unpaired).
+    No CUDA graphs (FSDP's collectives run inside the step), the direction methods only
+    (prism, equal, unpaired).
 """
 
 from __future__ import annotations
@@ -57,34 +56,9 @@ from torch.distributed.tensor import DTensor
 from . import distributed
 from .errors import ConfigError
 from .gradients import has_bias, layer_shape, local
+from .settings import FSDP_SUMS, KEEP_GATHERED, SHARDED_METHODS, SHARDS, check_shard  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
-
-SHARDS = ("none", "fsdp")
-#: when a sharded K-FAC / EK-FAC fit's statistics reach the layers' owners
-#: (``--fsdp-sums``; :func:`prism_select.curvature.fit.fit_curvature`, ``sharded_sums``):
-#: every step, once per pass, or as the memory plan finds room (auto)
-FSDP_SUMS = ("auto", "step", "pass")
-#: whether each decoder block keeps its gathered weights from its forward to its backward
-#: (``--fsdp-keep-gathered``, :func:`weights_gathered`): as the memory plan finds room, or always / never
-KEEP_GATHERED = ("auto", "on", "off")
-#: the scoring methods that run sharded: they need nothing beyond the direction and v
-SHARDED_METHODS = ("prism", "equal", "unpaired")
-
-
-def check_shard(shard: str, method: str, scoring: str) -> None:
-    """Refuse a sharded run the code cannot do, naming the field and the fix."""
-    if shard not in SHARDS:
-        raise ConfigError("shard", f"unknown value {shard!r}", f"use one of {', '.join(SHARDS)}")
-    if shard == "none":
-        return
-    if method not in SHARDED_METHODS:
-        raise ConfigError("shard", f"method {method!r} does not run under --shard fsdp",
-                          f"use one of {', '.join(SHARDED_METHODS)}, or leave --shard out")
-    if scoring != "exact":
-        raise ConfigError("shard", f"--scoring {scoring} does not run under --shard fsdp",
-                          "use --scoring exact (the default)")
-
 
 def is_sharded(module: torch.nn.Module) -> bool:
     """Whether ``module``'s weight (or, for a whole model, its first parameter) is an FSDP2

@@ -1,9 +1,10 @@
-"""The curvature factors' eigendecomposition (`curvature.fit._eigh`) on the CPU."""
+"""The curvature factors' eigendecomposition (`curvature.eigh._eigh`) on the CPU."""
 
 import pytest
 import torch
 
-from prism_select.curvature import fit
+from prism_select.curvature import eigh as eigh_mod
+from prism_select.gradients import side_by_side
 
 EIGH32_RTOL = 1e-4  # float32 eigenvalues of a well-scaled factor, relative to the largest
 EIGH64_ATOL = 1e-12  # float64 eigenvalues and reconstruction, relative to the largest eigenvalue
@@ -16,13 +17,13 @@ def _factor(n, dtype, seed=0):
 
 def test_float32_factor_is_decomposed_in_float32_like_float64():
     M = _factor(96, torch.float32)
-    lam, Q = fit._eigh(M)
+    lam, Q = eigh_mod._eigh(M)
     assert lam.dtype == Q.dtype == torch.float32
     ref, _ = torch.linalg.eigh(M.double())
     assert torch.allclose(lam.double(), ref, rtol=0, atol=EIGH32_RTOL * float(ref.max()))
     recon = (Q.double() * lam.double()) @ Q.double().T
     assert torch.allclose(recon, M.double(), atol=EIGH32_RTOL * float(ref.max()))
-    assert fit._eigh(_factor(8, torch.float64))[0].dtype == torch.float64  # float64 models stay float64
+    assert eigh_mod._eigh(_factor(8, torch.float64))[0].dtype == torch.float64  # float64 models stay float64
 
 
 @pytest.mark.parametrize("failure", ["raises", "nan"])
@@ -38,7 +39,7 @@ def test_float64_fallback(monkeypatch, failure):
         return real(M)
     monkeypatch.setattr(torch.linalg, "eigh", eigh)
     M = _factor(16, torch.float32)
-    lam, Q = fit._eigh(M)
+    lam, Q = eigh_mod._eigh(M)
     assert lam.dtype == Q.dtype == torch.float64
     ref, _ = real(M.double())  # the float64 decomposition of the same factor
     assert torch.allclose(lam, ref, rtol=0, atol=EIGH64_ATOL * float(ref.max()))
@@ -52,12 +53,12 @@ def test_small_factors_run_on_one_thread_and_the_setting_is_restored(monkeypatch
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        fit._eigh(_factor(16, torch.float32))
-        monkeypatch.setattr(fit, "EIGH_SERIAL_MAX", 8)
-        fit._eigh(_factor(16, torch.float32))
-        monkeypatch.setattr(fit, "EIGH_SERIAL_MAX", 2048)
+        eigh_mod._eigh(_factor(16, torch.float32))
+        monkeypatch.setattr(eigh_mod, "EIGH_SERIAL_MAX", 8)
+        eigh_mod._eigh(_factor(16, torch.float32))
+        monkeypatch.setattr(eigh_mod, "EIGH_SERIAL_MAX", 2048)
         monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # threads that sleep at barriers: keep them
-        fit._eigh(_factor(16, torch.float32))
+        eigh_mod._eigh(_factor(16, torch.float32))
         assert seen == [1, 2, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -71,17 +72,17 @@ def test_small_cpu_factors_are_decomposed_side_by_side_like_one_by_one(monkeypat
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref = [fit._eigh(M) for M in mats]
+        ref = [eigh_mod._eigh(M) for M in mats]
         torch.set_num_threads(2)
-        monkeypatch.setattr(fit, "EIGH_SERIAL_MAX", 40)  # 64 is "wide": sequential
-        workers, real = set(), fit._eigh
+        monkeypatch.setattr(eigh_mod, "EIGH_SERIAL_MAX", 40)  # 64 is "wide": sequential
+        workers, real = set(), eigh_mod._eigh
 
-        def eigh(M):
+        def counted(M):
             import threading
             workers.add((threading.get_ident(), torch.get_num_threads(), M.shape[0] <= 40))
             return real(M)
-        monkeypatch.setattr(fit, "_eigh", eigh)
-        got = dict(fit._eigh_many(lambda i: mats[i], [4, 0, 1, 2, 3]))
+        monkeypatch.setattr(eigh_mod, "_eigh", counted)
+        got = dict(eigh_mod._eigh_many(lambda i: mats[i], [4, 0, 1, 2, 3]))
         assert sorted(got) == [0, 1, 2, 3, 4] and torch.get_num_threads() == 2
         for i, (lam, Q) in got.items():
             assert torch.equal(lam, ref[i][0]) and torch.equal(Q, ref[i][1])
@@ -92,7 +93,7 @@ def test_small_cpu_factors_are_decomposed_side_by_side_like_one_by_one(monkeypat
 
 
 def test_side_by_side_runs_one_thread_workers_and_restores_the_threads():
-    """``fit._side_by_side`` (the spilled fit's and scores' task runner): results in the items'
+    """``gradients.side_by_side`` (the spilled fit's and scores' task runner): results in the items'
     order, every worker at one thread, this thread's setting restored."""
     import threading
 
@@ -104,7 +105,7 @@ def test_side_by_side_runs_one_thread_workers_and_restores_the_threads():
         def fn(i):
             seen.append((threading.get_ident(), torch.get_num_threads()))
             return i * i
-        assert list(fit._side_by_side(fn, list(range(7)))) == [i * i for i in range(7)]
+        assert list(side_by_side(fn, list(range(7)))) == [i * i for i in range(7)]
         assert {n for _, n in seen} == {1} and threading.get_ident() not in {t for t, _ in seen}
         assert torch.get_num_threads() == 2
     finally:

@@ -9,8 +9,7 @@ from prism_select.execution import DEFAULT_KERNELS, Kernels, resolve
 from prism_select.pipeline import ScoreSettings
 
 
-@pytest.mark.parametrize("field,value", [("split_gemm", "three"), ("rowdot", "einsum"), ("fast_route", "fd64"),
-                                         ("split_backward", 1)])
+@pytest.mark.parametrize("field,value", [("split_gemm", "three"), ("rowdot", "einsum"), ("split_backward", 1)])
 def test_kernels_are_checked(field, value):
     with pytest.raises(ConfigError, match=field):
         Kernels(**{field: value})

@@ -113,11 +113,12 @@ def test_out_of_memory_in_the_fit_is_named_and_leaves_nothing_that_blocks(files,
     """Out of memory before the first chunk: the CLI names it (exit 2, no traceback), says
     that nothing had finished, and the same command then runs."""
     model, pool, targets = files
-    from prism_select.curvature import fit
+    from prism_select.curvature import eigh, spill
 
     def oom(*a, **k):
         raise _gpu_oom()
-    monkeypatch.setattr(fit, "_eigh", oom)
+    for mod in (spill, eigh):  # the spilled groups' decompositions and the others'
+        monkeypatch.setattr(mod, "_eigh", oom)
     cmd = ["score", "--model", str(model), "--pool", str(pool), "--targets", str(targets), "--out",
            str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--device", "cpu", "--dtype", "float32",
            "--no-progress", "--max-length", "128"]

@@ -4,6 +4,7 @@ float64 against unpadded eager scores; capture and replay against eager on a GPU
 import pytest
 import torch
 
+from prism_select.curvature import factors as factors_mod, spill as spill_mod, stats as stats_mod
 from prism_select import engine
 from prism_select.data.tokenize import encode
 from prism_select.errors import ConfigError
@@ -12,13 +13,11 @@ from prism_select.scoring import make_scorer, score_encoded
 
 from tiny import tiny_llama
 
-#: padded + bucketed vs unpadded eager scores, float64 CPU (same math, other padding);
-#: finite differences divide float64 rounding by their step (1e-6 here)
-PAD_RTOL = {"exact": 1e-10, "fd": 1e-8}
+#: padded + bucketed vs unpadded eager scores, float64 CPU (same math, other padding)
+PAD_RTOL = 1e-10
 #: captured graph vs eager on the GPU in float32 (kernel choice may differ: sdpa causal
-#: kernel in both, but cuBLAS may pick other algorithms for the padded shapes); finite
-#: differences divide that rounding by their step (1e-3 here)
-GPU_F32_RTOL = {"exact": 1e-4, "fd": 1e-3}
+#: kernel in both, but cuBLAS may pick other algorithms for the padded shapes)
+GPU_F32_RTOL = 1e-4
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -74,14 +73,13 @@ def test_graphs_wanted_modes():
         graphs_wanted("sometimes", "cpu")
 
 
-@pytest.mark.parametrize("scoring", ["exact", "fd"])
-def test_padded_bucketed_equals_eager(model, modules, tok, encoded_pool, scoring):
+def test_padded_bucketed_equals_eager(model, modules, tok, encoded_pool):
     """Rows padded to the graph batch, lengths to the bucket, no attention mask: the
     same scores as the eager unpadded batches (the padding logic the graphs replay)."""
     V = _direction(modules)
     pad = tok.pad_token_id
-    eager = make_scorer(model, modules, V, scoring=scoring, pad_id=pad, fd_eps=1e-6)
-    padded = GraphedScorer(make_scorer(model, modules, V, scoring=scoring, pad_id=pad, fd_eps=1e-6),
+    eager = make_scorer(model, modules, V, pad_id=pad)
+    padded = GraphedScorer(make_scorer(model, modules, V, pad_id=pad),
                            batch_size=4, pad_id=pad, capture=False)
     ref, got = [], []
     for sc, out in ((eager, ref), (padded, got)):
@@ -90,7 +88,7 @@ def test_padded_bucketed_equals_eager(model, modules, tok, encoded_pool, scoring
                 out.append(sc.score(engine.collate_to(encoded_pool[i:i + 3], pad, None)))
     ref, got = torch.cat(ref), torch.cat(got)
     assert got.shape == ref.shape
-    assert rel_err(got, ref) <= PAD_RTOL[scoring]
+    assert rel_err(got, ref) <= PAD_RTOL
 
 
 def test_batch_larger_than_graph_batch_is_refused(model, modules, tok, encoded_pool):
@@ -116,16 +114,15 @@ def gpu_model(tok):
 
 
 @needs_cuda
-@pytest.mark.parametrize("scoring", ["exact", "fd"])
-def test_graphs_match_eager_on_gpu(gpu_model, tok, encoded_pool, scoring):
+def test_graphs_match_eager_on_gpu(gpu_model, tok, encoded_pool):
     from prism_select.model import tracked_linear_modules
     modules = tracked_linear_modules(gpu_model, None)
     V = {k: v.cuda() for k, v in _direction(modules, dtype=torch.float32).items()}
-    kw = dict(pad_id=tok.pad_token_id, batch_size=3, progress=False, scoring=scoring, fd_eps=1e-3)
+    kw = dict(pad_id=tok.pad_token_id, batch_size=3, progress=False)
     eager = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="off", **kw)
     graphed = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="on", **kw)
     again = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="on", **kw)
-    assert rel_err(graphed, eager) <= GPU_F32_RTOL[scoring]
+    assert rel_err(graphed, eager) <= GPU_F32_RTOL
     assert torch.equal(graphed, again)  # replay is deterministic
 
 
@@ -203,7 +200,7 @@ def test_fit_through_padded_graph_path_equals_plain_fit(monkeypatch, model, modu
 
     monkeypatch.setattr(fit_mod, "graphs_wanted", lambda mode, dev, model=None: True)
     monkeypatch.setattr(fit_mod, "GraphedScorer", functools.partial(padded))
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)  # the CPU's spill would spare the second pass
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)  # the CPU's spill would spare the second pass
     got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, cuda_graphs="on")
     assert len(used) == 2  # both passes went through the padded path
     for k, t in ref.tensors.items():
@@ -221,10 +218,10 @@ def test_fit_warmup_batch_adds_nothing(model, modules, tok, encoded_pool):
     from prism_select.engine import tap_linears
     from prism_select.graphs import pad_batch
     from prism_select.gradients import layer_shape
-    stats = fit_mod._Stats(torch.float64)
+    stats = stats_mod._Stats(torch.float64)
     A = {n: torch.zeros(layer_shape(m)[1], layer_shape(m)[1], dtype=torch.float64) for n, m in modules.items()}
     S = {n: torch.zeros(layer_shape(m)[0], layer_shape(m)[0], dtype=torch.float64) for n, m in modules.items()}
-    taps = {n: fit_mod._CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
+    taps = {n: factors_mod._CovTap(m, stats, A[n], S[n]) for n, m in modules.items()}
     step = fit_mod._FitStep(model, stats, "empirical", 0, None)
     b = pad_batch(engine.collate_to(encoded_pool[:3], tok.pad_token_id, None), 4, 64, tok.pad_token_id)
     with tap_linears(model, taps):

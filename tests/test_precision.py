@@ -195,15 +195,6 @@ def test_split32_patches_every_linear_and_undoes_it():
     assert not any("forward" in mod.__dict__ for mod in linears)
 
 
-def test_split32_is_for_the_exact_route():
-    m, V, _ = _setup()
-    with pytest.raises(ConfigError, match="precision"):
-        make_scorer(m, tracked_linear_modules(m), V, scoring="fd32", precision="split32")
-    from prism_select.pipeline import ScoreSettings
-    with pytest.raises(ConfigError, match="precision"):
-        ScoreSettings(scoring="fast", precision="split32")
-
-
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -317,15 +308,6 @@ def test_cli_precision_option(tmp_path, capsys):
     assert not reused("s32")
     assert main(argv("s32-again", "--precision", "split32")) == 0
     assert reused("s32-again")
-    # finite differences are not on the command line; the settings refuse them with split32
-    capsys.readouterr()
-    with pytest.raises(SystemExit):
-        main(argv("fd", "--scoring", "fast"))
-    assert "--scoring" in capsys.readouterr().err
-    from prism_select.errors import ConfigError
-    from prism_select.pipeline import ScoreSettings
-    with pytest.raises(ConfigError, match="precision"):
-        ScoreSettings(precision="split32", scoring="fast")
 
 
 #: the target direction under split32 (split forwards, split cotangents, float32 weight

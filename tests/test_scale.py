@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from prism_select.curvature import factors as factors_mod, spill as spill_mod
 from prism_select import cache
 from prism_select.curvature import CurvatureSettings, fit_curvature
 from prism_select.plan import GiB, PlanError, make_groups, make_plan, parse_bytes, units
@@ -612,9 +613,9 @@ def _gpu_like_fit(monkeypatch, tracker):
     spill file, eigendecompositions one after the other, and the tensors it moves to host
     memory leaving the tracker's device count."""
     from prism_select.curvature import fit as fitmod
-    monkeypatch.setattr(fitmod, "GRAM_BLOCK", 1 << 30)
-    monkeypatch.setattr(fitmod, "SPILL_MAX_BYTES", 0)
-    monkeypatch.setattr(fitmod, "mm_acc_into", lambda M, a, b: M.addmm_(a.to(M.dtype), b.to(M.dtype)))
+    monkeypatch.setattr(factors_mod, "GRAM_BLOCK", 1 << 30)
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)
+    monkeypatch.setattr(factors_mod, "mm_acc_into", lambda M, a, b: M.addmm_(a.to(M.dtype), b.to(M.dtype)))
     monkeypatch.setattr(fitmod, "_to_host", tracker.to_host)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -745,10 +746,11 @@ def test_sharded_pass_sums_send_each_input_once(model, modules, tok, encoded_poo
             off += t.numel()
 
     decomposed = []
-    real_eigh = fitmod._eigh
+    from prism_select.curvature import eigh as eighmod
+    real_eigh = eighmod._eigh
     monkeypatch.setattr(distributed, "all_reduce_sum", offset_order_all_reduce)
-    monkeypatch.setattr(fitmod, "SPILL_MAX_BYTES", 0)  # the sums of the pass, as on a GPU
-    monkeypatch.setattr(fitmod, "_eigh", lambda M: (decomposed.append(M.shape[0]), real_eigh(M))[1])
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)  # the sums of the pass, as on a GPU
+    monkeypatch.setattr(eighmod, "_eigh", lambda M: (decomposed.append(M.shape[0]), real_eigh(M))[1])
     s = CurvatureSettings(kind="ekfac", batch_size=3)
     idx = fitmod.fit_indices(len(encoded_pool), s)
     batches = fitmod.length_batches(encoded_pool, idx, s.batch_size)

@@ -28,7 +28,7 @@ DEFAULT_SHRINKAGE = "off"
 
 @dataclass
 class FitSettings:
-    """What determines the fitted factors (:func:`prism_select.curvature.fit.curvature_key`
+    """What determines the fitted factors (:func:`prism_select.curvature.store.curvature_key`
     keys the saved fit by these, less ``batch_size``, which does not change the sums).
 
     fisher: "empirical" (gradients at the data's own labels, as kronfluence's default) or
@@ -77,7 +77,7 @@ MAX_DAMPING_FACTOR = 1e20
 @dataclass
 class PreconditionSettings:
     """How the fitted ``H`` is damped and shrunk before it is inverted; applied to a fit
-    (:func:`prism_select.curvature.fit.apply_damping`), so none of it is in the fit's key.
+    (:func:`apply_damping`), so none of it is in the fit's key.
 
     damping: explicit ``lambda`` added to every eigenvalue; ``None`` uses the heuristic
         ``damping_factor * mean eigenvalue`` of each layer (for diagonal, the mean
@@ -364,7 +364,7 @@ class HostTensorFiles(MutableMapping):
     loaded curvature that stays on disk until used. Each ``self[key]`` reads that tensor
     into host memory of its own by plain file reads (nothing is kept here), so a curvature
     used layer by layer holds about one layer at a time, not the whole file (1.5 GB for the
-    embedded model's EK-FAC at 1,000 records; docs/performance.md, Session 18). Reading,
+    embedded model's EK-FAC at 1,000 records; docs/performance.md). Reading,
     not mapping: a mapping's pages, once read, stay resident until the mapping is gone.
 
     The files are opened (and their headers and sizes checked) here and held open until
@@ -506,3 +506,44 @@ def _host_tensors(tensors: dict) -> dict:
         out[k] = t
     return out
 
+
+def _shrinkage(settings: PreconditionSettings, cur: Curvature, name: str) -> float:
+    """Layer ``name``'s shrinkage weight ``rho`` (:class:`PreconditionSettings`)."""
+    if settings.shrinkage == "off":
+        return 0.0
+    if settings.shrinkage != "auto":
+        return float(settings.shrinkage)
+    t = cur.tensors
+    kfac = t[f"{name}::lamS"][:, None] * t[f"{name}::lamA"][None, :]
+    return shrinkage_weight(t[f"{name}::Lambda"], kfac, float(t[f"{name}::LambdaVar"]))
+
+
+def _damping(settings: PreconditionSettings, eig: torch.Tensor, noise: torch.Tensor | None = None) -> float:
+    """Explicit, else ``damping_factor`` x the mean eigenvalue, plus (``damping_noise``,
+    EK-FAC: ``noise`` is the layer's ``LambdaVar``) the root-mean-square standard error of
+    the eigenvalues, ``sqrt(LambdaVar / eig.numel())``."""
+    if settings.damping is not None:
+        return float(settings.damping)
+    lam = settings.damping_factor * float(eig.double().mean())
+    if settings.damping_noise and noise is not None:
+        lam += math.sqrt(float(noise) / eig.numel())
+    # A layer with all-zero curvature (e.g. unused) still needs an invertible H.
+    return lam if lam > 0 else 1e-12
+
+
+def apply_damping(cur: Curvature, settings: PreconditionSettings) -> Curvature:
+    """Set each layer's shrinkage weight (EK-FAC) and then its damping from ``settings``
+    (explicit, or the heuristic on the layer's eigenvalues, which the shrinkage leaves at
+    the same mean, plus their noise under ``damping_noise``). A curvature saved without
+    the statistics of either raises :class:`CacheError` when ``settings`` asks for one."""
+    if cur.kind == "identity" or not cur.tensors:
+        return cur
+    if cur.kind == "ekfac":
+        wanted = settings.shrinkage != "off" or settings.damping_noise
+        if wanted and any(f"{n}::LambdaVar" not in cur.tensors for n in cur.layers):
+            raise CacheError("the saved EK-FAC curvature predates the statistics of the shrinkage and the noise "
+                             "damping (lamA, lamS, LambdaVar)")
+        cur.shrinkage = {n: _shrinkage(settings, cur, n) for n in cur.layers}
+    cur.damping = {n: _damping(settings, cur.eigenvalues(n), cur.tensors.get(f"{n}::LambdaVar"))
+                   for n in cur.layers}
+    return cur

@@ -15,31 +15,43 @@ diagonal of ``F`` in that eigenbasis. The same pass sums the fourth powers, so t
 entries; with the K-FAC eigenvalues ``lamA``, ``lamS``, which EK-FAC keeps, it sets the
 shrinkage weight and the noise damping (:class:`CurvatureSettings`).
 ``diagonal`` uses ``(1/N) sum_n G_n**2``.
+
+This module runs the passes and puts a fit together; the pieces live beside it:
+
+    factors.py      the factor pass's Gram products and taps, layers sharing one input
+    eigh.py         the factors' eigendecompositions and their thread schedule
+    eigenvalues.py  EK-FAC's eigenvalue pass (Lambda, LambdaVar)
+    stats.py        the passes' sums and their reduction across ranks
+    sharded.py      the taps of a sharded (FSDP2) fit
+    spill.py        the CPU fit's host spill, and scores formed from it
+    base.py         Curvature, the settings, damping and shrinkage
+    store.py        the cache key and load-or-fit
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import random
-from collections import OrderedDict, deque
 
 import torch
 from tqdm.auto import tqdm
 
 from .. import distributed, profiling, sharding
 from ..data.tokenize import token_losses
-from ..errors import CacheError
 from ..execution import DEFAULT_KERNELS, Kernels
-from ..engine import (Tap, batch_losses, causal_only, collate_to, mm_acc, mm_acc_into, rowdot, split_causal_lm,
-                      tap_linears)
-from ..precision import fit_arithmetic, fit_policy
+from ..engine import batch_losses, causal_only, collate_to, split_causal_lm, tap_linears
+from ..precision import fit_policy
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
-from ..gradients import check_finite, has_bias, layer_shape, release_host_memory
-from ..gradients import side_by_side as _side_by_side
-from ..io import sha256_json
-from ..settings import key_of
-from .base import Curvature, CurvatureSettings, FitSettings, PreconditionSettings, shrinkage_weight
+from ..gradients import check_finite, layer_shape, release_host_memory
+from .base import Curvature, CurvatureSettings, FitSettings, apply_damping
+from .eigh import _eigh_many
+from .factors import (_CovTap, _DiagTap, _LowerBlocks, _identical, _identical_across_ranks, _mirror, _shared_inputs,
+                      _unshare_inputs)
+from .eigenvalues import _LambdaTap, _finish_lambda, _lambda_steps
+from .stats import _Stats
+from .sharded import _ShardedCovTap, _ShardedLambdaTap
+from .spill import FitScores, _Spill, _SpillTap, _spill_wanted, _spilled_groups
+
 
 log = logging.getLogger(__name__)
 
@@ -70,873 +82,9 @@ def _sampled_labels(logits: torch.Tensor, labels: torch.Tensor, gen: torch.Gener
     return new
 
 
-class _Recent(OrderedDict):
-    """The last few per-input products of a batch (layers reading one input, e.g. q/k/v or
-    gate/up, run one after the other and share them); older entries are dropped, so the
-    cache holds at most ``RECENT_INPUTS`` products however many layers are tapped."""
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        while len(self) > RECENT_INPUTS:
-            self.popitem(last=False)
-
-
-#: per-input products a fit tap keeps for the next layers reading the same input
-RECENT_INPUTS = 4
-
-
-#: sharded factors: collectives summing a layer's products onto its owner that may be in
-#: flight at once while the pass computes on (each holds its product until it is waited
-#: for; memory.plan counts them); the rest are waited for at the end of the step
-REDUCE_WINDOW = 2
-
-
-class _Sum:
-    """A tensor being summed onto its owner rank (:func:`distributed.reduce_sum_to_async`);
-    :meth:`then` runs a function on the sum, on the owner, once it is there."""
-
-    def __init__(self, t: torch.Tensor, owner: int):
-        self._finish = distributed.reduce_sum_to_async(t, owner)
-        self.result, self.done, self._then = None, False, []
-
-    def then(self, fn):
-        if not self.done:
-            self._then.append(fn)
-        elif self.result is not None:
-            fn(self.result)
-
-    def wait(self):
-        if self.done:
-            return
-        self.result, self.done = self._finish(), True
-        if self.result is not None:
-            for fn in self._then:
-                fn(self.result)
-        self._then = []
-
-
-class _Stats:
-    """Per-batch bookkeeping shared by the fit taps."""
-
-    def __init__(self, acc):
-        self.acc = acc
-        self.sel = None  # (B, T) bool: real tokens of the batch
-        self.cache: dict = _Recent()
-        self.added: list = []  # shared input accumulators added to in this batch (_CovTap)
-        self.n_tokens = None
-        self.bad: list = []
-        self.paused = False  # a stand-in step (see _passes): nothing is counted
-        self._scratch = None
-        self.spill = None  # a _Spill the factor pass writes
-        self.pending: deque = deque()  # _Sum in flight (sharded factors)
-
-    def summed(self, t: torch.Tensor, owner: int) -> _Sum:
-        """``t`` summed onto rank ``owner`` in the background: at most REDUCE_WINDOW sums
-        stay in flight (the oldest are waited for first, in the order every rank started
-        them); :meth:`drain` waits for the rest."""
-        s = _Sum(t, owner)
-        self.pending.append(s)
-        while len(self.pending) > REDUCE_WINDOW:
-            self.pending.popleft().wait()
-        return s
-
-    def drain(self):
-        while self.pending:
-            self.pending.popleft().wait()
-
-    def start(self, b):
-        self.drain()
-        if self.paused:
-            return
-        sel = b.get("token_mask")
-        self.sel = b["attention_mask"] if sel is None else sel
-        self._masks = {}
-        self.cache.clear()
-        self.added = []
-        if self.spill is not None:
-            self.spill.start(self.sel)
-        self.n_batch = self.sel.sum().to(self.acc)
-        if self.n_tokens is None:
-            self.n_tokens = torch.zeros((), dtype=self.acc, device=self.sel.device)
-        self.n_tokens += self.n_batch  # in place: a CUDA graph replays it
-
-    def scratch(self, *shape):
-        """A reused ``acc`` buffer of ``shape`` (its contents are the caller's)."""
-        n = math.prod(shape)
-        if self._scratch is None or self._scratch.numel() < n:
-            self._scratch = torch.empty(n, dtype=self.acc)
-        return self._scratch[:n].view(*shape)
-
-    def mask(self, dtype):
-        m = self._masks.get(dtype)
-        if m is None:
-            m = self._masks[dtype] = self.sel.to(dtype)[..., None]
-        return m
-
-
-#: on the CPU, EK-FAC's factor pass writes every layer's inputs and output gradients to a
-#: temporary file, from which the factors and the eigenvalues are formed layer group by
-#: layer group (:func:`_spilled_groups`; the eigenvalue pass does not run the model again),
-#: when they take at most this many bytes (and at most a quarter of the free disk space
-#: where the file goes). The demo: about 3 GB for 40 records (1 MB a token at 135M). 0
-#: turns it off: the factors are summed in the pass and the eigenvalue pass reruns the model.
-SPILL_MAX_BYTES = 8 << 30
-
-
-class _Spill:
-    """Layer inputs and output gradients of the factor pass in an unnamed temporary file
-    (removed when closed), read back batch by batch by the eigenvalue pass. Each batch
-    is a list of ``(layer, input entry, gradient entry)``; an input shared by several
-    layers (q/k/v, gate/up) is written once."""
-
-    def __init__(self, directory=None):
-        import tempfile
-        self.f = tempfile.TemporaryFile(dir=directory)
-        self.batches: list = []
-        # this batch's recent inputs: key -> (input, entry); the input is held so that its
-        # address is not reused by another tensor while the key is known (see _key)
-        self._inputs = _Recent()
-        self._pending: dict = {}  # this batch: layer -> input entry (until its gradient arrives)
-        self.examples: list = []  # each batch's example indices (set by the fit)
-        self.masks: list = []  # each batch's (B, T) bool mask of the real tokens
-
-    def start(self, mask: torch.Tensor):
-        """A new batch, with ``mask`` (``B x T``) marking its real tokens."""
-        self._inputs.clear()
-        self._pending = {}
-        self.batches.append([])
-        self.masks.append(mask.to(torch.bool))
-
-    def _write(self, t: torch.Tensor):
-        t = t.detach().contiguous()
-        off = self.f.seek(0, 2)
-        self.f.write(memoryview(t.numpy()).cast("B"))
-        return off, tuple(t.shape), t.dtype
-
-    def read(self, entry) -> torch.Tensor:
-        """One written tensor (a positioned read: threads may read side by side)."""
-        import os
-        off, shape, dtype = entry
-        t = torch.empty(shape, dtype=dtype)
-        buf = memoryview(t.numpy()).cast("B")
-        done = 0
-        while done < len(buf):
-            n = os.preadv(self.f.fileno(), [buf[done:]], off + done)
-            if n <= 0:
-                raise OSError(f"the spill file ended at byte {off + done}")
-            done += n
-        return t
-
-    def input(self, name, x):
-        k = _key(x)
-        if k not in self._inputs:
-            # detached: an input with its graph, held by the taps' spill, would be a
-            # reference cycle through autograd's C++ graph that Python's gc cannot free
-            # (it kept the factor accumulators alive to the end of the fit)
-            self._inputs[k] = (x.detach(), self._write(x))
-        self._pending[name] = self._inputs[k][1]
-
-    def gradient(self, name, g):
-        self.batches[-1].append((name, self._pending.pop(name), self._write(g)))
-
-    def finish(self):
-        """The factor pass is over: nothing of its last batch is held, everything written
-        is in the file (for :meth:`read`)."""
-        self._inputs.clear()
-        self._pending = {}
-        self.f.flush()
-
-    def close(self, background: bool = False):
-        """Close (and so remove) the file. ``background``: on a thread of its own, while the
-        caller goes on: the demo's 3 GB spill took 2.7 s of wall time to close (0.25 CPU-s,
-        the kernel freeing the file's pages and blocks) on the run's path."""
-        self.finish()
-        if background:
-            import threading
-            threading.Thread(target=self.f.close, name="spill-close").start()
-        else:
-            self.f.close()
-
-    def scores(self, modules: dict, V: dict, n_examples: int) -> torch.Tensor | None:
-        """``g_z . V`` of every fit example from the spilled inputs ``a_t`` and output
-        gradients ``b_t``: ``sum_layers sum_t b_t^T V a_t`` (``+ (sum_t b_t)^T V_bias`` for a
-        layer with a bias), float64, in the order of ``encoded`` (``examples``: the fit
-        batches' indices into it). Padded positions have ``b_t = 0`` (right padding under
-        causal attention) and add nothing. These are the exact scores only when the
-        spilled gradients are those of the scoring loss (the caller checks: the empirical
-        Fisher, the whole pool, the model's own arithmetic). None when a tracked layer has
-        nothing spilled. Each input's layers are one task (its inputs read once per
-        batch) on one-thread workers (:func:`_side_by_side`)."""
-        if not self.batches or any(n not in {e[0] for e in self.batches[0]} for n in modules):
-            return None
-        by_input: dict = {}  # the first batch's input entry -> layers reading it
-        for name, xe, _ in self.batches[0]:
-            if name in modules:
-                by_input.setdefault(xe, []).append(name)
-        groups = list(by_input.values())
-        p = next(iter(modules.values())).weight
-        acc = torch.float64 if p.dtype == torch.float64 else torch.float32
-
-        def task(layers):
-            part = torch.zeros(n_examples, dtype=torch.float64)
-            Vs = {}
-            for n in layers:
-                m = modules[n]
-                Vd = V[n].to(dtype=m.weight.dtype)
-                Vs[n] = (Vd[:, :m.in_features].contiguous(), Vd[:, -1].to(acc) if has_bias(m) else None)
-            for rec, idx in zip(self.batches, self.examples):
-                inputs: dict = {}
-                for name, xe, ge in rec:
-                    if name not in Vs:
-                        continue
-                    x = inputs.get(xe)
-                    if x is None:
-                        x = inputs[xe] = self.read(xe)
-                    g = self.read(ge)
-                    Vw, Vb = Vs[name]
-                    if Vw.shape[0] <= Vw.shape[1]:  # the product in the narrower width
-                        s = rowdot(g, x @ Vw.T)
-                    else:
-                        s = rowdot(g @ Vw, x)
-                    if Vb is not None:
-                        s = s + g.sum(1, dtype=acc) @ Vb
-                    part[idx] += s.double()
-            return part
-
-        return torch.stack(list(_side_by_side(task, groups))).sum(0)
-
-
-#: the rotated per-example gradients that :class:`FitScores` keeps, summed over the tasks
-#: that run at once (the largest), at most this many bytes; above it the fit does not
-#: score and the run scores from the spill after the fit. The demo: 566 MB (40 examples,
-#: the gate/up task 283 MB beside another).
-FIT_SCORES_MAX_BYTES = 1 << 30
-
-
-class FitScores:
-    """Exact scores ``g_n . H^-1 d`` of the fit examples, formed inside the spilled EK-FAC
-    fit (:func:`_spilled_groups`) when the direction ``d`` is known before the fit and the
-    fit examples' spilled gradients are the scoring loss's (the caller checks, as for
-    :meth:`_Spill.scores`). Each task keeps its layers' rotated per-example gradients
-    ``R_n = Q_S^T G_n Q_A`` (the products whose squares it sums into ``Lambda``); once its
-    ``Lambda``, and so each layer's damping and shrinkage (:func:`apply_damping`, as the
-    fit's result gets them), are known, it rotates the layer's direction the way
-    :meth:`Curvature.precondition` does and scores
-    ``<R_n, (Q_S^T D Q_A) / (eig + lambda)>``: no scoring pass over the spill and no
-    rotation back to ``v = H^-1 d``.
-
-    ``direction``: layer -> ``out x in'`` matrix, a mapping with ``pop`` (a dict or
-    :class:`prism_select.gradients.SpilledLayers`); the layers are taken out of it as they
-    are scored, and left in it when the fit does not score (no spill, or the kept products
-    would exceed ``max_bytes``). ``n_examples``: the length of the encoded list the fit
-    batches index. After the fit, :attr:`scores` is the float64 scores (the layers summed
-    in the order of ``modules``), or None when the fit did not score."""
-
-    def __init__(self, direction, settings: PreconditionSettings, n_examples: int,
-                 max_bytes: int | None = None):
-        self.direction, self.settings, self.n_examples = direction, settings, n_examples
-        self.max_bytes = FIT_SCORES_MAX_BYTES if max_bytes is None else max_bytes
-        self.per_layer: dict = {}  # layer -> float64 (n_examples,)
-        self.scores: torch.Tensor | None = None
-
-    def score_layer(self, name: str, tensors: dict, R: torch.Tensor, lock) -> None:
-        """Layer ``name``'s scores from its kept products ``R`` (``n_examples x out x in'``)
-        and its fitted ``tensors`` (``QA``, ``QS``, ``lamA``, ``lamS``, ``Lambda``,
-        ``LambdaVar``, unprefixed)."""
-        part = apply_damping(Curvature("ekfac", [name], {f"{name}::{k}": t for k, t in tensors.items()}, {}),
-                             self.settings)
-        with lock:  # the direction may be a file read by position of its own
-            g = self.direction.pop(name)
-        dt = torch.float64 if g.dtype == torch.float64 else torch.float32
-        QA, QS = tensors["QA"].to(dt), tensors["QS"].to(dt)
-        # as Curvature.precondition, less the rotation back
-        W = (QS.T @ g.to(dt) @ QA) / (part.eigenvalues(name, dtype=dt) + part.damping[name])
-        s = R.reshape(R.shape[0], -1) @ W.to(R.dtype).reshape(-1)
-        self.per_layer[name] = s.double()
-
-    def finish(self, layers: list) -> None:
-        """Sum the layers' scores (in ``layers``' order: the same sum in every run)."""
-        if all(n in self.per_layer for n in layers):
-            self.scores = torch.stack([self.per_layer.pop(n) for n in layers]).sum(0)
-        self.per_layer.clear()
-
-
-def _spill_bytes(modules: dict, encoded: list, batches: list, itemsize: int) -> int:
-    """An upper bound of what the factor pass spills: every padded token's input and
-    output of every tracked layer (shared inputs counted once per layer)."""
-    per_token = sum(sum(layer_shape(m)) for m in modules.values()) * itemsize
-    return per_token * sum(len(b) * max(len(encoded[i].input_ids) for i in b) for b in batches)
-
-
-def _spill_wanted(model, modules, encoded, batches, device, settings, directory) -> bool:
-    import shutil
-    import tempfile
-    p = next(model.parameters())
-    if (settings.kind != "ekfac" or SPILL_MAX_BYTES <= 0 or torch.device(device or p.device).type != "cpu"
-            or p.dtype not in (torch.float32, torch.float64) or distributed.world() > 1
-            or sharding.is_sharded(model)):
-        return False
-    need = _spill_bytes(modules, encoded, batches, p.element_size())
-    try:
-        free = shutil.disk_usage(directory or tempfile.gettempdir()).free
-    except OSError:
-        return False
-    return need <= min(SPILL_MAX_BYTES, free // 4)
-
-
-def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_examples: int, desc: str,
-                    progress: bool = True, scores: FitScores | None = None) -> tuple[dict, dict, dict, dict]:
-    """EK-FAC from the factor pass's spill, as one task per distinct layer input (the layers
-    that read it: q/k/v, gate/up, ...): form the input's ``A`` and each layer's ``S`` from
-    the spilled batches (the sums :class:`_CovTap` forms, in the same order), decompose
-    them, then add every spilled batch of those layers to their ``Lambda`` and ``M4`` (each
-    input read and rotated once per batch). The tasks, largest first, run side by side on
-    one-thread workers (as many as torch's threads, :func:`_side_by_side`): a task needs no
-    other task's results, so the cores stay busy with independent work instead of
-    synchronising a team of threads over one small eigendecomposition or GEMM at a time.
-    A task's factors are freed once decomposed.
-
-    ``scores`` (:class:`FitScores`): each task also scores the fit examples with its
-    layers, if the products it keeps for that fit ``scores.max_bytes`` (else the fit does
-    not score; ``scores.scores`` stays None).
-
-    Returns ``(tensors, Lam, M4, seconds)``: each layer's ``QA``, ``lamA``, ``QS``, ``lamS``
-    (eigenvalues clamped at 0, row-major eigenvectors), the unnormalised sums per layer,
-    and the summed task seconds of the two kinds of work (``eigh``: factors and
-    eigendecompositions; ``lambda``, scores included)."""
-    import threading
-    import time
-
-    entries: dict = {}  # layer -> [(batch number, input entry, gradient entry)]
-    for k, rec in enumerate(spill.batches):
-        for name, xe, ge in rec:
-            entries.setdefault(name, []).append((k, xe, ge))
-    by_input: dict = {}  # layers reading one input (with the same bias column) share A
-    for n in modules:
-        first = entries.get(n, [(None, ("none", n), None)])[0][1]
-        by_input.setdefault((first, has_bias(modules[n])), []).append(n)
-    groups = list(by_input.values())
-    tokens = sum(math.prod(m.shape) for m in spill.masks)
-
-    def cost(gid):  # eigendecompositions ~ 27 d^3; products 2 T (2 in^2 + 2 out^2 + out in), A and S included
-        inp = layer_shape(modules[groups[gid][0]])[1]
-        outs = [layer_shape(modules[n])[0] for n in groups[gid]]
-        return 27 * (inp ** 3 + sum(o ** 3 for o in outs)) + 2 * tokens * (
-            2 * inp ** 2 + sum(2 * o * o + o * inp for o in outs))
-
-    tensors, Lam, M4 = {}, {}, {}
-    seconds = {"eigh": 0.0, "lambda": 0.0}
-    lock = threading.Lock()
-    if scores is not None:
-        itemsize = torch.empty((), dtype=compute).element_size()
-        kept = sorted((scores.n_examples * itemsize * sum(math.prod(layer_shape(modules[n])) for n in g)
-                       for g in groups), reverse=True)
-        at_once = sum(kept[:max(torch.get_num_threads(), 1)])  # the largest tasks, one per worker
-        rows = sorted(i for b in spill.examples for i in b)
-        if rows != list(range(scores.n_examples)):
-            raise ValueError("FitScores: the fit examples must be the encoded list's, each once")
-        if at_once > scores.max_bytes:
-            log.info("the fit does not score: its rotated gradients would take %.2f GiB at once (at most %.2f)",
-                     at_once / 2**30, scores.max_bytes / 2**30)
-            scores = None
-    kept_bufs: dict = {}  # worker thread -> the buffer its tasks' kept products reuse
-
-    def kept_products(layers) -> dict:
-        """Each layer's ``R`` (``n_examples x out x in'``), views of one buffer per worker
-        thread: fresh pages for every task (17 GB over the demo's tasks) were ~13 s of
-        kernel time in page faults. The buffer is replaced by a smaller one when a task
-        needs at most half of it (the tasks come largest first, and the finished
-        curvature grows as they go: the demo's peak RSS was ~400 MB higher with the
-        largest buffers kept to the end)."""
-        shapes = {n: (scores.n_examples, *layer_shape(modules[n])) for n in layers}
-        need = sum(math.prod(sh) for sh in shapes.values())
-        tid = threading.get_ident()
-        buf = kept_bufs.get(tid)
-        if buf is None or buf.numel() < need or 2 * need <= buf.numel():
-            del buf
-            kept_bufs.pop(tid, None)  # the old buffer is freed before the new one is allocated
-            buf = kept_bufs[tid] = torch.empty(need, dtype=compute)
-        out, at = {}, 0
-        for n, sh in shapes.items():
-            out[n] = buf[at:at + math.prod(sh)].view(sh)
-            at += math.prod(sh)
-        return out
-
-    def per_batch(layers):  # batch -> [(layer, input entry, gradient entry)] of these layers
-        out: dict = {}
-        for n in layers:
-            for k, xe, ge in entries.get(n, []):
-                out.setdefault(k, []).append((n, xe, ge))
-        return [(k, out[k]) for k in sorted(out)]
-
-    def task(gid):
-        t0 = time.perf_counter()
-        layers = groups[gid]
-        bias = has_bias(modules[layers[0]])
-        d_in = layer_shape(modules[layers[0]])[1]
-        A = torch.zeros(d_in, d_in, dtype=compute)
-        S = {n: torch.zeros(layer_shape(modules[n])[0], layer_shape(modules[n])[0], dtype=compute) for n in layers}
-        stats = _Stats(compute)
-        batches = per_batch(layers)
-        for k, rec in batches:  # the factors, as _CovTap sums them (A from the first layer's input)
-            sel = spill.masks[k]
-            x = spill.read(rec[0][1])
-            a = (x * sel.to(x.dtype)[..., None]).reshape(-1, x.shape[-1])
-            C = _input_product(a, compute, sel.sum().to(compute) if bias else None)
-            A += C
-            del x, a, C
-            for n, _, ge in rec:
-                g = spill.read(ge)
-                _gram_into(S[n], g.reshape(-1, g.shape[-1]))
-                del g
-        # not mirrored: the eigensolver reads the lower triangle alone (_eigh), which is
-        # what _gram_into sums (the upper block triangle stays zero)
-        A = A.div_(max(n_tokens, 1))
-        check_finite(A, "the activation covariance", layer=layers[0])
-        out = {}
-        lam, Q = _eigh(A)
-        del A
-        # row-major: LAPACK's column-major Q would be copied whole when the curvature is
-        # saved (+0.8 GB of host memory for the embedded model, session 8)
-        lamA, QA = lam.clamp(min=0).to(compute), Q.to(compute).contiguous()
-        for n in layers:
-            Sn = S.pop(n).div_(n_examples)  # lower triangle, as A
-            check_finite(Sn, "the gradient covariance", layer=n)
-            lam, Q = _eigh(Sn)
-            del Sn
-            out[n] = {"QA": QA if n == layers[0] else QA.clone(), "lamA": lamA if n == layers[0] else lamA.clone(),
-                      "lamS": lam.clamp(min=0).to(compute), "QS": Q.to(compute).contiguous()}
-            del lam, Q
-        t1 = time.perf_counter()
-        taps = {}
-        # FitScores: each layer's R_n, one row per example of the encoded list
-        R = kept_products(layers) if scores is not None else {}
-        for n in layers:
-            tap = taps[n] = _LambdaTap(modules[n], stats, QA, out[n]["QS"], gid)
-            tap.Lam, tap.M4 = torch.zeros(*layer_shape(modules[n]), dtype=compute), torch.zeros(1, dtype=compute)
-        for k, rec in batches:
-            stats.cache.clear()
-            inputs: dict = {}
-            for n, xe, ge in rec:
-                if xe not in inputs:
-                    inputs[xe] = spill.read(xe)
-                if n in R:
-                    taps[n].rows = [R[n][i] for i in spill.examples[k]]
-                taps[n].on_backward(inputs[xe], spill.read(ge))
-            del inputs
-        stats.cache.clear()
-        del stats
-        for n in list(R):  # Lambda as _finish_lambda forms it (the sums stay), then the layer's scores
-            lam, var = _lambda_from_sums(taps[n].Lam, taps[n].M4, n_examples, in_place=False)
-            scores.score_layer(n, {**out[n], "Lambda": lam, "LambdaVar": var}, R.pop(n), lock)
-            del lam, var
-        with lock:
-            for n in layers:
-                for key, t in out[n].items():
-                    tensors[f"{n}::{key}"] = t
-                Lam[n], M4[n] = taps[n].Lam, taps[n].M4
-            seconds["eigh"] += t1 - t0
-            seconds["lambda"] += time.perf_counter() - t1
-        # this worker's freed batches and products, in its own heap arena, go back to the
-        # system (untrimmed, the demo's stage ended 1.2 GB above where it began)
-        release_host_memory()
-        return gid
-
-    order = sorted(range(len(groups)), key=cost, reverse=True)
-    with tqdm(total=len(order), desc=desc, unit="group", leave=False,
-              disable=not progress or not distributed.is_main()) as bar:
-        for _ in _side_by_side(task, order):
-            bar.update()
-    kept_bufs.clear()
-    return tensors, Lam, M4, seconds
-
-
-class _SpillTap(Tap):
-    """Pass 1 when the factors are formed from the spill (:func:`_spilled_groups`): the
-    layer's input and output gradient go to the spill file, nothing else."""
-
-    def __init__(self, module, name, spill):
-        super().__init__(module)
-        self.name, self.spill = name, spill
-
-    def on_forward(self, x):
-        self.spill.input(self.name, x)
-
-    def on_backward(self, x, g):
-        self.spill.gradient(self.name, g)
-
-
-def _key(x, *extra):
-    """Identifies one input tensor within a batch. The cache entry also holds ``x``, so
-    its memory cannot be reused by another tensor (with the same address) meanwhile."""
-    return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x._version) + extra
-
-
-#: on the CPU a factor ``a^T a`` wider than this is formed block by block, the lower block
-#: triangle only (``_gram_into``), and mirrored once after the pass (``_mirror``): about
-#: 0.65 of the full product's time at 576 and 1536 wide (measured on a 2-core EPYC,
-#: benchmarks/results/INDEX.md, session 8). GPUs keep the one full product.
-GRAM_BLOCK = 384
-
-
-class _LowerBlocks:
-    """A ``D x D`` factor summed on the CPU as the lower block triangle that
-    :func:`_gram_into` adds to, and no more: row block ``i`` of the first ``d`` rows
-    (blocks as :func:`_gram_into` cuts a ``d``-wide input) keeps its columns up to the end
-    of its diagonal block, and rows ``d..D`` (a bias's) are kept whole. For a 1536-wide
-    factor 0.62 of the square (0.75 at 576): the upper blocks are never summed, so they
-    take no memory during the pass. :func:`_mirror` returns the full matrix, equal to the
-    one a full ``D x D`` accumulator would give. ``+=`` takes such a factor or a full
-    matrix (its upper block triangle ignored)."""
-
-    def __init__(self, D: int, d: int, dtype: torch.dtype):
-        k = -(-d // GRAM_BLOCK)
-        bs = -(-d // k)
-        self.spans = [(i * bs, min(d, (i + 1) * bs)) for i in range(k)]
-        self.blocks = [torch.zeros(r1 - r0, r1, dtype=dtype) for r0, r1 in self.spans]
-        self.edge = torch.zeros(D - d, D, dtype=dtype) if D > d else None
-        self.d, self.shape, self.dtype, self.device = d, (D, D), dtype, torch.device("cpu")
-
-    @staticmethod
-    def wanted(d: int, device) -> bool:
-        """Whether a factor of a ``d``-wide input (or output) is summed so: on the CPU,
-        wider than GRAM_BLOCK."""
-        return torch.device(device).type == "cpu" and d > GRAM_BLOCK
-
-    def gram_(self, a: torch.Tensor) -> "_LowerBlocks":
-        a = a.to(self.dtype)
-        for (r0, r1), B in zip(self.spans, self.blocks):
-            B.addmm_(a[:, r0:r1].T, a[:, :r1])
-        return self
-
-    def __iadd__(self, C):
-        if isinstance(C, _LowerBlocks):
-            for B, B2 in zip(self.blocks, C.blocks):
-                B += B2
-            if self.edge is not None:
-                self.edge += C.edge
-            return self
-        for (r0, r1), B in zip(self.spans, self.blocks):
-            B += C[r0:r1, :r1]
-        if self.edge is not None:
-            self.edge += C[self.d:]
-        return self
-
-    def full(self) -> torch.Tensor:
-        """The ``D x D`` matrix with the upper block triangle zero (and forgets the blocks)."""
-        M = torch.zeros(self.shape, dtype=self.dtype)
-        for (r0, r1), B in zip(self.spans, self.blocks):
-            M[r0:r1, :r1] = B
-        if self.edge is not None:
-            M[self.d:] = self.edge
-        self.blocks, self.edge = [], None
-        return M
-
-
-def _gram_into(M, a: torch.Tensor):
-    """``M += a^T a`` in ``M``'s dtype. On the CPU, for a factor wider than GRAM_BLOCK,
-    only the lower block triangle of ``M`` (diagonal blocks whole) is added to, in place;
-    :func:`_mirror` completes the matrix once the sums are done. ``M`` may be a
-    :class:`_LowerBlocks`, which holds that triangle only."""
-    if isinstance(M, _LowerBlocks):
-        return M.gram_(a)
-    d = a.shape[-1]
-    k = -(-d // GRAM_BLOCK)
-    if M.device.type != "cpu" or k < 2:
-        return mm_acc_into(M, a.T, a)
-    a = a.to(M.dtype)
-    bs = -(-d // k)
-    for i in range(k):
-        r0, r1 = i * bs, min(d, (i + 1) * bs)
-        M[r0:r1, :r1].addmm_(a[:, r0:r1].T, a[:, :r1])
-    return M
-
-
-def _gram(a: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``a^T a`` as :func:`_gram_into` forms it (lower block triangle on the CPU)."""
-    if a.device.type != "cpu" or a.shape[-1] <= GRAM_BLOCK:
-        return mm_acc(a.T, a, acc)
-    return _gram_into(torch.zeros(a.shape[-1], a.shape[-1], dtype=acc), a)
-
-
-def _mirror(M) -> torch.Tensor:
-    """Complete a factor summed by :func:`_gram_into`: its upper triangle becomes the
-    transposed lower one (in place, or into the full matrix of a :class:`_LowerBlocks`,
-    which is returned; on other devices nothing is done). The result is exactly
-    symmetric."""
-    if isinstance(M, _LowerBlocks):
-        M = M.full()
-    if M.device.type == "cpu" and M.shape[-1] > GRAM_BLOCK:
-        M.copy_(M.tril() + M.tril(-1).mT)
-    return M
-
-
-def _input_product(a: torch.Tensor, acc: torch.dtype, n_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """A batch's ``A`` term from its masked inputs ``a`` (tokens x in): ``a^T a`` as
-    :func:`_gram` forms it, bordered, for a layer with a bias, by the inputs' sums and the
-    batch's real token count ``n_tokens`` (the bias's input is a column of ones)."""
-    C = _gram(a, acc)
-    if n_tokens is None:
-        return C
-    s = a.sum(0, dtype=acc)
-    return torch.cat([torch.cat([C, s[:, None]], 1), torch.cat([s[None, :], n_tokens.reshape(1, 1)], 1)], 0)
-
-
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A fitted tensor moved to host memory (one place, so that a test can follow it)."""
     return t.to("cpu")
-
-
-def _with_ones(x):
-    return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)], dim=-1)
-
-
-class _CovTap(Tap):
-    """Pass 1: ``A += a a^T`` over real tokens (once per distinct input), ``S += b b^T``.
-
-    ``shared``: ``A`` is one accumulator of several layers that read one input (q/k/v,
-    gate/up; :func:`_shared_inputs`): the first of them to see the batch's input adds its
-    product, the others find it in the batch's cache, added to their accumulator already.
-    Otherwise a layer that finds its input's product in the cache adds it to its own ``A``."""
-
-    def __init__(self, module, stats, A, S, name=None, shared=False):
-        super().__init__(module)
-        self.stats, self.A, self.S, self.bias = stats, A, S, has_bias(module)
-        self.name, self.shared = name, shared
-
-    def on_forward(self, x):
-        st = self.stats
-        k = _key(x, self.bias)
-        hit = st.cache.get(k)
-        if hit is None:
-            a = (x * st.mask(x.dtype)).reshape(-1, x.shape[-1])  # padding rows zeroed
-            C = _input_product(a, st.acc, st.n_batch if self.bias else None)
-            st.cache[k] = (x.detach(), C, self.A)  # detached: see _Spill.input
-        else:
-            C, into = hit[1], hit[2]
-            if self.shared and into is self.A:
-                return  # added to the accumulator this layer shares
-            if self.shared:
-                raise RuntimeError(f"layer {self.name} shares its input accumulator with other layers, "
-                                   "but read another input in this fit batch")
-        if self.shared:
-            if any(t is self.A for t in st.added):
-                raise RuntimeError(f"the layers sharing {self.name}'s input accumulator read different "
-                                   "inputs in this fit batch")
-            st.added.append(self.A)
-        self.A += C
-
-    def on_backward(self, x, g):
-        _gram_into(self.S, g.reshape(-1, g.shape[-1]))
-
-
-class _Probe(Tap):
-    """Records which input each layer reads in one forward (see :func:`_shared_inputs`)."""
-
-    def __init__(self, module, name, seen):
-        super().__init__(module)
-        self.name, self.seen, self.bias = name, seen, has_bias(module)
-
-    def on_forward(self, x):
-        self.seen.append((self.name, _key(x, self.bias), x))  # x held: its address is not reused
-
-
-def _shared_inputs(model, modules: dict, encoded: list, batches: list, pad_id, device) -> dict:
-    """``{layer: the first layer reading the same input}`` (itself for the first or only
-    one), from a forward of the shortest fit example without a graph: layers that read one
-    tensor (q/k/v, gate/up) have the same ``A`` and can sum it in one accumulator. The
-    fit checks in every batch that they still read one input (:class:`_CovTap`)."""
-    first = {n: n for n in modules}
-    if not batches:
-        return first
-    i = min((i for b in batches for i in b), key=lambda i: len(encoded[i].input_ids))
-    b = collate_to([encoded[i]], pad_id, device)
-    seen: list = []
-    with tap_linears(model, {n: _Probe(m, n, seen) for n, m in modules.items()}), torch.no_grad():
-        model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
-    owner, done = {}, set()
-    for n, k, _ in seen:  # the input of each layer's first call
-        if n not in done:
-            done.add(n)
-            first[n] = owner.setdefault(k, n)
-    del seen
-    return first
-
-
-def _rotate(x: torch.Tensor, Q: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``x @ Q`` in ``x``'s dtype. Half precision: one tensor-core matmul (float32
-    accumulation, rounded once to half), no float32 intermediate to write and cast."""
-    if x.dtype == acc or x.dtype != Q.dtype:
-        return mm_acc(x, Q, acc).to(x.dtype)
-    return x @ Q
-
-
-class _LambdaTap(Tap):
-    """Pass 2 (EK-FAC): ``Lambda += sum_n (Q_S^T G_n Q_A)**2`` (padding has ``b = 0``),
-    ``M4 += sum_n sum_ij (Q_S^T G_n Q_A)_ij**4`` (a one-element tensor)."""
-
-    keep_input = True
-
-    def __init__(self, module, stats, QA, QS, qa_group):
-        super().__init__(module)
-        self.stats, self.bias = stats, has_bias(module)
-        self.Lam = self.M4 = None  # the sums, set by the fit (zeros of out x in', and of one element)
-        self.dtype = dt = module.weight.dtype  # the eigenbases' dtype in the pass
-        # None: another rank owns the layer (sharded factors, _ShardedLambdaTap)
-        self.QA = None if QA is None else QA.to(dt)
-        self.QS = None if QS is None else QS.to(dt)
-        self.qa_id = qa_group
-        self.rows = None  # the next batch's kept products (_spilled_groups with FitScores), else None
-
-    def on_backward(self, x, g):
-        st = self.stats
-        k = _key(x, self.bias, self.qa_id)
-        aq = st.cache.get(k, (None, None))[1]
-        if aq is None:
-            xa = _with_ones(x) if self.bias else x
-            aq = _rotate(xa, self.QA, st.acc)
-            st.cache[k] = (x.detach(), aq)
-        keep, self.rows = self.rows, None
-        self.add(aq, _rotate(g, self.QS, st.acc), keep=keep)
-
-    def add(self, aq: torch.Tensor, bq: torch.Tensor, Lam=None, M4=None, keep=None):
-        """Add the examples of rotated inputs ``aq`` (``B x T x in'``) and output gradients
-        ``bq`` (``B x T x out``) to ``Lambda`` and ``M4`` (or to the given ``Lam``, ``M4``).
-        ``keep`` (the CPU, the accumulation dtype; :class:`FitScores`): one ``out x in'``
-        tensor per example, into which its product ``R_n`` is written before it is squared."""
-        st = self.stats
-        Lam = self.Lam if Lam is None else Lam
-        M4 = self.M4 if M4 is None else M4
-        if bq.device.type == "cpu" and bq.dtype == st.acc:
-            # example by example into one reused buffer: a (B, out, in) product, squared
-            # into a second one, cost three times the GEMMs on the CPU (memory traffic
-            # and page faults; session 8)
-            R = st.scratch(bq.shape[-1], aq.shape[-1])
-            flat = R.view(-1)
-            for n in range(bq.shape[0]):
-                if keep is None:
-                    torch.mm(bq[n].T, aq[n], out=R)
-                    R.square_()
-                else:
-                    torch.mm(bq[n].T, aq[n], out=keep[n])
-                    torch.square(keep[n], out=R)
-                Lam += R
-                M4 += torch.dot(flat, flat)
-            return
-        if keep is not None:
-            raise ValueError("the kept products are formed on the CPU in the accumulation dtype only")
-        if bq.dtype == st.acc:
-            rot = bq.transpose(1, 2) @ aq
-            sq = rot * rot
-            Lam += sq.sum(0)
-        else:  # half precision: bf16 products (float32 accumulate), squares summed in float32
-            sq = torch.bmm(bq.transpose(1, 2), aq).square_()
-            Lam += sq.sum(0, dtype=st.acc)
-        flat = sq.reshape(-1)
-        M4 += torch.dot(flat, flat).to(st.acc)  # no copy of the batch's squares
-
-
-class _ShardedCovTap(_CovTap):
-    """Pass 1 with the factors sharded over the ranks (FSDP, ``owner`` from
-    :func:`prism_select.sharding.factor_owners`): every rank forms the products of its own
-    batch (masked inputs with the bias's ones column, masked too; output gradients), and
-    they are summed onto the layer's owner, which alone accumulates ``A`` and ``S`` (None
-    elsewhere), with the same sums as one process. Each rank multiplies only its own
-    examples, so the products divide over the ranks (the ranks meet at every layer's
-    collective: a product formed by the owner alone over every rank's examples would put
-    ``world`` times its cost on every rank's path). An input read by several layers of one
-    owner is summed once. A stand-in step adds zeros, and the owner still adds the other
-    ranks' sums."""
-
-    collective = True
-
-    def __init__(self, module, stats, A, S, owner: int):
-        super().__init__(module, stats, A, S)
-        self.owner = owner
-
-    def on_forward(self, x):
-        st = self.stats
-        k = _key(x, self.bias, "owner", self.owner)
-        if k in st.cache:
-            total = st.cache[k][1]
-        else:
-            w = x.shape[-1] + int(self.bias)
-            if self.paused:
-                C = torch.zeros(w, w, dtype=st.acc, device=x.device)
-            else:
-                m = st.mask(x.dtype)
-                a = torch.cat([x * m, m], -1) if self.bias else x * m
-                C = _gram(a.reshape(-1, w), st.acc)
-            total = st.summed(C, self.owner)
-            st.cache[k] = (x.detach(), total)
-        if self.A is not None:
-            total.then(self.A.add_)
-
-    def on_backward(self, x, g):
-        w = g.shape[-1]
-        if self.paused:
-            C = torch.zeros(w, w, dtype=self.stats.acc, device=g.device)
-        else:
-            C = _gram(g.reshape(-1, w), self.stats.acc)
-        total = self.stats.summed(C, self.owner)
-        if self.S is not None:
-            total.then(self.S.add_)
-
-
-class _ShardedLambdaTap(_LambdaTap):
-    """Pass 2 with sharded factors: the layer's owner sends its eigenbases (in the model's
-    dtype) to every rank for the step; each rank rotates its own batch's inputs and output
-    gradients and adds its examples into a sum of its own, and the sums are added onto
-    the owner's ``Lambda`` and ``M4`` (padding examples and tokens have ``b = 0`` and add
-    nothing). Each rank rotates only its own examples, so the work divides over the ranks
-    (see :class:`_ShardedCovTap`). An input read by several layers of one owner is rotated
-    once. A stand-in step adds zeros."""
-
-    collective = True
-
-    def __init__(self, module, stats, QA, QS, qa_group, owner: int):
-        super().__init__(module, stats, QA, QS, qa_group)
-        self.owner = owner
-
-    def _from_owner(self, Q, width: int, device) -> torch.Tensor:
-        return distributed.broadcast_from(Q, self.owner, (width, width), self.dtype, device)
-
-    def on_backward(self, x, g):
-        st = self.stats
-        k = _key(x, self.bias, self.qa_id, "owner", self.owner)
-        if k in st.cache:
-            aq = st.cache[k][1]
-        else:
-            QA = self._from_owner(self.QA, x.shape[-1] + int(self.bias), x.device)
-            aq = None if self.paused else _rotate(_with_ones(x) if self.bias else x, QA, st.acc)
-            del QA
-            st.cache[k] = (x.detach(), aq)
-        QS = self._from_owner(self.QS, g.shape[-1], g.device)
-        out, inp = g.shape[-1], x.shape[-1] + int(self.bias)
-        sums = torch.zeros(out * inp + 1, dtype=st.acc, device=g.device)  # this rank's Lambda and M4
-        if not self.paused:
-            self.add(aq, _rotate(g, QS, st.acc), sums[:-1].view(out, inp), sums[-1:])
-        del QS
-        total = st.summed(sums, self.owner)
-        if self.Lam is not None:
-            total.then(self._add_sums)
-
-    def _add_sums(self, sums: torch.Tensor):
-        self.Lam += sums[:-1].view(self.Lam.shape)
-        self.M4 += sums[-1:]
-
-
-class _DiagTap(Tap):
-    keep_input = True
-
-    def __init__(self, module, stats, D):
-        super().__init__(module)
-        self.stats, self.D, self.bias = stats, D, has_bias(module)
-
-    def on_backward(self, x, g):
-        xa = _with_ones(x) if self.bias else x
-        G = mm_acc(g.transpose(1, 2), xa, self.stats.acc)
-        self.D += (G * G).sum(0)
 
 
 class _FitStep:
@@ -971,7 +119,7 @@ class _FitStep:
 
 #: under ``cuda_graphs="auto"`` a fit pass is captured only when it replays each padded
 #: shape at least this often on average: a capture costs a few steps, and a short or
-#: very varied fit never earns it back (docs/performance.md, runs 6-9)
+#: very varied fit never earns it back (docs/performance.md)
 FIT_GRAPH_MIN_REPLAYS = 8
 
 
@@ -1135,6 +283,67 @@ def factors_sharded(model, kind: str) -> bool:
     return kind in ("ekfac", "kfac") and distributed.active() and sharding.is_sharded(model)
 
 
+def _diagonal(model, modules, encoded, batches, n_examples, stats, zeros, pass_args) -> dict:
+    """The diagonal curvature ``(1/N) sum_n G_n**2`` of every layer, in one pass."""
+    D = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
+    taps = {n: _DiagTap(m, stats, D[n]) for n, m in modules.items()}
+    _passes(model, taps, stats, encoded, batches, *pass_args)
+    distributed.all_reduce_sum(list(D.values()))
+    tensors = {}
+    for n in modules:
+        tensors[f"{n}::D"] = D[n] / n_examples
+        check_finite(tensors[f"{n}::D"], "the diagonal curvature", layer=n)
+    return tensors
+
+
+def _decompose(A: dict, S: dict, reps: list, own: list, owners, compute, desc: str, progress: bool):
+    """Eigendecompose each distinct ``A`` (one per representative in ``reps``) and each
+    owned layer's ``S``, freeing each factor (its entry set to None) once it is decomposed.
+    Returns ``(results, tasks, where)``: ``(kind, layer) -> (eigenvalues, eigenbasis)``, the
+    tasks in order, and the rank that decomposes each (the others' results are empty
+    tensors until :func:`prism_select.distributed.share_from_owners`)."""
+    me = distributed.rank()
+    # Tasks: one eigh per distinct A and one per layer's S. Under torchrun they are
+    # spread over the ranks by cost (~size^3, largest first), and each result is then
+    # broadcast by the rank that computed it; sharded factors are decomposed by their owner.
+    # Each factor is freed once decomposed.
+    tasks = [("A", r) for r in reps] + [("S", n) for n in own]
+    where = distributed.balance([(A[n] if k == "A" else S[n]).shape[0] ** 3 for k, n in tasks]) \
+        if owners is None else [me] * len(tasks)
+    results = {}
+
+    def factor(i):
+        k, n = tasks[i]
+        return A[n] if k == "A" else S[n]
+
+    mine = [i for i, r in enumerate(where) if r == distributed.rank()]
+    with tqdm(total=len(tasks), desc=desc, unit="factor", leave=False,
+              disable=not progress or not distributed.is_main()) as bar:
+        for i in (i for i, r in enumerate(where) if r != distributed.rank()):
+            M = factor(i)
+            results[tasks[i]] = (M.new_empty(M.shape[0]), torch.empty_like(M))
+            k, n = tasks[i]
+            (A if k == "A" else S)[n] = None  # another rank decomposes it
+            del M
+        for i, (lam, Q) in _eigh_many(factor, mine):
+            k, n = tasks[i]
+            # row-major: LAPACK's column-major Q would be copied whole when the curvature is
+            # saved (+0.8 GB of host memory for the embedded model)
+            results[(k, n)] = (lam.clamp(min=0).to(compute), Q.to(compute).contiguous())
+            on_host = Q.device.type == "cpu"
+            del lam, Q
+            (A if k == "A" else S)[n] = None  # each factor is freed once decomposed
+            if on_host:
+                # the freed factor, LAPACK's column-major Q and the workers' scratch are
+                # holes in the heap arenas that the next factor's sizes do not fill:
+                # untrimmed, the phase rose ~560 MiB above the decomposed curvature on the
+                # embedded model (dropped at its end), the highest plateau of the CPU fit
+                release_host_memory()
+            bar.update()
+        bar.update(len(tasks) - len(mine))
+    return results, tasks, where
+
+
 def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id, device, progress, timings,
                cuda_graphs, tag="", offload=False, spill_dir=None, owners: dict | None = None, on_spill=None,
                scores: FitScores | None = None, local_sums: bool = False):
@@ -1171,14 +380,9 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
 
     if settings.kind == "diagonal":
         t0 = time.perf_counter()
-        D = {n: zeros(*layer_shape(m)) for n, m in modules.items()}
-        taps = {n: _DiagTap(m, stats, D[n]) for n, m in modules.items()}
-        _passes(model, taps, stats, encoded, batches, settings.fisher, settings.seed, device, pad_id,
-                "curvature (diagonal)" + tag, progress, cuda_graphs, settings.batch_size)
-        distributed.all_reduce_sum(list(D.values()))
-        for n in layers:
-            tensors[f"{n}::D"] = D[n] / n_examples
-            check_finite(tensors[f"{n}::D"], "the diagonal curvature", layer=n)
+        pass_args = (settings.fisher, settings.seed, device, pad_id, "curvature (diagonal)" + tag, progress,
+                     cuda_graphs, settings.batch_size)
+        tensors = _diagonal(model, modules, encoded, batches, n_examples, stats, zeros, pass_args)
         sync()
         timings["factors_s"] += time.perf_counter() - t0
         return tensors
@@ -1301,44 +505,7 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     for n in own:  # the duplicates' accumulators are not needed any more
         if n != reps[group_of[n]]:
             A[n] = None
-    # Tasks: one eigh per distinct A and one per layer's S. Under torchrun they are
-    # spread over the ranks by cost (~size^3, largest first), and each result is then
-    # broadcast by the rank that computed it; sharded factors are decomposed by their owner.
-    # Each factor is freed once decomposed.
-    tasks = [("A", r) for r in reps] + [("S", n) for n in own]
-    where = distributed.balance([(A[n] if k == "A" else S[n]).shape[0] ** 3 for k, n in tasks]) \
-        if owners is None else [me] * len(tasks)
-    results = {}
-
-    def factor(i):
-        k, n = tasks[i]
-        return A[n] if k == "A" else S[n]
-
-    mine = [i for i, r in enumerate(where) if r == distributed.rank()]
-    with tqdm(total=len(tasks), desc="eigendecompositions" + tag, unit="factor", leave=False,
-              disable=not progress or not distributed.is_main()) as bar:
-        for i in (i for i, r in enumerate(where) if r != distributed.rank()):
-            M = factor(i)
-            results[tasks[i]] = (M.new_empty(M.shape[0]), torch.empty_like(M))
-            k, n = tasks[i]
-            (A if k == "A" else S)[n] = None  # another rank decomposes it
-            del M
-        for i, (lam, Q) in _eigh_many(factor, mine):
-            k, n = tasks[i]
-            # row-major: LAPACK's column-major Q would be copied whole when the curvature is
-            # saved (+0.8 GB of host memory for the embedded model, session 8)
-            results[(k, n)] = (lam.clamp(min=0).to(compute), Q.to(compute).contiguous())
-            on_host = Q.device.type == "cpu"
-            del lam, Q
-            (A if k == "A" else S)[n] = None  # each factor is freed once decomposed
-            if on_host:
-                # the freed factor, LAPACK's column-major Q and the workers' scratch are
-                # holes in the heap arenas that the next factor's sizes do not fill:
-                # untrimmed, the phase rose ~560 MiB above the decomposed curvature on the
-                # embedded model (dropped at its end), the highest plateau of the CPU fit
-                release_host_memory()
-            bar.update()
-        bar.update(len(tasks) - len(mine))
+    results, tasks, where = _decompose(A, S, reps, own, owners, compute, "eigendecompositions" + tag, progress)
     if owners is None:
         distributed.share_from_owners([t for kn in tasks for t in results[kn]], [r for r in where for _ in range(2)])
     for n in own:  # layers reading one input share its eigenbasis until _unshare_inputs
@@ -1400,306 +567,3 @@ def _fit_group(model, modules, encoded, batches, n_examples, settings, *, pad_id
     return tensors
 
 
-def _identical(names: list, tensors: dict) -> dict:
-    """Each name's representative: the first name in ``names`` whose tensor is bitwise
-    equal to its own (grouped by a fingerprint, one host sync, confirmed by ``torch.equal``)."""
-    fps = torch.stack([torch.stack([tensors[n].sum(), tensors[n].diagonal().sum(), tensors[n][0].sum()])
-                       for n in names]).tolist() if names else []
-    fp = dict(zip(names, fps))
-    rep, reps = {}, []
-    for n in names:
-        rep[n] = next((r for r in reps if tensors[r].shape == tensors[n].shape and fp[r] == fp[n]
-                       and torch.equal(tensors[r], tensors[n])), n)
-        if rep[n] == n:
-            reps.append(n)
-    return rep
-
-
-def _identical_across_ranks(names: list, tensors: dict) -> dict:
-    """:func:`_identical` of every rank's own ``tensors``, merged: two names share a
-    representative only where they do on every rank (the same on every rank, so that the
-    ranks then sum the same tensors)."""
-    mine = _identical(names, tensors)
-    views = distributed.gather_values([mine[n] for n in names])
-    rep, seen = {}, {}
-    for i, n in enumerate(names):
-        rep[n] = seen.setdefault(tuple(v[i] for v in views), n)
-    return rep
-
-
-def _unshare_inputs(tensors: dict, own: list) -> None:
-    """Give every layer its own copy of an eigenbasis it shares with the layers reading the
-    same input (q/k/v, gate/up: one ``lamA``, ``QA`` each from the eigendecompositions):
-    the saved curvature stores each layer's tensors apart (safetensors refuses shared
-    storage). Done after the eigenvalue pass, which reads them shared: their copies
-    (0.12 GB of the embedded model's 1.22 GB of float32 eigenbases) are not held during it."""
-    seen = set()
-    for n in own:
-        for k in ("lamA", "QA"):
-            t = tensors.get(f"{n}::{k}")
-            if t is None:
-                continue
-            if t.untyped_storage().data_ptr() in seen:
-                tensors[f"{n}::{k}"] = t.clone()
-            else:
-                seen.add(t.untyped_storage().data_ptr())
-
-
-#: the CPU's EK-FAC eigenvalue pass (not from a spill, the empirical Fisher, one process)
-#: runs each fit batch in steps whose linear layers' inputs and outputs take at most about
-#: this many bytes (:func:`_lambda_steps`; at least one example a step). The pass holds
-#: the whole curvature (the float32 eigenbases and the eigenvalue sums: 1.6 GB for the
-#: embedded model) next to one step's activations, about those inputs and outputs
-#: (1.15 MB a token for the embedded model; autograd keeps about 0.7 GiB for a batch of 8
-#: demo records, docs/performance.md); the per-example products, and so the sums, do not
-#: depend on the steps.
-LAMBDA_STEP_MAX_BYTES = 128 << 20
-
-
-def _lambda_steps(modules: dict, encoded: list, batches: list, fisher: str, device, owners) -> list:
-    """The eigenvalue pass's steps: ``batches`` themselves, or on the CPU (the empirical
-    Fisher, one process, unsharded factors) each batch cut into consecutive runs of
-    examples whose padded tokens' tracked-layer inputs and outputs take at most
-    LAMBDA_STEP_MAX_BYTES (estimated at the model's dtype). The sampled Fisher keeps the
-    batches: its labels are drawn batch by batch, the same draws as the factor pass's."""
-    if (fisher != "empirical" or owners is not None or distributed.world() > 1
-            or torch.device(device or "cpu").type != "cpu" or not modules):
-        return batches
-    per_token = sum(sum(layer_shape(m)) * m.weight.element_size() for m in modules.values())
-    steps = []
-    for b in batches:
-        length = max(len(encoded[i].input_ids) for i in b)
-        k = max(1, LAMBDA_STEP_MAX_BYTES // (per_token * length))
-        steps += [b[j:j + k] for j in range(0, len(b), k)]
-    return steps
-
-
-def _finish_lambda(tensors: dict, Lam: dict, M4: dict, own: list, n_examples: int) -> None:
-    """``Lambda`` and ``LambdaVar`` of each layer into ``tensors`` from the eigenvalue
-    pass's sums (which are consumed)."""
-    release_host_memory()
-    for n in own:  # in place: no second copy of every layer's eigenvalues
-        lam, var = _lambda_from_sums(Lam.pop(n), M4.pop(n), n_examples, in_place=True)
-        check_finite(lam, "the EK-FAC eigenvalues", layer=n)
-        tensors[f"{n}::Lambda"], tensors[f"{n}::LambdaVar"] = lam, var
-    release_host_memory()  # the pass's batches
-
-
-def _lambda_from_sums(lam_sum: torch.Tensor, m4_sum: torch.Tensor, n_examples: int, *, in_place: bool):
-    """``(Lambda, LambdaVar)`` of a layer from the eigenvalue pass's sums over
-    ``n_examples`` (``in_place``: ``Lambda`` is the divided ``lam_sum`` itself)."""
-    lam = lam_sum.div_(n_examples) if in_place else lam_sum / n_examples
-    return lam, _lambda_variance(m4_sum / n_examples, lam, n_examples)
-
-
-def _lambda_variance(m4: torch.Tensor, lam: torch.Tensor, n: int) -> torch.Tensor:
-    """The sampling variance of ``Lambda`` (a mean over ``n`` examples), summed over its
-    entries, from ``m4 = (1/n) sum_n sum_ij R_nij**4``: the unbiased variance of the
-    squares over the examples, divided by ``n``. One example gives nothing to estimate it
-    from: then ``sum_ij Lambda_ij**2`` (a standard error as large as the estimate). A
-    one-element tensor."""
-    second = torch.sum(lam * lam, dtype=torch.float64)
-    if n < 2:
-        return second.reshape(1).to(m4.dtype)
-    return ((m4.double() - second) / (n - 1)).clamp(min=0).to(m4.dtype)
-
-
-#: CPU eigendecompositions of factors up to this size run on one thread unless OpenMP
-#: threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, which the CLI sets before torch
-#: loads). LAPACK's divide-and-conquer synchronises its threads at every column of the
-#: tridiagonal reduction; spinning threads on a machine whose cores are busy with other
-#: work stall each other. Measured on a shared 2-core machine, 1536 x 1536 float32:
-#: spinning, 2.7-25 s with 2 threads vs 0.5 s with 1 (load average 3); passive, 0.40-0.50 s
-#: with 2 vs 0.56-0.62 s with 1 (load 1.5) and equal under load. Larger factors gain
-#: more from threads and keep them.
-EIGH_SERIAL_MAX = 2048
-
-
-def _eigh(M: torch.Tensor):
-    """Eigendecomposition of a symmetric factor in the factor's own precision (float32
-    unless the model is float64), several times faster than float64 on CUDA and about
-    twice as fast on the CPU; float64 if the solver fails or returns non-finite values.
-    Only the lower triangle of ``M`` is read (LAPACK's ``uplo='L'``): a factor summed
-    by :func:`_gram_into` need not be mirrored first.
-    On the CPU a factor up to EIGH_SERIAL_MAX wide is decomposed on one thread, unless
-    OpenMP waits passively."""
-    import os
-
-    threads = torch.get_num_threads()
-    serial = (M.device.type == "cpu" and M.shape[0] <= EIGH_SERIAL_MAX and threads > 1
-              and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE")
-    if serial:
-        torch.set_num_threads(1)
-    try:
-        if M.dtype != torch.float64:
-            try:
-                lam, Q = torch.linalg.eigh(M)  # uplo="L", the default
-                if torch.isfinite(lam.sum()) and torch.isfinite(Q.sum()):  # finite sums: all finite
-                    return lam, Q
-            except RuntimeError:
-                pass
-        return torch.linalg.eigh(M.double())
-    finally:
-        if serial:
-            torch.set_num_threads(threads)
-
-
-def _eigh_many(factor, indices: list):
-    """Yield ``(i, _eigh(factor(i)))`` for every ``i`` in ``indices`` (in any order).
-
-    On the CPU with several threads the factors up to EIGH_SERIAL_MAX wide are decomposed
-    side by side, one factor per thread, each on one thread: LAPACK's symmetric
-    eigensolver scales poorly over threads at these sizes (its tridiagonal reduction is
-    memory-bound and synchronises at every column), while independent factors scale
-    fully. The results are those of a one-thread ``_eigh``. Wider factors, and every
-    factor on other devices, run one after the other with all threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    threads = torch.get_num_threads()
-    small = [i for i in indices if factor(i).device.type == "cpu" and factor(i).shape[0] <= EIGH_SERIAL_MAX]
-    if threads < 2 or len(small) < 2:
-        small = []
-    rest = [i for i in indices if i not in set(small)]
-    if small:
-        torch.set_num_threads(1)
-        try:
-            with ThreadPoolExecutor(min(threads, len(small))) as pool:
-                yield from zip(small, pool.map(lambda i: _eigh(factor(i)), small))
-        finally:
-            torch.set_num_threads(threads)
-    for i in rest:
-        yield i, _eigh(factor(i))
-
-
-def _shrinkage(settings: PreconditionSettings, cur: Curvature, name: str) -> float:
-    """Layer ``name``'s shrinkage weight ``rho`` (:class:`PreconditionSettings`)."""
-    if settings.shrinkage == "off":
-        return 0.0
-    if settings.shrinkage != "auto":
-        return float(settings.shrinkage)
-    t = cur.tensors
-    kfac = t[f"{name}::lamS"][:, None] * t[f"{name}::lamA"][None, :]
-    return shrinkage_weight(t[f"{name}::Lambda"], kfac, float(t[f"{name}::LambdaVar"]))
-
-
-def _damping(settings: PreconditionSettings, eig: torch.Tensor, noise: torch.Tensor | None = None) -> float:
-    """Explicit, else ``damping_factor`` x the mean eigenvalue, plus (``damping_noise``,
-    EK-FAC: ``noise`` is the layer's ``LambdaVar``) the root-mean-square standard error of
-    the eigenvalues, ``sqrt(LambdaVar / eig.numel())``."""
-    if settings.damping is not None:
-        return float(settings.damping)
-    lam = settings.damping_factor * float(eig.double().mean())
-    if settings.damping_noise and noise is not None:
-        lam += math.sqrt(float(noise) / eig.numel())
-    # A layer with all-zero curvature (e.g. unused) still needs an invertible H.
-    return lam if lam > 0 else 1e-12
-
-
-def curvature_key(settings: FitSettings, model_fingerprint: str, pool_fingerprint: str,
-                  layers: list, max_length: int, arithmetic: str) -> dict:
-    """What a saved curvature must match to be reused: exactly what determines the fitted
-    factors: the key fields of :class:`FitSettings` (not its batch size, which does not
-    change the sums). The damping and the shrinkage (:class:`PreconditionSettings`) are
-    applied when preconditioning (:func:`apply_damping`), so a new ``--damping`` or
-    ``--shrinkage`` reuses the fit. ``arithmetic``
-    is how the fit computed (:func:`prism_select.precision.fit_arithmetic`: the weights'
-    dtype, and whether ``--precision split32`` was active)."""
-    return {
-        "settings": key_of(settings, FitSettings),
-        "model_fingerprint": model_fingerprint,
-        "pool_fingerprint": pool_fingerprint,
-        "layers_key": sha256_json(layers),
-        "max_length": max_length,
-        "arithmetic": arithmetic,
-    }
-
-
-def apply_damping(cur: Curvature, settings: PreconditionSettings) -> Curvature:
-    """Set each layer's shrinkage weight (EK-FAC) and then its damping from ``settings``
-    (explicit, or the heuristic on the layer's eigenvalues, which the shrinkage leaves at
-    the same mean, plus their noise under ``damping_noise``). A curvature saved without
-    the statistics of either raises :class:`CacheError` when ``settings`` asks for one."""
-    if cur.kind == "identity" or not cur.tensors:
-        return cur
-    if cur.kind == "ekfac":
-        wanted = settings.shrinkage != "off" or settings.damping_noise
-        if wanted and any(f"{n}::LambdaVar" not in cur.tensors for n in cur.layers):
-            raise CacheError("the saved EK-FAC curvature predates the statistics of the shrinkage and the noise "
-                             "damping (lamA, lamS, LambdaVar)")
-        cur.shrinkage = {n: _shrinkage(settings, cur, n) for n in cur.layers}
-    cur.damping = {n: _damping(settings, cur.eigenvalues(n), cur.tensors.get(f"{n}::LambdaVar"))
-                   for n in cur.layers}
-    return cur
-
-
-def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_root,
-                          model_fingerprint, pool_fingerprint, max_length, device=None, progress=True,
-                          cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model",
-                          groups: list | None = None, store: str = "device", on_group=None,
-                          cache_max_bytes: int | None = None, kernels: Kernels = DEFAULT_KERNELS,
-                          offload: bool | None = None, on_spill=None, scores: FitScores | None = None,
-                          sharded_sums: str = "step"):
-    """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
-    and save it (``timings``, ``precision``, ``groups``, ``store``, ``offload``, ``on_group``,
-    ``on_spill``, ``scores`` and ``sharded_sums`` as in :func:`fit_curvature`; a reused curvature is handed to
-    ``on_group`` whole, and does not score).
-
-    The cache (:mod:`prism_select.cache`) is bounded by ``cache_max_bytes``: older entries
-    are evicted to make room, and a curvature larger than the bound, a ``transient`` one,
-    or one whose write fails (disk full) is not kept: the run goes on with it in memory.
-    Returns ``(curvature, directory, reused)``.
-    """
-    from pathlib import Path
-
-    from .. import cache
-
-    key = curvature_key(settings, model_fingerprint, pool_fingerprint, list(modules), max_length,
-                        fit_arithmetic(model, precision))
-    directory = Path(cache_root) / sha256_json(key)[:24]
-    # Under torchrun the fit is collective: reuse only if every rank loads the saved copy
-    # (a cache directory that is not shared by all nodes means fitting again).
-    cur = None
-    # a transient plan means the whole curvature does not fit host memory: never load it
-    if settings.kind != "identity" and store != "transient" \
-            and distributed.all_or_nothing((directory / "curvature.json").exists()):
-        try:
-            cur = apply_damping(Curvature.load(directory, expect=key, device="cpu" if store != "device" else device),
-                                settings)
-        except CacheError as exc:
-            log.warning("%s; fitting again", exc)
-    if distributed.all_or_nothing(cur is not None):
-        log.info("reusing curvature from %s", directory)
-        cache.touch(directory)
-        if on_group is not None:
-            on_group(list(cur.layers), cur)
-        return cur, directory, True
-    spill_dir = None  # the spill goes where the cache is (a disk, not a RAM-backed /tmp)
-    try:
-        Path(cache_root).mkdir(parents=True, exist_ok=True)
-        spill_dir = str(cache_root)
-    except OSError:
-        pass
-    cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
-                        cuda_graphs=cuda_graphs, timings=timings, precision=precision, groups=groups,
-                        store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels, offload=offload,
-                        on_spill=on_spill, scores=scores, sharded_sums=sharded_sums)
-    if settings.kind == "identity":
-        return cur, directory, False
-    if store == "transient":
-        log.info("the curvature was not kept (transient memory plan), so it is not cached")
-        return cur, None, False
-    if cur.meta.get("owners"):
-        log.info("the curvature's factors are sharded over the ranks (FSDP), so it is not cached")
-        return cur, None, False
-    size = sum(t.numel() * t.element_size() for t in cur.tensors.values())
-    root = Path(cache_root).parent
-    room = True
-    if distributed.is_main():
-        room = cache.make_room(root, size, cache_max_bytes, keep=[directory])
-        if not room:
-            log.warning("the fitted curvature (%s) does not fit the cache (--cache-max-gb, or the free disk "
-                        "space under %s): it is used from memory and not saved", cache.format_size(size), root)
-    if distributed.all_or_nothing(room):
-        saved = cache.guarded_write(directory, lambda: cur.save(directory, key), "the fitted curvature")
-        return cur, directory if saved else None, False
-    return cur, None, False

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-
-DEFAULT_MAX_LENGTH = 2048
+from ..settings import DEFAULT_MAX_LENGTH  # noqa: F401 (re-exported)
 
 
 @dataclass

@@ -1,11 +1,12 @@
 """The CPU-only paths of the fit: factors formed as their lower block triangle
-and mirrored (``fit.GRAM_BLOCK``), and the EK-FAC eigenvalues summed example by example
+and mirrored (``factors.GRAM_BLOCK``), and the EK-FAC eigenvalues summed example by example
 into a reused buffer, against float64 references from explicit per-example gradients."""
 
 import pytest
 from conftest import write_inputs
 import torch
 
+from prism_select.curvature import eigenvalues as eigenvalues_mod, factors as factors_mod, spill as spill_mod
 from prism_select.curvature import CurvatureSettings, fit_curvature
 from prism_select.curvature import fit as fit_mod
 
@@ -25,13 +26,13 @@ def test_gram_lower_blocks_mirrored_equal_the_full_product():
         M = torch.randn(d, d, dtype=torch.float64, generator=g)
         M = M + M.T
         ref = M + a.T @ a
-        old = fit_mod.GRAM_BLOCK
-        fit_mod.GRAM_BLOCK = TINY_BLOCK
+        old = factors_mod.GRAM_BLOCK
+        factors_mod.GRAM_BLOCK = TINY_BLOCK
         try:
-            got = fit_mod._mirror(fit_mod._gram_into(M.clone(), a))
-            got2 = fit_mod._mirror(fit_mod._gram(a, torch.float64))
+            got = factors_mod._mirror(factors_mod._gram_into(M.clone(), a))
+            got2 = factors_mod._mirror(factors_mod._gram(a, torch.float64))
         finally:
-            fit_mod.GRAM_BLOCK = old
+            factors_mod.GRAM_BLOCK = old
         assert rel_err(got, ref) <= 1e-14, d
         assert rel_err(got2, a.T @ a) <= 1e-14, d
         assert torch.equal(got, got.T)
@@ -40,7 +41,7 @@ def test_gram_lower_blocks_mirrored_equal_the_full_product():
 @pytest.mark.parametrize("kind", ["kfac", "ekfac"])
 @pytest.mark.parametrize("layer", ["model.layers.1.mlp.down_proj", "model.layers.0.self_attn.q_proj"])
 def test_blocked_fit_matches_explicit_factors(model, modules, tok, encoded_pool, monkeypatch, kind, layer):
-    monkeypatch.setattr(fit_mod, "GRAM_BLOCK", TINY_BLOCK)
+    monkeypatch.setattr(factors_mod, "GRAM_BLOCK", TINY_BLOCK)
     cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind=kind, damping=1e-3, batch_size=3),
                         pad_id=tok.pad_token_id)
     A, S, G = _explicit_fisher_pieces(model, modules, layer, encoded_pool, tok)
@@ -61,12 +62,12 @@ def test_spilled_eigenvalue_pass_equals_running_the_model_again(model, modules, 
     by group on one-thread workers, give the same curvature as the eigendecompositions one
     after the other and an eigenvalue pass that runs the model again."""
     calls = []
-    spilled = fit_mod._spilled_groups
+    spilled = spill_mod._spilled_groups
     monkeypatch.setattr(fit_mod, "_spilled_groups", lambda *a, **k: (calls.append(1), spilled(*a, **k))[1])
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3, fisher=fisher)
     got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert calls == [1]
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)
     ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert calls == [1]
     for k, t in ref.tensors.items():
@@ -80,7 +81,7 @@ def test_eigendecompositions_have_a_progress_bar(model, modules, tok, encoded_po
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
     fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=True)
     assert re.search(r"curvature:\s+0%\|[^|]*\| 0/\d+ .*group/s", capsys.readouterr().err)
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)
     fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=True)
     n = re.search(r"eigendecompositions:\s+0%\|[^|]*\| 0/(\d+) .*factor/s", capsys.readouterr().err)
     assert n and int(n.group(1)) > len(modules)  # each layer's S and the layer inputs' A
@@ -90,10 +91,11 @@ def test_eigendecompositions_hand_back_each_freed_factor(model, modules, tok, en
     """Fit from the model on the CPU: the heap is trimmed after every decomposed factor, not
     only when the phase is over (untrimmed, the embedded model's phase held ~560 MiB of freed
     factors and LAPACK scratch above its results: the highest plateau of the CPU fit)."""
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)
     decomposed, trims = [], []
-    eigh = fit_mod._eigh
-    monkeypatch.setattr(fit_mod, "_eigh", lambda M: decomposed.append(M.shape) or eigh(M))
+    from prism_select.curvature import eigh as eigh_mod
+    eigh = eigh_mod._eigh
+    monkeypatch.setattr(eigh_mod, "_eigh", lambda M: decomposed.append(M.shape) or eigh(M))
     monkeypatch.setattr(fit_mod, "release_host_memory", lambda: trims.append(len(decomposed)))
     settings = CurvatureSettings(kind="kfac", damping=1e-3, batch_size=3)
     fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
@@ -103,16 +105,17 @@ def test_eigendecompositions_hand_back_each_freed_factor(model, modules, tok, en
 
 
 def test_spill_is_bounded(model, modules, tok, encoded_pool, monkeypatch):
-    from prism_select.curvature.fit import _spill_bytes, length_batches
+    from prism_select.curvature.fit import length_batches
+    from prism_select.curvature.spill import _spill_bytes
     batches = length_batches(encoded_pool, list(range(len(encoded_pool))), 3)
     need = _spill_bytes(modules, encoded_pool, batches, 8)
     s = CurvatureSettings(kind="ekfac", batch_size=3)
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", need)
-    assert fit_mod._spill_wanted(model, modules, encoded_pool, batches, None, s, None)
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", need - 1)
-    assert not fit_mod._spill_wanted(model, modules, encoded_pool, batches, None, s, None)
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", need)
-    assert not fit_mod._spill_wanted(model, modules, encoded_pool, batches, None,
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", need)
+    assert spill_mod._spill_wanted(model, modules, encoded_pool, batches, None, s, None)
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", need - 1)
+    assert not spill_mod._spill_wanted(model, modules, encoded_pool, batches, None, s, None)
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", need)
+    assert not spill_mod._spill_wanted(model, modules, encoded_pool, batches, None,
                                      CurvatureSettings(kind="kfac", batch_size=3), None)
 
 
@@ -270,7 +273,7 @@ def test_loaded_curvature_preconditions_as_the_fitted_one_reading_a_layer_at_a_t
     import weakref
 
     from prism_select.curvature.base import Curvature, HostTensorFiles
-    from prism_select.curvature.fit import apply_damping
+    from prism_select.curvature.base import apply_damping
     from prism_select.curvature.base import PreconditionSettings
     fitted = _saved_curvature(model, modules, tok, encoded_pool, tmp_path, kind)
     g = {n: torch.randn(m.weight.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
@@ -388,10 +391,10 @@ def test_run_scores_from_the_fit_spill_only_when_it_holds_the_scoring_gradients(
     from prism_select.pipeline import ScoreSettings, score_pool
 
     pool, targets = write_inputs(tmp_path, pool_examples, pair_examples)
-    monkeypatch.setattr(fit_mod, "FIT_SCORES_MAX_BYTES", 0)  # not inside the fit (test_run_scores_inside_the_fit)
+    monkeypatch.setattr(spill_mod, "FIT_SCORES_MAX_BYTES", 0)  # not inside the fit (test_run_scores_inside_the_fit)
     calls = []
-    real = fit_mod._Spill.scores
-    monkeypatch.setattr(fit_mod._Spill, "scores", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    real = spill_mod._Spill.scores
+    monkeypatch.setattr(spill_mod._Spill, "scores", lambda self, *a: (calls.append(1), real(self, *a))[1])
     cs = CurvatureSettings(kind="ekfac", fisher=fisher, fit_examples=fit_examples, batch_size=3)
 
     def run(name):
@@ -405,7 +408,7 @@ def test_run_scores_from_the_fit_spill_only_when_it_holds_the_scoring_gradients(
     got_summary, got = run("spill")
     assert calls == ([1] if from_spill else [])
     assert bool(got_summary["throughput"]["scores"].get("from_fit_spill")) == from_spill
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)
     _, ref = run("model")
     assert len(calls) == int(from_spill)
     assert rel_err(got, ref) <= SPILL_SCORE_REL_TOL
@@ -418,7 +421,7 @@ FIT_SCORE_REL_TOL = 1e-12
 
 @pytest.mark.parametrize("precondition", [{"damping": 1e-3}, {"shrinkage": "auto", "damping_noise": True}])
 def test_scores_inside_the_fit_equal_preconditioned_exact_scoring(model, modules, tok, encoded_pool, precondition):
-    """:class:`fit.FitScores`: the spilled fit's tasks score the fit examples from their
+    """:class:`spill.FitScores`: the spilled fit's tasks score the fit examples from their
     rotated per-example gradients, as exact scoring of ``v = H^-1 d`` with the fitted
     curvature does; the curvature is bit-identical to a fit that does not score, and the
     direction's layers are taken out of it."""
@@ -429,7 +432,7 @@ def test_scores_inside_the_fit_equal_preconditioned_exact_scoring(model, modules
     g = torch.Generator().manual_seed(2)
     d = {n: torch.randn(*layer_shape(m), dtype=torch.float64, generator=g) for n, m in modules.items()}
     direction = dict(d)
-    fs = fit_mod.FitScores(direction, settings, len(encoded_pool))
+    fs = spill_mod.FitScores(direction, settings, len(encoded_pool))
     cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, scores=fs)
     ref_cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert list(cur.tensors) == list(ref_cur.tensors)
@@ -448,7 +451,7 @@ def test_fit_does_not_score_beyond_its_memory_bound(model, modules, tok, encoded
 
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
     direction = {n: torch.ones(*layer_shape(m), dtype=torch.float64) for n, m in modules.items()}
-    fs = fit_mod.FitScores(direction, settings, len(encoded_pool), max_bytes=0)
+    fs = spill_mod.FitScores(direction, settings, len(encoded_pool), max_bytes=0)
     kept = []
     cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, scores=fs,
                         on_spill=kept.append)
@@ -472,8 +475,8 @@ def test_run_scores_inside_the_fit(model, tok, tmp_path, pool_examples, pair_exa
     pool, targets = write_inputs(tmp_path, pool_examples, pair_examples)
     cs = CurvatureSettings(kind="ekfac", batch_size=3)
     spill_calls = []
-    real = fit_mod._Spill.scores
-    monkeypatch.setattr(fit_mod._Spill, "scores", lambda self, *a: (spill_calls.append(1), real(self, *a))[1])
+    real = spill_mod._Spill.scores
+    monkeypatch.setattr(spill_mod._Spill, "scores", lambda self, *a: (spill_calls.append(1), real(self, *a))[1])
 
     def run(name, cache):
         lm = LoadedModel(model, tok, ModelSettings(model="tiny-test", device="cpu", cache_dir=str(tmp_path / cache)),
@@ -488,7 +491,7 @@ def test_run_scores_inside_the_fit(model, tok, tmp_path, pool_examples, pair_exa
     assert not (tmp_path / "fit" / ".partial").exists()
     again_summary, again = run("again", "c1")  # the curvature reused: scored by the model
     assert again_summary["curvature"]["reused"] and "in_fit" not in again_summary["throughput"]["scores"]
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)
     _, ref = run("model", "c2")
     assert spill_calls == []
     assert rel_err(got, ref) <= FIT_SCORE_REL_TOL
@@ -519,11 +522,11 @@ def test_cpu_eigenvalue_pass_runs_in_bounded_steps(model, modules, tok, encoded_
     ``LAMBDA_STEP_MAX_BYTES`` (one example at least), so its activations do not scale with
     the batch; the curvature equals that of whole batches to float64 rounding."""
     from prism_select.gradients import layer_shape
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=4)
     per_token = sum(sum(layer_shape(m)) * m.weight.element_size() for m in modules.values())
     longest = max(len(e.input_ids) for e in encoded_pool)
-    monkeypatch.setattr(fit_mod, "LAMBDA_STEP_MAX_BYTES", 2 * per_token * longest)  # two examples a step
+    monkeypatch.setattr(eigenvalues_mod, "LAMBDA_STEP_MAX_BYTES", 2 * per_token * longest)  # two examples a step
     seen = _eigenvalue_pass_spy(monkeypatch)
     got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
     (_, factor_batches), (_, steps) = seen
@@ -531,8 +534,8 @@ def test_cpu_eigenvalue_pass_runs_in_bounded_steps(model, modules, tok, encoded_
     assert max(len(s) for s in steps) == 2
     assert [i for s in steps for i in s] == [i for b in factor_batches for i in b]  # the same examples, in order
     for s in steps:
-        assert per_token * len(s) * max(len(encoded_pool[i].input_ids) for i in s) <= fit_mod.LAMBDA_STEP_MAX_BYTES
-    monkeypatch.setattr(fit_mod, "LAMBDA_STEP_MAX_BYTES", 1 << 60)  # whole batches
+        assert per_token * len(s) * max(len(encoded_pool[i].input_ids) for i in s) <= eigenvalues_mod.LAMBDA_STEP_MAX_BYTES
+    monkeypatch.setattr(eigenvalues_mod, "LAMBDA_STEP_MAX_BYTES", 1 << 60)  # whole batches
     ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
     assert seen[-1][1] == factor_batches
     assert list(got.tensors) == list(ref.tensors)
@@ -540,7 +543,7 @@ def test_cpu_eigenvalue_pass_runs_in_bounded_steps(model, modules, tok, encoded_
         assert rel_err(got.tensors[k], t) <= LAMBDA_STEPS_REL_TOL, k
     # the sampled Fisher keeps the factor pass's batches (its labels are drawn batch by batch)
     seen.clear()
-    monkeypatch.setattr(fit_mod, "LAMBDA_STEP_MAX_BYTES", 1)
+    monkeypatch.setattr(eigenvalues_mod, "LAMBDA_STEP_MAX_BYTES", 1)
     fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=4,
                                                                  fisher="sampled"),
                   pad_id=tok.pad_token_id, progress=False)
@@ -552,7 +555,7 @@ def test_layers_reading_one_input_share_its_eigenbasis_during_the_eigenvalue_pas
     """q/k/v (and gate/up) read one input and have one ``QA``: the eigenvalue pass holds it
     once (its copies would be 0.12 GB of the embedded model's eigenbases); each layer's
     saved tensors are its own afterwards (safetensors refuses shared storage)."""
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)
     seen = _eigenvalue_pass_spy(monkeypatch)
     cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3),
                         pad_id=tok.pad_token_id, progress=False)

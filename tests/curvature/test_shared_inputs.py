@@ -1,9 +1,10 @@
 """Layers that read one input (q/k/v, gate/up) sum their activation factor ``A`` in one
-accumulator during the factor pass (``fit._shared_inputs``, ``fit._CovTap``)."""
+accumulator during the factor pass (``factors._shared_inputs``, ``factors._CovTap``)."""
 
 import pytest
 import torch
 
+from prism_select.curvature import factors as factors_mod, spill as spill_mod, stats as stats_mod
 from prism_select.curvature import CurvatureSettings, fit_curvature
 from prism_select.curvature import fit as fit_mod
 from prism_select.gradients import layer_shape
@@ -60,9 +61,9 @@ def test_shared_accumulators_give_the_same_curvature(model, modules, tok, encode
 
 def test_shared_accumulator_refuses_a_batch_whose_layers_read_different_inputs():
     lin = [torch.nn.Linear(4, 3, bias=False, dtype=torch.float64) for _ in range(2)]
-    stats = fit_mod._Stats(torch.float64)
+    stats = stats_mod._Stats(torch.float64)
     A = torch.zeros(4, 4, dtype=torch.float64)
-    taps = [fit_mod._CovTap(m, stats, A, torch.zeros(3, 3, dtype=torch.float64), f"l{i}", shared=True)
+    taps = [factors_mod._CovTap(m, stats, A, torch.zeros(3, 3, dtype=torch.float64), f"l{i}", shared=True)
             for i, m in enumerate(lin)]
     b = {"attention_mask": torch.ones(2, 5, dtype=torch.long)}
     x = torch.randn(2, 5, 4, dtype=torch.float64)
@@ -87,18 +88,18 @@ def test_lower_blocks_equal_the_full_accumulator(dtype):
     the blocks hold 0.62 (1536 wide) and 0.75 (576) of the square."""
     g = torch.Generator().manual_seed(0)
     for D, d, n in ((1536, 1536, 97), (577, 576, 60)):
-        P, M = fit_mod._LowerBlocks(D, d, dtype), torch.zeros(D, D, dtype=dtype)
+        P, M = factors_mod._LowerBlocks(D, d, dtype), torch.zeros(D, D, dtype=dtype)
         assert sum(B.numel() for B in P.blocks) == {1536: 0.625, 576: 0.75}[d] * d * d
         for _ in range(2):
             a = torch.randn(n, d, dtype=dtype, generator=g)
             C = torch.randn(D, D, dtype=dtype, generator=g)
             P.gram_(a)
-            fit_mod._gram_into(M, a)
+            factors_mod._gram_into(M, a)
             P += C
             M += C
-        P2 = fit_mod._LowerBlocks(D, d, dtype)
+        P2 = factors_mod._LowerBlocks(D, d, dtype)
         P2 += P
-        assert torch.equal(fit_mod._mirror(P2), fit_mod._mirror(M))
+        assert torch.equal(factors_mod._mirror(P2), factors_mod._mirror(M))
 
 
 @pytest.mark.parametrize("kind", ["kfac", "ekfac"])
@@ -107,16 +108,16 @@ def test_lower_block_factors_give_the_same_curvature(model, modules, tok, encode
     ``D x D`` accumulators (to float64 rounding: BLAS takes other paths for the tiny
     model's blocks), and take less memory during the factor pass."""
     from reference import rel_err
-    monkeypatch.setattr(fit_mod, "GRAM_BLOCK", TINY_BLOCK)
-    monkeypatch.setattr(fit_mod, "SPILL_MAX_BYTES", 0)  # the factors summed in the pass, not from a spill
+    monkeypatch.setattr(factors_mod, "GRAM_BLOCK", TINY_BLOCK)
+    monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)  # the factors summed in the pass, not from a spill
     settings = CurvatureSettings(kind=kind, damping=1e-3, batch_size=3)
     tracker = LiveBytes(list(model.parameters()))
     seen = _first_pass(monkeypatch, tracker)
     with tracker:
         got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
     taps, live = seen[0]
-    assert all(isinstance(t.S, fit_mod._LowerBlocks) for t in taps.values())
-    monkeypatch.setattr(fit_mod._LowerBlocks, "wanted", staticmethod(lambda d, device: False))
+    assert all(isinstance(t.S, factors_mod._LowerBlocks) for t in taps.values())
+    monkeypatch.setattr(factors_mod._LowerBlocks, "wanted", staticmethod(lambda d, device: False))
     tracker = LiveBytes(list(model.parameters()))
     seen = _first_pass(monkeypatch, tracker)
     with tracker:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature
-from prism_select.curvature.fit import apply_damping, curvature_key
+from prism_select.curvature.base import apply_damping
+from prism_select.curvature.store import curvature_key
 from prism_select.errors import CacheError, ConfigError
 
 from reference import rel_err
