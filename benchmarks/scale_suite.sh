@@ -27,7 +27,7 @@
 #   --fsdp-sums step --fsdp-keep-gathered off, the transfers of every step, beside the
 #   plan's choice), FSDP_SPLIT (shard step: also each K with one of the two choices alone,
 #   --fsdp-sums pass / --fsdp-keep-gathered on), FSDP_GPUS / FSDP_DEVICES (fsdp-full step).
-#   A step longer than a call: start it in its own process session on the warm machine,
+#   A step longer than a call: start it detached (setsid) on the warm machine,
 #   `setsid nohup bash benchmarks/scale_suite.sh STEP > /tmp/STEP.log 2>&1 &`, and look at
 #   the log in the next calls (it runs until the machine goes back).
 set -uo pipefail

@@ -106,7 +106,7 @@ def launch_two_ranks(d):
     """Write the CLI's inputs in ``d`` and run CHAIN on two ranks: WORKER's results in
     ``d / "two.json"``; the CLI's run in ``d / "multi"`` (curvature cache ``d / "c2"``);
     the sharded runs of test_sharding.py (:func:`test_sharding.sharded_commands`). The
-    session fixture ``two_ranks`` (conftest.py) calls it once."""
+    fixture ``two_ranks`` (scope="session", conftest.py) calls it once."""
     sys.path.insert(0, str(HERE))
     from conftest import PAIRS, POOL
     from test_sharding import sharded_commands

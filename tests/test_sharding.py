@@ -45,7 +45,7 @@ def _sharded_dir(d, kind, transfers):
 def sharded_commands(d):
     """The sharded runs (SHARDED_RUNS) into ``d / "fsdp-<kind>[-lean]"`` (each its own
     cache: it fits, not reuses, the curvature): run on two ranks in the launch of the
-    session fixture ``two_ranks`` (:func:`test_distributed.launch_two_ranks`), on its inputs."""
+    fixture ``two_ranks`` (scope="session"; :func:`test_distributed.launch_two_ranks`), on its inputs."""
     out = []
     for kind, transfers in SHARDED_RUNS:
         run = _sharded_dir(d, kind, transfers)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..io import atomic_write_json, sha256_file
 from . import builders, carry
 from .behaviour import harmful_answer_rate, harmful_preference, has_behaviour_fields
 from .config import RepairConfig, config_to_dict, finetune_settings
@@ -177,7 +178,6 @@ def _behaviour(exp, lm, probes_path: Path, responses_path: Path, out_dir: Path, 
     probes = read_jsonl(probes_path)
     if not has_behaviour_fields(probes):
         return {}
-    from ..io import atomic_write_json, sha256_file
     key = {"probes": sha256_file(probes_path), "responses": sha256_file(responses_path),
            "model": lm.fingerprint if adapter is None else sha256_file(Path(adapter) / "adapter_model.safetensors")}
     path = out_dir / "behaviour.json"
@@ -200,7 +200,6 @@ def _retrain_one(exp, lm, rdir: Path, kept_path: Path, probes_path: Path, checke
     A finished retraining is recognised by its inputs alone (the kept records, the start
     model, the SFT settings, the probes, decoding and checker: ``.retrain-step.json``), so a
     run copied without its adapters, to another machine, resumes without training again."""
-    from ..io import sha256_file
     tdir = _retrain_dir(rdir, kept_path, ft_seed if named else None)
     tdir.mkdir(parents=True, exist_ok=True)
     pool_copy = tdir / "kept.jsonl"
