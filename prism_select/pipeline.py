@@ -63,7 +63,8 @@ from .io import (
     sha256_json,
 )
 from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
-from .plan import (MemoryPlan, cap_device_memory, host_share_bytes, make_plan, measure_example_bytes,
+from .plan import (MemoryPlan, PlanError, cap_device_memory, device_memory, held_elsewhere_note, host_share_bytes,
+                   make_plan, measure_example_bytes,
                    stored_bytes)
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
@@ -821,22 +822,32 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
     head = lm.model.get_output_embeddings() if hasattr(lm.model, "get_output_embeddings") else None
     vocab = head.out_features if isinstance(head, torch.nn.Linear) else len(lm.tokenizer)
     gpu_total = host = None
+    elsewhere = 0
+    if lm.device.type == "cuda":  # what other processes hold now is not the run's to plan with
+        gpu_total, elsewhere = device_memory(lm.device)
     if distributed.active():
         # one plan on every rank: the ranks split the same fit batches and run the same
         # collectives, so each plans for the largest measurement and the smallest memory
         if lm.device.type == "cuda":
             mine = fixed if fixed is not None else torch.cuda.memory_allocated(lm.device)
             fixed = max(distributed.gather_values(mine))
-            gpu_total = min(distributed.gather_values(torch.cuda.get_device_properties(lm.device).total_memory))
+            gpu_total = min(distributed.gather_values(gpu_total))
         nbytes = max(distributed.gather_values(nbytes))
         host = min(distributed.gather_values(host_share_bytes()))
-    plan = make_plan(lm.model, modules, kind=curvature.kind, device=lm.device, batch_size=settings.batch_size,
-                     fit_batch_size=curvature.batch_size, example_bytes=nbytes,
-                     longest=len(longest.input_ids) if longest is not None else 1, vocab=vocab,
-                     max_gpu_memory=settings.max_gpu_memory, weights=fixed, gpu_total=gpu_total,
-                     host_available=host, shards=distributed.world() if sharded else 1,
-                     sums=settings.fsdp_sums, keep_gathered=settings.fsdp_keep_gathered,
-                     full_weights=sum(p.numel() * p.element_size() for p in lm.model.parameters()) if sharded else None)
+    try:
+        plan = make_plan(lm.model, modules, kind=curvature.kind, device=lm.device, batch_size=settings.batch_size,
+                         fit_batch_size=curvature.batch_size, example_bytes=nbytes,
+                         longest=len(longest.input_ids) if longest is not None else 1, vocab=vocab,
+                         max_gpu_memory=settings.max_gpu_memory, weights=fixed, gpu_total=gpu_total,
+                         host_available=host, shards=distributed.world() if sharded else 1,
+                         sums=settings.fsdp_sums, keep_gathered=settings.fsdp_keep_gathered,
+                         full_weights=sum(p.numel() * p.element_size()
+                                          for p in lm.model.parameters()) if sharded else None)
+    except PlanError as e:
+        note = held_elsewhere_note(lm.device, elsewhere)
+        if not note:
+            raise
+        raise PlanError(str(e) + note) from None
     if distributed.is_main():
         log.info("%s", plan.describe())
         if settings.progress and (plan.bounded and (len(plan.fit_groups) > 1 or plan.notes)):

@@ -117,6 +117,29 @@ def host_available_bytes() -> int:
         return 1 << 40
 
 
+#: memory held outside this process's tensors below which a plan says nothing about it
+#: (this process's own CUDA context alone takes several hundred MB)
+HELD_ELSEWHERE_NOTE_BYTES = 1 << 30
+
+
+def device_memory(device) -> tuple[int, int]:
+    """``(bytes this process may plan with, bytes held elsewhere)`` on a CUDA ``device``:
+    the device's total less what is in use beyond this process's own reserved memory, i.e.
+    memory other processes (a notebook, a server) hold now, and CUDA contexts."""
+    free, total = torch.cuda.mem_get_info(device)
+    elsewhere = max(total - free - torch.cuda.memory_reserved(device), 0)
+    return total - elsewhere, elsewhere
+
+
+def held_elsewhere_note(device, elsewhere: int) -> str:
+    """A sentence for a plan error when other processes hold much of the device ('' else)."""
+    if elsewhere < HELD_ELSEWHERE_NOTE_BYTES:
+        return ""
+    return (f" {_gib(elsewhere)} of {device} are held outside this run (other processes such as a notebook "
+            "or a server, and CUDA contexts) and were left out of the plan: free them, or choose another GPU "
+            "with --device")
+
+
 def host_share_bytes() -> int:
     """This process's share of the host's available memory: MemAvailable divided among the
     ranks torchrun started on this host (``LOCAL_WORLD_SIZE``), which plan at the same time
