@@ -13,7 +13,7 @@ import torch  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The tests' models are tiny: one thread each is faster than two that synchronise at
-# every operator. Thread-dependent paths set their threads themselves (test_eigh.py).
+# every operator. Thread-dependent paths set their threads themselves (curvature/test_eigh.py).
 torch.set_num_threads(1)
 
 from tiny import tiny_llama, tiny_tokenizer  # noqa: E402
