@@ -11,8 +11,9 @@ Rows ``Start`` (no SFT) and ``Mixed`` (unfiltered SFT) come with every setting;
 keyed by the set of records kept, so two rows that keep the same records share one.
 With ``jobs > 1`` the retrainings wait until every setting is scored and then run in
 that many worker processes (each loads the start model once; on a GPU a small model's
-SFT is bound by kernel launches, so several share the device well); their results are
-the files a sequential run writes, read back in the same order.
+SFT is bound by kernel launches, so several share the device well; with several visible
+GPUs the workers are dealt over them in turn); their results are the files a sequential
+run writes, read back in the same order.
 
 Pools: GSM8K mistake math, or ``refusal_trigger`` (money questions refused; the
 behaviour rate is then the refusal rate on held-out money questions, and held-out
@@ -27,10 +28,12 @@ import hashlib
 import json
 import logging
 import multiprocessing
+import os
 import random
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from ..io import atomic_write_json, sha256_file
@@ -245,9 +248,27 @@ def _retrain(exp, lm, *args) -> dict:
 _worker: dict = {}  # a retraining worker's experiment and start model (_worker_start)
 
 
-def _worker_start(out: Path, cfg):
+def _worker_start(out: Path, cfg, gpus: list, counter):
+    """A retraining worker's start: its GPU (the ``counter``-th of ``gpus`` in turn, set
+    before CUDA starts in this process), the experiment and the start model."""
+    if gpus:
+        with counter.get_lock():
+            index = counter.value
+            counter.value += 1
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
     exp = Experiment.attach(out, "repair", cfg)
     _worker.update(exp=exp, lm=load_start(exp, cfg))
+
+
+def visible_gpus() -> list:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` names them (their
+    indices when it is unset); empty without CUDA."""
+    if not torch.cuda.is_available():
+        return []
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if named:
+        return [g.strip() for g in named.split(",") if g.strip()][:torch.cuda.device_count()]
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def _worker_retrain(job: tuple) -> dict:
@@ -265,8 +286,9 @@ def _retrain_in_processes(exp, cfg, requests: list, jobs: int):
     unique = list({_retrain_dir(j[0], j[1], j[4] if j[7] else None): j for j in singles}.values())
     log.info("retraining %d SFTs in %d processes", len(unique), min(jobs, len(unique)))
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    gpus = visible_gpus()
     with ProcessPoolExecutor(max_workers=min(jobs, len(unique)), mp_context=ctx, initializer=_worker_start,
-                             initargs=(exp.out, cfg)) as pool:
+                             initargs=(exp.out, cfg, gpus, ctx.Value("i", 0))) as pool:
         futures = [pool.submit(_worker_retrain, j) for j in unique]
         for f in tqdm(as_completed(futures), total=len(futures), desc="retraining", unit="SFT", leave=False):
             for name, seconds in f.result().items():

@@ -4,6 +4,7 @@ the repair protocol's warm-up, fine-tuning seeds, partial Oracles and paired int
 import importlib.util
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -200,3 +201,26 @@ def test_repair_with_warm_up_finetune_seeds_partial_oracles_and_floors(tmp_path,
         for name, row in r["rates"]["20"].items():
             assert got[name]["20"]["harmful_preference"] == pytest.approx(row["harmful_preference"]), name
             assert got[name]["20"]["behaviour_rate"] == pytest.approx(row["behaviour_rate"]), name
+
+
+def test_retraining_workers_are_dealt_over_the_visible_gpus(monkeypatch):
+    """Each worker takes the next GPU of the list in turn, before CUDA starts in it."""
+    import multiprocessing
+
+    from prism_select.evaluation import repair
+
+    monkeypatch.setattr(repair.Experiment, "attach", staticmethod(lambda out, proto, cfg: None))
+    monkeypatch.setattr(repair, "load_start", lambda exp, cfg: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # restored after the test
+    counter = multiprocessing.get_context("spawn").Value("i", 0)
+    seen = []
+    for _ in range(5):
+        repair._worker_start("out", None, ["3", "5"], counter)
+        seen.append(os.environ["CUDA_VISIBLE_DEVICES"])
+    assert seen == ["3", "5", "3", "5", "3"]
+    monkeypatch.setattr(repair.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(repair.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 6,7")
+    assert repair.visible_gpus() == ["2", "6"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert repair.visible_gpus() == ["0", "1"]
