@@ -40,7 +40,7 @@ def warm_start_settings(exp, cfg):
     model_dir = base / "model"
     # runs of other seeds started side by side wait for the first to finish the warm-up
     with FileLock(str(base / ".warmup.lock")):
-        if not exp.done(base, key, ["model/config.json"], "warmup-step"):
+        if not exp.done(base, key, ["model/config.json", "model/model.safetensors"], "warmup-step"):
             _warm_up(exp, cfg, records_path, settings, model_dir, key)
     return dataclasses.replace(cfg.model, model=str(model_dir))
 
