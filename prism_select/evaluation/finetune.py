@@ -356,7 +356,13 @@ def _training_args(settings: FinetuneSettings, out_dir: Path, device: torch.devi
         name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
         kw[name] = True
         kw[f"{name}_kwargs"] = {"use_reentrant": False}
-    return TrainingArguments(**{k: v for k, v in kw.items() if k in fields})
+    args = TrainingArguments(**{k: v for k, v in kw.items() if k in fields})
+    if device.type == "cuda" and args.n_gpu > 1:
+        # Outside a distributed launch, Trainer wraps the model in nn.DataParallel over every
+        # visible GPU, which multiplies the batch by their number: an SFT's batch and step
+        # count must not depend on the machine, so it trains on its model's one device.
+        args._n_gpu = 1
+    return args
 
 
 def finetune(model, pool, out_dir, settings: FinetuneSettings | None = None, save_every_epoch: bool = False,

@@ -214,3 +214,17 @@ def test_gradient_checkpointing_is_undone_afterwards(tmp_path):
     assert model_fingerprint(model) == lm.fingerprint
     assert not model.get_input_embeddings()._forward_hooks
     assert not getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False))
+
+
+def test_sft_trains_on_one_gpu_when_several_are_visible(monkeypatch, tmp_path):
+    """Outside a distributed launch Trainer would spread the batch over every visible GPU
+    (nn.DataParallel), changing the effective batch and the step count with the machine."""
+    from prism_select.evaluation.finetune import FinetuneSettings, _training_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    args = _training_args(FinetuneSettings(), tmp_path, torch.device("cuda"), torch.float32)
+    assert args.device.type == "cuda"
+    assert args.n_gpu == 1
+    assert args.train_batch_size == FinetuneSettings().batch_size
