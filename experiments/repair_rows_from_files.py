@@ -36,8 +36,23 @@ def _measure(tdir: Path, task: str) -> dict | None:
     return {**rates_by_task(tdir / "responses.jsonl", task), **json.loads((tdir / "behaviour.json").read_text())}
 
 
+def start_model(rdir: Path) -> str | None:
+    """The fingerprint of the start model a seed's run trained from (its Mixed SFT's key)."""
+    step = rdir / "mixed" / ".finetune-step.json"
+    return json.loads(step.read_text()).get("model") if step.is_file() else None
+
+
+def _current(tdir: Path, model: str | None) -> bool:
+    """Whether a retraining started from ``model``: a folder copied from an earlier run
+    whose start model differed holds results of another model under the same records."""
+    step = tdir / ".retrain-step.json"
+    return model is None or not step.is_file() or json.loads(step.read_text()).get("model") == model
+
+
 def _kept_row(rdir: Path, kept: Path, ft_seeds: list, task: str) -> dict | None:
-    rows = [_measure(_retrain_dir(rdir, kept, s), task) for s in ft_seeds]
+    model = start_model(rdir)
+    dirs = [_retrain_dir(rdir, kept, s) for s in ft_seeds]
+    rows = [_measure(d, task) if _current(d, model) else None for d in dirs]
     if any(r is None for r in rows):
         return None
     return {k: sum(r[k] for r in rows) / len(rows) for k in METRICS if all(r.get(k) is not None for r in rows)}
