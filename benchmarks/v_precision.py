@@ -33,6 +33,7 @@ from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.precision import direction_policy  # noqa: E402
 from prism_select.preference import compute_preference  # noqa: E402
+from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.scoring import score_encoded  # noqa: E402
 
 
@@ -57,8 +58,9 @@ def rel_err(a: dict, ref: dict) -> float:
 def exact_scores(model, V, enc, pad_id, batch, dev, precision="model"):
     """The library's exact scores (input order, float64) under ``precision``."""
     return score_encoded(model, tracked_linear_modules(model), enc, {n: t.to(dev) for n, t in V.items()},
-                         pad_id=pad_id, batch_size=batch, progress=False, cuda_graphs="off",
-                         precision=precision).double().cpu()
+                         pad_id=pad_id, batch_size=batch,
+                         execution=ExecutionContext.of(model, progress=False, cuda_graphs="off",
+                                                       precision=precision)).double().cpu()
 
 
 def main():

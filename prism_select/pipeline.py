@@ -68,7 +68,7 @@ from .plan import (MemoryPlan, PlanError, cap_device_memory, device_memory, held
                    stored_bytes)
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
-from .scoring import score_encoded, score_stream
+from .scoring import Chunking, score_encoded, score_stream
 from .settings import DEFAULT_STREAM_WINDOW, STREAM_FIT_EXAMPLES, ScoreSettings, key_of  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -613,10 +613,8 @@ class RunContext:
         t = time.perf_counter()
         stats: dict = {}
         batch = self.plan.scoring["batch_size"] if self.plan is not None and self.plan.scoring else st.batch_size
-        common = {"batch_size": batch, "chunk_size": st.chunk_size, "partial_dir": partial / tag,
-                  "run_key": self.info.get("run_key"), "progress": st.progress,
-                  "cuda_graphs": self.execution.cuda_graphs,
-                  "precision": self.execution.precision, "kernels": self.execution.kernels}
+        common = {"batch_size": batch, "execution": self.execution,
+                  "chunking": Chunking(st.chunk_size, partial / tag, self.info.get("run_key"))}
         if st.stream:
             s = None
             out = partial / f"{tag}.jsonl"

@@ -9,6 +9,7 @@ from prism_select import engine
 from prism_select.data.tokenize import encode
 from prism_select.errors import ConfigError
 from prism_select.graphs import BUCKET_FRACTION, MIN_BUCKET, GraphedScorer, bucket_length, graphs_wanted
+from prism_select.execution import ExecutionContext
 from prism_select.scoring import make_scorer, score_encoded
 
 from tiny import tiny_llama
@@ -118,10 +119,13 @@ def test_graphs_match_eager_on_gpu(gpu_model, tok, encoded_pool):
     from prism_select.model import tracked_linear_modules
     modules = tracked_linear_modules(gpu_model, None)
     V = {k: v.cuda() for k, v in _direction(modules, dtype=torch.float32).items()}
-    kw = dict(pad_id=tok.pad_token_id, batch_size=3, progress=False)
-    eager = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="off", **kw)
-    graphed = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="on", **kw)
-    again = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="on", **kw)
+    kw = dict(pad_id=tok.pad_token_id, batch_size=3)
+    eager = score_encoded(gpu_model, modules, encoded_pool, V,
+                          execution=ExecutionContext.of(gpu_model, cuda_graphs="off", progress=False), **kw)
+    graphed = score_encoded(gpu_model, modules, encoded_pool, V,
+                            execution=ExecutionContext.of(gpu_model, cuda_graphs="on", progress=False), **kw)
+    again = score_encoded(gpu_model, modules, encoded_pool, V,
+                          execution=ExecutionContext.of(gpu_model, cuda_graphs="on", progress=False), **kw)
     assert rel_err(graphed, eager) <= GPU_F32_RTOL
     assert torch.equal(graphed, again)  # replay is deterministic
 

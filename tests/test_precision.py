@@ -203,7 +203,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_split32_on_gpu_graphed_equals_eager_and_float64(gemm):
     """On the GPU the split GEMMs run on tensor cores (mm with a float32 out_dtype);
     CUDA graphs replay the same computation; with either GEMM layout."""
-    from prism_select.execution import Kernels
+    from prism_select.execution import ExecutionContext, Kernels
     from prism_select.scoring import score_encoded
     m, V, _ = _setup(seed=0)
     m = m.cuda().eval()
@@ -211,10 +211,12 @@ def test_split32_on_gpu_graphed_equals_eager_and_float64(gemm):
     V = {n: v.to(torch.bfloat16).double() for n, v in V.items()}
     tok = tiny_tokenizer()
     enc = [encode(tok, p, r) for p, r in POOL]
-    kw = dict(pad_id=tok.pad_token_id, batch_size=4, progress=False, precision="split32",
-              kernels=Kernels(split_gemm=gemm))
-    eager = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="off", **kw).double()
-    graphed = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="on", **kw).double()
+    kw = dict(pad_id=tok.pad_token_id, batch_size=4)
+    ex = dict(progress=False, precision="split32", kernels=Kernels(split_gemm=gemm))
+    eager = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()},
+                          execution=ExecutionContext.of(m, cuda_graphs="off", **ex), **kw).double()
+    graphed = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()},
+                            execution=ExecutionContext.of(m, cuda_graphs="on", **ex), **kw).double()
     assert float((graphed - eager).norm() / eager.norm()) < GPU_REPLAY_TOL
     sc = make_scorer(m, mods, {k: v.cuda() for k, v in V.items()}, pad_id=tok.pad_token_id, cuda_graphs="on",
                      batch_size=4, precision="split32", kernels=Kernels(split_gemm=gemm))
@@ -222,10 +224,12 @@ def test_split32_on_gpu_graphed_equals_eager_and_float64(gemm):
         sc.score(collate_to(enc[:4], tok.pad_token_id, "cuda"))
         assert sc.failed is None and sc.captures == 1, sc.failed
     m64 = copy.deepcopy(m).cpu().double()
-    ref = score_encoded(m64, tracked_linear_modules(m64), enc, V, cuda_graphs="off",
-                        **{**kw, "precision": "model"}).double()
-    plain = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="off",
-                          **{**kw, "precision": "model"}).double()
+    ref = score_encoded(m64, tracked_linear_modules(m64), enc, V,
+                        execution=ExecutionContext.of(m64, cuda_graphs="off", **{**ex, "precision": "model"}),
+                        **kw).double()
+    plain = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()},
+                          execution=ExecutionContext.of(m, cuda_graphs="off", **{**ex, "precision": "model"}),
+                          **kw).double()
     e_split = float((eager.cpu() - ref).norm() / ref.norm())
     e_plain = float((plain.cpu() - ref).norm() / ref.norm())
     assert e_split * MIN_SPLIT_SCORE_GAIN < e_plain, (e_plain, e_split)

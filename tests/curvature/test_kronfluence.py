@@ -87,7 +87,7 @@ def test_ekfac_scores_agree_with_kronfluence(model, modules, tok, pair_examples,
 
     pref = compute_preference(model, modules, chosen, rejected, pad_id=pad, progress=False)
     cur = fit_curvature(model, modules, pool, CurvatureSettings(kind="ekfac", batch_size=4), pad_id=pad)
-    ours = score_encoded(model, modules, pool, cur.precondition(pref.direction), pad_id=pad, progress=False)
+    ours = score_encoded(model, modules, pool, cur.precondition(pref.direction), pad_id=pad)
 
     task = PrismTask(list(modules))
     kf_model = prepare_model(model, task)
