@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prism_select import engine  # noqa: E402
 from prism_select.curvature import CurvatureSettings, fit_curvature  # noqa: E402
+from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.data.tokenize import Encoded, collate, encode  # noqa: E402
 from prism_select.execution import Kernels  # noqa: E402
 from prism_select.graphs import GraphedScorer  # noqa: E402
@@ -398,8 +399,9 @@ def main():
             t = time.perf_counter()
             with float32_weights(model, precision == "f32w"):
                 c = fit_curvature(model, modules, fit_enc, CurvatureSettings(kind="ekfac", batch_size=a.batch),
-                                  pad_id=pad_id, device=dev, progress=False, timings=tm, cuda_graphs=graphs,
-                                  precision="model" if precision == "f32w" else precision)
+                                  pad_id=pad_id, timings=tm, execution=ExecutionContext.of(
+                                      model, dev, progress=False, cuda_graphs=graphs,
+                                      precision="model" if precision == "f32w" else precision))
             sync(dev)
             tm["total_s"] = time.perf_counter() - t
             tm["examples"] = len(fit_enc)

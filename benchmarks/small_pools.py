@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scoring import load_embedded  # noqa: E402
 
 from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature  # noqa: E402
+from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.curvature.base import apply_damping  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.evaluation import builders  # noqa: E402
@@ -228,7 +229,7 @@ def main():
                 pref = compute_preference(model, mods, chosen, rejected, pad_id=pad, batch_size=a.batch,
                                           progress=False)
                 fit = fit_curvature(model, mods, enc, CurvatureSettings(kind="ekfac", batch_size=a.batch),
-                                    pad_id=pad, device=dev, progress=False)
+                                    pad_id=pad, execution=ExecutionContext.of(model, dev, progress=False))
                 t_fit = time.perf_counter() - t1
                 curs = {name: variant(fit, *VARIANTS[name]) for name in a.variants}
                 vs = [c.precondition(pref.direction) for c in curs.values()]

@@ -47,7 +47,8 @@ def direction(model, chosen, rejected, pad_id, batch, precision="model"):
 def fit(model, fit_enc, pad_id, batch, dev, precision="model"):
     mods = tracked_linear_modules(model)
     return fit_curvature(model, mods, fit_enc, CurvatureSettings(kind="ekfac", batch_size=batch), pad_id=pad_id,
-                         device=dev, progress=False, cuda_graphs="off", precision=precision)
+                         execution=ExecutionContext.of(model, dev, progress=False, cuda_graphs="off",
+                                                       precision=precision))
 
 
 def rel_err(a: dict, ref: dict) -> float:

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import __version__, distributed, sharding
-from .curvature import Curvature, CurvatureSettings, load_or_fit_curvature
+from .curvature import Curvature, CurvatureSettings, FitCache, FitLayout, FitSpill, load_or_fit_curvature
 from .curvature.base import DEFAULT_DAMPING_FACTOR, DEFAULT_SHRINKAGE
 from .curvature.fit import fit_indices
 from .curvature.spill import FitScores
@@ -301,16 +301,15 @@ class RunContext:
                 modules = {n: self.modules[n] for g in groups for n in g}
             st = self.settings
             from_spill = self._spill_scores_pool(cs, groups)
+            layout = FitLayout(groups, store, offload=plan.fit.get("offload") if plan is not None else None,
+                               sums=plan.fit.get("sums", "step") if plan is not None else "step")
+            cache = FitCache(cache_root, self.lm.fingerprint, encoded_fingerprint(fit), st.max_length,
+                             st.cache_max_bytes)
             cur, directory, reused = load_or_fit_curvature(
-                self.lm.model, modules, fit, cs,
-                pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
-                pool_fingerprint=encoded_fingerprint(fit),
-                max_length=st.max_length, progress=st.progress,
-                cuda_graphs=self.execution.cuda_graphs, timings=phases, precision=self.execution.precision,
-                groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes,
-                kernels=self.execution.kernels, offload=plan.fit.get("offload") if plan is not None else None,
-                on_spill=self._keep_spill if from_spill else None, scores=fit_scores if from_spill else None,
-                sharded_sums=plan.fit.get("sums", "step") if plan is not None else "step")
+                self.lm.model, modules, fit, cs, pad_id=self.pad_id, cache=cache, execution=self.execution,
+                timings=phases, layout=layout, on_group=on_group,
+                spill=FitSpill(on_spill=self._keep_spill if from_spill else None,
+                               scores=fit_scores if from_spill else None))
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             how = f"loaded from the cache {directory}" if reused else "fitted"

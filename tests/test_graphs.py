@@ -205,7 +205,8 @@ def test_fit_through_padded_graph_path_equals_plain_fit(monkeypatch, model, modu
     monkeypatch.setattr(fit_mod, "graphs_wanted", lambda mode, dev, model=None: True)
     monkeypatch.setattr(fit_mod, "GraphedScorer", functools.partial(padded))
     monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)  # the CPU's spill would spare the second pass
-    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, cuda_graphs="on")
+    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id,
+                        execution=ExecutionContext.of(model, cuda_graphs="on"))
     assert len(used) == 2  # both passes went through the padded path
     for k, t in ref.tensors.items():
         if k.endswith(("::QA", "::QS")):
@@ -243,9 +244,11 @@ def test_graphed_fit_matches_eager_on_gpu(gpu_model, tok, encoded_pool):
     from prism_select.model import tracked_linear_modules
     modules = tracked_linear_modules(gpu_model, None)
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
-    kw = dict(pad_id=tok.pad_token_id, device="cuda", progress=False)
-    eager = fit_curvature(gpu_model, modules, encoded_pool, settings, cuda_graphs="off", **kw)
-    graphed = fit_curvature(gpu_model, modules, encoded_pool, settings, cuda_graphs="on", **kw)
+    ex = dict(device="cuda", progress=False)
+    eager = fit_curvature(gpu_model, modules, encoded_pool, settings, pad_id=tok.pad_token_id,
+                          execution=ExecutionContext.of(gpu_model, cuda_graphs="off", **ex))
+    graphed = fit_curvature(gpu_model, modules, encoded_pool, settings, pad_id=tok.pad_token_id,
+                            execution=ExecutionContext.of(gpu_model, cuda_graphs="on", **ex))
     for k, t in eager.tensors.items():
         if k.endswith(("::QA", "::QS")):
             continue

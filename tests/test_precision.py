@@ -384,6 +384,7 @@ SPLIT_FIT_REPLAY_TOL = 1e-3
 
 def _fit_err(seed, device="cpu", cuda_graphs="off"):
     from prism_select.curvature import CurvatureSettings, fit_curvature
+    from prism_select.execution import ExecutionContext
     tok = tiny_tokenizer()
     m, V, _ = _setup(seed=seed)
     m = m.to(device)
@@ -392,7 +393,8 @@ def _fit_err(seed, device="cpu", cuda_graphs="off"):
 
     def fit(model, precision="model", graphs="off"):
         return fit_curvature(model, tracked_linear_modules(model), enc, CurvatureSettings(kind="ekfac", batch_size=4),
-                             pad_id=tok.pad_token_id, progress=False, cuda_graphs=graphs, precision=precision)
+                             pad_id=tok.pad_token_id,
+                             execution=ExecutionContext.of(model, cuda_graphs=graphs, precision=precision))
 
     ref = fit(copy.deepcopy(m).float()).precondition(V)
 

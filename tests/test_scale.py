@@ -15,7 +15,8 @@ import torch
 
 from prism_select.curvature import factors as factors_mod, spill as spill_mod
 from prism_select import cache
-from prism_select.curvature import CurvatureSettings, fit_curvature
+from prism_select.curvature import CurvatureSettings, FitLayout, fit_curvature
+from prism_select.execution import ExecutionContext
 from prism_select.plan import GiB, PlanError, make_groups, make_plan, parse_bytes, units
 from prism_select.preference import compute_preference
 
@@ -34,9 +35,9 @@ def _three_groups(modules):
 @pytest.mark.parametrize("store", ["device", "host"])
 def test_grouped_fit_equals_one_group(model, modules, tok, encoded_pool, kind, store):
     s = CurvatureSettings(kind=kind, batch_size=3)
-    one = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False)
-    grouped = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False,
-                            groups=_three_groups(modules), store=store)
+    one = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id)
+    grouped = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id,
+                            layout=FitLayout(_three_groups(modules), store))
     assert set(grouped.tensors) == set(one.tensors)
     for k, t in one.tensors.items():
         if k.endswith("::QA") or k.endswith("::QS"):  # eigenvectors up to sign: compare projectors
@@ -55,7 +56,7 @@ def test_grouped_fit_equals_one_group(model, modules, tok, encoded_pool, kind, s
 @pytest.mark.parametrize("offload", [None, False])  # False: the eigenbases stay on the device (plan)
 def test_transient_fit_preconditions_group_by_group(model, modules, tok, encoded_pool, offload):
     s = CurvatureSettings(kind="ekfac", batch_size=4)
-    one = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False)
+    one = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id)
     g = {n: torch.randn(*one.eigenvalues(n).shape, dtype=torch.float64) for n in modules}
     seen, v = [], {}
 
@@ -63,8 +64,8 @@ def test_transient_fit_preconditions_group_by_group(model, modules, tok, encoded
         seen.append(list(layers))
         v.update(part.precondition({n: g[n] for n in layers}))
 
-    cur = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False,
-                        groups=_three_groups(modules), store="transient", on_group=on_group, offload=offload)
+    cur = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id,
+                        layout=FitLayout(_three_groups(modules), "transient", offload=offload), on_group=on_group)
     assert seen == _three_groups(modules)
     assert cur.tensors == {} and set(cur.damping) == set(modules)
     ref = one.precondition(g)
@@ -78,7 +79,7 @@ def test_fit_groups_must_cover_the_layers(model, modules, tok, encoded_pool):
     names = list(modules)
     with pytest.raises(ValueError, match="cover"):
         fit_curvature(model, modules, encoded_pool, CurvatureSettings(), pad_id=tok.pad_token_id,
-                      progress=False, groups=[names[:2]])
+                      layout=FitLayout([names[:2]]))
 
 
 @pytest.mark.parametrize("method", ["prism", "equal", "unpaired"])
@@ -651,8 +652,8 @@ def test_fit_device_memory_stays_within_the_plan(tok, encoded_pool, monkeypatch)
     try:
         with tracker:
             fit_curvature(m, mods, pool, CurvatureSettings(kind="ekfac", batch_size=plan.fit["batch_size"]),
-                          pad_id=tok.pad_token_id, progress=False, groups=plan.fit_groups,
-                          store=plan.curvature_store)
+                          pad_id=tok.pad_token_id,
+                          layout=FitLayout(plan.fit_groups, plan.curvature_store))
     finally:
         torch.set_num_threads(threads)
     assert probe.peak > 0 and tracker.peak > 0.5 * plan.fit["peak"]
@@ -755,9 +756,9 @@ def test_sharded_pass_sums_send_each_input_once(model, modules, tok, encoded_poo
     idx = fitmod.fit_indices(len(encoded_pool), s)
     batches = fitmod.length_batches(encoded_pool, idx, s.batch_size)
     timings = {"factors_s": 0.0, "eigh_s": 0.0, "lambda_s": 0.0}
-    t = fitmod._fit_group(model, modules, encoded_pool, batches, len(idx), s, pad_id=tok.pad_token_id,
-                          device=next(model.parameters()).device, progress=False, timings=timings,
-                          cuda_graphs="off", owners={n: 0 for n in modules}, local_sums=True)
+    t = fitmod._fit_group(model, modules, encoded_pool, batches, s, pad_id=tok.pad_token_id,
+                          execution=ExecutionContext.of(model, cuda_graphs="off", progress=False), timings=timings,
+                          layout=fitmod.FitLayout(sums="pass"), owners={n: 0 for n in modules})
     # a decoder block's distinct inputs: q/k/v's, o's, gate/up's, down's
     n_inputs = 4 * len({n.split(".mlp")[0].split(".self_attn")[0] for n in modules})
     a_sent = calls[0] - 1 - len(modules)  # the factor pass's sums, less n_tokens and one S per layer
