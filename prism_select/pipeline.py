@@ -63,9 +63,8 @@ from .io import (
     sha256_json,
 )
 from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
-from .plan import (MemoryPlan, PlanError, cap_device_memory, device_memory, held_elsewhere_note, host_share_bytes,
-                   make_plan, measure_example_bytes,
-                   stored_bytes)
+from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory, device_memory, held_elsewhere_note,
+                   host_share_bytes, make_plan, measure_example_bytes, stored_bytes)
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
 from .scoring import Chunking, score_encoded, score_stream
@@ -832,14 +831,13 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
         nbytes = max(distributed.gather_values(nbytes))
         host = min(distributed.gather_values(host_share_bytes()))
     try:
+        example = ExampleSize(nbytes, len(longest.input_ids) if longest is not None else 1, vocab)
+        shards = Shards(distributed.world() if sharded else 1, settings.fsdp_sums, settings.fsdp_keep_gathered,
+                        sum(p.numel() * p.element_size() for p in lm.model.parameters()) if sharded else None)
         plan = make_plan(lm.model, modules, kind=curvature.kind, device=lm.device, batch_size=settings.batch_size,
-                         fit_batch_size=curvature.batch_size, example_bytes=nbytes,
-                         longest=len(longest.input_ids) if longest is not None else 1, vocab=vocab,
+                         fit_batch_size=curvature.batch_size, example=example,
                          max_gpu_memory=settings.max_gpu_memory, weights=fixed, gpu_total=gpu_total,
-                         host_available=host, shards=distributed.world() if sharded else 1,
-                         sums=settings.fsdp_sums, keep_gathered=settings.fsdp_keep_gathered,
-                         full_weights=sum(p.numel() * p.element_size()
-                                          for p in lm.model.parameters()) if sharded else None)
+                         host_available=host, shards=shards)
     except PlanError as e:
         note = held_elsewhere_note(lm.device, elsewhere)
         if not note:
