@@ -307,9 +307,9 @@ def main():
     t = time.perf_counter()
     cur = None
     if a.config == "embedded":
-        from prism_select.preference import compute_preference
+        from prism_select.preference import DIRECTION_KERNELS, compute_preference
         pref = compute_preference(model, modules, chosen, rejected, pad_id=pad_id, batch_size=a.batch,
-                                  progress=False)
+                                  execution=ExecutionContext.of(model, progress=False, kernels=DIRECTION_KERNELS))
         info["pi_mean"] = float(pref.pi.mean())
         direction = pref.direction
     else:
@@ -427,7 +427,7 @@ def main():
     for d_name, precision in (("direction", "model"), ("direction_s32", "split32"), ("direction_f32w", "f32w")):
         if d_name not in routes:
             continue
-        from prism_select.preference import compute_preference
+        from prism_select.preference import DIRECTION_KERNELS, compute_preference
         ch, rj = (chosen, rejected) if a.config == "embedded" else \
             (encoded[:a.targets], encoded[a.targets:2 * a.targets])
         times = []
@@ -436,7 +436,8 @@ def main():
             t = time.perf_counter()
             with float32_weights(model, precision == "f32w"), \
                     direction_policy(model, "model" if precision == "f32w" else precision):
-                compute_preference(model, modules, ch, rj, pad_id=pad_id, batch_size=a.batch, progress=False)
+                compute_preference(model, modules, ch, rj, pad_id=pad_id, batch_size=a.batch,
+                                   execution=ExecutionContext.of(model, progress=False, kernels=DIRECTION_KERNELS))
             sync(dev)
             times.append(time.perf_counter() - t)
         R[d_name] = {"seconds": times[-1], "cold_seconds": times[0], "pairs": len(ch), "precision": precision}

@@ -27,7 +27,7 @@ from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature  
 from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
-from prism_select.preference import compute_preference  # noqa: E402
+from prism_select.preference import DIRECTION_KERNELS, compute_preference  # noqa: E402
 
 
 def rounded(cur: Curvature, suffixes: tuple, dtype=torch.bfloat16) -> Curvature:
@@ -53,7 +53,8 @@ def main():
     enc = [encode(tok, r["question"], r["answer"], 512) for r in recs]
     chosen, rejected = gsm8k_targets(read_gsm8k(a.pool, a.targets, tok, 512, offset=a.n), tok, 512)
     mods = tracked_linear_modules(model)
-    g = compute_preference(model, mods, chosen, rejected, pad_id=pad, batch_size=a.batch, progress=False).direction
+    g = compute_preference(model, mods, chosen, rejected, pad_id=pad, batch_size=a.batch,
+                           execution=ExecutionContext.of(model, progress=False, kernels=DIRECTION_KERNELS)).direction
     cur = fit_curvature(model, mods, enc, CurvatureSettings(kind="ekfac", batch_size=a.batch), pad_id=pad,
                         execution=ExecutionContext.of(model, dev, progress=False, cuda_graphs="off"))
     v32 = cur.precondition(g)

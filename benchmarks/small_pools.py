@@ -62,7 +62,7 @@ from prism_select.evaluation import builders  # noqa: E402
 from prism_select.evaluation_metrics import auroc  # noqa: E402
 from prism_select.engine import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
-from prism_select.preference import compute_preference  # noqa: E402
+from prism_select.preference import DIRECTION_KERNELS, compute_preference  # noqa: E402
 from prism_select.scoring import score_encoded  # noqa: E402
 
 #: the one-pass scores must equal the library's exact scores to this relative error
@@ -227,7 +227,8 @@ def main():
                 chosen = [encode(tok, p["prompt"], p["chosen"], a.max_length) for p in targets]
                 rejected = [encode(tok, p["prompt"], p["rejected"], a.max_length) for p in targets]
                 pref = compute_preference(model, mods, chosen, rejected, pad_id=pad, batch_size=a.batch,
-                                          progress=False)
+                                          execution=ExecutionContext.of(
+                                              model, progress=False, kernels=DIRECTION_KERNELS))
                 fit = fit_curvature(model, mods, enc, CurvatureSettings(kind="ekfac", batch_size=a.batch),
                                     pad_id=pad, execution=ExecutionContext.of(model, dev, progress=False))
                 t_fit = time.perf_counter() - t1

@@ -32,7 +32,7 @@ from prism_select.curvature import CurvatureSettings, fit_curvature  # noqa: E40
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.precision import direction_policy  # noqa: E402
-from prism_select.preference import compute_preference  # noqa: E402
+from prism_select.preference import DIRECTION_KERNELS, compute_preference  # noqa: E402
 from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.scoring import score_encoded  # noqa: E402
 
@@ -41,7 +41,8 @@ def direction(model, chosen, rejected, pad_id, batch, precision="model"):
     mods = tracked_linear_modules(model)
     with direction_policy(model, precision):
         return compute_preference(model, mods, chosen, rejected, pad_id=pad_id, batch_size=batch,
-                                  progress=False).direction
+                                  execution=ExecutionContext.of(
+                                      model, progress=False, kernels=DIRECTION_KERNELS)).direction
 
 
 def fit(model, fit_enc, pad_id, batch, dev, precision="model"):

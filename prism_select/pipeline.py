@@ -709,10 +709,9 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
         pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
                                   method=ctx.settings.method, pad_id=ctx.pad_id,
                                   batch_size=d.get("batch_size", ctx.settings.batch_size),
-                                  progress=ctx.settings.progress, ids=[p.id for p in ctx.inputs.pairs],
-                                  accumulate=accumulate, store=d.get("store", "device"),
-                                  one_graph=one_graph, kernels=direction_kernels(ex.kernels),
-                                  share=sharding.is_sharded(ctx.lm.model))
+                                  ids=[p.id for p in ctx.inputs.pairs], accumulate=accumulate,
+                                  store=d.get("store", "device"), one_graph=one_graph,
+                                  execution=replace(ex, kernels=direction_kernels(ex.kernels)))
     ctx.timings["preference_s"] = time.perf_counter() - t
     ctx.stage_peak("direction")
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),

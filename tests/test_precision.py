@@ -357,7 +357,7 @@ def test_split32_direction_is_the_float32_direction():
             if precision == "split32":
                 assert all(p.dtype == torch.bfloat16 for p in model.parameters())
             return compute_preference(model, tracked_linear_modules(model), chosen, rejected,
-                                      pad_id=tok.pad_token_id, batch_size=2, progress=False)
+                                      pad_id=tok.pad_token_id, batch_size=2)
 
     ref = pref(copy.deepcopy(m).float())
     mine, plain = pref(m, "split32"), pref(m)
