@@ -595,11 +595,7 @@ class RunContext:
             # a transient plan's group files already hold v: a merged copy beside them would
             # need v's size again on disk at once (26 GiB at Qwen3-14B's shape)
             if (self.execution.main or fsdp) and not self._transient():
-                tmp = partial / f".{name}.tmp"
-                save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
-                tmp.replace(v_path)
-                for f in partial.glob(f"{tag}_v_group*"):
-                    f.unlink(missing_ok=True)
+                _save_v(v, partial, name, tag)
         if last:
             direction = None
             self._curvature = None
@@ -607,14 +603,21 @@ class RunContext:
         if fsdp:  # v moves into the layers' sharded prism_v parameters
             sharding.set_v(self.modules, v)
             v = None
-        st = self.settings
         t = time.perf_counter()
+        s, stats = self._score_with(v, tag, in_fit, last)
+        self._record_scoring(tag, stats, time.perf_counter() - t)
+        return s
+
+    def _score_with(self, v: dict | None, tag: str, in_fit, last: bool) -> tuple:
+        """``(scores, stats)`` of the pool along ``v`` (None: under FSDP, ``v`` is in the
+        layers): streamed from the pool file, the fit's own scores (``in_fit``), scores
+        formed from the fit's spill, or the model's pass over the encoded pool."""
+        st, partial = self.settings, self.out_dir / ".partial"
         stats: dict = {}
         batch = self.plan.scoring["batch_size"] if self.plan is not None and self.plan.scoring else st.batch_size
         common = {"batch_size": batch, "execution": self.execution,
                   "chunking": Chunking(st.chunk_size, partial / tag, self.info.get("run_key"))}
         if st.stream:
-            s = None
             out = partial / f"{tag}.jsonl"
             res = score_stream(self.lm.model, self.lm.tokenizer, self.modules, v, self.inputs.pool_path, out,
                                max_length=st.max_length, window=st.stream_window, skip_invalid=st.skip_invalid,
@@ -623,30 +626,32 @@ class RunContext:
                 raise InputError("no valid pool record left", path=self.inputs.pool_path)
             stats = {k: res.pop(k) for k in ("examples", "real_tokens", "padded_tokens") if k in res}
             self.streamed = {**res, "path": out}
-        elif in_fit is not None:
-            s = in_fit
-            stats = {"examples": len(self.inputs.encoded),
-                     "real_tokens": sum(len(e.input_ids) for e in self.inputs.encoded),
-                     "from_fit_spill": True, "in_fit": True}
-        else:
-            s = None
-            if self._spill is not None:  # the fit's gradients are the scoring's: no model pass
-                s = self._spill.scores(self.modules, v, len(self.inputs.encoded))
-                if s is not None:
-                    n_tok = sum(len(e.input_ids) for e in self.inputs.encoded)
-                    stats = {"examples": len(self.inputs.encoded), "real_tokens": n_tok,
-                             "padded_tokens": sum(math.prod(rec[0][1][1][:2]) for rec in self._spill.batches),
-                             "from_fit_spill": True}
-                if last or s is None:
-                    self._drop_spill()
-            if s is None:
-                s = score_encoded(self.lm.model, self.modules, self.inputs.encoded, v, pad_id=self.pad_id,
-                                  ids=[e.id for e in self.inputs.pool], stats=stats, **common)
-        dt = time.perf_counter() - t
+            return None, stats
+        if in_fit is not None:
+            return in_fit, {"examples": len(self.inputs.encoded),
+                            "real_tokens": sum(len(e.input_ids) for e in self.inputs.encoded),
+                            "from_fit_spill": True, "in_fit": True}
+        s = None
+        if self._spill is not None:  # the fit's gradients are the scoring's: no model pass
+            s = self._spill.scores(self.modules, v, len(self.inputs.encoded))
+            if s is not None:
+                n_tok = sum(len(e.input_ids) for e in self.inputs.encoded)
+                stats = {"examples": len(self.inputs.encoded), "real_tokens": n_tok,
+                         "padded_tokens": sum(math.prod(rec[0][1][1][:2]) for rec in self._spill.batches),
+                         "from_fit_spill": True}
+            if last or s is None:
+                self._drop_spill()
+        if s is None:
+            s = score_encoded(self.lm.model, self.modules, self.inputs.encoded, v, pad_id=self.pad_id,
+                              ids=[e.id for e in self.inputs.pool], stats=stats, **common)
+        return s, stats
+
+    def _record_scoring(self, tag: str, stats: dict, dt: float) -> None:
+        """The scoring's time on the console and in ``timings``, its throughput in ``info``."""
         self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + dt
         what = "scoring" if tag == "scores" else f"scoring ({tag})"
         distributed.say(f"{what}: inside the curvature fit" if stats.get("in_fit") else f"{what}: {dt:.1f} s",
-                        st.progress)
+                        self.settings.progress)
         self.stage_peak("scoring")
         if stats.get("in_fit"):  # scored inside the fit: no time of its own
             self.info.setdefault("throughput", {})[tag] = {**stats, "ranks": self.execution.world}
@@ -654,7 +659,16 @@ class RunContext:
             self.info.setdefault("throughput", {})[tag] = {
                 **stats, "ranks": self.execution.world, "real_tokens_per_s_rank": stats["real_tokens"] / dt,
                 "padding_fraction": 1 - stats["real_tokens"] / max(stats["padded_tokens"], 1)}
-        return s
+
+
+def _save_v(v: dict, partial: Path, name: str, tag: str) -> None:
+    """``v`` saved whole in ``partial`` (written beside, then renamed), the files of its
+    fit groups removed."""
+    tmp = partial / f".{name}.tmp"
+    save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
+    tmp.replace(partial / f"{name}.safetensors")
+    for f in partial.glob(f"{tag}_v_group*"):
+        f.unlink(missing_ok=True)
 
 
 def resume_groups(saved: list, planned: list, finished) -> list:
@@ -968,20 +982,9 @@ def _remove_empty_dirs(created: list) -> None:
             return  # not empty (finished work is kept), or already gone
 
 
-def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings, curvature,
-                reuse_finished: bool = False) -> dict:
-    curvature = curvature or CurvatureSettings()
-    fit_default = settings.stream and curvature.fit_examples is None
-    if fit_default:
-        curvature = replace(curvature, fit_examples=STREAM_FIT_EXAMPLES)
-    out_dir = Path(out_dir)
-    t0 = time.perf_counter()
-    timings = {}
-    if not isinstance(model, LoadedModel) and distributed.init_from_env(model.device):  # torchrun / accelerate
-        model = replace(model, device=distributed.local_device(model.device))
-    pool = check_before_loading(model, pool_path, targets_path, settings)  # before --out is made
-    check_writable_dir(out_dir)  # fail before any long work
-    timings["check_inputs_s"] = time.perf_counter() - t0
+def _load_for_run(model, settings: ScoreSettings, timings: dict) -> tuple:
+    """``(lm, model_bytes)``: the model loaded (and under ``--shard fsdp`` sharded over the
+    ranks), and on a GPU the weights' bytes each rank holds."""
     t = time.perf_counter()
     fsdp = settings.shard == "fsdp"
     lm = model if isinstance(model, LoadedModel) else load_model(model, host=fsdp)
@@ -997,6 +1000,11 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
         timings["shard_model_s"] = time.perf_counter() - t
     if lm.device.type == "cuda":  # the weights (and v's shards) each rank holds
         model_bytes = distributed.gather_values(torch.cuda.memory_allocated(lm.device))
+    return lm, model_bytes
+
+
+def _read_inputs(lm, pool_path, targets_path, settings: ScoreSettings, curvature, pool, timings: dict):
+    """The run's inputs, tokenised: the whole pool, or under ``--stream`` the fit sample only."""
     t = time.perf_counter()
     if settings.stream:
         inputs = prepare_stream_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
@@ -1007,6 +1015,67 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
                                 skip_invalid=settings.skip_invalid, pool=pool)
     timings["read_inputs_s"] = time.perf_counter() - t
     distributed.say(f"inputs read in {timings['read_inputs_s']:.1f} s", settings.progress)
+    return inputs
+
+
+def _write_scores(ctx: RunContext, scores, pairs) -> tuple:
+    """``scores.jsonl`` and ``pairs.jsonl`` in the output directory (by the main process);
+    returns the pool's count, its skipped records and its truncated prompts."""
+    main, out_dir, inputs = distributed.is_main(), ctx.out_dir, ctx.inputs
+    if ctx.streamed is None:
+        n_pool, invalid, truncated_pool = len(inputs.pool), [r.to_json() for r in inputs.invalid], inputs.truncated["pool"]
+        if main:
+            rk = ranks(scores)
+            atomic_write_jsonl(out_dir / "scores.jsonl", ({"id": ex.id, "score": float(scores[i]), "rank": rk[i]}
+                                                          for i, ex in enumerate(inputs.pool)))
+    else:  # score_stream wrote the ranked file into .partial; the pool's skipped records come from it
+        n_pool, truncated_pool = ctx.streamed["count"], ctx.streamed["truncated"]
+        invalid = ctx.streamed["invalid"] + [r.to_json() for r in inputs.invalid]
+        if main:
+            os.replace(ctx.streamed["path"], out_dir / "scores.jsonl")
+    if pairs and main:
+        atomic_write_jsonl(out_dir / "pairs.jsonl", pairs)
+    return n_pool, invalid, truncated_pool
+
+
+def _score_warnings(ctx: RunContext, scores) -> list:
+    """What run.json warns of: scores all equal (the ranking is then the pool's order)."""
+    warnings = []
+    if ctx.streamed is None and len(scores) > 1 and bool((scores == scores[0]).all()):
+        warnings.append(f"every score is {float(scores[0])!r}, so the ranking is the pool's own order: the direction "
+                        "or the preconditioned curvature vanished (check the target pairs, --damping and pairs.jsonl)")
+        log.warning("%s", warnings[-1])
+    return warnings
+
+
+def _add_device_figures(summary: dict, lm, info: dict, model_bytes) -> None:
+    """The GPU memory measured (the largest over the processes of a resumed run) and the
+    process group's size, into ``summary``."""
+    if lm.device.type == "cuda":
+        summary["gpu_peak_bytes"] = max(torch.cuda.max_memory_allocated(lm.device), info.pop("gpu_peak_bytes", 0),
+                                        *info.get("gpu_peak_bytes_by_stage", {}).values())
+        summary["gpu_bytes_per_rank"] = {"model": model_bytes,
+                                         "peak": distributed.gather_values(summary["gpu_peak_bytes"])}
+    if distributed.active():
+        summary["distributed"] = {"world_size": distributed.world()}
+
+
+def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings, curvature,
+                reuse_finished: bool = False) -> dict:
+    curvature = curvature or CurvatureSettings()
+    fit_default = settings.stream and curvature.fit_examples is None
+    if fit_default:
+        curvature = replace(curvature, fit_examples=STREAM_FIT_EXAMPLES)
+    out_dir = Path(out_dir)
+    t0 = time.perf_counter()
+    timings = {}
+    if not isinstance(model, LoadedModel) and distributed.init_from_env(model.device):  # torchrun / accelerate
+        model = replace(model, device=distributed.local_device(model.device))
+    pool = check_before_loading(model, pool_path, targets_path, settings)  # before --out is made
+    check_writable_dir(out_dir)  # fail before any long work
+    timings["check_inputs_s"] = time.perf_counter() - t0
+    lm, model_bytes = _load_for_run(model, settings, timings)
+    inputs = _read_inputs(lm, pool_path, targets_path, settings, curvature, pool, timings)
     modules = tracked_linear_modules(lm.model, settings.modules)
     fingerprints = {"model": lm.fingerprint, "pool": inputs.pool_fingerprint,
                     "targets": encoded_fingerprint(inputs.chosen + inputs.rejected)}
@@ -1038,24 +1107,8 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
             raise named from exc
         raise
     main = distributed.is_main()  # every rank holds the gathered scores; rank 0 writes them
-    if ctx.streamed is None:
-        n_pool, invalid, truncated_pool = len(inputs.pool), [r.to_json() for r in inputs.invalid], inputs.truncated["pool"]
-        if main:
-            rk = ranks(scores)
-            atomic_write_jsonl(out_dir / "scores.jsonl", ({"id": ex.id, "score": float(scores[i]), "rank": rk[i]}
-                                                          for i, ex in enumerate(inputs.pool)))
-    else:  # score_stream wrote the ranked file into .partial; the pool's skipped records come from it
-        n_pool, truncated_pool = ctx.streamed["count"], ctx.streamed["truncated"]
-        invalid = ctx.streamed["invalid"] + [r.to_json() for r in inputs.invalid]
-        if main:
-            os.replace(ctx.streamed["path"], out_dir / "scores.jsonl")
-    if pairs and main:
-        atomic_write_jsonl(out_dir / "pairs.jsonl", pairs)
-    warnings = []
-    if ctx.streamed is None and len(scores) > 1 and bool((scores == scores[0]).all()):
-        warnings.append(f"every score is {float(scores[0])!r}, so the ranking is the pool's own order: the direction "
-                        "or the preconditioned curvature vanished (check the target pairs, --damping and pairs.jsonl)")
-        log.warning("%s", warnings[-1])
+    n_pool, invalid, truncated_pool = _write_scores(ctx, scores, pairs)
+    warnings = _score_warnings(ctx, scores)
     timings["total_s"] = time.perf_counter() - t0
     info = dict(ctx.info)  # run_key included: a resumed compare reuses a finished run with the same key
     if "method" in info:  # a method's own record of the options it used
@@ -1085,13 +1138,7 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     }
     if settings.stream:
         summary["fit_sample"] = {**inputs.fit_sample, "default_size": fit_default}
-    if lm.device.type == "cuda":  # measured (the largest over the processes of a resumed run)
-        summary["gpu_peak_bytes"] = max(torch.cuda.max_memory_allocated(lm.device), info.pop("gpu_peak_bytes", 0),
-                                        *info.get("gpu_peak_bytes_by_stage", {}).values())
-        summary["gpu_bytes_per_rank"] = {"model": model_bytes,
-                                         "peak": distributed.gather_values(summary["gpu_peak_bytes"])}
-    if distributed.active():
-        summary["distributed"] = {"world_size": distributed.world()}
+    _add_device_figures(summary, lm, info, model_bytes)
     if main:
         atomic_write_json(out_dir / "run.json", summary)
         shutil.rmtree(out_dir / ".partial", ignore_errors=True)
