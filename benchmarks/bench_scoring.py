@@ -454,7 +454,8 @@ def main():
         log(f"  resident before scoring (weights + v): {info['resident_gib_scoring']:.2f} GiB")
 
     def scorer_fn(**kw):
-        sc = make_scorer(model, modules, V, pad_id=pad_id, device=dev, **kw)
+        sc = make_scorer(model, modules, V, pad_id=pad_id, execution=ExecutionContext.of(model, dev, cuda_graphs="off"),
+                         **kw)
         state = {"entered": False}
 
         def f(b):
@@ -500,9 +501,9 @@ def main():
         """The library's own scorer, as the CLI builds it (``make_scorer``)."""
         if name not in routes:
             return
-        sc = make_scorer(model, modules, V, pad_id=pad_id, device=dev,
-                         cuda_graphs="on" if graphs else "off", batch_size=a.batch, precision=precision,
-                         kernels=Kernels(split_gemm=split_gemm, split_backward=split_backward))
+        sc = make_scorer(model, modules, V, pad_id=pad_id, batch_size=a.batch, execution=ExecutionContext.of(
+            model, dev, cuda_graphs="on" if graphs else "off", precision=precision,
+            kernels=Kernels(split_gemm=split_gemm, split_backward=split_backward)))
         try:
             with sc:
                 r = run_phase(name, sc.score, encoded, batches, pad_id, dev, results=R)

@@ -45,7 +45,7 @@ from .engine import ExactScorer, collate_to, cpu_response_split
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
 from .io import atomic_open, atomic_write_json, read_saved_state
-from .precision import check_precision, precision_policy
+from .precision import precision_policy
 from .settings import DEFAULT_CHUNK_SIZE
 
 #: On the CPU a chunk also holds at most this many FLOPs of scoring work, counted as
@@ -199,22 +199,24 @@ def chunk_token_limit(model, device) -> int | None:
     return max(1, int(CPU_CHUNK_FLOPS // (4 * max(params, 1))))
 
 
-def make_scorer(model, modules: dict, V: dict, *, pad_id: int = 0, device=None, impl: str = "auto",
-                cuda_graphs: str = "off", batch_size: int | None = None, precision: str = "model",
-                kernels: Kernels = DEFAULT_KERNELS):
+def make_scorer(model, modules: dict, V: dict, *, pad_id: int = 0, impl: str = "auto", batch_size: int | None = None,
+                execution: ExecutionContext | None = None):
     """A context-managed object with ``score(collated_batch) -> (B,) tensor``.
 
     impl: ``auto`` (one forward + one activation-only backward) or ``hooks`` (the
-    reference route). cuda_graphs: ``auto`` (on for CUDA devices and models below
-    ``graphs.AUTO_MAX_PARAMS``) | ``on`` | ``off``; graphs capture the
-    whole batch computation once per padded shape (:mod:`prism_select.graphs`) and need
-    ``batch_size`` (every batch is padded to it). precision: ``model`` | ``residual32`` | ``split32``
-    (half-precision models: float32 residual stream, or float32 activations everywhere
-    with split half-precision GEMMs; :mod:`prism_select.precision`). kernels: the kernel
-    choices (:class:`prism_select.execution.Kernels`).
+    reference route). ``execution`` (default: :meth:`ExecutionContext.of` the model, CUDA
+    graphs off): the device; ``cuda_graphs``: ``auto`` (on for CUDA devices and models
+    below ``graphs.AUTO_MAX_PARAMS``) | ``on`` | ``off``; graphs capture the whole batch
+    computation once per padded shape (:mod:`prism_select.graphs`) and need
+    ``batch_size`` (every batch is padded to it); ``precision``: ``model`` |
+    ``residual32`` | ``split32`` (half-precision models: float32 residual stream, or
+    float32 activations everywhere with split half-precision GEMMs;
+    :mod:`prism_select.precision`); ``kernels``: the kernel choices
+    (:class:`prism_select.execution.Kernels`).
     """
-    check_precision(precision)
-    device = device or next(model.parameters()).device
+    execution = execution or ExecutionContext.of(model, cuda_graphs="off")
+    device, precision, kernels = execution.device, execution.precision, execution.kernels
+    cuda_graphs = execution.cuda_graphs
     if V is None and impl == "hooks":  # FSDP2: v lives in the layers
         raise ConfigError("shard", "a sharded model scores with the fused route only, not impl='hooks'",
                           "leave impl at auto")
@@ -450,9 +452,7 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     chunks, owners = plan_chunks(encoded, chunking.size, distributed.world(),
                                  chunk_token_limit(model, execution.device), align=batch_size, interleave=V is None)
     partial_dir = _open_partial(chunking)
-    scorer = make_scorer(model, modules, V, pad_id=pad_id, device=execution.device, impl=impl,
-                         cuda_graphs=execution.cuda_graphs, batch_size=batch_size, precision=execution.precision,
-                         kernels=execution.kernels)
+    scorer = make_scorer(model, modules, V, pad_id=pad_id, impl=impl, batch_size=batch_size, execution=execution)
     layout = ChunkLayout(chunks, owners, together=V is None)
     results = score_chunks(scorer, encoded, layout, pad_id=pad_id, batch_size=batch_size, execution=execution,
                            partial_dir=partial_dir, ids=ids, stats=stats)
@@ -522,8 +522,7 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
     execution = execution or ExecutionContext.of(model)
     pad_id = tokenizer.pad_token_id
     partial_dir = _open_partial(chunking)
-    scorer = make_scorer(model, modules, V, pad_id=pad_id, device=execution.device, cuda_graphs=execution.cuda_graphs,
-                         batch_size=batch_size, precision=execution.precision, kernels=execution.kernels)
+    scorer = make_scorer(model, modules, V, pad_id=pad_id, batch_size=batch_size, execution=execution)
     max_tokens = chunk_token_limit(model, execution.device)
     invalid: list = []
     scores = np.zeros(0, dtype=np.float64)

@@ -102,7 +102,8 @@ def test_batch_larger_than_graph_batch_is_refused(model, modules, tok, encoded_p
 
 def test_cpu_auto_is_eager(model, modules, tok):
     V = _direction(modules)
-    sc = make_scorer(model, modules, V, pad_id=tok.pad_token_id, cuda_graphs="auto", batch_size=4)
+    sc = make_scorer(model, modules, V, pad_id=tok.pad_token_id, batch_size=4,
+                     execution=ExecutionContext.of(model, cuda_graphs="auto"))
     assert not isinstance(sc, GraphedScorer)
 
 
@@ -136,7 +137,8 @@ def test_graph_replays_each_shape_and_counts_captures(gpu_model, tok, encoded_po
     modules = tracked_linear_modules(gpu_model, None)
     V = {k: v.cuda() for k, v in _direction(modules, dtype=torch.float32).items()}
     pad = tok.pad_token_id
-    sc = make_scorer(gpu_model, modules, V, pad_id=pad, cuda_graphs="on", batch_size=4)
+    sc = make_scorer(gpu_model, modules, V, pad_id=pad, batch_size=4,
+                     execution=ExecutionContext.of(gpu_model, cuda_graphs="on"))
     assert isinstance(sc, GraphedScorer)
     batches = [engine.collate_to(encoded_pool[i:i + 2], pad, "cuda") for i in range(0, len(encoded_pool), 2)]
     # the same rows in the other order: the same padded shape (so the same graph) with other
@@ -150,7 +152,8 @@ def test_graph_replays_each_shape_and_counts_captures(gpu_model, tok, encoded_po
         assert sc.captures == len(shapes) and sc.failed is None
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-    eager = make_scorer(gpu_model, modules, V, pad_id=pad, cuda_graphs="off", batch_size=4)
+    eager = make_scorer(gpu_model, modules, V, pad_id=pad, batch_size=4,
+                        execution=ExecutionContext.of(gpu_model, cuda_graphs="off"))
     with eager:
         want = [eager.score(b) for b in batches]
     for got, ref, back in zip(first, want, turned):

@@ -14,6 +14,7 @@ from tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.errors import ConfigError  # noqa: E402
+from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.engine import ExactScorer, collate_to  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.precision import residual_fp32  # noqa: E402
@@ -94,9 +95,9 @@ def test_policy_is_a_no_op_in_float64_and_validated():
     a, b = _scores(m, V, batch, False), _scores(m, V, batch, True)
     assert torch.allclose(a, b, rtol=EXACT_TOL, atol=0)
     with pytest.raises(ConfigError, match="precision"):
-        make_scorer(m, tracked_linear_modules(m), V, precision="float16")
+        make_scorer(m, tracked_linear_modules(m), V, execution=ExecutionContext.of(m, precision="float16"))
     for precision in ("residual32", "split32"):
-        with make_scorer(m, tracked_linear_modules(m), V, precision=precision) as sc:
+        with make_scorer(m, tracked_linear_modules(m), V, execution=ExecutionContext.of(m, precision=precision)) as sc:
             assert torch.allclose(sc.score(batch).double(), a, rtol=EXACT_TOL, atol=0)
 
 
@@ -161,7 +162,7 @@ def test_split32_exact_scores_closer_to_float64(seed):
     ref = _scores(copy.deepcopy(m).double(), V, batch, False)
 
     def err(precision):
-        with make_scorer(m, mods(m), V, precision=precision) as sc:
+        with make_scorer(m, mods(m), V, execution=ExecutionContext.of(m, precision=precision)) as sc:
             return float((sc.score(batch).double() - ref).norm() / ref.norm())
 
     e_bf16, e_split = err("model"), err("split32")
@@ -190,7 +191,7 @@ def test_split32_patches_every_linear_and_undoes_it():
     with torch.no_grad():
         assert m(input_ids=batch["input_ids"]).logits.dtype == torch.bfloat16
     # nested inside the exact scorer's own patches, and undone with them
-    with make_scorer(m, tracked_linear_modules(m), V, precision="split32") as sc:
+    with make_scorer(m, tracked_linear_modules(m), V, execution=ExecutionContext.of(m, precision="split32")) as sc:
         assert torch.isfinite(sc.score(batch)).all()
     assert not any("forward" in mod.__dict__ for mod in linears)
 
@@ -203,7 +204,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_split32_on_gpu_graphed_equals_eager_and_float64(gemm):
     """On the GPU the split GEMMs run on tensor cores (mm with a float32 out_dtype);
     CUDA graphs replay the same computation; with either GEMM layout."""
-    from prism_select.execution import ExecutionContext, Kernels
+    from prism_select.execution import Kernels
     from prism_select.scoring import score_encoded
     m, V, _ = _setup(seed=0)
     m = m.cuda().eval()
@@ -218,8 +219,9 @@ def test_split32_on_gpu_graphed_equals_eager_and_float64(gemm):
     graphed = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()},
                             execution=ExecutionContext.of(m, cuda_graphs="on", **ex), **kw).double()
     assert float((graphed - eager).norm() / eager.norm()) < GPU_REPLAY_TOL
-    sc = make_scorer(m, mods, {k: v.cuda() for k, v in V.items()}, pad_id=tok.pad_token_id, cuda_graphs="on",
-                     batch_size=4, precision="split32", kernels=Kernels(split_gemm=gemm))
+    sc = make_scorer(m, mods, {k: v.cuda() for k, v in V.items()}, pad_id=tok.pad_token_id, batch_size=4,
+                     execution=ExecutionContext.of(m, cuda_graphs="on", precision="split32",
+                                                   kernels=Kernels(split_gemm=gemm)))
     with sc:  # the graphs were captured, not replaced by the eager fallback
         sc.score(collate_to(enc[:4], tok.pad_token_id, "cuda"))
         assert sc.failed is None and sc.captures == 1, sc.failed
@@ -384,7 +386,6 @@ SPLIT_FIT_REPLAY_TOL = 1e-3
 
 def _fit_err(seed, device="cpu", cuda_graphs="off"):
     from prism_select.curvature import CurvatureSettings, fit_curvature
-    from prism_select.execution import ExecutionContext
     tok = tiny_tokenizer()
     m, V, _ = _setup(seed=seed)
     m = m.to(device)
