@@ -239,7 +239,8 @@ def main():
                 if not checked:  # the one-pass scores against the library's exact scoring
                     k = len(vs) - 1
                     m = min(16, len(enc))
-                    ref = score_encoded(model, mods, enc[:m], vs[k], pad_id=pad, batch_size=a.batch)
+                    ref = score_encoded(model, mods, enc[:m], vs[k], pad_id=pad, batch_size=a.batch,
+                                        execution=ExecutionContext.of(model, progress=False))
                     err = float((scores[:m, k] - ref).norm() / ref.norm())
                     res["check_rel_err"] = err
                     if not err <= CHECK_REL_TOL:
