@@ -435,7 +435,8 @@ def main():
             sync(dev)
             t = time.perf_counter()
             with float32_weights(model, precision == "f32w"), \
-                    direction_policy(model, "model" if precision == "f32w" else precision):
+                    direction_policy(model, ExecutionContext.of(
+                        model, precision="model" if precision == "f32w" else precision)):
                 compute_preference(model, modules, ch, rj, pad_id=pad_id, batch_size=a.batch,
                                    execution=ExecutionContext.of(model, progress=False, kernels=DIRECTION_KERNELS))
             sync(dev)

@@ -39,7 +39,7 @@ from prism_select.scoring import score_encoded  # noqa: E402
 
 def direction(model, chosen, rejected, pad_id, batch, precision="model"):
     mods = tracked_linear_modules(model)
-    with direction_policy(model, precision):
+    with direction_policy(model, ExecutionContext.of(model, precision=precision)):
         return compute_preference(model, mods, chosen, rejected, pad_id=pad_id, batch_size=batch,
                                   execution=ExecutionContext.of(
                                       model, progress=False, kernels=DIRECTION_KERNELS)).direction

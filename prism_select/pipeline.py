@@ -719,7 +719,7 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     # at 60 records, model and gradients included), for one more forward of the
     # rejected half without a graph
     one_graph = ctx.plan is not None and ctx.plan.bounded or ctx.lm.device.type == "cpu"
-    with direction_policy(ctx.lm.model, ex.precision, ex.kernels):
+    with direction_policy(ctx.lm.model, ex):
         pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
                                   method=ctx.settings.method, pad_id=ctx.pad_id,
                                   batch_size=d.get("batch_size", ctx.settings.batch_size),

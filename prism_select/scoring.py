@@ -40,7 +40,7 @@ from .data.readers import iter_pool
 from .data.records import InvalidRecord
 from .data.tokenize import collate, encode, token_losses
 from .errors import CacheError, ConfigError, InputError
-from .execution import DEFAULT_KERNELS, ExecutionContext, Kernels
+from .execution import ExecutionContext
 from .engine import ExactScorer, collate_to, cpu_response_split
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
@@ -225,7 +225,7 @@ def make_scorer(model, modules: dict, V: dict, *, pad_id: int = 0, impl: str = "
     # on the CPU the logits only at response positions
     sc = ExactScorer(model, modules, V, kernels=kernels, fused_loss=cpu_response_split(model, modules) is not None)
     if precision != "model":
-        sc = _WithPrecision(sc, model, precision, kernels)
+        sc = _WithPrecision(sc, model, execution)
     if batch_size is not None and V is not None and graphs_wanted(cuda_graphs, device, model):
         return GraphedScorer(sc, batch_size, pad_id)
     return sc
@@ -234,11 +234,11 @@ def make_scorer(model, modules: dict, V: dict, *, pad_id: int = 0, impl: str = "
 class _WithPrecision:
     """Runs ``scorer`` under a precision policy (:func:`precision.precision_policy`)."""
 
-    def __init__(self, scorer, model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
-        self.inner, self.model, self.precision, self.kernels = scorer, model, precision, kernels
+    def __init__(self, scorer, model, execution: ExecutionContext):
+        self.inner, self.model, self.execution = scorer, model, execution
 
     def __enter__(self):
-        self._policy = precision_policy(self.model, self.precision, self.kernels)
+        self._policy = precision_policy(self.model, self.execution)
         self._policy.__enter__()
         if hasattr(self.inner, "__enter__"):
             self.inner.__enter__()

@@ -355,7 +355,7 @@ def test_split32_direction_is_the_float32_direction():
     rejected = [encode(tok, q, r) for q, _, r in PAIRS]
 
     def pref(model, precision="model"):
-        with direction_policy(model, precision):
+        with direction_policy(model, ExecutionContext.of(model, precision=precision)):
             if precision == "split32":
                 assert all(p.dtype == torch.bfloat16 for p in model.parameters())
             return compute_preference(model, tracked_linear_modules(model), chosen, rejected,
@@ -421,11 +421,14 @@ def test_split32_fit_is_closer_to_the_float32_fit(seed):
 def test_fit_arithmetic_names_the_split():
     from prism_select.precision import fit_arithmetic
     m, _, _ = _setup()
-    assert fit_arithmetic(m, "split32") == "torch.bfloat16+split32"
-    assert fit_arithmetic(m, "residual32") == fit_arithmetic(m, "model") == "torch.bfloat16"
-    assert fit_arithmetic(m.double(), "split32") == "torch.float64"
+    def arithmetic(model, precision):
+        return fit_arithmetic(model, ExecutionContext.of(model, precision=precision))
+
+    assert arithmetic(m, "split32") == "torch.bfloat16+split32"
+    assert arithmetic(m, "residual32") == arithmetic(m, "model") == "torch.bfloat16"
+    assert arithmetic(m.double(), "split32") == "torch.float64"
     with pytest.raises(ConfigError):
-        fit_arithmetic(m, "float16")
+        arithmetic(m, "float16")
 
 
 @needs_cuda

@@ -274,7 +274,7 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     batches = length_batches(encoded, fit_indices(len(encoded), settings), settings.batch_size)
     tensors, damping, shrinkage, owned_by = {}, {}, {}, {}
     sharded = factors_sharded(model, settings.kind)
-    with fit_policy(model, execution.precision, execution.kernels):
+    with fit_policy(model, execution):
         for k, group in enumerate(groups):
             tag = f" (group {k + 1}/{len(groups)})" if len(groups) > 1 else ""
             sub = {n: modules[n] for n in group}

@@ -70,7 +70,7 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache: F
     """
     execution = execution or ExecutionContext.of(model)
     key = curvature_key(settings, cache.model_fingerprint, cache.pool_fingerprint, list(modules), cache.max_length,
-                        fit_arithmetic(model, execution.precision))
+                        fit_arithmetic(model, execution))
     directory = Path(cache.root) / sha256_json(key)[:24]
     cur = _load_saved(settings, key, directory, layout.store, execution.device)
     if distributed.all_or_nothing(cur is not None):
