@@ -40,7 +40,8 @@ def child(a):
     sys.path.insert(0, str(ROOT / "tests"))
     torch.set_num_threads(1)
     from prism_select.data.tokenize import encode
-    from prism_select.scoring import score_encoded, score_stream
+    from prism_select.execution import ExecutionContext
+    from prism_select.scoring import Chunking, score_encoded, score_stream
     from tiny import tiny_llama, tiny_tokenizer
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok), dtype=torch.float32, layers=2, hidden=16)
@@ -50,14 +51,15 @@ def child(a):
     t = time.perf_counter()
     if a.mode == "stream":
         info = score_stream(model, tok, modules, V, a.pool, a.out, batch_size=a.batch, window=a.window,
-                            chunk_size=a.chunk, progress=False, device="cpu")
+                            chunking=Chunking(a.chunk),
+                            execution=ExecutionContext.of(model, "cpu", progress=False))
         n = info["count"]
     else:
         from prism_select.data.readers import load_pool
         pool = load_pool(a.pool).items
         enc = [encode(tok, e.prompt, e.response) for e in pool]
-        s = score_encoded(model, modules, enc, V, pad_id=tok.pad_token_id, batch_size=a.batch, chunk_size=a.chunk,
-                          progress=False)
+        s = score_encoded(model, modules, enc, V, pad_id=tok.pad_token_id, batch_size=a.batch,
+                          chunking=Chunking(a.chunk), execution=ExecutionContext.of(model, progress=False))
         with open(a.out, "w") as f:
             for e, x in zip(pool, s.tolist()):
                 f.write(json.dumps({"id": e.id, "score": x}) + "\n")

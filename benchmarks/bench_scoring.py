@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prism_select import engine  # noqa: E402
 from prism_select.curvature import CurvatureSettings, fit_curvature  # noqa: E402
+from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.data.tokenize import Encoded, collate, encode  # noqa: E402
 from prism_select.execution import Kernels  # noqa: E402
 from prism_select.graphs import GraphedScorer  # noqa: E402
@@ -306,9 +307,9 @@ def main():
     t = time.perf_counter()
     cur = None
     if a.config == "embedded":
-        from prism_select.preference import compute_preference
+        from prism_select.preference import DIRECTION_KERNELS, compute_preference
         pref = compute_preference(model, modules, chosen, rejected, pad_id=pad_id, batch_size=a.batch,
-                                  progress=False)
+                                  execution=ExecutionContext.of(model, progress=False, kernels=DIRECTION_KERNELS))
         info["pi_mean"] = float(pref.pi.mean())
         direction = pref.direction
     else:
@@ -398,8 +399,9 @@ def main():
             t = time.perf_counter()
             with float32_weights(model, precision == "f32w"):
                 c = fit_curvature(model, modules, fit_enc, CurvatureSettings(kind="ekfac", batch_size=a.batch),
-                                  pad_id=pad_id, device=dev, progress=False, timings=tm, cuda_graphs=graphs,
-                                  precision="model" if precision == "f32w" else precision)
+                                  pad_id=pad_id, timings=tm, execution=ExecutionContext.of(
+                                      model, dev, progress=False, cuda_graphs=graphs,
+                                      precision="model" if precision == "f32w" else precision))
             sync(dev)
             tm["total_s"] = time.perf_counter() - t
             tm["examples"] = len(fit_enc)
@@ -425,7 +427,7 @@ def main():
     for d_name, precision in (("direction", "model"), ("direction_s32", "split32"), ("direction_f32w", "f32w")):
         if d_name not in routes:
             continue
-        from prism_select.preference import compute_preference
+        from prism_select.preference import DIRECTION_KERNELS, compute_preference
         ch, rj = (chosen, rejected) if a.config == "embedded" else \
             (encoded[:a.targets], encoded[a.targets:2 * a.targets])
         times = []
@@ -433,8 +435,10 @@ def main():
             sync(dev)
             t = time.perf_counter()
             with float32_weights(model, precision == "f32w"), \
-                    direction_policy(model, "model" if precision == "f32w" else precision):
-                compute_preference(model, modules, ch, rj, pad_id=pad_id, batch_size=a.batch, progress=False)
+                    direction_policy(model, ExecutionContext.of(
+                        model, precision="model" if precision == "f32w" else precision)):
+                compute_preference(model, modules, ch, rj, pad_id=pad_id, batch_size=a.batch,
+                                   execution=ExecutionContext.of(model, progress=False, kernels=DIRECTION_KERNELS))
             sync(dev)
             times.append(time.perf_counter() - t)
         R[d_name] = {"seconds": times[-1], "cold_seconds": times[0], "pairs": len(ch), "precision": precision}
@@ -451,7 +455,8 @@ def main():
         log(f"  resident before scoring (weights + v): {info['resident_gib_scoring']:.2f} GiB")
 
     def scorer_fn(**kw):
-        sc = make_scorer(model, modules, V, pad_id=pad_id, device=dev, **kw)
+        sc = make_scorer(model, modules, V, pad_id=pad_id, execution=ExecutionContext.of(model, dev, cuda_graphs="off"),
+                         **kw)
         state = {"entered": False}
 
         def f(b):
@@ -497,9 +502,9 @@ def main():
         """The library's own scorer, as the CLI builds it (``make_scorer``)."""
         if name not in routes:
             return
-        sc = make_scorer(model, modules, V, pad_id=pad_id, device=dev,
-                         cuda_graphs="on" if graphs else "off", batch_size=a.batch, precision=precision,
-                         kernels=Kernels(split_gemm=split_gemm, split_backward=split_backward))
+        sc = make_scorer(model, modules, V, pad_id=pad_id, batch_size=a.batch, execution=ExecutionContext.of(
+            model, dev, cuda_graphs="on" if graphs else "off", precision=precision,
+            kernels=Kernels(split_gemm=split_gemm, split_backward=split_backward)))
         try:
             with sc:
                 r = run_phase(name, sc.score, encoded, batches, pad_id, dev, results=R)

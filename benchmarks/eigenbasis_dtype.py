@@ -24,9 +24,10 @@ from bench_scoring import accuracy, gsm8k_targets, load_embedded, read_gsm8k  # 
 from v_precision import exact_scores, rel_err  # noqa: E402
 
 from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature  # noqa: E402
+from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
-from prism_select.preference import compute_preference  # noqa: E402
+from prism_select.preference import DIRECTION_KERNELS, compute_preference  # noqa: E402
 
 
 def rounded(cur: Curvature, suffixes: tuple, dtype=torch.bfloat16) -> Curvature:
@@ -52,9 +53,10 @@ def main():
     enc = [encode(tok, r["question"], r["answer"], 512) for r in recs]
     chosen, rejected = gsm8k_targets(read_gsm8k(a.pool, a.targets, tok, 512, offset=a.n), tok, 512)
     mods = tracked_linear_modules(model)
-    g = compute_preference(model, mods, chosen, rejected, pad_id=pad, batch_size=a.batch, progress=False).direction
+    g = compute_preference(model, mods, chosen, rejected, pad_id=pad, batch_size=a.batch,
+                           execution=ExecutionContext.of(model, progress=False, kernels=DIRECTION_KERNELS)).direction
     cur = fit_curvature(model, mods, enc, CurvatureSettings(kind="ekfac", batch_size=a.batch), pad_id=pad,
-                        device=dev, progress=False, cuda_graphs="off")
+                        execution=ExecutionContext.of(model, dev, progress=False, cuda_graphs="off"))
     v32 = cur.precondition(g)
     ref = exact_scores(model, v32, enc, pad, a.batch, dev)
     res = {"device": str(dev), "n": len(enc), "targets": len(chosen), "rows": {}}

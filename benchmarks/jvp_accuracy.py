@@ -237,16 +237,18 @@ def main():
             log(f"# V from {vpath}")
         else:
             from prism_select.curvature import CurvatureSettings, fit_curvature
-            from prism_select.preference import compute_preference
+            from prism_select.execution import ExecutionContext
+            from prism_select.preference import DIRECTION_KERNELS, compute_preference
             trecs = read_gsm8k(a.pool, a.targets, tok, a.max_length, offset=a.n)
             chosen, rejected = gsm8k_targets(trecs, tok, a.max_length)
             t = time.perf_counter()
             pref = compute_preference(model, modules, chosen, rejected, pad_id=pad_id, batch_size=a.batch,
-                                      progress=False)
+                                      execution=ExecutionContext.of(model, progress=False, kernels=DIRECTION_KERNELS))
             log(f"# direction from {len(chosen)} pairs: {time.perf_counter() - t:.0f}s, pi mean {float(pref.pi.mean()):.3f}")
             t = time.perf_counter()
             cur = fit_curvature(model, modules, fit_encoded, CurvatureSettings(kind="ekfac", batch_size=a.batch),
-                                pad_id=pad_id, device=torch.device("cpu"), progress=False, cuda_graphs="off")
+                                pad_id=pad_id,
+                                execution=ExecutionContext.of(model, "cpu", progress=False, cuda_graphs="off"))
             log(f"# EK-FAC on {len(fit_encoded)}: {time.perf_counter() - t:.0f}s")
             V = {n: t.detach().float().cpu() for n, t in cur.precondition(pref.direction).items()}
             torch.save(V, vpath)

@@ -41,7 +41,7 @@ def meta_model(shape: str, adapter: str | None):
 
 def plan_for(shape: str, adapter: str | None, gpu_gib: float, host_gib: float, ranks: int):
     from prism_select.model import tracked_linear_modules
-    from prism_select.plan import PlanError, make_plan
+    from prism_select.plan import ExampleSize, PlanError, make_plan
     model, cfg = meta_model(shape, adapter)
     modules = tracked_linear_modules(model)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -52,7 +52,7 @@ def plan_for(shape: str, adapter: str | None, gpu_gib: float, host_gib: float, r
     try:
         # sharded over `ranks` GPUs (FSDP): weights, V and factors divide by the ranks
         plan = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
-                         example_bytes=example, longest=512, vocab=cfg.vocab_size,
+                         example=ExampleSize(example, 512, cfg.vocab_size),
                          gpu_total=int(gpu_gib * GiB * ranks), weights=weights, host_available=int(host_gib * GiB))
         row.update(groups=len(plan.fit_groups), store=plan.curvature_store, peak_gib=plan.peak / GiB,
                    curvature_gib=plan.fit["stored_bytes"] / GiB, notes=plan.notes)

@@ -24,6 +24,7 @@ from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.engine import collate_to  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.scoring import make_scorer  # noqa: E402
+from prism_select.execution import ExecutionContext  # noqa: E402
 
 
 def main():
@@ -55,7 +56,8 @@ def main():
     V = {n: (torch.randn(m.weight.shape, generator=g) * 1e-3).to(dev) for n, m in mods.items()}
     out = {}
     for precision in a.precisions.split(","):
-        with make_scorer(model, mods, V, precision=precision, cuda_graphs="off") as sc:
+        with make_scorer(model, mods, V,
+                         execution=ExecutionContext.of(model, precision=precision, cuda_graphs="off")) as sc:
             for b in batches[:2]:
                 sc.score(b)
             torch.cuda.synchronize()

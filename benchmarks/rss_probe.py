@@ -79,7 +79,7 @@ threading.Thread(target=sampler, daemon=True).start()
 
 orig_passes = fit._passes
 def passes(model, taps, stats, encoded, batches, *args, **kw):
-    desc = args[4]
+    desc = args[2]
     stage.append(desc)
     mark("pass start " + desc, batches=len(batches))
     peak_live[0] = 0

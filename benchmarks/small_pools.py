@@ -55,13 +55,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scoring import load_embedded  # noqa: E402
 
 from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature  # noqa: E402
+from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.curvature.base import apply_damping  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.evaluation import builders  # noqa: E402
 from prism_select.evaluation_metrics import auroc  # noqa: E402
 from prism_select.engine import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
-from prism_select.preference import compute_preference  # noqa: E402
+from prism_select.preference import DIRECTION_KERNELS, compute_preference  # noqa: E402
 from prism_select.scoring import score_encoded  # noqa: E402
 
 #: the one-pass scores must equal the library's exact scores to this relative error
@@ -226,9 +227,10 @@ def main():
                 chosen = [encode(tok, p["prompt"], p["chosen"], a.max_length) for p in targets]
                 rejected = [encode(tok, p["prompt"], p["rejected"], a.max_length) for p in targets]
                 pref = compute_preference(model, mods, chosen, rejected, pad_id=pad, batch_size=a.batch,
-                                          progress=False)
+                                          execution=ExecutionContext.of(
+                                              model, progress=False, kernels=DIRECTION_KERNELS))
                 fit = fit_curvature(model, mods, enc, CurvatureSettings(kind="ekfac", batch_size=a.batch),
-                                    pad_id=pad, device=dev, progress=False)
+                                    pad_id=pad, execution=ExecutionContext.of(model, dev, progress=False))
                 t_fit = time.perf_counter() - t1
                 curs = {name: variant(fit, *VARIANTS[name]) for name in a.variants}
                 vs = [c.precondition(pref.direction) for c in curs.values()]
@@ -237,7 +239,8 @@ def main():
                 if not checked:  # the one-pass scores against the library's exact scoring
                     k = len(vs) - 1
                     m = min(16, len(enc))
-                    ref = score_encoded(model, mods, enc[:m], vs[k], pad_id=pad, batch_size=a.batch, progress=False)
+                    ref = score_encoded(model, mods, enc[:m], vs[k], pad_id=pad, batch_size=a.batch,
+                                        execution=ExecutionContext.of(model, progress=False))
                     err = float((scores[:m, k] - ref).norm() / ref.norm())
                     res["check_rel_err"] = err
                     if not err <= CHECK_REL_TOL:

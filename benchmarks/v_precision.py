@@ -32,21 +32,24 @@ from prism_select.curvature import CurvatureSettings, fit_curvature  # noqa: E40
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.precision import direction_policy  # noqa: E402
-from prism_select.preference import compute_preference  # noqa: E402
+from prism_select.preference import DIRECTION_KERNELS, compute_preference  # noqa: E402
+from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.scoring import score_encoded  # noqa: E402
 
 
 def direction(model, chosen, rejected, pad_id, batch, precision="model"):
     mods = tracked_linear_modules(model)
-    with direction_policy(model, precision):
+    with direction_policy(model, ExecutionContext.of(model, precision=precision)):
         return compute_preference(model, mods, chosen, rejected, pad_id=pad_id, batch_size=batch,
-                                  progress=False).direction
+                                  execution=ExecutionContext.of(
+                                      model, progress=False, kernels=DIRECTION_KERNELS)).direction
 
 
 def fit(model, fit_enc, pad_id, batch, dev, precision="model"):
     mods = tracked_linear_modules(model)
     return fit_curvature(model, mods, fit_enc, CurvatureSettings(kind="ekfac", batch_size=batch), pad_id=pad_id,
-                         device=dev, progress=False, cuda_graphs="off", precision=precision)
+                         execution=ExecutionContext.of(model, dev, progress=False, cuda_graphs="off",
+                                                       precision=precision))
 
 
 def rel_err(a: dict, ref: dict) -> float:
@@ -57,8 +60,9 @@ def rel_err(a: dict, ref: dict) -> float:
 def exact_scores(model, V, enc, pad_id, batch, dev, precision="model"):
     """The library's exact scores (input order, float64) under ``precision``."""
     return score_encoded(model, tracked_linear_modules(model), enc, {n: t.to(dev) for n, t in V.items()},
-                         pad_id=pad_id, batch_size=batch, progress=False, cuda_graphs="off",
-                         precision=precision).double().cpu()
+                         pad_id=pad_id, batch_size=batch,
+                         execution=ExecutionContext.of(model, progress=False, cuda_graphs="off",
+                                                       precision=precision)).double().cpu()
 
 
 def main():

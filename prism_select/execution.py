@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .errors import ConfigError
+from .settings import SHARDS, check_graph_mode, check_precision
 
 SPLIT_GEMMS = ("two", "kcat")
 ROWDOT_BACKENDS = ("auto", "mulsum", "triton", "bmm")
@@ -81,10 +82,11 @@ class ExecutionContext:
     """How this process runs the job, resolved once (:func:`resolve`).
 
     device: where the model is. precision, cuda_graphs, shard: from
-    :class:`~prism_select.settings.ExecutionSettings`. rank, world: this process's place
-    in the process group (0 and 1 without torchrun). sharded: the model is sharded with
-    FSDP2. plan: the memory plan (:class:`prism_select.plan.MemoryPlan`), None until made.
-    kernels: the kernel choices.
+    :class:`~prism_select.settings.ExecutionSettings`, checked here once for callers
+    below the pipeline that build a context themselves (:meth:`of`). rank, world: this
+    process's place in the process group (0 and 1 without torchrun). sharded: the model
+    is sharded with FSDP2. plan: the memory plan (:class:`prism_select.plan.MemoryPlan`),
+    None until made. kernels: the kernel choices. progress: progress bars and console lines.
     """
 
     device: torch.device
@@ -96,6 +98,21 @@ class ExecutionContext:
     sharded: bool = False
     plan: object | None = None
     kernels: Kernels = field(default_factory=Kernels)
+    progress: bool = True
+
+    def __post_init__(self):
+        self.device = torch.device(self.device)
+        check_precision(self.precision)
+        check_graph_mode(self.cuda_graphs)
+        if self.shard not in SHARDS:
+            raise ConfigError("shard", f"unknown value {self.shard!r}", f"use one of {', '.join(SHARDS)}")
+
+    @classmethod
+    def of(cls, model, device=None, **fields) -> "ExecutionContext":
+        """The context of one process running ``model`` on ``device`` (default: where its
+        parameters are); ``fields`` set the others (precision, cuda_graphs, kernels,
+        progress, ...). What a caller outside the pipeline passes to the scoring functions."""
+        return cls(device=device if device is not None else next(model.parameters()).device, **fields)
 
     @property
     def main(self) -> bool:
@@ -137,10 +154,10 @@ def deterministic(on: bool = True):
 
 def resolve(settings, model, device, plan=None, kernels: Kernels = DEFAULT_KERNELS) -> ExecutionContext:
     """The execution context of a run: ``settings`` (an
-    :class:`~prism_select.settings.ExecutionSettings`), the loaded ``model`` on ``device``
-    and its memory ``plan``."""
+    :class:`~prism_select.settings.ExecutionSettings`, or a settings object that holds
+    one and a ``progress`` flag), the loaded ``model`` on ``device`` and its memory ``plan``."""
     from . import distributed, sharding
     return ExecutionContext(device=torch.device(device), precision=settings.precision,
                             cuda_graphs=settings.cuda_graphs, shard=settings.shard, rank=distributed.rank(),
                             world=distributed.world(), sharded=sharding.is_sharded(model), plan=plan,
-                            kernels=kernels)
+                            kernels=kernels, progress=getattr(settings, "progress", True))

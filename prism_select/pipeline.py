@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import __version__, distributed, sharding
-from .curvature import Curvature, CurvatureSettings, load_or_fit_curvature
+from .curvature import Curvature, CurvatureSettings, FitCache, FitLayout, FitSpill, load_or_fit_curvature
 from .curvature.base import DEFAULT_DAMPING_FACTOR, DEFAULT_SHRINKAGE
 from .curvature.fit import fit_indices
 from .curvature.spill import FitScores
@@ -63,12 +63,11 @@ from .io import (
     sha256_json,
 )
 from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
-from .plan import (MemoryPlan, PlanError, cap_device_memory, device_memory, held_elsewhere_note, host_share_bytes,
-                   make_plan, measure_example_bytes,
-                   stored_bytes)
+from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory, device_memory, held_elsewhere_note,
+                   host_share_bytes, make_plan, measure_example_bytes, stored_bytes)
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
-from .scoring import score_encoded, score_stream
+from .scoring import Chunking, score_encoded, score_stream
 from .settings import DEFAULT_STREAM_WINDOW, STREAM_FIT_EXAMPLES, ScoreSettings, key_of  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -301,16 +300,15 @@ class RunContext:
                 modules = {n: self.modules[n] for g in groups for n in g}
             st = self.settings
             from_spill = self._spill_scores_pool(cs, groups)
+            layout = FitLayout(groups, store, offload=plan.fit.get("offload") if plan is not None else None,
+                               sums=plan.fit.get("sums", "step") if plan is not None else "step")
+            cache = FitCache(cache_root, self.lm.fingerprint, encoded_fingerprint(fit), st.max_length,
+                             st.cache_max_bytes)
             cur, directory, reused = load_or_fit_curvature(
-                self.lm.model, modules, fit, cs,
-                pad_id=self.pad_id, cache_root=cache_root, model_fingerprint=self.lm.fingerprint,
-                pool_fingerprint=encoded_fingerprint(fit),
-                max_length=st.max_length, progress=st.progress,
-                cuda_graphs=self.execution.cuda_graphs, timings=phases, precision=self.execution.precision,
-                groups=groups, store=store, on_group=on_group, cache_max_bytes=st.cache_max_bytes,
-                kernels=self.execution.kernels, offload=plan.fit.get("offload") if plan is not None else None,
-                on_spill=self._keep_spill if from_spill else None, scores=fit_scores if from_spill else None,
-                sharded_sums=plan.fit.get("sums", "step") if plan is not None else "step")
+                self.lm.model, modules, fit, cs, pad_id=self.pad_id, cache=cache, execution=self.execution,
+                timings=phases, layout=layout, on_group=on_group,
+                spill=FitSpill(on_spill=self._keep_spill if from_spill else None,
+                               scores=fit_scores if from_spill else None))
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             how = f"loaded from the cache {directory}" if reused else "fitted"
@@ -597,11 +595,7 @@ class RunContext:
             # a transient plan's group files already hold v: a merged copy beside them would
             # need v's size again on disk at once (26 GiB at Qwen3-14B's shape)
             if (self.execution.main or fsdp) and not self._transient():
-                tmp = partial / f".{name}.tmp"
-                save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
-                tmp.replace(v_path)
-                for f in partial.glob(f"{tag}_v_group*"):
-                    f.unlink(missing_ok=True)
+                _save_v(v, partial, name, tag)
         if last:
             direction = None
             self._curvature = None
@@ -609,16 +603,21 @@ class RunContext:
         if fsdp:  # v moves into the layers' sharded prism_v parameters
             sharding.set_v(self.modules, v)
             v = None
-        st = self.settings
         t = time.perf_counter()
+        s, stats = self._score_with(v, tag, in_fit, last)
+        self._record_scoring(tag, stats, time.perf_counter() - t)
+        return s
+
+    def _score_with(self, v: dict | None, tag: str, in_fit, last: bool) -> tuple:
+        """``(scores, stats)`` of the pool along ``v`` (None: under FSDP, ``v`` is in the
+        layers): streamed from the pool file, the fit's own scores (``in_fit``), scores
+        formed from the fit's spill, or the model's pass over the encoded pool."""
+        st, partial = self.settings, self.out_dir / ".partial"
         stats: dict = {}
         batch = self.plan.scoring["batch_size"] if self.plan is not None and self.plan.scoring else st.batch_size
-        common = {"batch_size": batch, "chunk_size": st.chunk_size, "partial_dir": partial / tag,
-                  "run_key": self.info.get("run_key"), "progress": st.progress,
-                  "cuda_graphs": self.execution.cuda_graphs,
-                  "precision": self.execution.precision, "kernels": self.execution.kernels}
+        common = {"batch_size": batch, "execution": self.execution,
+                  "chunking": Chunking(st.chunk_size, partial / tag, self.info.get("run_key"))}
         if st.stream:
-            s = None
             out = partial / f"{tag}.jsonl"
             res = score_stream(self.lm.model, self.lm.tokenizer, self.modules, v, self.inputs.pool_path, out,
                                max_length=st.max_length, window=st.stream_window, skip_invalid=st.skip_invalid,
@@ -627,30 +626,32 @@ class RunContext:
                 raise InputError("no valid pool record left", path=self.inputs.pool_path)
             stats = {k: res.pop(k) for k in ("examples", "real_tokens", "padded_tokens") if k in res}
             self.streamed = {**res, "path": out}
-        elif in_fit is not None:
-            s = in_fit
-            stats = {"examples": len(self.inputs.encoded),
-                     "real_tokens": sum(len(e.input_ids) for e in self.inputs.encoded),
-                     "from_fit_spill": True, "in_fit": True}
-        else:
-            s = None
-            if self._spill is not None:  # the fit's gradients are the scoring's: no model pass
-                s = self._spill.scores(self.modules, v, len(self.inputs.encoded))
-                if s is not None:
-                    n_tok = sum(len(e.input_ids) for e in self.inputs.encoded)
-                    stats = {"examples": len(self.inputs.encoded), "real_tokens": n_tok,
-                             "padded_tokens": sum(math.prod(rec[0][1][1][:2]) for rec in self._spill.batches),
-                             "from_fit_spill": True}
-                if last or s is None:
-                    self._drop_spill()
-            if s is None:
-                s = score_encoded(self.lm.model, self.modules, self.inputs.encoded, v, pad_id=self.pad_id,
-                                  ids=[e.id for e in self.inputs.pool], stats=stats, **common)
-        dt = time.perf_counter() - t
+            return None, stats
+        if in_fit is not None:
+            return in_fit, {"examples": len(self.inputs.encoded),
+                            "real_tokens": sum(len(e.input_ids) for e in self.inputs.encoded),
+                            "from_fit_spill": True, "in_fit": True}
+        s = None
+        if self._spill is not None:  # the fit's gradients are the scoring's: no model pass
+            s = self._spill.scores(self.modules, v, len(self.inputs.encoded))
+            if s is not None:
+                n_tok = sum(len(e.input_ids) for e in self.inputs.encoded)
+                stats = {"examples": len(self.inputs.encoded), "real_tokens": n_tok,
+                         "padded_tokens": sum(math.prod(rec[0][1][1][:2]) for rec in self._spill.batches),
+                         "from_fit_spill": True}
+            if last or s is None:
+                self._drop_spill()
+        if s is None:
+            s = score_encoded(self.lm.model, self.modules, self.inputs.encoded, v, pad_id=self.pad_id,
+                              ids=[e.id for e in self.inputs.pool], stats=stats, **common)
+        return s, stats
+
+    def _record_scoring(self, tag: str, stats: dict, dt: float) -> None:
+        """The scoring's time on the console and in ``timings``, its throughput in ``info``."""
         self.timings[f"{tag}_s"] = self.timings.get(f"{tag}_s", 0) + dt
         what = "scoring" if tag == "scores" else f"scoring ({tag})"
         distributed.say(f"{what}: inside the curvature fit" if stats.get("in_fit") else f"{what}: {dt:.1f} s",
-                        st.progress)
+                        self.settings.progress)
         self.stage_peak("scoring")
         if stats.get("in_fit"):  # scored inside the fit: no time of its own
             self.info.setdefault("throughput", {})[tag] = {**stats, "ranks": self.execution.world}
@@ -658,7 +659,16 @@ class RunContext:
             self.info.setdefault("throughput", {})[tag] = {
                 **stats, "ranks": self.execution.world, "real_tokens_per_s_rank": stats["real_tokens"] / dt,
                 "padding_fraction": 1 - stats["real_tokens"] / max(stats["padded_tokens"], 1)}
-        return s
+
+
+def _save_v(v: dict, partial: Path, name: str, tag: str) -> None:
+    """``v`` saved whole in ``partial`` (written beside, then renamed), the files of its
+    fit groups removed."""
+    tmp = partial / f".{name}.tmp"
+    save_file({k: t.detach().contiguous().cpu() for k, t in v.items()}, str(tmp))
+    tmp.replace(partial / f"{name}.safetensors")
+    for f in partial.glob(f"{tag}_v_group*"):
+        f.unlink(missing_ok=True)
 
 
 def resume_groups(saved: list, planned: list, finished) -> list:
@@ -709,14 +719,13 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     # at 60 records, model and gradients included), for one more forward of the
     # rejected half without a graph
     one_graph = ctx.plan is not None and ctx.plan.bounded or ctx.lm.device.type == "cpu"
-    with direction_policy(ctx.lm.model, ex.precision, ex.kernels):
+    with direction_policy(ctx.lm.model, ex):
         pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
                                   method=ctx.settings.method, pad_id=ctx.pad_id,
                                   batch_size=d.get("batch_size", ctx.settings.batch_size),
-                                  progress=ctx.settings.progress, ids=[p.id for p in ctx.inputs.pairs],
-                                  accumulate=accumulate, store=d.get("store", "device"),
-                                  one_graph=one_graph, kernels=direction_kernels(ex.kernels),
-                                  share=sharding.is_sharded(ctx.lm.model))
+                                  ids=[p.id for p in ctx.inputs.pairs], accumulate=accumulate,
+                                  store=d.get("store", "device"), one_graph=one_graph,
+                                  execution=replace(ex, kernels=direction_kernels(ex.kernels)))
     ctx.timings["preference_s"] = time.perf_counter() - t
     ctx.stage_peak("direction")
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
@@ -835,14 +844,13 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
         nbytes = max(distributed.gather_values(nbytes))
         host = min(distributed.gather_values(host_share_bytes()))
     try:
+        example = ExampleSize(nbytes, len(longest.input_ids) if longest is not None else 1, vocab)
+        shards = Shards(distributed.world() if sharded else 1, settings.fsdp_sums, settings.fsdp_keep_gathered,
+                        sum(p.numel() * p.element_size() for p in lm.model.parameters()) if sharded else None)
         plan = make_plan(lm.model, modules, kind=curvature.kind, device=lm.device, batch_size=settings.batch_size,
-                         fit_batch_size=curvature.batch_size, example_bytes=nbytes,
-                         longest=len(longest.input_ids) if longest is not None else 1, vocab=vocab,
+                         fit_batch_size=curvature.batch_size, example=example,
                          max_gpu_memory=settings.max_gpu_memory, weights=fixed, gpu_total=gpu_total,
-                         host_available=host, shards=distributed.world() if sharded else 1,
-                         sums=settings.fsdp_sums, keep_gathered=settings.fsdp_keep_gathered,
-                         full_weights=sum(p.numel() * p.element_size()
-                                          for p in lm.model.parameters()) if sharded else None)
+                         host_available=host, shards=shards)
     except PlanError as e:
         note = held_elsewhere_note(lm.device, elsewhere)
         if not note:
@@ -974,20 +982,9 @@ def _remove_empty_dirs(created: list) -> None:
             return  # not empty (finished work is kept), or already gone
 
 
-def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings, curvature,
-                reuse_finished: bool = False) -> dict:
-    curvature = curvature or CurvatureSettings()
-    fit_default = settings.stream and curvature.fit_examples is None
-    if fit_default:
-        curvature = replace(curvature, fit_examples=STREAM_FIT_EXAMPLES)
-    out_dir = Path(out_dir)
-    t0 = time.perf_counter()
-    timings = {}
-    if not isinstance(model, LoadedModel) and distributed.init_from_env(model.device):  # torchrun / accelerate
-        model = replace(model, device=distributed.local_device(model.device))
-    pool = check_before_loading(model, pool_path, targets_path, settings)  # before --out is made
-    check_writable_dir(out_dir)  # fail before any long work
-    timings["check_inputs_s"] = time.perf_counter() - t0
+def _load_for_run(model, settings: ScoreSettings, timings: dict) -> tuple:
+    """``(lm, model_bytes)``: the model loaded (and under ``--shard fsdp`` sharded over the
+    ranks), and on a GPU the weights' bytes each rank holds."""
     t = time.perf_counter()
     fsdp = settings.shard == "fsdp"
     lm = model if isinstance(model, LoadedModel) else load_model(model, host=fsdp)
@@ -1003,6 +1000,11 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
         timings["shard_model_s"] = time.perf_counter() - t
     if lm.device.type == "cuda":  # the weights (and v's shards) each rank holds
         model_bytes = distributed.gather_values(torch.cuda.memory_allocated(lm.device))
+    return lm, model_bytes
+
+
+def _read_inputs(lm, pool_path, targets_path, settings: ScoreSettings, curvature, pool, timings: dict):
+    """The run's inputs, tokenised: the whole pool, or under ``--stream`` the fit sample only."""
     t = time.perf_counter()
     if settings.stream:
         inputs = prepare_stream_inputs(lm.tokenizer, pool_path, targets_path, max_length=settings.max_length,
@@ -1013,6 +1015,67 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
                                 skip_invalid=settings.skip_invalid, pool=pool)
     timings["read_inputs_s"] = time.perf_counter() - t
     distributed.say(f"inputs read in {timings['read_inputs_s']:.1f} s", settings.progress)
+    return inputs
+
+
+def _write_scores(ctx: RunContext, scores, pairs) -> tuple:
+    """``scores.jsonl`` and ``pairs.jsonl`` in the output directory (by the main process);
+    returns the pool's count, its skipped records and its truncated prompts."""
+    main, out_dir, inputs = distributed.is_main(), ctx.out_dir, ctx.inputs
+    if ctx.streamed is None:
+        n_pool, invalid, truncated_pool = len(inputs.pool), [r.to_json() for r in inputs.invalid], inputs.truncated["pool"]
+        if main:
+            rk = ranks(scores)
+            atomic_write_jsonl(out_dir / "scores.jsonl", ({"id": ex.id, "score": float(scores[i]), "rank": rk[i]}
+                                                          for i, ex in enumerate(inputs.pool)))
+    else:  # score_stream wrote the ranked file into .partial; the pool's skipped records come from it
+        n_pool, truncated_pool = ctx.streamed["count"], ctx.streamed["truncated"]
+        invalid = ctx.streamed["invalid"] + [r.to_json() for r in inputs.invalid]
+        if main:
+            os.replace(ctx.streamed["path"], out_dir / "scores.jsonl")
+    if pairs and main:
+        atomic_write_jsonl(out_dir / "pairs.jsonl", pairs)
+    return n_pool, invalid, truncated_pool
+
+
+def _score_warnings(ctx: RunContext, scores) -> list:
+    """What run.json warns of: scores all equal (the ranking is then the pool's order)."""
+    warnings = []
+    if ctx.streamed is None and len(scores) > 1 and bool((scores == scores[0]).all()):
+        warnings.append(f"every score is {float(scores[0])!r}, so the ranking is the pool's own order: the direction "
+                        "or the preconditioned curvature vanished (check the target pairs, --damping and pairs.jsonl)")
+        log.warning("%s", warnings[-1])
+    return warnings
+
+
+def _add_device_figures(summary: dict, lm, info: dict, model_bytes) -> None:
+    """The GPU memory measured (the largest over the processes of a resumed run) and the
+    process group's size, into ``summary``."""
+    if lm.device.type == "cuda":
+        summary["gpu_peak_bytes"] = max(torch.cuda.max_memory_allocated(lm.device), info.pop("gpu_peak_bytes", 0),
+                                        *info.get("gpu_peak_bytes_by_stage", {}).values())
+        summary["gpu_bytes_per_rank"] = {"model": model_bytes,
+                                         "peak": distributed.gather_values(summary["gpu_peak_bytes"])}
+    if distributed.active():
+        summary["distributed"] = {"world_size": distributed.world()}
+
+
+def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings, curvature,
+                reuse_finished: bool = False) -> dict:
+    curvature = curvature or CurvatureSettings()
+    fit_default = settings.stream and curvature.fit_examples is None
+    if fit_default:
+        curvature = replace(curvature, fit_examples=STREAM_FIT_EXAMPLES)
+    out_dir = Path(out_dir)
+    t0 = time.perf_counter()
+    timings = {}
+    if not isinstance(model, LoadedModel) and distributed.init_from_env(model.device):  # torchrun / accelerate
+        model = replace(model, device=distributed.local_device(model.device))
+    pool = check_before_loading(model, pool_path, targets_path, settings)  # before --out is made
+    check_writable_dir(out_dir)  # fail before any long work
+    timings["check_inputs_s"] = time.perf_counter() - t0
+    lm, model_bytes = _load_for_run(model, settings, timings)
+    inputs = _read_inputs(lm, pool_path, targets_path, settings, curvature, pool, timings)
     modules = tracked_linear_modules(lm.model, settings.modules)
     fingerprints = {"model": lm.fingerprint, "pool": inputs.pool_fingerprint,
                     "targets": encoded_fingerprint(inputs.chosen + inputs.rejected)}
@@ -1044,24 +1107,8 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
             raise named from exc
         raise
     main = distributed.is_main()  # every rank holds the gathered scores; rank 0 writes them
-    if ctx.streamed is None:
-        n_pool, invalid, truncated_pool = len(inputs.pool), [r.to_json() for r in inputs.invalid], inputs.truncated["pool"]
-        if main:
-            rk = ranks(scores)
-            atomic_write_jsonl(out_dir / "scores.jsonl", ({"id": ex.id, "score": float(scores[i]), "rank": rk[i]}
-                                                          for i, ex in enumerate(inputs.pool)))
-    else:  # score_stream wrote the ranked file into .partial; the pool's skipped records come from it
-        n_pool, truncated_pool = ctx.streamed["count"], ctx.streamed["truncated"]
-        invalid = ctx.streamed["invalid"] + [r.to_json() for r in inputs.invalid]
-        if main:
-            os.replace(ctx.streamed["path"], out_dir / "scores.jsonl")
-    if pairs and main:
-        atomic_write_jsonl(out_dir / "pairs.jsonl", pairs)
-    warnings = []
-    if ctx.streamed is None and len(scores) > 1 and bool((scores == scores[0]).all()):
-        warnings.append(f"every score is {float(scores[0])!r}, so the ranking is the pool's own order: the direction "
-                        "or the preconditioned curvature vanished (check the target pairs, --damping and pairs.jsonl)")
-        log.warning("%s", warnings[-1])
+    n_pool, invalid, truncated_pool = _write_scores(ctx, scores, pairs)
+    warnings = _score_warnings(ctx, scores)
     timings["total_s"] = time.perf_counter() - t0
     info = dict(ctx.info)  # run_key included: a resumed compare reuses a finished run with the same key
     if "method" in info:  # a method's own record of the options it used
@@ -1091,13 +1138,7 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     }
     if settings.stream:
         summary["fit_sample"] = {**inputs.fit_sample, "default_size": fit_default}
-    if lm.device.type == "cuda":  # measured (the largest over the processes of a resumed run)
-        summary["gpu_peak_bytes"] = max(torch.cuda.max_memory_allocated(lm.device), info.pop("gpu_peak_bytes", 0),
-                                        *info.get("gpu_peak_bytes_by_stage", {}).values())
-        summary["gpu_bytes_per_rank"] = {"model": model_bytes,
-                                         "peak": distributed.gather_values(summary["gpu_peak_bytes"])}
-    if distributed.active():
-        summary["distributed"] = {"world_size": distributed.world()}
+    _add_device_figures(summary, lm, info, model_bytes)
     if main:
         atomic_write_json(out_dir / "run.json", summary)
         shutil.rmtree(out_dir / ".partial", ignore_errors=True)

@@ -325,273 +325,395 @@ def _suggestions(n_layers: int, what: str) -> str:
             f"--max-length, or a GPU with more memory ({what})")
 
 
+@dataclass(frozen=True)
+class ExampleSize:
+    """The longest example, as the plan counts it: ``activation_bytes`` measured for one
+    example of ``tokens`` tokens (:func:`measure_example_bytes`), and ``vocab``, the width
+    of its logits."""
+
+    activation_bytes: int
+    tokens: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Shards:
+    """The ranks a model is sharded over (FSDP2, :mod:`prism_select.sharding`) and the
+    sharded run's memory choices.
+
+    count: the ranks; each holds ``1/count`` of the gradients and the direction, and ``v``
+    inside the weights' shards; K-FAC and EK-FAC factors are sharded too (each layer's on
+    one rank, :func:`prism_select.curvature.fit.factors_sharded`), so a fit group may be
+    about ``count`` times larger, while every rank holds, for one layer at a time, its own
+    product of the factor pass and the owner's eigenbases and its own sums in the
+    eigenvalue pass. sums (``--fsdp-sums``, sharded factors): ``step`` keeps that;
+    ``pass`` has every rank sum a whole group through each pass (the statistics reach their
+    owners once per pass, :class:`prism_select.curvature.fit.FitLayout`), which needs a
+    whole group's sums on every rank; ``auto`` takes ``pass`` where that fits.
+    keep_gathered (``--fsdp-keep-gathered``): ``auto`` keeps each block's gathered weights
+    from its forward to its backward where every stage's peak leaves room for the rest of
+    the model, ``on`` always (refused where it cannot fit), ``off`` never. full_weights:
+    bytes of the whole unsharded model (default: the weights times ``count``).
+    """
+
+    count: int = 1
+    sums: str = "auto"
+    keep_gathered: str = "auto"
+    full_weights: int | None = None
+
+
 def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_batch_size: int,
-              example_bytes: int, longest: int, vocab: int, max_gpu_memory: int | None = None,
-              gpu_total: int | None = None, host_available: int | None = None,
-              weights: int | None = None, shards: int = 1, sums: str = "auto", full_weights: int | None = None,
-              keep_gathered: str = "auto") -> MemoryPlan:
+              example: ExampleSize, max_gpu_memory: int | None = None, gpu_total: int | None = None,
+              host_available: int | None = None, weights: int | None = None,
+              shards: Shards = Shards()) -> MemoryPlan:
     """The plan for one run; :class:`PlanError` if it cannot fit.
 
-    ``example_bytes``: measured activation bytes of one example of ``longest`` tokens
-    (:func:`measure_example_bytes`); ``gpu_total``: the device's memory (default: asked
-    from CUDA); ``host_available``: host bytes free for this process (default: /proc/meminfo's
-    MemAvailable shared among the ranks on this host, :func:`host_share_bytes`); ``weights``:
-    device bytes already taken (default: what CUDA has allocated, i.e. the model).
-    ``shards``: ranks the model is sharded over (FSDP2, :mod:`prism_select.sharding`): each
-    holds ``1/shards`` of the gradients and the direction, and ``v`` inside the weights'
-    shards (already counted in ``weights``); K-FAC and EK-FAC factors are sharded too
-    (each layer's on one rank, :func:`prism_select.curvature.fit.factors_sharded`), so a
-    fit group may be about ``shards`` times larger, while every rank holds, for one layer
-    at a time, its own product of the factor pass and the owner's eigenbases and its own
-    sums in the eigenvalue pass. ``sums`` (``--fsdp-sums``, sharded factors): ``step`` keeps
-    that; ``pass`` has every rank sum a whole group through each pass (the statistics reach
-    their owners once per pass, :func:`prism_select.curvature.fit.fit_curvature`), which
-    needs a whole group's sums on every rank; ``auto`` takes ``pass`` where that fits.
-    The choice is ``fit["sums"]``. ``full_weights`` (FSDP): bytes of the whole unsharded
-    model; ``keep_gathered`` (``--fsdp-keep-gathered``): ``auto`` keeps each block's gathered
-    weights from its forward to its backward where every stage's peak leaves room for the
-    rest of the model, ``on`` always (refused where it cannot fit), ``off`` never
-    (``keep_gathered``).
+    ``example``: the longest example's measured activations and logits
+    (:class:`ExampleSize`); ``gpu_total``: the device's memory (default: asked from CUDA);
+    ``max_gpu_memory``: a cap below it; ``host_available``: host bytes free for this
+    process (default: /proc/meminfo's MemAvailable shared among the ranks on this host,
+    :func:`host_share_bytes`); ``weights``: device bytes already taken (default: what CUDA
+    has allocated, i.e. the model). ``shards``: the FSDP sharding and its choices
+    (:class:`Shards`); the choices made are ``fit["sums"]`` and ``keep_gathered``.
     """
+    planner = _Planner(model, modules, kind, torch.device(device), example, shards,
+                       _host_figure(host_available), _device_figures(model, device, max_gpu_memory, gpu_total, weights))
+    planner.direction(batch_size)
+    planner.scoring(batch_size)
+    planner.fit(fit_batch_size)
+    planner.keep_gathered()
+    planner.host()
+    return planner.plan
+
+
+def _host_figure(host_available: int | None) -> int:
+    return host_available if host_available is not None else host_share_bytes()
+
+
+def _device_figures(model, device, max_gpu_memory, gpu_total, weights) -> tuple:
+    """``(weights, usable)``: the device bytes taken before the run, and those it may use
+    (None on the CPU, where nothing is bounded)."""
     dev = torch.device(device)
-    names = list(modules)
-    shapes = {n: layer_shape(m) for n, m in modules.items()}
-    p0 = next(model.parameters())
-    half = p0.element_size()
-    acc = 8 if p0.dtype == torch.float64 else 4
-    tracked = sum(o * i for o, i in shapes.values())
-    largest = max(o * i for o, i in shapes.values())
-    p1 = {n: pass1_bytes(o, i, acc) for n, (o, i) in shapes.items()}
-    p2 = {n: pass2_bytes(o, i, half, acc) for n, (o, i) in shapes.items()}
-    stored = {n: stored_bytes(kind, o, i, acc) for n, (o, i) in shapes.items()}
-    max_dim = max(max(o, i) for o, i in shapes.values())
-    host_available = host_available if host_available is not None else host_share_bytes()
-    bounded = dev.type == "cuda"
-    if bounded:
+    if dev.type == "cuda":
         weights = weights if weights is not None else torch.cuda.memory_allocated(dev)
         total = gpu_total if gpu_total is not None else torch.cuda.get_device_properties(dev).total_memory
         cap = min(total, max_gpu_memory) if max_gpu_memory else total
-        usable = cap - HEADROOM_BYTES
-    else:
-        weights = weights if weights is not None else sum(p.numel() * p.element_size() for p in model.parameters())
-        usable = None
-    act1 = int(example_bytes * ACTIVATION_SAFETY)
+        return weights, cap - HEADROOM_BYTES
+    weights = weights if weights is not None else sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights, None
 
-    def fits(b: int) -> bool:
-        return usable is None or b <= usable
 
-    def act(bs: int) -> int:
-        return act1 * bs
+class _Planner:
+    """The figures of one plan and its stages, each deciding its part of :attr:`plan` in
+    turn (direction, scoring, fit, FSDP's kept weights, host memory)."""
 
-    def largest_batch(need, start: int) -> int | None:
+    def __init__(self, model, modules: dict, kind: str, dev: torch.device, example: ExampleSize, shards: Shards,
+                 host_available: int, device_figures: tuple):
+        self.kind, self.dev, self.shards, self.sharding = kind, dev, shards.count, shards
+        self.longest, self.vocab = example.tokens, example.vocab
+        self.names = list(modules)
+        self.shapes = shapes = {n: layer_shape(m) for n, m in modules.items()}
+        p0 = next(model.parameters())
+        self.half = half = p0.element_size()
+        self.acc = acc = 8 if p0.dtype == torch.float64 else 4
+        self.tracked = sum(o * i for o, i in shapes.values())
+        self.largest = max(o * i for o, i in shapes.values())
+        self.p1 = {n: pass1_bytes(o, i, acc) for n, (o, i) in shapes.items()}
+        self.p2 = {n: pass2_bytes(o, i, half, acc) for n, (o, i) in shapes.items()}
+        self.stored = {n: stored_bytes(kind, o, i, acc) for n, (o, i) in shapes.items()}
+        self.max_dim = max(max(o, i) for o, i in shapes.values())
+        self.host_available = host_available
+        self.host_usable = int(HOST_USABLE * host_available)
+        self.bounded = dev.type == "cuda"
+        self.weights, self.usable = device_figures
+        self.act1 = int(example.activation_bytes * ACTIVATION_SAFETY)
+        self.plan = MemoryPlan(device=str(dev), bounded=self.bounded, usable=self.usable, weights=self.weights,
+                               example_activations=example.activation_bytes)
+
+    def fits(self, b: int) -> bool:
+        return self.usable is None or b <= self.usable
+
+    def act(self, bs: int) -> int:
+        return self.act1 * bs
+
+    def largest_batch(self, need, start: int) -> int | None:
         bs = start
         while bs >= 1:
-            if fits(need(bs)):
+            if self.fits(need(bs)):
                 return bs
             bs //= 2
         return None
 
-    plan = MemoryPlan(device=str(dev), bounded=bounded, usable=usable, weights=weights,
-                      example_activations=example_bytes)
-
-    # direction: the gradients of the tracked layers, one batch of pairs (activations +
-    # full logits in the model's dtype and float32), then one layer converted to float32
-    logits = lambda bs: bs * longest * vocab * (half + 2 * acc)  # noqa: E731
-    grads_dev = tracked * half // shards
-    ways = (("device", grads_dev), ("host", 2 * largest * acc))
-    for accumulate, grads in ways[:1] if shards > 1 else ways:  # FSDP reduce-scatters into .grad
-        need = lambda bs, g=grads: weights + g + act(bs) + logits(bs) + largest * acc  # noqa: E731
-        bs = largest_batch(need, batch_size)
-        if bs is not None:
-            break
-    else:
-        raise PlanError(f"the target direction does not fit on {dev}: the weights take {_gib(weights)} of "
-                        f"{_gib(usable)} usable and one pair of {longest} tokens needs {_gib(need(1) - weights)} "
-                        f"more; " + _suggestions(len(names), "or --max-gpu-memory if it caps below the device"))
-    # the finished direction (float32) stays alive through the fit and the scoring: on the
-    # device only while it is small next to what those stages need
-    dir_bytes = tracked * acc // shards
-    dir_store = "device" if not bounded or (accumulate == "device" and dir_bytes <= DIRECTION_ON_DEVICE * usable) \
-        else "host"
-    host_usable = int(HOST_USABLE * host_available)
-    if bounded and dir_store == "host" and dir_bytes + largest * acc > host_usable:
-        # the host cannot hold it: on the device, if it fits there next to v and a batch
-        if accumulate == "device" and fits(weights + dir_bytes + tracked * half // shards + act(1)):
-            dir_store = "device"
-        else:
-            raise PlanError(f"the target direction ({_gib(dir_bytes)} in float32) fits neither host memory "
-                            f"({_gib(host_usable)} usable of {_gib(host_available)} available) nor {dev} next to "
-                            f"the weights; " + _suggestions(len(names), "or a host with more memory"))
-    held = dir_bytes if dir_store == "device" and bounded else 0
-    dir_host = dir_bytes if dir_store == "host" and bounded else 0
-    plan.direction = {"accumulate": accumulate, "store": dir_store, "batch_size": bs, "peak": need(bs)}
-    if bs < batch_size:
-        plan.notes.append(f"target pairs in batches of {bs} (not {batch_size}) to fit the device")
-
-    # scoring: V in the model's dtype next to the weights
-    v_bytes = tracked * half if shards == 1 else 0
-    need_s = lambda bs: weights + held + v_bytes + act(bs)  # noqa: E731
-    sbs = largest_batch(need_s, batch_size)
-    if sbs is None:
-        raise PlanError(f"scoring does not fit on {dev}: the weights ({_gib(weights)}) and the preconditioned "
-                        f"direction ({_gib(v_bytes)}) leave no room for one example of {longest} tokens within "
-                        f"{_gib(usable)}; " + _suggestions(len(names), "the preconditioned direction is as large "
-                                                          "as the tracked weights"))
-    plan.scoring = {"batch_size": sbs, "peak": need_s(sbs), "v_bytes": v_bytes}
-    if sbs < batch_size:
-        plan.notes.append(f"scoring in batches of {sbs} (not {batch_size}) to fit the device")
-
-    # curvature fit
-    if kind == "identity":
-        plan.curvature_store = "device"
-        plan.fit = {"groups": [], "batch_size": fit_batch_size, "peak": 0, "stored_bytes": 0}
-    else:
-        total_stored = sum(stored.values())
-        fsh = shards if kind in ("ekfac", "kfac") else 1  # ranks the factors are sharded over
-        eigh = EIGH_BUFFERS * acc * max_dim * max_dim if kind in ("ekfac", "kfac") else 0
-        # each rank rotates the examples of its own batch
-        rot = lambda bs: bs * largest * (half + acc) if kind in ("ekfac", "diagonal") else 0  # noqa: E731
-        max_in = max(i for _, i in shapes.values())
-        # pass 1's per-batch products: RECENT_INPUTS in' x in' products kept for the layers
-        # sharing an input, and one float32 copy of a batch's inputs
-        taps = lambda bs: acc * (RECENT_INPUTS * max_in * max_in + bs * longest * max_in)  # noqa: E731
-        # sharded factors, one layer at a time: pass 1's products of this rank's batch being
-        # summed onto their owners (REDUCE_WINDOW in flight and one formed; RECENT_INPUTS kept
-        # are in ``taps``), pass 2's eigenbases from the owner and this rank's sums of as many layers
-        shared = lambda bs: 0 if fsh == 1 else (2 * half + (1 + REDUCE_WINDOW) * acc) * max_dim * max_dim  # noqa: E731
-        work = lambda bs: max(eigh, rot(bs), taps(bs)) + shared(bs)  # noqa: E731
-        cost = {n: max(p1[n], p2[n]) if kind == "ekfac" else (stored[n] if kind == "diagonal" else p1[n])
-                for n in names}
-        # per rank, a group's factors are 1/fsh of it, plus at most one layer (the owners
-        # cut the group into contiguous runs, sharding.factor_owners)
-        one = max(cost.values())
-        share = lambda c: c if fsh == 1 else min(c, c / fsh + one)  # noqa: E731
-        budget = lambda room: room if fsh == 1 or room <= one else fsh * (room - one)  # noqa: E731
-        # Each group costs two passes over the fit sample, while a smaller batch costs little
-        # on a large model: take the batch size that needs the fewest groups (the largest
-        # such batch size on a tie).
-        fbs, groups = fit_batch_size, None
-        b = fit_batch_size
-        while b >= 1:
-            room = None if usable is None else usable - weights - held - act(b) - work(b)
-            if room is None:
-                fbs, groups = b, [names]
+    def direction(self, batch_size: int):
+        """The target direction: the gradients of the tracked layers, one batch of pairs
+        (activations + full logits in the model's dtype and float32), then one layer
+        converted to float32; where it accumulates and where the finished one is kept."""
+        weights, largest, acc, usable, dev = self.weights, self.largest, self.acc, self.usable, self.dev
+        logits = lambda bs: bs * self.longest * self.vocab * (self.half + 2 * acc)  # noqa: E731
+        grads_dev = self.tracked * self.half // self.shards
+        ways = (("device", grads_dev), ("host", 2 * largest * acc))
+        for accumulate, grads in ways[:1] if self.shards > 1 else ways:  # FSDP reduce-scatters into .grad
+            need = lambda bs, g=grads: weights + g + self.act(bs) + logits(bs) + largest * acc  # noqa: E731
+            bs = self.largest_batch(need, batch_size)
+            if bs is not None:
                 break
-            if room > 0:
-                # everything at once (and kept there), as without a plan
-                if share(sum(cost.values())) + total_stored / fsh <= room \
-                        and fits(weights + total_stored / fsh + v_bytes + act(sbs)):
-                    fbs, groups = b, [names]
-                    break
-                g = make_groups(names, cost, budget(room))
-                if g is not None and (groups is None or len(g) < len(groups)):
-                    fbs, groups = b, g
-            b //= 2
-        if groups is None:
-            worst = max(names, key=lambda n: cost[n])
-            raise PlanError(f"the curvature fit does not fit on {dev}: layer {worst!r} alone needs "
-                            f"{_gib(cost[worst])} of factors next to the weights ({_gib(weights)}) within "
-                            f"{_gib(usable)}; " + _suggestions(len(names), "or --curvature diagonal / identity"))
-        # host memory besides the direction: v in the model's dtype (formed on the host where
-        # the direction is, and under ``transient`` collected there group by group) and one
-        # layer's float32 v while it is preconditioned
-        v_parts = {n: half * o * i // shards for n, (o, i) in shapes.items()}
-        v_host = lambda transient: sum(v_parts.values()) if dir_host or transient else 0  # noqa: E731
-        spare = lambda transient: host_usable - dir_host - v_host(transient) - largest * acc  # noqa: E731
-        spare_fit = host_usable - dir_host - largest * acc  # a transient fit: v grows group by group
-        gpeak = max(share(sum(cost[n] for n in g)) for g in groups)
-        base_peak = int(weights + held + act(fbs) + gpeak + work(fbs))
-        offload, group_host = None, 0  # None: the fit's default (off where the curvature stays on the device)
-        # kept on the device only where the fit holding it as well still fits (the figure
-        # recorded below), not only the scoring next to it
-        if not bounded or (len(groups) == 1 and fits(weights + total_stored / fsh + v_bytes + act(sbs))
-                           and fits(base_peak + total_stored / fsh)):
-            store = "device"
-        elif total_stored <= min(spare(False), HOST_FRACTION * host_available):
-            # every group's tensors end up there (a group's float32 eigenbases wait there
-            # during its eigenvalue pass)
-            store, offload, group_host = "host", kind == "ekfac", total_stored
         else:
-            store = "transient"
-            room = usable - weights - held - act(fbs) - work(fbs)
-            # a group's float32 eigenbases wait in host memory during its eigenvalue pass
-            # (EK-FAC), and its part of v is saved from there: groups small enough for the
-            # host too; else the eigenbases stay on the device (beside their half-precision
-            # copies and Lambda: more, smaller groups)
-            waits = {n: acc * (o * o + i * i + o + i) if kind == "ekfac" else 0 for n, (o, i) in shapes.items()}
-            # (with sharded factors each rank's share of a group, as for the device: budget)
-            g = make_groups(names, cost, budget(room), {n: waits[n] / fsh + v_parts[n] for n in names},
-                            spare_fit - (max(waits.values()) if fsh > 1 else 0), v_parts)
-            offload = kind == "ekfac" and g is not None
-            if g is None and kind == "ekfac":
-                cost = {n: p1[n] + p2[n] for n in names}
-                g = make_groups(names, cost, budget(room), v_parts, spare_fit, v_parts)
-                if g is not None:
-                    plan.notes.append("the float32 eigenbases stay on the device during the eigenvalue pass: "
-                                      "host memory does not hold a group's")
-            if g is None:
-                raise PlanError(f"the curvature fit does not fit host memory: the target direction "
-                                f"({_gib(dir_host)}) leaves {_gib(max(spare_fit, 0))} of {_gib(host_usable)} usable "
-                                f"({HOST_USABLE:.0%} of {_gib(host_available)} available) for v ({_gib(v_host(True))}, "
-                                f"collected group by group) and a group's eigenbases; "
-                                + _suggestions(len(names), "or a host with more memory"))
-            if len(g) > len(groups):
-                plan.notes.append(f"{len(g)} fit groups (not {len(groups)}) to fit host memory")
-            groups = g
-            # the largest of: the groups before this one's v, and this one's eigenbases and v
-            done, group_host = 0, 0
-            for grp in groups:
-                held_back = share(sum(waits[n] for n in grp)) if offload else 0
-                group_host = max(group_host, done + held_back + sum(v_parts[n] for n in grp))
-                done += sum(v_parts[n] for n in grp)
-            gpeak = max(share(sum(cost[n] for n in grp)) for grp in groups)
-            base_peak = int(weights + held + act(fbs) + gpeak + work(fbs))
-            plan.notes.append(f"the fitted curvature ({_gib(total_stored)}) fits neither the device nor host "
-                              f"memory ({HOST_FRACTION:.0%} of the host's {_gib(host_available)} available, and "
-                              f"{_gib(host_usable)} usable next to the direction and v): each group "
-                              "preconditions the direction and is dropped (not cached)")
+            raise PlanError(f"the target direction does not fit on {dev}: the weights take {_gib(weights)} of "
+                            f"{_gib(usable)} usable and one pair of {self.longest} tokens needs "
+                            f"{_gib(need(1) - weights)} more; "
+                            + _suggestions(len(self.names), "or --max-gpu-memory if it caps below the device"))
+        # the finished direction (float32) stays alive through the fit and the scoring: on the
+        # device only while it is small next to what those stages need
+        dir_bytes = self.tracked * acc // self.shards
+        dir_store = "device" if not self.bounded or (accumulate == "device"
+                                                     and dir_bytes <= DIRECTION_ON_DEVICE * usable) else "host"
+        if self.bounded and dir_store == "host" and dir_bytes + largest * acc > self.host_usable:
+            # the host cannot hold it: on the device, if it fits there next to v and a batch
+            if accumulate == "device" and self.fits(weights + dir_bytes + self.tracked * self.half // self.shards
+                                                    + self.act(1)):
+                dir_store = "device"
+            else:
+                raise PlanError(f"the target direction ({_gib(dir_bytes)} in float32) fits neither host memory "
+                                f"({_gib(self.host_usable)} usable of {_gib(self.host_available)} available) nor "
+                                f"{dev} next to the weights; "
+                                + _suggestions(len(self.names), "or a host with more memory"))
+        self.held = dir_bytes if dir_store == "device" and self.bounded else 0
+        self.dir_host = dir_bytes if dir_store == "host" and self.bounded else 0
+        self.plan.direction = {"accumulate": accumulate, "store": dir_store, "batch_size": bs, "peak": need(bs)}
+        if bs < batch_size:
+            self.plan.notes.append(f"target pairs in batches of {bs} (not {batch_size}) to fit the device")
+
+    def scoring(self, batch_size: int):
+        """Scoring: V in the model's dtype next to the weights, and one batch."""
+        self.v_bytes = v_bytes = self.tracked * self.half if self.shards == 1 else 0
+        need_s = lambda bs: self.weights + self.held + v_bytes + self.act(bs)  # noqa: E731
+        sbs = self.sbs = self.largest_batch(need_s, batch_size)
+        if sbs is None:
+            raise PlanError(f"scoring does not fit on {self.dev}: the weights ({_gib(self.weights)}) and the "
+                            f"preconditioned direction ({_gib(v_bytes)}) leave no room for one example of "
+                            f"{self.longest} tokens within {_gib(self.usable)}; "
+                            + _suggestions(len(self.names), "the preconditioned direction is as large as the "
+                                                            "tracked weights"))
+        self.plan.scoring = {"batch_size": sbs, "peak": need_s(sbs), "v_bytes": v_bytes}
+        if sbs < batch_size:
+            self.plan.notes.append(f"scoring in batches of {sbs} (not {batch_size}) to fit the device")
+
+    # -- the curvature fit
+
+    def fit(self, fit_batch_size: int):
+        """The curvature fit: its batch size and groups, where the fitted curvature is
+        kept, and (sharded factors) when the statistics reach their owners."""
+        plan = self.plan
+        if self.kind == "identity":
+            plan.curvature_store = "device"
+            plan.fit = {"groups": [], "batch_size": fit_batch_size, "peak": 0, "stored_bytes": 0}
+            return
+        self._fit_costs()
+        fbs, groups = self._fit_groups(fit_batch_size)
+        store, offload, group_host, groups, base_peak = self._fit_store(fbs, groups)
         plan.curvature_store = store
-        fit_peak = int(base_peak + (total_stored / fsh if store == "device" else 0))
-        sums_mode = "step"
-        if fsh > 1:
-            # every rank summing each pass's statistics of a whole group (as one unsharded
-            # rank does) beside its own share of the kept curvature
-            group_sums = max(sum(cost[n] for n in g) for g in groups)
-            local_peak = int(weights + held + act(fbs) + max(eigh, rot(fbs), taps(fbs)) + group_sums
-                             + (total_stored / fsh if store == "device" else 0))
-            if sums == "pass" and not fits(local_peak):
-                raise PlanError(f"--fsdp-sums pass does not fit on {dev}: every rank would hold a whole fit "
-                                f"group's sums ({_gib(group_sums)}), a peak of {_gib(local_peak)} of "
-                                f"{_gib(usable)} usable; use --fsdp-sums step (or auto)")
-            if sums == "pass" or sums == "auto" and fits(local_peak):
-                sums_mode, fit_peak = "pass", max(fit_peak, local_peak)
-        kept = group_host if store == "transient" else v_host(False) + group_host
-        fit_host = int(dir_host + largest * acc + kept) if bounded else 0
-        plan.fit = {"groups": groups, "batch_size": fbs, "peak": fit_peak, "stored_bytes": total_stored,
-                    "largest_factor": max_dim, "factor_shards": fsh, "offload": offload, "host_peak": fit_host,
-                    "sums": sums_mode}
+        kept_on_device = self.total_stored / self.fsh if store == "device" else 0
+        sums_mode, fit_peak = self._fit_sums(fbs, groups, int(base_peak + kept_on_device), kept_on_device)
+        kept = group_host if store == "transient" else self.v_host(False) + group_host
+        fit_host = int(self.dir_host + self.largest * self.acc + kept) if self.bounded else 0
+        plan.fit = {"groups": groups, "batch_size": fbs, "peak": fit_peak, "stored_bytes": self.total_stored,
+                    "largest_factor": self.max_dim, "factor_shards": self.fsh, "offload": offload,
+                    "host_peak": fit_host, "sums": sums_mode}
         if fbs < fit_batch_size:
             plan.notes.append(f"curvature fit in batches of {fbs} (not {fit_batch_size}) to fit the device")
         if len(groups) > 1:
             plan.notes.append(f"the fit runs in {len(groups)} groups of layers: two passes over the fit "
                               "sample per group")
-    plan.peak = max(plan.direction["peak"], plan.scoring["peak"], plan.fit.get("peak", 0))
-    if shards > 1 and keep_gathered != "off":
-        # the rest of the model, gathered by every block at the end of a forward
-        rest = (full_weights or weights * shards) * (shards - 1) // shards
-        room = fits(plan.peak + rest)
-        if keep_gathered == "on" and not room:
-            raise PlanError(f"--fsdp-keep-gathered on does not fit on {dev}: the whole model ({_gib(rest)} more per "
-                            f"rank) beside a peak of {_gib(plan.peak)} exceeds {_gib(usable)} usable; use "
-                            "--fsdp-keep-gathered off (or auto)")
-        if room:
-            plan.keep_gathered, plan.peak = True, plan.peak + rest
-            plan.notes.append(f"each decoder block keeps its gathered weights from forward to backward "
-                              f"(one all-gather a step instead of two; +{_gib(rest)} per rank)")
-    if bounded:
-        v_host_s = tracked * half // shards if dir_host or plan.curvature_store == "transient" else 0
-        plan.host = {"available": host_available, "usable": host_usable,
-                     "direction": dir_host + (largest * acc if dir_host else 0),
+
+    def _fit_costs(self):
+        """What a fit group costs on the device per layer (``cost``), the per-batch work
+        beside it, and what is kept."""
+        kind, acc, half, names = self.kind, self.acc, self.half, self.names
+        self.total_stored = sum(self.stored.values())
+        self.fsh = self.shards if kind in ("ekfac", "kfac") else 1  # ranks the factors are sharded over
+        self.eigh = EIGH_BUFFERS * acc * self.max_dim * self.max_dim if kind in ("ekfac", "kfac") else 0
+        self.max_in = max(i for _, i in self.shapes.values())
+        self.cost = {n: max(self.p1[n], self.p2[n]) if kind == "ekfac" else
+                     (self.stored[n] if kind == "diagonal" else self.p1[n]) for n in names}
+        # per rank, a group's factors are 1/fsh of it, plus at most one layer (the owners
+        # cut the group into contiguous runs, sharding.factor_owners)
+        self.one = max(self.cost.values())
+        # host memory besides the direction: v in the model's dtype (formed on the host where
+        # the direction is, and under ``transient`` collected there group by group) and one
+        # layer's float32 v while it is preconditioned
+        self.v_parts = {n: half * o * i // self.shards for n, (o, i) in self.shapes.items()}
+        self.spare_fit = self.host_usable - self.dir_host - self.largest * acc  # a transient fit: v grows
+
+    def rot(self, bs: int) -> int:
+        """Each rank rotates the examples of its own batch."""
+        return bs * self.largest * (self.half + self.acc) if self.kind in ("ekfac", "diagonal") else 0
+
+    def taps(self, bs: int) -> int:
+        """Pass 1's per-batch products: RECENT_INPUTS in' x in' products kept for the layers
+        sharing an input, and one float32 copy of a batch's inputs."""
+        return self.acc * (RECENT_INPUTS * self.max_in * self.max_in + bs * self.longest * self.max_in)
+
+    def shared(self, bs: int) -> int:
+        """Sharded factors, one layer at a time: pass 1's products of this rank's batch being
+        summed onto their owners (REDUCE_WINDOW in flight and one formed; RECENT_INPUTS kept
+        are in ``taps``), pass 2's eigenbases from the owner and this rank's sums of as many layers."""
+        return 0 if self.fsh == 1 else (2 * self.half + (1 + REDUCE_WINDOW) * self.acc) * self.max_dim * self.max_dim
+
+    def work(self, bs: int) -> int:
+        return max(self.eigh, self.rot(bs), self.taps(bs)) + self.shared(bs)
+
+    def share(self, c):
+        return c if self.fsh == 1 else min(c, c / self.fsh + self.one)
+
+    def budget(self, room):
+        return room if self.fsh == 1 or room <= self.one else self.fsh * (room - self.one)
+
+    def v_host(self, transient: bool) -> int:
+        return sum(self.v_parts.values()) if self.dir_host or transient else 0
+
+    def spare(self, transient: bool) -> int:
+        return self.host_usable - self.dir_host - self.v_host(transient) - self.largest * self.acc
+
+    def _room(self, b: int):
+        return None if self.usable is None else self.usable - self.weights - self.held - self.act(b) - self.work(b)
+
+    def _all_kept_on_device_fits(self) -> bool:
+        return self.fits(self.weights + self.total_stored / self.fsh + self.v_bytes + self.act(self.sbs))
+
+    def _fit_groups(self, fit_batch_size: int) -> tuple:
+        """``(batch size, groups)``. Each group costs two passes over the fit sample, while
+        a smaller batch costs little on a large model: the batch size that needs the fewest
+        groups (the largest such batch size on a tie)."""
+        names, cost = self.names, self.cost
+        fbs, groups = fit_batch_size, None
+        b = fit_batch_size
+        while b >= 1:
+            room = self._room(b)
+            if room is None:
+                fbs, groups = b, [names]
+                break
+            if room > 0:
+                # everything at once (and kept there), as without a plan
+                if self.share(sum(cost.values())) + self.total_stored / self.fsh <= room \
+                        and self._all_kept_on_device_fits():
+                    fbs, groups = b, [names]
+                    break
+                g = make_groups(names, cost, self.budget(room))
+                if g is not None and (groups is None or len(g) < len(groups)):
+                    fbs, groups = b, g
+            b //= 2
+        if groups is None:
+            worst = max(names, key=lambda n: cost[n])
+            raise PlanError(f"the curvature fit does not fit on {self.dev}: layer {worst!r} alone needs "
+                            f"{_gib(cost[worst])} of factors next to the weights ({_gib(self.weights)}) within "
+                            f"{_gib(self.usable)}; "
+                            + _suggestions(len(names), "or --curvature diagonal / identity"))
+        return fbs, groups
+
+    def _base_peak(self, fbs: int, groups: list) -> int:
+        gpeak = max(self.share(sum(self.cost[n] for n in g)) for g in groups)
+        return int(self.weights + self.held + self.act(fbs) + gpeak + self.work(fbs))
+
+    def _fit_store(self, fbs: int, groups: list) -> tuple:
+        """Where the fitted curvature lives: ``(store, offload, group_host, groups,
+        base_peak)``; ``offload`` None is the fit's default (off where the curvature stays
+        on the device), ``group_host`` the host bytes the fit's groups keep there."""
+        base_peak = self._base_peak(fbs, groups)
+        # kept on the device only where the fit holding it as well still fits (the figure
+        # recorded), not only the scoring next to it
+        if not self.bounded or (len(groups) == 1 and self._all_kept_on_device_fits()
+                                and self.fits(base_peak + self.total_stored / self.fsh)):
+            return "device", None, 0, groups, base_peak
+        if self.total_stored <= min(self.spare(False), HOST_FRACTION * self.host_available):
+            # every group's tensors end up there (a group's float32 eigenbases wait there
+            # during its eigenvalue pass)
+            return "host", self.kind == "ekfac", self.total_stored, groups, base_peak
+        groups, offload, group_host = self._transient_groups(fbs, groups)
+        self.plan.notes.append(f"the fitted curvature ({_gib(self.total_stored)}) fits neither the device nor host "
+                               f"memory ({HOST_FRACTION:.0%} of the host's {_gib(self.host_available)} available, "
+                               f"and {_gib(self.host_usable)} usable next to the direction and v): each group "
+                               "preconditions the direction and is dropped (not cached)")
+        return "transient", offload, group_host, groups, self._base_peak(fbs, groups)
+
+    def _transient_groups(self, fbs: int, groups: list) -> tuple:
+        """A transient fit's ``(groups, offload, group_host)``: a group's float32
+        eigenbases wait in host memory during its eigenvalue pass (EK-FAC), and its part of
+        v is saved from there: groups small enough for the host too; else the eigenbases
+        stay on the device (beside their half-precision copies and Lambda: more, smaller
+        groups)."""
+        names, acc, kind, v_parts = self.names, self.acc, self.kind, self.v_parts
+        room = self.usable - self.weights - self.held - self.act(fbs) - self.work(fbs)
+        waits = {n: acc * (o * o + i * i + o + i) if kind == "ekfac" else 0 for n, (o, i) in self.shapes.items()}
+        # (with sharded factors each rank's share of a group, as for the device: budget)
+        g = make_groups(names, self.cost, self.budget(room), {n: waits[n] / self.fsh + v_parts[n] for n in names},
+                        self.spare_fit - (max(waits.values()) if self.fsh > 1 else 0), v_parts)
+        offload = kind == "ekfac" and g is not None
+        if g is None and kind == "ekfac":
+            self.cost = {n: self.p1[n] + self.p2[n] for n in names}
+            g = make_groups(names, self.cost, self.budget(room), v_parts, self.spare_fit, v_parts)
+            if g is not None:
+                self.plan.notes.append("the float32 eigenbases stay on the device during the eigenvalue pass: "
+                                       "host memory does not hold a group's")
+        if g is None:
+            raise PlanError(f"the curvature fit does not fit host memory: the target direction "
+                            f"({_gib(self.dir_host)}) leaves {_gib(max(self.spare_fit, 0))} of "
+                            f"{_gib(self.host_usable)} usable ({HOST_USABLE:.0%} of {_gib(self.host_available)} "
+                            f"available) for v ({_gib(self.v_host(True))}, collected group by group) and a "
+                            f"group's eigenbases; " + _suggestions(len(names), "or a host with more memory"))
+        if len(g) > len(groups):
+            self.plan.notes.append(f"{len(g)} fit groups (not {len(groups)}) to fit host memory")
+        # the largest of: the groups before this one's v, and this one's eigenbases and v
+        done, group_host = 0, 0
+        for grp in g:
+            held_back = self.share(sum(waits[n] for n in grp)) if offload else 0
+            group_host = max(group_host, done + held_back + sum(v_parts[n] for n in grp))
+            done += sum(v_parts[n] for n in grp)
+        return g, offload, group_host
+
+    def _fit_sums(self, fbs: int, groups: list, fit_peak: int, kept_on_device) -> tuple:
+        """``(sums, fit peak)``: with sharded factors, ``pass`` where every rank can sum
+        each pass's statistics of a whole group (as one unsharded rank does) beside its own
+        share of the kept curvature, as ``shards.sums`` asks."""
+        sums = self.sharding.sums
+        if self.fsh == 1:
+            return "step", fit_peak
+        group_sums = max(sum(self.cost[n] for n in g) for g in groups)
+        local_peak = int(self.weights + self.held + self.act(fbs) + max(self.eigh, self.rot(fbs), self.taps(fbs))
+                         + group_sums + kept_on_device)
+        if sums == "pass" and not self.fits(local_peak):
+            raise PlanError(f"--fsdp-sums pass does not fit on {self.dev}: every rank would hold a whole fit "
+                            f"group's sums ({_gib(group_sums)}), a peak of {_gib(local_peak)} of "
+                            f"{_gib(self.usable)} usable; use --fsdp-sums step (or auto)")
+        if sums == "pass" or sums == "auto" and self.fits(local_peak):
+            return "pass", max(fit_peak, local_peak)
+        return "step", fit_peak
+
+    # -- after the stages
+
+    def keep_gathered(self):
+        """The run's peak, and (FSDP) whether decoder blocks keep their gathered weights:
+        the rest of the model, gathered by every block at the end of a forward."""
+        plan, shards, keep = self.plan, self.shards, self.sharding.keep_gathered
+        plan.peak = max(plan.direction["peak"], plan.scoring["peak"], plan.fit.get("peak", 0))
+        if shards > 1 and keep != "off":
+            rest = (self.sharding.full_weights or self.weights * shards) * (shards - 1) // shards
+            room = self.fits(plan.peak + rest)
+            if keep == "on" and not room:
+                raise PlanError(f"--fsdp-keep-gathered on does not fit on {self.dev}: the whole model "
+                                f"({_gib(rest)} more per rank) beside a peak of {_gib(plan.peak)} exceeds "
+                                f"{_gib(self.usable)} usable; use --fsdp-keep-gathered off (or auto)")
+            if room:
+                plan.keep_gathered, plan.peak = True, plan.peak + rest
+                plan.notes.append(f"each decoder block keeps its gathered weights from forward to backward "
+                                  f"(one all-gather a step instead of two; +{_gib(rest)} per rank)")
+
+    def host(self):
+        """Host memory (bounded plans): what the direction, the fit and the scoring keep there."""
+        if not self.bounded:
+            return
+        plan, dir_host = self.plan, self.dir_host
+        v_host_s = self.tracked * self.half // self.shards if dir_host or plan.curvature_store == "transient" else 0
+        plan.host = {"available": self.host_available, "usable": self.host_usable,
+                     "direction": dir_host + (self.largest * self.acc if dir_host else 0),
                      "fit": plan.fit.get("host_peak", dir_host), "scoring": v_host_s}
         plan.host["peak"] = max(plan.host["direction"], plan.host["fit"], plan.host["scoring"])
-    return plan

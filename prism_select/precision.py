@@ -40,20 +40,20 @@ from torch import nn
 from .engine.arith import forget_split
 from .engine.linear import SplitPrecisionLinear
 from .errors import ConfigError
-from .execution import DEFAULT_KERNELS, Kernels, direction_kernels
+from .execution import DEFAULT_KERNELS, ExecutionContext, Kernels, direction_kernels
 from .gradients import GRAD32
 from .settings import PRECISIONS, check_precision  # noqa: F401 (re-exported)
 
 HALF = (torch.bfloat16, torch.float16)
 
 
-def precision_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
-    """The context manager that applies ``precision`` (one of :data:`PRECISIONS`) to ``model``
-    (``kernels``: those of split32's products)."""
-    check_precision(precision)
-    if precision == "split32":
-        return split32(model, kernels=kernels)
-    return residual_fp32(model, precision == "residual32")
+def precision_policy(model, execution: ExecutionContext):
+    """The context manager that applies ``execution.precision`` (one of :data:`PRECISIONS`,
+    checked where the context was made) to ``model`` (``execution.kernels``: those of
+    split32's products)."""
+    if execution.precision == "split32":
+        return split32(model, kernels=execution.kernels)
+    return residual_fp32(model, execution.precision == "residual32")
 
 
 def _upcast_embeddings(model):
@@ -121,8 +121,8 @@ def float32_weights(model, enabled: bool = True):
 
 
 @contextmanager
-def direction_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
-    """What ``precision`` means for the target direction: under ``split32`` the direction's
+def direction_policy(model, execution: ExecutionContext):
+    """What ``execution.precision`` means for the target direction: under ``split32`` the direction's
     forwards run as the scores' do (:func:`split32`), its backwards with the cotangent
     split too (``kernels`` with ``split_backward``: a few target pairs, the split cotangent
     costs little here), and the weight gradients of the half-precision linear
@@ -130,9 +130,8 @@ def direction_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
     (:func:`float32_grads`): a float32-accurate ``g_KL`` (1.5e-5 from a float32 copy's,
     tests/test_precision.py) without a float32 copy of the weights. Elsewhere the model
     as loaded."""
-    check_precision(precision)
-    on = precision == "split32"
-    with split32(model, on, direction_kernels(kernels)), float32_grads(model, on):
+    on = execution.precision == "split32"
+    with split32(model, on, direction_kernels(execution.kernels)), float32_grads(model, on):
         yield model
 
 
@@ -153,22 +152,20 @@ def float32_grads(model, enabled: bool = True):
             delattr(p, GRAD32)
 
 
-def fit_policy(model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
-    """What ``precision`` means for the curvature fit: under ``split32`` the fit's
+def fit_policy(model, execution: ExecutionContext):
+    """What ``execution.precision`` means for the curvature fit: under ``split32`` the fit's
     forwards and backwards run as the scores' do (:func:`split32`: float32 activations
     and cotangents, split GEMMs), and its statistics are formed from them rounded to the
     weights' dtype, on tensor cores (:class:`~prism_select.engine.linear.FitTapLinear`). Fitting on float32 weights
     instead cost 5.5x the bf16 fit at 0.3B (docs/performance.md)."""
-    check_precision(precision)
-    return split32(model, precision == "split32", kernels)
+    return split32(model, execution.precision == "split32", execution.kernels)
 
 
-def fit_arithmetic(model, precision: str) -> str:
-    """The arithmetic a fit under ``precision`` uses, for the curvature cache key: the
-    weights' dtype, and ``+split32`` where that policy is active."""
-    check_precision(precision)
+def fit_arithmetic(model, execution: ExecutionContext) -> str:
+    """The arithmetic a fit under ``execution.precision`` uses, for the curvature cache key:
+    the weights' dtype, and ``+split32`` where that policy is active."""
     dtype = next(model.parameters()).dtype
-    return str(dtype) + ("+split32" if precision == "split32" and dtype in HALF else "")
+    return str(dtype) + ("+split32" if execution.precision == "split32" and dtype in HALF else "")
 
 
 # ----------------------------------------------------------------------------- split32

@@ -29,7 +29,7 @@ from . import distributed, profiling
 from .data.tokenize import collate, token_losses
 from .errors import ConfigError
 from .engine import batch_losses, cpu_response_split
-from .execution import Kernels, direction_kernels
+from .execution import ExecutionContext, Kernels, direction_kernels
 from .gradients import check_finite, has_bias, release_host_memory, tracked_param_grad_mode, weight_grad
 from .settings import DIRECTION_METHODS as METHODS
 
@@ -64,9 +64,8 @@ def _mean_losses(model, encoded: list, pad_id: int, device, modules: dict | None
 
 
 def compute_preference(model, modules: dict, chosen: list, rejected: list, *, method: str = "prism",
-                       pad_id: int, batch_size: int = 8, device=None, progress: bool = True,
-                       ids=None, accumulate: str = "device", store: str = "device",
-                       one_graph: bool = False, kernels: Kernels = DIRECTION_KERNELS, share: bool = False) -> Preference:
+                       pad_id: int, batch_size: int = 8, ids=None, accumulate: str = "device", store: str = "device",
+                       one_graph: bool = False, execution: ExecutionContext | None = None) -> Preference:
     """Margins, ``pi`` and the target direction for encoded pairs.
 
     ``chosen[i]`` / ``rejected[i]`` are the :class:`~prism_select.data.tokenize.Encoded`
@@ -82,10 +81,12 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
     float32 host accumulator as soon as autograd has formed it (one layer's gradient on
     the device at a time). ``store``: where the finished direction is kept (``device``:
     the model's device, ``host``), float32 for half-precision models, one layer at a time
-    taken out of ``.grad`` (no full copy next to the gradients). ``kernels``: those of the
-    fused loss's head product on the CPU (under split32, with the cotangent split).
+    taken out of ``.grad`` (no full copy next to the gradients).
 
-    ``share`` (a model sharded with FSDP over the ranks, :mod:`prism_select.sharding`):
+    ``execution`` (default: :meth:`ExecutionContext.of` the model with
+    :data:`DIRECTION_KERNELS`): the device, progress, ``kernels`` (those of the fused
+    loss's head product on the CPU; under split32, with the cotangent split) and
+    ``sharded`` (a model sharded with FSDP over the ranks, :mod:`prism_select.sharding`):
     the batches of pairs are dealt to the ranks in turn, each rank's losses scaled by the
     number of ranks (FSDP averages the ranks' gradients as it reduce-scatters them), and a
     rank with fewer batches repeats its last with zero weights so that every rank runs as
@@ -95,11 +96,12 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
         raise ConfigError("method", f"unknown target direction {method!r}", f"use one of {', '.join(METHODS)}")
     if len(chosen) != len(rejected) or not chosen:
         raise ConfigError("targets", "need at least one target pair")
-    device = device or next(model.parameters()).device
+    execution = execution or ExecutionContext.of(model, kernels=DIRECTION_KERNELS)
+    device, progress, kernels = execution.device, execution.progress, execution.kernels
     Q = len(chosen)
     margins, pis, lcs, lrs, ws, done = [], [], [], [], [], []
     starts = list(range(0, Q, batch_size))
-    share = share and distributed.active()
+    share = execution.sharded and distributed.active()
     scale = distributed.world() if share else 1
     mine = distributed.round_robin(starts) if share else starts
     steps = distributed.lockstep(mine, starts[0]) if share else ((s, True) for s in starts)

@@ -25,8 +25,12 @@ window at a time (host memory flat in pool size).
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
@@ -36,12 +40,12 @@ from .data.readers import iter_pool
 from .data.records import InvalidRecord
 from .data.tokenize import collate, encode, token_losses
 from .errors import CacheError, ConfigError, InputError
-from .execution import DEFAULT_KERNELS, Kernels
+from .execution import ExecutionContext
 from .engine import ExactScorer, collate_to, cpu_response_split
 from .gradients import activation_grad_mode, check_finite, has_bias
 from .graphs import GraphedScorer, graphs_wanted
 from .io import atomic_open, atomic_write_json, read_saved_state
-from .precision import check_precision, precision_policy
+from .precision import precision_policy
 from .settings import DEFAULT_CHUNK_SIZE
 
 #: On the CPU a chunk also holds at most this many FLOPs of scoring work, counted as
@@ -195,22 +199,24 @@ def chunk_token_limit(model, device) -> int | None:
     return max(1, int(CPU_CHUNK_FLOPS // (4 * max(params, 1))))
 
 
-def make_scorer(model, modules: dict, V: dict, *, pad_id: int = 0, device=None, impl: str = "auto",
-                cuda_graphs: str = "off", batch_size: int | None = None, precision: str = "model",
-                kernels: Kernels = DEFAULT_KERNELS):
+def make_scorer(model, modules: dict, V: dict, *, pad_id: int = 0, impl: str = "auto", batch_size: int | None = None,
+                execution: ExecutionContext | None = None):
     """A context-managed object with ``score(collated_batch) -> (B,) tensor``.
 
     impl: ``auto`` (one forward + one activation-only backward) or ``hooks`` (the
-    reference route). cuda_graphs: ``auto`` (on for CUDA devices and models below
-    ``graphs.AUTO_MAX_PARAMS``) | ``on`` | ``off``; graphs capture the
-    whole batch computation once per padded shape (:mod:`prism_select.graphs`) and need
-    ``batch_size`` (every batch is padded to it). precision: ``model`` | ``residual32`` | ``split32``
-    (half-precision models: float32 residual stream, or float32 activations everywhere
-    with split half-precision GEMMs; :mod:`prism_select.precision`). kernels: the kernel
-    choices (:class:`prism_select.execution.Kernels`).
+    reference route). ``execution`` (default: :meth:`ExecutionContext.of` the model, CUDA
+    graphs off): the device; ``cuda_graphs``: ``auto`` (on for CUDA devices and models
+    below ``graphs.AUTO_MAX_PARAMS``) | ``on`` | ``off``; graphs capture the whole batch
+    computation once per padded shape (:mod:`prism_select.graphs`) and need
+    ``batch_size`` (every batch is padded to it); ``precision``: ``model`` |
+    ``residual32`` | ``split32`` (half-precision models: float32 residual stream, or
+    float32 activations everywhere with split half-precision GEMMs;
+    :mod:`prism_select.precision`); ``kernels``: the kernel choices
+    (:class:`prism_select.execution.Kernels`).
     """
-    check_precision(precision)
-    device = device or next(model.parameters()).device
+    execution = execution or ExecutionContext.of(model, cuda_graphs="off")
+    device, precision, kernels = execution.device, execution.precision, execution.kernels
+    cuda_graphs = execution.cuda_graphs
     if V is None and impl == "hooks":  # FSDP2: v lives in the layers
         raise ConfigError("shard", "a sharded model scores with the fused route only, not impl='hooks'",
                           "leave impl at auto")
@@ -219,7 +225,7 @@ def make_scorer(model, modules: dict, V: dict, *, pad_id: int = 0, device=None, 
     # on the CPU the logits only at response positions
     sc = ExactScorer(model, modules, V, kernels=kernels, fused_loss=cpu_response_split(model, modules) is not None)
     if precision != "model":
-        sc = _WithPrecision(sc, model, precision, kernels)
+        sc = _WithPrecision(sc, model, execution)
     if batch_size is not None and V is not None and graphs_wanted(cuda_graphs, device, model):
         return GraphedScorer(sc, batch_size, pad_id)
     return sc
@@ -228,11 +234,11 @@ def make_scorer(model, modules: dict, V: dict, *, pad_id: int = 0, device=None, 
 class _WithPrecision:
     """Runs ``scorer`` under a precision policy (:func:`precision.precision_policy`)."""
 
-    def __init__(self, scorer, model, precision: str, kernels: Kernels = DEFAULT_KERNELS):
-        self.inner, self.model, self.precision, self.kernels = scorer, model, precision, kernels
+    def __init__(self, scorer, model, execution: ExecutionContext):
+        self.inner, self.model, self.execution = scorer, model, execution
 
     def __enter__(self):
-        self._policy = precision_policy(self.model, self.precision, self.kernels)
+        self._policy = precision_policy(self.model, self.execution)
         self._policy.__enter__()
         if hasattr(self.inner, "__enter__"):
             self.inner.__enter__()
@@ -292,120 +298,165 @@ def _load_chunk(partial_dir: Path, k: int, chunk):
     return t["score"]
 
 
-def _open_partial(partial_dir, run_key):
-    partial_dir = Path(partial_dir)
+@dataclass(frozen=True)
+class Chunking:
+    """How the scores are cut and kept: at most ``size`` examples a chunk; with ``dir``,
+    every finished chunk is saved there and reused by a later call with the same ``key``
+    (the run's settings; a mismatched key raises :class:`CacheError`)."""
+
+    size: int = DEFAULT_CHUNK_SIZE
+    dir: Path | str | None = None
+    key: dict | None = None
+
+
+@dataclass
+class ChunkLayout:
+    """The chunks of one call of :func:`score_chunks`: ``chunks`` (index lists into its
+    examples), ``owners`` (the rank that scores each; default all rank 0), ``together``
+    (the model is sharded with FSDP2, so every rank runs as many batches), and where the
+    chunks sit in the whole pool: ``index_base`` (the first example's position) and
+    ``chunk_base`` (the first chunk's global number, the name of its saved file)."""
+
+    chunks: list
+    owners: list | None = None
+    together: bool = False
+    index_base: int = 0
+    chunk_base: int = 0
+
+    def saved_as(self, k: int) -> tuple:
+        """Chunk ``k``'s global number and the pool positions of its examples."""
+        return self.chunk_base + k, [self.index_base + i for i in self.chunks[k]]
+
+
+def _open_partial(chunking: Chunking):
+    """The directory of the finished chunks (made, with the run key, by the main process),
+    or None when nothing is kept."""
+    if chunking.dir is None:
+        return None
+    partial_dir = Path(chunking.dir)
     state = partial_dir / "state.json"
     if distributed.is_main():
         partial_dir.mkdir(parents=True, exist_ok=True)
         if state.exists():
             old = read_saved_state(state)
-            if old != run_key:
+            if old != chunking.key:
                 raise CacheError(
                     f"{partial_dir} holds an unfinished run with other settings; "
                     "use the same command to resume it, or --overwrite to start again")
         else:
-            atomic_write_json(state, run_key)
+            atomic_write_json(state, chunking.key)
     distributed.barrier()
     return partial_dir
 
 
-def score_chunks(scorer, encoded: list, chunks: list, *, pad_id: int, batch_size: int, device,
-                 partial_dir=None, progress: bool = True, ids=None, index_base: int = 0,
-                 chunk_base: int = 0, stats: dict | None = None, owners: list | None = None,
-                 together: bool = False) -> dict:
-    """Score this rank's chunks (global number ``chunk_base + k``; chunk ``k`` is owned
-    by rank ``owners[k]``, default all rank 0) that are not saved yet.
+def _count_batch(stats: dict, scorer, items: list, batch) -> None:
+    """Add one scored batch to ``stats``: examples, real tokens, and the tokens computed
+    (padding included; a graphed scorer pads further)."""
+    stats["examples"] = stats.get("examples", 0) + len(items)
+    stats["real_tokens"] = stats.get("real_tokens", 0) + sum(len(e.input_ids) for e in items)
+    computed = getattr(scorer, "computed_tokens", None)
+    stats["padded_tokens"] = stats.get("padded_tokens", 0) + (
+        computed(batch) if computed else batch["input_ids"].numel())
 
-    Returns ``{k: scores (float64, chunk order)}`` for this rank's chunks. ``stats``,
-    if given, accumulates ``examples``, ``real_tokens`` and ``padded_tokens``.
-    ``together``: the model is sharded (FSDP2); every rank runs the same number of batches.
-    """
-    owners = owners if owners is not None else [0] * len(chunks)
-    mine = [k for k in range(len(chunks)) if owners[k] == distributed.rank()]
+
+def _finish_chunk(parts: list, chunk: list, ids) -> torch.Tensor:
+    """One chunk's scores, float64 on the host (one device sync per chunk); a non-finite
+    score raises, naming its records."""
+    out = torch.cat(parts).to("cpu", torch.float64)
+    bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
+    if bad:
+        check_finite(out, "candidate scores", record=[ids[chunk[i]] if ids is not None else chunk[i] for i in bad])
+    return out
+
+
+def _reuse_saved(layout: ChunkLayout, mine: list, partial_dir, progress: bool) -> tuple:
+    """``(results, todo)``: the scores of this rank's chunks already saved in
+    ``partial_dir``, and the chunks still to score."""
     results, todo = {}, []
     for k in mine:
-        got = (_load_chunk(partial_dir, chunk_base + k, [index_base + i for i in chunks[k]])
-               if partial_dir is not None else None)
+        got = _load_chunk(partial_dir, *layout.saved_as(k)) if partial_dir is not None else None
         if got is not None:
             results[k] = got
         else:
             todo.append(k)
     if results:  # what a resumed run reuses, on the console
+        chunks = layout.chunks
         distributed.say(f"scoring: {sum(len(chunks[k]) for k in results)} of {sum(len(chunks[k]) for k in mine)} "
                         f"examples reused from the finished chunks in {partial_dir}", progress)
+    return results, todo
+
+
+def score_chunks(scorer, encoded: list, layout: ChunkLayout, *, pad_id: int, batch_size: int,
+                 execution: ExecutionContext, partial_dir=None, ids=None, stats: dict | None = None) -> dict:
+    """Score this rank's chunks of ``layout`` that are not saved in ``partial_dir`` yet.
+
+    Returns ``{k: scores (float64, chunk order)}`` for this rank's chunks. ``stats``,
+    if given, accumulates ``examples``, ``real_tokens`` and ``padded_tokens``.
+    """
+    chunks, device, progress = layout.chunks, execution.device, execution.progress
+    owners = layout.owners if layout.owners is not None else [0] * len(chunks)
+    mine = [k for k in range(len(chunks)) if owners[k] == distributed.rank()]
+    results, todo = _reuse_saved(layout, mine, partial_dir, progress)
     bar = tqdm(total=sum(len(chunks[k]) for k in todo), desc="scoring", unit="ex",
                disable=not progress or not distributed.is_main())
     # (chunk, first example) of every batch to run; under FSDP2 every rank runs as many
     # (distributed.lockstep), a rank with less work repeating a batch it discards
     steps = [(k, s) for k in todo for s in range(0, len(chunks[k]), batch_size)]
-    together = together and distributed.active()
+    together = layout.together and distributed.active()
     parts: list = []
     with (scorer if todo or together else _Plain(None)):
         for (k, s), real in profiling.steps("scoring", distributed.lockstep(steps, (None, None), together)):
             if k is None:  # a rank without any chunk keeping in step: any example will do
-                b = collate_to([encoded[0]], pad_id, device)
-                scorer.score(b)
+                scorer.score(collate_to([encoded[0]], pad_id, device))
                 continue
             chunk = chunks[k]
-            idx = chunk[s:s + batch_size]
-            items = [encoded[i] for i in idx]
+            items = [encoded[i] for i in chunk[s:s + batch_size]]
             b = collate_to(items, pad_id, device)
             got = scorer.score(b).detach()
             if not real:
                 continue
             parts.append(got)
             if stats is not None:
-                real_tokens = sum(len(e.input_ids) for e in items)
-                stats["examples"] = stats.get("examples", 0) + len(items)
-                stats["real_tokens"] = stats.get("real_tokens", 0) + real_tokens
-                computed = getattr(scorer, "computed_tokens", None)  # graphs pad further
-                stats["padded_tokens"] = stats.get("padded_tokens", 0) + (
-                    computed(b) if computed else b["input_ids"].numel())
-            bar.update(len(idx))
+                _count_batch(stats, scorer, items, b)
+            bar.update(len(items))
             if s + batch_size < len(chunk):
                 continue
-            out = torch.cat(parts).to("cpu", torch.float64)  # one device sync per chunk
-            parts = []
-            bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
-            if bad:
-                check_finite(out, "candidate scores",
-                             record=[ids[chunk[i]] if ids is not None else chunk[i] for i in bad])
-            results[k] = out
+            results[k], parts = _finish_chunk(parts, chunk, ids), []
             if partial_dir is not None:
-                _save_chunk(partial_dir, chunk_base + k, [index_base + i for i in chunk], out)
+                _save_chunk(partial_dir, *layout.saved_as(k), results[k])
     bar.close()
     return results
 
 
-def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, batch_size: int = 8,
-                  device=None, chunk_size: int = DEFAULT_CHUNK_SIZE, partial_dir=None,
-                  run_key: dict | None = None, progress: bool = True, ids=None,
-                  impl: str = "auto", stats: dict | None = None, cuda_graphs: str = "auto",
-                  precision: str = "model", kernels: Kernels = DEFAULT_KERNELS) -> torch.Tensor:
-    """Scores ``g_z . V`` for every encoded example (float64, input order).
-
-    With ``partial_dir``, finished chunks are saved there and reused by a later call
-    with the same ``run_key`` (a mismatched key raises :class:`CacheError`). Under
-    ``torchrun`` each rank scores its share of the chunks and every rank returns the
-    full, gathered scores.
-    """
-    device = device or next(model.parameters()).device
-    chunks, owners = plan_chunks(encoded, chunk_size, distributed.world(), chunk_token_limit(model, device),
-                                 align=batch_size, interleave=V is None)
-    if partial_dir is not None:
-        partial_dir = _open_partial(partial_dir, run_key)
-    scorer = make_scorer(model, modules, V, pad_id=pad_id, device=device,
-                         impl=impl, cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision,
-                         kernels=kernels)
-    results = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
-                           partial_dir=partial_dir, progress=progress, ids=ids, stats=stats, owners=owners,
-                           together=V is None)
+def _gather(n: int, layout: ChunkLayout, results: dict) -> torch.Tensor:
+    """Every rank's chunk scores of ``n`` examples, in input order, on every rank."""
     if results:
-        index = torch.cat([torch.as_tensor(chunks[k], dtype=torch.int64) for k in results])
+        index = torch.cat([torch.as_tensor(layout.chunks[k], dtype=torch.int64) for k in results])
         values = torch.cat([results[k] for k in results])
     else:
         index, values = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64)
-    return distributed.gather_scores(len(encoded), index, values)
+    return distributed.gather_scores(n, index, values)
+
+
+def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, batch_size: int = 8,
+                  chunking: Chunking = Chunking(), ids=None, impl: str = "auto", stats: dict | None = None,
+                  execution: ExecutionContext | None = None) -> torch.Tensor:
+    """Scores ``g_z . V`` for every encoded example (float64, input order).
+
+    ``chunking``: the chunk size, and where finished chunks are kept for a later call
+    (:class:`Chunking`). ``execution``: device, precision, CUDA graphs, kernels and
+    progress (default: :meth:`ExecutionContext.of` the model). Under ``torchrun`` each
+    rank scores its share of the chunks and every rank returns the full, gathered scores.
+    """
+    execution = execution or ExecutionContext.of(model)
+    chunks, owners = plan_chunks(encoded, chunking.size, distributed.world(),
+                                 chunk_token_limit(model, execution.device), align=batch_size, interleave=V is None)
+    partial_dir = _open_partial(chunking)
+    scorer = make_scorer(model, modules, V, pad_id=pad_id, impl=impl, batch_size=batch_size, execution=execution)
+    layout = ChunkLayout(chunks, owners, together=V is None)
+    results = score_chunks(scorer, encoded, layout, pad_id=pad_id, batch_size=batch_size, execution=execution,
+                           partial_dir=partial_dir, ids=ids, stats=stats)
+    return _gather(len(encoded), layout, results)
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -432,11 +483,24 @@ def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_inv
         yield buf
 
 
+def _write_ranked(scores, ids_path, out_path) -> None:
+    """``scores.jsonl`` lines (``id``, ``score``, ``rank``: 1 is the highest, ties in input
+    order), the ids streamed back from ``ids_path``; written by the main process."""
+    n = len(scores)
+    order = np.lexsort((np.arange(n), -scores))
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(1, n + 1)
+    del order
+    if distributed.is_main():
+        with open(ids_path) as src, atomic_open(out_path) as dst:
+            for i, line in enumerate(src):
+                dst.write(json.dumps({"id": json.loads(line), "score": float(scores[i]),
+                                      "rank": int(rank[i])}) + "\n")
+
+
 def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, *, max_length: int = 2048,
-                 batch_size: int = 8, window: int = 65536, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 partial_dir=None, run_key: dict | None = None, device=None, progress: bool = True,
-                 skip_invalid: bool = False, cuda_graphs: str = "auto", precision: str = "model",
-                 kernels: Kernels = DEFAULT_KERNELS) -> dict:
+                 batch_size: int = 8, window: int = 65536, chunking: Chunking = Chunking(),
+                 skip_invalid: bool = False, execution: ExecutionContext | None = None) -> dict:
     """Score a pool file without holding it in memory; write ``scores.jsonl`` lines
     (``id``, ``score``, ``rank``) to ``out_path``.
 
@@ -455,19 +519,11 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
     ``examples``, ``real_tokens`` and ``padded_tokens``. Ids are not checked for
     uniqueness here: :func:`prism_select.data.readers.scan_pool` does that in one pass.
     """
-    import json as _json
-    import os
-    import tempfile
-
-    import numpy as np
-
-    device = device or next(model.parameters()).device
+    execution = execution or ExecutionContext.of(model)
     pad_id = tokenizer.pad_token_id
-    if partial_dir is not None:
-        partial_dir = _open_partial(partial_dir, run_key)
-    scorer = make_scorer(model, modules, V, pad_id=pad_id, device=device,
-                         cuda_graphs=cuda_graphs, batch_size=batch_size, precision=precision, kernels=kernels)
-    max_tokens = chunk_token_limit(model, device)
+    partial_dir = _open_partial(chunking)
+    scorer = make_scorer(model, modules, V, pad_id=pad_id, batch_size=batch_size, execution=execution)
+    max_tokens = chunk_token_limit(model, execution.device)
     invalid: list = []
     scores = np.zeros(0, dtype=np.float64)
     n, chunk_base, truncated = 0, 0, 0
@@ -480,33 +536,18 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
                 encoded = [e for _, e in win]
                 truncated += sum(e.truncated for e in encoded)
                 for rid, _ in win:
-                    ids_f.write(_json.dumps(rid) + "\n")
-                chunks, owners = plan_chunks(encoded, chunk_size, distributed.world(), max_tokens, align=batch_size,
-                                             interleave=V is None)
-                res = score_chunks(scorer, encoded, chunks, pad_id=pad_id, batch_size=batch_size, device=device,
-                                   partial_dir=partial_dir, progress=progress, index_base=n,
-                                   chunk_base=chunk_base, stats=stats, owners=owners,
-                                   ids=[r for r, _ in win],
-                                   together=V is None)
-                if res:
-                    index = torch.cat([torch.as_tensor(chunks[k], dtype=torch.int64) for k in res])
-                    values = torch.cat([res[k] for k in res])
-                else:
-                    index, values = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64)
-                full = distributed.gather_scores(len(encoded), index, values)
-                scores = np.concatenate([scores, full.numpy()])
+                    ids_f.write(json.dumps(rid) + "\n")
+                chunks, owners = plan_chunks(encoded, chunking.size, distributed.world(), max_tokens,
+                                             align=batch_size, interleave=V is None)
+                layout = ChunkLayout(chunks, owners, together=V is None, index_base=n, chunk_base=chunk_base)
+                res = score_chunks(scorer, encoded, layout, pad_id=pad_id, batch_size=batch_size,
+                                   execution=execution, partial_dir=partial_dir, stats=stats,
+                                   ids=[r for r, _ in win])
+                scores = np.concatenate([scores, _gather(len(encoded), layout, res).numpy()])
                 n += len(encoded)
                 chunk_base += len(chunks)
-                del encoded, win, chunks, res, full
-        order = np.lexsort((np.arange(n), -scores))  # highest first, ties in input order
-        rank = np.empty(n, dtype=np.int64)
-        rank[order] = np.arange(1, n + 1)
-        del order
-        if distributed.is_main():
-            with open(ids_path) as src, atomic_open(out_path) as dst:
-                for i, line in enumerate(src):
-                    dst.write(_json.dumps({"id": _json.loads(line), "score": float(scores[i]),
-                                           "rank": int(rank[i])}) + "\n")
+                del encoded, win, chunks, layout, res
+        _write_ranked(scores, ids_path, out_path)
     finally:
         try:
             os.unlink(ids_path)

@@ -49,7 +49,7 @@ GRAPH_MODES = ("auto", "on", "off")
 #: multi-GPU sharding of the model (:mod:`prism_select.sharding`)
 SHARDS = ("none", "fsdp")
 #: when a sharded K-FAC / EK-FAC fit's statistics reach the layers' owners
-#: (``--fsdp-sums``; :func:`prism_select.curvature.fit.fit_curvature`, ``sharded_sums``):
+#: (``--fsdp-sums``; ``sums`` of :class:`prism_select.curvature.fit.FitLayout`):
 #: every step, once per pass, or as the memory plan finds room (auto)
 FSDP_SUMS = ("auto", "step", "pass")
 #: whether each decoder block keeps its gathered weights from its forward to its backward
@@ -262,8 +262,8 @@ class ExecutionSettings:
     linear layers as two half-precision GEMMs on a hi/lo split of their input, and the
     target direction and the curvature fit run in the same arithmetic
     (:mod:`prism_select.precision`). cuda_graphs: :mod:`prism_select.graphs`. shard:
-    :mod:`prism_select.sharding`; fsdp_sums: ``sharded_sums`` of
-    :func:`prism_select.curvature.fit.fit_curvature`, chosen by the memory plan under auto;
+    :mod:`prism_select.sharding`; fsdp_sums: ``sums`` of
+    :class:`prism_select.curvature.fit.FitLayout`, chosen by the memory plan under auto;
     fsdp_keep_gathered: :func:`prism_select.sharding.weights_gathered`, likewise.
     deterministic: :func:`prism_select.execution.make_deterministic`.
     max_gpu_memory: bytes (a text such as ``"70GiB"`` is read as a size), the cap of the

@@ -22,7 +22,7 @@ import torch
 from prism_select import distributed
 from prism_select.curvature import CurvatureSettings, fit_curvature
 from prism_select.data.tokenize import encode
-from prism_select.scoring import score_encoded
+from prism_select.scoring import Chunking, score_encoded
 from conftest import POOL
 from tiny import tiny_llama, tiny_tokenizer
 
@@ -35,9 +35,9 @@ pool = [encode(tok, p, r) for p, r in POOL + [(p + "?", r + "!") for p, r in POO
 g = torch.Generator().manual_seed(0)
 d = {{n: torch.randn(m.out_features, m.in_features, generator=g, dtype=torch.float64) for n, m in modules.items()}}
 cur = fit_curvature(model, modules, pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3),
-                    pad_id=tok.pad_token_id, progress=False)
+                    pad_id=tok.pad_token_id)
 v = cur.precondition(d)
-s = score_encoded(model, modules, pool, v, pad_id=tok.pad_token_id, batch_size=2, chunk_size=3, progress=False)
+s = score_encoded(model, modules, pool, v, pad_id=tok.pad_token_id, batch_size=2, chunking=Chunking(3))
 if distributed.rank() == 0:
     name = "model.layers.1.mlp.down_proj"
     json.dump({{"scores": s.tolist(), "lam": cur.tensors[name + "::Lambda"].flatten().tolist(),

@@ -9,6 +9,7 @@ from prism_select import engine
 from prism_select.data.tokenize import encode
 from prism_select.errors import ConfigError
 from prism_select.graphs import BUCKET_FRACTION, MIN_BUCKET, GraphedScorer, bucket_length, graphs_wanted
+from prism_select.execution import ExecutionContext
 from prism_select.scoring import make_scorer, score_encoded
 
 from tiny import tiny_llama
@@ -101,7 +102,8 @@ def test_batch_larger_than_graph_batch_is_refused(model, modules, tok, encoded_p
 
 def test_cpu_auto_is_eager(model, modules, tok):
     V = _direction(modules)
-    sc = make_scorer(model, modules, V, pad_id=tok.pad_token_id, cuda_graphs="auto", batch_size=4)
+    sc = make_scorer(model, modules, V, pad_id=tok.pad_token_id, batch_size=4,
+                     execution=ExecutionContext.of(model, cuda_graphs="auto"))
     assert not isinstance(sc, GraphedScorer)
 
 
@@ -118,10 +120,13 @@ def test_graphs_match_eager_on_gpu(gpu_model, tok, encoded_pool):
     from prism_select.model import tracked_linear_modules
     modules = tracked_linear_modules(gpu_model, None)
     V = {k: v.cuda() for k, v in _direction(modules, dtype=torch.float32).items()}
-    kw = dict(pad_id=tok.pad_token_id, batch_size=3, progress=False)
-    eager = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="off", **kw)
-    graphed = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="on", **kw)
-    again = score_encoded(gpu_model, modules, encoded_pool, V, cuda_graphs="on", **kw)
+    kw = dict(pad_id=tok.pad_token_id, batch_size=3)
+    eager = score_encoded(gpu_model, modules, encoded_pool, V,
+                          execution=ExecutionContext.of(gpu_model, cuda_graphs="off", progress=False), **kw)
+    graphed = score_encoded(gpu_model, modules, encoded_pool, V,
+                            execution=ExecutionContext.of(gpu_model, cuda_graphs="on", progress=False), **kw)
+    again = score_encoded(gpu_model, modules, encoded_pool, V,
+                          execution=ExecutionContext.of(gpu_model, cuda_graphs="on", progress=False), **kw)
     assert rel_err(graphed, eager) <= GPU_F32_RTOL
     assert torch.equal(graphed, again)  # replay is deterministic
 
@@ -132,7 +137,8 @@ def test_graph_replays_each_shape_and_counts_captures(gpu_model, tok, encoded_po
     modules = tracked_linear_modules(gpu_model, None)
     V = {k: v.cuda() for k, v in _direction(modules, dtype=torch.float32).items()}
     pad = tok.pad_token_id
-    sc = make_scorer(gpu_model, modules, V, pad_id=pad, cuda_graphs="on", batch_size=4)
+    sc = make_scorer(gpu_model, modules, V, pad_id=pad, batch_size=4,
+                     execution=ExecutionContext.of(gpu_model, cuda_graphs="on"))
     assert isinstance(sc, GraphedScorer)
     batches = [engine.collate_to(encoded_pool[i:i + 2], pad, "cuda") for i in range(0, len(encoded_pool), 2)]
     # the same rows in the other order: the same padded shape (so the same graph) with other
@@ -146,7 +152,8 @@ def test_graph_replays_each_shape_and_counts_captures(gpu_model, tok, encoded_po
         assert sc.captures == len(shapes) and sc.failed is None
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-    eager = make_scorer(gpu_model, modules, V, pad_id=pad, cuda_graphs="off", batch_size=4)
+    eager = make_scorer(gpu_model, modules, V, pad_id=pad, batch_size=4,
+                        execution=ExecutionContext.of(gpu_model, cuda_graphs="off"))
     with eager:
         want = [eager.score(b) for b in batches]
     for got, ref, back in zip(first, want, turned):
@@ -201,7 +208,8 @@ def test_fit_through_padded_graph_path_equals_plain_fit(monkeypatch, model, modu
     monkeypatch.setattr(fit_mod, "graphs_wanted", lambda mode, dev, model=None: True)
     monkeypatch.setattr(fit_mod, "GraphedScorer", functools.partial(padded))
     monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)  # the CPU's spill would spare the second pass
-    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, cuda_graphs="on")
+    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id,
+                        execution=ExecutionContext.of(model, cuda_graphs="on"))
     assert len(used) == 2  # both passes went through the padded path
     for k, t in ref.tensors.items():
         if k.endswith(("::QA", "::QS")):
@@ -239,9 +247,11 @@ def test_graphed_fit_matches_eager_on_gpu(gpu_model, tok, encoded_pool):
     from prism_select.model import tracked_linear_modules
     modules = tracked_linear_modules(gpu_model, None)
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
-    kw = dict(pad_id=tok.pad_token_id, device="cuda", progress=False)
-    eager = fit_curvature(gpu_model, modules, encoded_pool, settings, cuda_graphs="off", **kw)
-    graphed = fit_curvature(gpu_model, modules, encoded_pool, settings, cuda_graphs="on", **kw)
+    ex = dict(device="cuda", progress=False)
+    eager = fit_curvature(gpu_model, modules, encoded_pool, settings, pad_id=tok.pad_token_id,
+                          execution=ExecutionContext.of(gpu_model, cuda_graphs="off", **ex))
+    graphed = fit_curvature(gpu_model, modules, encoded_pool, settings, pad_id=tok.pad_token_id,
+                            execution=ExecutionContext.of(gpu_model, cuda_graphs="on", **ex))
     for k, t in eager.tensors.items():
         if k.endswith(("::QA", "::QS")):
             continue

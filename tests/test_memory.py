@@ -7,7 +7,7 @@ import json
 import torch
 
 from prism_select.data.tokenize import encode
-from prism_select.scoring import score_encoded, score_stream
+from prism_select.scoring import Chunking, score_encoded, score_stream
 
 
 def _write_pool(path, pool_examples, n):
@@ -31,11 +31,10 @@ def test_stream_equals_in_memory(tmp_path, model, modules, tok, pool_examples):
     recs = _write_pool(tmp_path / "pool.jsonl", pool_examples, 30)
     V = _direction(modules)
     enc = [encode(tok, r["prompt"], r["response"]) for r in recs]
-    ref = score_encoded(model, modules, enc, V, pad_id=tok.pad_token_id, batch_size=4, chunk_size=8,
-                        progress=False)
+    ref = score_encoded(model, modules, enc, V, pad_id=tok.pad_token_id, batch_size=4, chunking=Chunking(8))
     # one window holding the whole pool: the same chunks and batches, bit-identical
     info = score_stream(model, tok, modules, V, tmp_path / "pool.jsonl", tmp_path / "a.jsonl", batch_size=4,
-                        chunk_size=8, window=1000, progress=False)
+                        chunking=Chunking(8), window=1000)
     assert info["count"] == 30
     a = [json.loads(l) for l in (tmp_path / "a.jsonl").read_text().splitlines()]
     assert [x["id"] for x in a] == [r["id"] for r in recs]
@@ -44,11 +43,11 @@ def test_stream_equals_in_memory(tmp_path, model, modules, tok, pool_examples):
     assert [a[i]["rank"] for i in order] == list(range(1, len(recs) + 1))
     # small windows (other batch composition): equal to float64 rounding, same ranks
     score_stream(model, tok, modules, V, tmp_path / "pool.jsonl", tmp_path / "b.jsonl", batch_size=3,
-                 chunk_size=4, window=7, progress=False, partial_dir=tmp_path / "partial", run_key={"k": 1})
+                 chunking=Chunking(4, tmp_path / "partial", {"k": 1}), window=7)
     b = [json.loads(l) for l in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert torch.allclose(torch.tensor([x["score"] for x in b], dtype=torch.float64), ref, rtol=1e-10, atol=0)
     assert [x["rank"] for x in b] == [x["rank"] for x in a]
     # a rerun with the same partial dir reuses every saved chunk (resume path)
     score_stream(model, tok, modules, V, tmp_path / "pool.jsonl", tmp_path / "c.jsonl", batch_size=3,
-                 chunk_size=4, window=7, progress=False, partial_dir=tmp_path / "partial", run_key={"k": 1})
+                 chunking=Chunking(4, tmp_path / "partial", {"k": 1}), window=7)
     assert (tmp_path / "c.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()

@@ -8,7 +8,7 @@ import torch
 
 from prism_select.curvature import CurvatureSettings, fit_curvature
 from prism_select.preference import compute_preference
-from prism_select.scoring import score_encoded
+from prism_select.scoring import Chunking, score_encoded
 
 from reference import example_loss, flat_grad, flatten, per_example_grads, rel_err
 
@@ -60,7 +60,7 @@ def test_identity_scores_equal_explicit_gradient_dot_products(model, modules, to
     pref = compute_preference(model, modules, chosen, rejected, pad_id=tok.pad_token_id)
     cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="identity"), pad_id=tok.pad_token_id)
     v = cur.precondition(pref.direction)
-    scores = score_encoded(model, modules, encoded_pool, v, pad_id=tok.pad_token_id, batch_size=3, progress=False)
+    scores = score_encoded(model, modules, encoded_pool, v, pad_id=tok.pad_token_id, batch_size=3)
     G = per_example_grads(model, modules, encoded_pool)
     ref = G @ flatten(pref.direction, modules)
     assert rel_err(scores, ref) <= REL_TOL
@@ -70,7 +70,7 @@ def test_scores_invariant_to_padding_and_batch_size(model, modules, tok, encoded
     chosen, rejected = encoded_pairs
     pref = compute_preference(model, modules, chosen, rejected, pad_id=tok.pad_token_id)
     runs = [score_encoded(model, modules, encoded_pool, pref.direction, pad_id=tok.pad_token_id,
-                          batch_size=bs, chunk_size=cs, progress=False)
+                          batch_size=bs, chunking=Chunking(cs))
             for bs, cs in [(1, 1), (3, 5), (8, 8)]]
     for s in runs[1:]:
         assert torch.allclose(s, runs[0], rtol=PAD_TOL, atol=0)

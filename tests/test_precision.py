@@ -14,6 +14,7 @@ from tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.errors import ConfigError  # noqa: E402
+from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.engine import ExactScorer, collate_to  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.precision import residual_fp32  # noqa: E402
@@ -94,9 +95,9 @@ def test_policy_is_a_no_op_in_float64_and_validated():
     a, b = _scores(m, V, batch, False), _scores(m, V, batch, True)
     assert torch.allclose(a, b, rtol=EXACT_TOL, atol=0)
     with pytest.raises(ConfigError, match="precision"):
-        make_scorer(m, tracked_linear_modules(m), V, precision="float16")
+        make_scorer(m, tracked_linear_modules(m), V, execution=ExecutionContext.of(m, precision="float16"))
     for precision in ("residual32", "split32"):
-        with make_scorer(m, tracked_linear_modules(m), V, precision=precision) as sc:
+        with make_scorer(m, tracked_linear_modules(m), V, execution=ExecutionContext.of(m, precision=precision)) as sc:
             assert torch.allclose(sc.score(batch).double(), a, rtol=EXACT_TOL, atol=0)
 
 
@@ -161,7 +162,7 @@ def test_split32_exact_scores_closer_to_float64(seed):
     ref = _scores(copy.deepcopy(m).double(), V, batch, False)
 
     def err(precision):
-        with make_scorer(m, mods(m), V, precision=precision) as sc:
+        with make_scorer(m, mods(m), V, execution=ExecutionContext.of(m, precision=precision)) as sc:
             return float((sc.score(batch).double() - ref).norm() / ref.norm())
 
     e_bf16, e_split = err("model"), err("split32")
@@ -190,7 +191,7 @@ def test_split32_patches_every_linear_and_undoes_it():
     with torch.no_grad():
         assert m(input_ids=batch["input_ids"]).logits.dtype == torch.bfloat16
     # nested inside the exact scorer's own patches, and undone with them
-    with make_scorer(m, tracked_linear_modules(m), V, precision="split32") as sc:
+    with make_scorer(m, tracked_linear_modules(m), V, execution=ExecutionContext.of(m, precision="split32")) as sc:
         assert torch.isfinite(sc.score(batch)).all()
     assert not any("forward" in mod.__dict__ for mod in linears)
 
@@ -211,21 +212,26 @@ def test_split32_on_gpu_graphed_equals_eager_and_float64(gemm):
     V = {n: v.to(torch.bfloat16).double() for n, v in V.items()}
     tok = tiny_tokenizer()
     enc = [encode(tok, p, r) for p, r in POOL]
-    kw = dict(pad_id=tok.pad_token_id, batch_size=4, progress=False, precision="split32",
-              kernels=Kernels(split_gemm=gemm))
-    eager = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="off", **kw).double()
-    graphed = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="on", **kw).double()
+    kw = dict(pad_id=tok.pad_token_id, batch_size=4)
+    ex = dict(progress=False, precision="split32", kernels=Kernels(split_gemm=gemm))
+    eager = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()},
+                          execution=ExecutionContext.of(m, cuda_graphs="off", **ex), **kw).double()
+    graphed = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()},
+                            execution=ExecutionContext.of(m, cuda_graphs="on", **ex), **kw).double()
     assert float((graphed - eager).norm() / eager.norm()) < GPU_REPLAY_TOL
-    sc = make_scorer(m, mods, {k: v.cuda() for k, v in V.items()}, pad_id=tok.pad_token_id, cuda_graphs="on",
-                     batch_size=4, precision="split32", kernels=Kernels(split_gemm=gemm))
+    sc = make_scorer(m, mods, {k: v.cuda() for k, v in V.items()}, pad_id=tok.pad_token_id, batch_size=4,
+                     execution=ExecutionContext.of(m, cuda_graphs="on", precision="split32",
+                                                   kernels=Kernels(split_gemm=gemm)))
     with sc:  # the graphs were captured, not replaced by the eager fallback
         sc.score(collate_to(enc[:4], tok.pad_token_id, "cuda"))
         assert sc.failed is None and sc.captures == 1, sc.failed
     m64 = copy.deepcopy(m).cpu().double()
-    ref = score_encoded(m64, tracked_linear_modules(m64), enc, V, cuda_graphs="off",
-                        **{**kw, "precision": "model"}).double()
-    plain = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()}, cuda_graphs="off",
-                          **{**kw, "precision": "model"}).double()
+    ref = score_encoded(m64, tracked_linear_modules(m64), enc, V,
+                        execution=ExecutionContext.of(m64, cuda_graphs="off", **{**ex, "precision": "model"}),
+                        **kw).double()
+    plain = score_encoded(m, mods, enc, {k: v.cuda() for k, v in V.items()},
+                          execution=ExecutionContext.of(m, cuda_graphs="off", **{**ex, "precision": "model"}),
+                          **kw).double()
     e_split = float((eager.cpu() - ref).norm() / ref.norm())
     e_plain = float((plain.cpu() - ref).norm() / ref.norm())
     assert e_split * MIN_SPLIT_SCORE_GAIN < e_plain, (e_plain, e_split)
@@ -349,11 +355,11 @@ def test_split32_direction_is_the_float32_direction():
     rejected = [encode(tok, q, r) for q, _, r in PAIRS]
 
     def pref(model, precision="model"):
-        with direction_policy(model, precision):
+        with direction_policy(model, ExecutionContext.of(model, precision=precision)):
             if precision == "split32":
                 assert all(p.dtype == torch.bfloat16 for p in model.parameters())
             return compute_preference(model, tracked_linear_modules(model), chosen, rejected,
-                                      pad_id=tok.pad_token_id, batch_size=2, progress=False)
+                                      pad_id=tok.pad_token_id, batch_size=2)
 
     ref = pref(copy.deepcopy(m).float())
     mine, plain = pref(m, "split32"), pref(m)
@@ -388,7 +394,8 @@ def _fit_err(seed, device="cpu", cuda_graphs="off"):
 
     def fit(model, precision="model", graphs="off"):
         return fit_curvature(model, tracked_linear_modules(model), enc, CurvatureSettings(kind="ekfac", batch_size=4),
-                             pad_id=tok.pad_token_id, progress=False, cuda_graphs=graphs, precision=precision)
+                             pad_id=tok.pad_token_id,
+                             execution=ExecutionContext.of(model, cuda_graphs=graphs, precision=precision))
 
     ref = fit(copy.deepcopy(m).float()).precondition(V)
 
@@ -414,11 +421,14 @@ def test_split32_fit_is_closer_to_the_float32_fit(seed):
 def test_fit_arithmetic_names_the_split():
     from prism_select.precision import fit_arithmetic
     m, _, _ = _setup()
-    assert fit_arithmetic(m, "split32") == "torch.bfloat16+split32"
-    assert fit_arithmetic(m, "residual32") == fit_arithmetic(m, "model") == "torch.bfloat16"
-    assert fit_arithmetic(m.double(), "split32") == "torch.float64"
+    def arithmetic(model, precision):
+        return fit_arithmetic(model, ExecutionContext.of(model, precision=precision))
+
+    assert arithmetic(m, "split32") == "torch.bfloat16+split32"
+    assert arithmetic(m, "residual32") == arithmetic(m, "model") == "torch.bfloat16"
+    assert arithmetic(m.double(), "split32") == "torch.float64"
     with pytest.raises(ConfigError):
-        fit_arithmetic(m, "float16")
+        arithmetic(m, "float16")
 
 
 @needs_cuda

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from prism_select.execution import ExecutionContext
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -123,8 +125,9 @@ def test_cpu_chunks_keep_work_and_resume_identically(setup, tmp_path, monkeypatc
     params = sum(p.numel() for p in model.parameters())
     monkeypatch.setattr(scoring, "CPU_CHUNK_FLOPS", 4 * params * 200)  # 200 tokens a chunk
     assert scoring.chunk_token_limit(model, "cpu") == 200 and scoring.chunk_token_limit(model, "meta") is None
-    kw = dict(pad_id=tok.pad_token_id, batch_size=4, progress=False, run_key={"k": 1})
-    ref = scoring.score_encoded(model, modules, enc, V, partial_dir=tmp_path / "ref", **kw)
+    kw = dict(pad_id=tok.pad_token_id, batch_size=4, execution=ExecutionContext.of(model, progress=False))
+    ref = scoring.score_encoded(model, modules, enc, V, chunking=scoring.Chunking(dir=tmp_path / "ref", key={"k": 1}),
+                                **kw)
     n_chunks = len(scoring.plan_chunks(enc, scoring.DEFAULT_CHUNK_SIZE, 1, 200)[0])
     assert n_chunks > 3 and len(list((tmp_path / "ref").glob("chunk_*"))) == n_chunks
 
@@ -137,8 +140,10 @@ def test_cpu_chunks_keep_work_and_resume_identically(setup, tmp_path, monkeypatc
             raise KeyboardInterrupt
     monkeypatch.setattr(scoring, "_save_chunk", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
-        scoring.score_encoded(model, modules, enc, V, partial_dir=tmp_path / "out", **kw)
+        scoring.score_encoded(model, modules, enc, V, chunking=scoring.Chunking(dir=tmp_path / "out", key={"k": 1}),
+                              **kw)
     assert len(list((tmp_path / "out").glob("chunk_*"))) == 2
     monkeypatch.setattr(scoring, "_save_chunk", real_save)
-    out = scoring.score_encoded(model, modules, enc, V, partial_dir=tmp_path / "out", **kw)
+    out = scoring.score_encoded(model, modules, enc, V, chunking=scoring.Chunking(dir=tmp_path / "out", key={"k": 1}),
+                                **kw)
     assert torch.equal(out, ref)

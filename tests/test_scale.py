@@ -15,8 +15,9 @@ import torch
 
 from prism_select.curvature import factors as factors_mod, spill as spill_mod
 from prism_select import cache
-from prism_select.curvature import CurvatureSettings, fit_curvature
-from prism_select.plan import GiB, PlanError, make_groups, make_plan, parse_bytes, units
+from prism_select.curvature import CurvatureSettings, FitLayout, fit_curvature
+from prism_select.execution import ExecutionContext
+from prism_select.plan import GiB, ExampleSize, PlanError, Shards, make_groups, make_plan, parse_bytes, units
 from prism_select.preference import compute_preference
 
 from reference import rel_err
@@ -34,9 +35,9 @@ def _three_groups(modules):
 @pytest.mark.parametrize("store", ["device", "host"])
 def test_grouped_fit_equals_one_group(model, modules, tok, encoded_pool, kind, store):
     s = CurvatureSettings(kind=kind, batch_size=3)
-    one = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False)
-    grouped = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False,
-                            groups=_three_groups(modules), store=store)
+    one = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id)
+    grouped = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id,
+                            layout=FitLayout(_three_groups(modules), store))
     assert set(grouped.tensors) == set(one.tensors)
     for k, t in one.tensors.items():
         if k.endswith("::QA") or k.endswith("::QS"):  # eigenvectors up to sign: compare projectors
@@ -55,7 +56,7 @@ def test_grouped_fit_equals_one_group(model, modules, tok, encoded_pool, kind, s
 @pytest.mark.parametrize("offload", [None, False])  # False: the eigenbases stay on the device (plan)
 def test_transient_fit_preconditions_group_by_group(model, modules, tok, encoded_pool, offload):
     s = CurvatureSettings(kind="ekfac", batch_size=4)
-    one = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False)
+    one = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id)
     g = {n: torch.randn(*one.eigenvalues(n).shape, dtype=torch.float64) for n in modules}
     seen, v = [], {}
 
@@ -63,8 +64,8 @@ def test_transient_fit_preconditions_group_by_group(model, modules, tok, encoded
         seen.append(list(layers))
         v.update(part.precondition({n: g[n] for n in layers}))
 
-    cur = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id, progress=False,
-                        groups=_three_groups(modules), store="transient", on_group=on_group, offload=offload)
+    cur = fit_curvature(model, modules, encoded_pool, s, pad_id=tok.pad_token_id,
+                        layout=FitLayout(_three_groups(modules), "transient", offload=offload), on_group=on_group)
     assert seen == _three_groups(modules)
     assert cur.tensors == {} and set(cur.damping) == set(modules)
     ref = one.precondition(g)
@@ -78,7 +79,7 @@ def test_fit_groups_must_cover_the_layers(model, modules, tok, encoded_pool):
     names = list(modules)
     with pytest.raises(ValueError, match="cover"):
         fit_curvature(model, modules, encoded_pool, CurvatureSettings(), pad_id=tok.pad_token_id,
-                      progress=False, groups=[names[:2]])
+                      layout=FitLayout([names[:2]]))
 
 
 @pytest.mark.parametrize("method", ["prism", "equal", "unpaired"])
@@ -138,7 +139,7 @@ def test_parse_bytes():
 
 def _plan(model, modules, total_gib, weights_gib=0.0, example=1 << 20, host_gib=1000, **kw):
     return make_plan(model, modules, kind=kw.pop("kind", "ekfac"), device="cuda", batch_size=8,
-                     fit_batch_size=8, example_bytes=example, longest=64, vocab=100,
+                     fit_batch_size=8, example=ExampleSize(example, 64, 100),
                      gpu_total=int(total_gib * GiB), weights=int(weights_gib * GiB),
                      host_available=int(host_gib * GiB), **kw)
 
@@ -158,13 +159,13 @@ def test_plan_groups_the_fit_only_when_needed(model, modules):
                8 * (RECENT_INPUTS * max_in ** 2 + 8 * max_in))
     usable = int(HEADROOM_BYTES + 8 * (1 << 10) * ACTIVATION_SAFETY + work + 0.6 * factors)
     tight = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
-                      example_bytes=1 << 10, longest=1, vocab=1, gpu_total=usable, weights=0,
+                      example=ExampleSize(1 << 10, 1, 1), gpu_total=usable, weights=0,
                       host_available=1 << 40)
     assert len(tight.fit_groups) == 2 and sum(tight.fit_groups, []) == list(modules)
     assert tight.curvature_store == "host"
     # a host that holds a group's eigenbases while it is fitted, not the whole curvature
     small_host = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
-                           example_bytes=1 << 10, longest=1, vocab=1, gpu_total=usable, weights=0,
+                           example=ExampleSize(1 << 10, 1, 1), gpu_total=usable, weights=0,
                            host_available=int(1.5 * tight.fit["stored_bytes"]))
     assert small_host.curvature_store == "transient" and small_host.fit["offload"]
     assert sum(small_host.fit_groups, []) == list(modules) and len(small_host.fit_groups) >= 2
@@ -176,25 +177,26 @@ def test_plan_groups_the_fit_only_when_needed(model, modules):
     largest = 8 * max(o * i for o, i in shapes)
     host = small_host.host["direction"] + small_host.host["scoring"] + 2 * largest
     keep = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
-                     example_bytes=1 << 10, longest=1, vocab=1, gpu_total=usable, weights=0,
+                     example=ExampleSize(1 << 10, 1, 1), gpu_total=usable, weights=0,
                      host_available=int(host / 0.9))
     assert keep.curvature_store == "transient" and keep.fit["offload"] is False
     assert len(keep.fit_groups) > len(small_host.fit_groups) and any("stay on the device" in n for n in keep.notes)
     with pytest.raises(PlanError, match="does not fit host memory"):
         make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
-                  example_bytes=1 << 10, longest=1, vocab=1, gpu_total=usable, weights=0, host_available=1)
+                  example=ExampleSize(1 << 10, 1, 1), gpu_total=usable, weights=0, host_available=1)
 
 
 def test_sharded_factors_need_fewer_fit_groups(model, modules):
     """Under FSDP each rank holds about 1/K of a fit group's K-FAC / EK-FAC factors, so the
     same device fits the fit in fewer groups; a diagonal fit (not sharded) plans as before."""
     from prism_select.plan import HEADROOM_BYTES
-    kw = dict(device="cuda", batch_size=8, fit_batch_size=8, example_bytes=1 << 10, longest=1, vocab=1,
+    kw = dict(device="cuda", batch_size=8, fit_batch_size=8, example=ExampleSize(1 << 10, 1, 1),
               weights=0, host_available=1 << 40)
 
     def groups(total, shards=1):
         try:
-            return len(make_plan(model, modules, kind="ekfac", gpu_total=total, shards=shards, **kw).fit_groups)
+            return len(make_plan(model, modules, kind="ekfac", gpu_total=total, shards=Shards(shards),
+                                 **kw).fit_groups)
         except PlanError:
             return 0
 
@@ -203,14 +205,14 @@ def test_sharded_factors_need_fewer_fit_groups(model, modules):
     # factors: with less memory that fixed cost outweighs the shards)
     total = max(t for t in range(HEADROOM_BYTES, HEADROOM_BYTES + (8 << 20), 4096) if groups(t) >= 2)
     one = make_plan(model, modules, kind="ekfac", gpu_total=total, **kw)
-    four = make_plan(model, modules, kind="ekfac", gpu_total=total, shards=4, **kw)
+    four = make_plan(model, modules, kind="ekfac", gpu_total=total, shards=Shards(4), **kw)
     assert four.fit["factor_shards"] == 4 and one.fit["factor_shards"] == 1
     assert sum(four.fit_groups, []) == list(modules)
     assert len(four.fit_groups) < len(one.fit_groups)
     assert four.fit["peak"] <= four.usable
     assert "over 4 ranks" in four.describe()
     diag_one = make_plan(model, modules, kind="diagonal", gpu_total=total, **kw)
-    diag_four = make_plan(model, modules, kind="diagonal", gpu_total=total, shards=4, **kw)
+    diag_four = make_plan(model, modules, kind="diagonal", gpu_total=total, shards=Shards(4), **kw)
     assert diag_four.fit_groups == diag_one.fit_groups and diag_four.fit["factor_shards"] == 1
 
 
@@ -220,11 +222,11 @@ def test_sharded_sums_once_per_pass_only_where_a_group_fits_every_rank(model, mo
     then counts them), and every step where only the shares fit; pass where it cannot fit
     is refused before any work, naming the fix."""
     from prism_select.plan import HEADROOM_BYTES
-    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example_bytes=1 << 10, longest=1,
-              vocab=1, weights=0, host_available=1 << 40, shards=4)
+    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example=ExampleSize(1 << 10, 1, 1),
+              weights=0, host_available=1 << 40, shards=Shards(4))
     roomy = make_plan(model, modules, gpu_total=80 * GiB, **kw)
     assert roomy.fit["sums"] == "pass" and "once per pass" in roomy.describe()
-    step = make_plan(model, modules, gpu_total=80 * GiB, sums="step", **kw)
+    step = make_plan(model, modules, gpu_total=80 * GiB, **{**kw, "shards": Shards(4, sums="step")})
     assert step.fit["sums"] == "step" and "every step" in step.describe()
     assert step.fit["peak"] < roomy.fit["peak"] <= roomy.usable  # a whole group's sums counted
     # the least memory with which the sharded plan holds the fit in one group: there a
@@ -234,9 +236,9 @@ def test_sharded_sums_once_per_pass_only_where_a_group_fits_every_rank(model, mo
     tight = make_plan(model, modules, gpu_total=total, **kw)
     assert tight.fit["sums"] == "step" and tight.fit["peak"] <= tight.usable
     with pytest.raises(PlanError, match="--fsdp-sums step"):
-        make_plan(model, modules, gpu_total=total, sums="pass", **kw)
+        make_plan(model, modules, gpu_total=total, **{**kw, "shards": Shards(4, sums="pass")})
     # one rank (no sharding) has nothing to send
-    assert make_plan(model, modules, gpu_total=80 * GiB, **{**kw, "shards": 1}).fit["sums"] == "step"
+    assert make_plan(model, modules, gpu_total=80 * GiB, **{**kw, "shards": Shards(1)}).fit["sums"] == "step"
 
 
 def test_blocks_keep_gathered_weights_only_where_the_whole_model_fits(model, modules):
@@ -245,10 +247,11 @@ def test_blocks_keep_gathered_weights_only_where_the_whole_model_fits(model, mod
     plan's peak), not where it does not; on where it cannot fit is refused naming the fix."""
     from prism_select.plan import HEADROOM_BYTES
     full = 64 << 20  # a model far larger than its shard (weights=0 below: the allocations)
-    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example_bytes=1 << 10, longest=1,
-              vocab=1, weights=0, host_available=1 << 40, shards=4, full_weights=full)
+    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example=ExampleSize(1 << 10, 1, 1),
+              weights=0, host_available=1 << 40, shards=Shards(4, full_weights=full))
     roomy = make_plan(model, modules, gpu_total=80 * GiB, **kw)
-    off = make_plan(model, modules, gpu_total=80 * GiB, keep_gathered="off", **kw)
+    off = make_plan(model, modules, gpu_total=80 * GiB,
+                    **{**kw, "shards": Shards(4, keep_gathered="off", full_weights=full)})
     assert roomy.keep_gathered and not off.keep_gathered
     assert roomy.peak == off.peak + full * 3 // 4 and any("keeps its gathered" in n for n in roomy.notes)
     assert roomy.to_json()["keep_gathered"] is True
@@ -257,13 +260,16 @@ def test_blocks_keep_gathered_weights_only_where_the_whole_model_fits(model, mod
     tight = make_plan(model, modules, gpu_total=tight_total, **kw)
     assert not tight.keep_gathered and tight.peak <= tight.usable
     with pytest.raises(PlanError, match="--fsdp-keep-gathered off"):
-        make_plan(model, modules, gpu_total=tight_total, keep_gathered="on", **kw)
-    assert not make_plan(model, modules, gpu_total=80 * GiB, **{**kw, "shards": 1}).keep_gathered
+        make_plan(model, modules, gpu_total=tight_total,
+                  **{**kw, "shards": Shards(4, keep_gathered="on", full_weights=full)})
+    assert not make_plan(model, modules, gpu_total=80 * GiB,
+                         **{**kw, "shards": Shards(1, full_weights=full)}).keep_gathered
 
 
 def _fits_one_group(model, modules, total, kw) -> bool:
     try:
-        return len(make_plan(model, modules, gpu_total=total, sums="step", **kw).fit_groups) == 1
+        return len(make_plan(model, modules, gpu_total=total,
+                             **{**kw, "shards": Shards(kw["shards"].count, sums="step")}).fit_groups) == 1
     except PlanError:
         return False
 
@@ -275,8 +281,8 @@ def test_ranks_of_one_host_share_its_memory(model, modules, monkeypatch):
     monkeypatch.setattr(plan_mod, "host_available_bytes", lambda: 100 * GiB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert plan_mod.host_share_bytes() == 25 * GiB
-    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example_bytes=1 << 10, longest=1,
-              vocab=1, gpu_total=80 * GiB, weights=0)
+    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example=ExampleSize(1 << 10, 1, 1),
+              gpu_total=80 * GiB, weights=0)
     assert make_plan(model, modules, **kw).host["available"] == 25 * GiB
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert make_plan(model, modules, **kw).host["available"] == 100 * GiB
@@ -286,7 +292,7 @@ def test_plan_lowers_batch_sizes_then_fails_with_what_would_fit(model, modules):
     from prism_select.plan import HEADROOM_BYTES
     example = 1 << 26  # 64 MiB of activations per example: 8 of them do not fit below
     plan = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
-                     example_bytes=example, longest=64, vocab=100,
+                     example=ExampleSize(example, 64, 100),
                      gpu_total=HEADROOM_BYTES + int(3.5 * example * 1.25), weights=0, host_available=1 << 40)
     assert plan.scoring["batch_size"] == 2 and plan.fit["batch_size"] <= 2
     assert any("batches of 2" in n for n in plan.notes)
@@ -294,13 +300,13 @@ def test_plan_lowers_batch_sizes_then_fails_with_what_would_fit(model, modules):
         _plan(model, modules, 1, weights_gib=5)
     with pytest.raises(PlanError, match=r"does not fit on cuda.*--modules REGEX \.\.\.; now 14"):
         make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
-                  example_bytes=1 << 10, longest=1, vocab=1, gpu_total=HEADROOM_BYTES + 30_000,
+                  example=ExampleSize(1 << 10, 1, 1), gpu_total=HEADROOM_BYTES + 30_000,
                   weights=0, host_available=1 << 40)
 
 
 def test_cpu_plan_is_unbounded(model, modules):
     plan = make_plan(model, modules, kind="ekfac", device="cpu", batch_size=8, fit_batch_size=8,
-                     example_bytes=0, longest=64, vocab=100)
+                     example=ExampleSize(0, 64, 100))
     assert not plan.bounded and plan.curvature_store == "device" and plan.fit_groups == [list(modules)]
     assert "memory plan on cpu" in plan.describe()
 
@@ -639,8 +645,8 @@ def test_fit_device_memory_stays_within_the_plan(tok, encoded_pool, monkeypatch)
     longest = max(pool, key=lambda e: len(e.input_ids))
     with LiveBytes(list(m.parameters())) as probe:
         example_step(m, longest, tok.pad_token_id, "cpu")
-    common = dict(kind="ekfac", device="cuda", batch_size=2, fit_batch_size=2, example_bytes=probe.peak,
-                  longest=len(longest.input_ids), vocab=len(tok), weights=0, host_available=1 << 40)
+    common = dict(kind="ekfac", device="cuda", batch_size=2, fit_batch_size=2,
+                  example=ExampleSize(probe.peak, len(longest.input_ids), len(tok)), weights=0, host_available=1 << 40)
     roomy = make_plan(m, mods, gpu_total=1 << 40, **common)
     # a device that holds the group's factors and work space, not the kept curvature as well
     room = roomy.fit["peak"] - roomy.fit["stored_bytes"]
@@ -651,8 +657,8 @@ def test_fit_device_memory_stays_within_the_plan(tok, encoded_pool, monkeypatch)
     try:
         with tracker:
             fit_curvature(m, mods, pool, CurvatureSettings(kind="ekfac", batch_size=plan.fit["batch_size"]),
-                          pad_id=tok.pad_token_id, progress=False, groups=plan.fit_groups,
-                          store=plan.curvature_store)
+                          pad_id=tok.pad_token_id,
+                          layout=FitLayout(plan.fit_groups, plan.curvature_store))
     finally:
         torch.set_num_threads(threads)
     assert probe.peak > 0 and tracker.peak > 0.5 * plan.fit["peak"]
@@ -691,8 +697,9 @@ def test_plan_keeps_host_memory_within_the_host():
     to the float32 direction (~49 GiB): the process was killed for host memory. The plan
     now counts the host and groups (or keeps on the device) so that it holds."""
     m, mods = _qwen14b_on_meta()
-    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example_bytes=int(3.56 * GiB),
-              longest=512, vocab=151936, weights=int(27.6 * GiB), host_available=int(123.5 * GiB))
+    kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
+              example=ExampleSize(int(3.56 * GiB), 512, 151936), weights=int(27.6 * GiB),
+              host_available=int(123.5 * GiB))
     for gpu in (139.8, 79.6):
         plan = make_plan(m, mods, gpu_total=int(gpu * GiB), **kw)
         assert plan.direction["store"] == "host" and plan.curvature_store == "transient"
@@ -755,9 +762,9 @@ def test_sharded_pass_sums_send_each_input_once(model, modules, tok, encoded_poo
     idx = fitmod.fit_indices(len(encoded_pool), s)
     batches = fitmod.length_batches(encoded_pool, idx, s.batch_size)
     timings = {"factors_s": 0.0, "eigh_s": 0.0, "lambda_s": 0.0}
-    t = fitmod._fit_group(model, modules, encoded_pool, batches, len(idx), s, pad_id=tok.pad_token_id,
-                          device=next(model.parameters()).device, progress=False, timings=timings,
-                          cuda_graphs="off", owners={n: 0 for n in modules}, local_sums=True)
+    t = fitmod._fit_group(model, modules, encoded_pool, batches, s, pad_id=tok.pad_token_id,
+                          execution=ExecutionContext.of(model, cuda_graphs="off", progress=False), timings=timings,
+                          layout=fitmod.FitLayout(sums="pass"), owners={n: 0 for n in modules})
     # a decoder block's distinct inputs: q/k/v's, o's, gate/up's, down's
     n_inputs = 4 * len({n.split(".mlp")[0].split(".self_attn")[0] for n in modules})
     a_sent = calls[0] - 1 - len(modules)  # the factor pass's sums, less n_tokens and one S per layer

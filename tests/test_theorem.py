@@ -58,11 +58,10 @@ def test_top_scored_examples_raise_the_reward_more(model, modules, tok, pair_exa
     pool = [encode(tok, p, r) for p, r in POOL]
     chosen = [encode(tok, q, c) for q, c, _ in pair_examples]
     rejected = [encode(tok, q, r) for q, _, r in pair_examples]
-    pref = compute_preference(model, modules, chosen, rejected, pad_id=tok.pad_token_id, progress=False)
+    pref = compute_preference(model, modules, chosen, rejected, pad_id=tok.pad_token_id)
     # Plain SGD's local geometry is the identity, so the matching score uses H = I.
     cur = fit_curvature(model, modules, pool, CurvatureSettings(kind="identity"), pad_id=tok.pad_token_id)
-    scores = score_encoded(model, modules, pool, cur.precondition(pref.direction), pad_id=tok.pad_token_id,
-                           progress=False)
+    scores = score_encoded(model, modules, pool, cur.precondition(pref.direction), pad_id=tok.pad_token_id)
     order = torch.argsort(scores, descending=True).tolist()
     top, bottom = [pool[i] for i in order[:K_TOP]], [pool[i] for i in order[-K_TOP:]]
     k0 = reward(model, chosen, rejected)

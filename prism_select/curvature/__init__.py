@@ -12,7 +12,8 @@ true Fisher) of the *summed* per-example SFT loss, averaged over fit examples:
 """
 
 from .base import KINDS, Curvature, CurvatureSettings, FitSettings, PreconditionSettings
-from .fit import fit_curvature
-from .store import load_or_fit_curvature
+from .fit import FitLayout, FitSpill, fit_curvature
+from .store import FitCache, load_or_fit_curvature
 
-__all__ = ["Curvature", "CurvatureSettings", "FitSettings", "PreconditionSettings", "KINDS", "fit_curvature", "load_or_fit_curvature"]
+__all__ = ["Curvature", "CurvatureSettings", "FitSettings", "PreconditionSettings", "KINDS", "FitCache", "FitLayout",
+           "FitSpill", "fit_curvature", "load_or_fit_curvature"]

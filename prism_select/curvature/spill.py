@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+import time
 
 import torch
 from tqdm.auto import tqdm
@@ -102,7 +104,6 @@ class _Spill:
         the kernel freeing the file's pages and blocks) on the run's path."""
         self.finish()
         if background:
-            import threading
             threading.Thread(target=self.f.close, name="spill-close").start()
         else:
             self.f.close()
@@ -254,81 +255,127 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
     (eigenvalues clamped at 0, row-major eigenvectors), the unnormalised sums per layer,
     and the summed task seconds of the two kinds of work (``eigh``: factors and
     eigendecompositions; ``lambda``, scores included)."""
-    import threading
-    import time
+    fit = _SpilledFit(modules, spill, compute, n_tokens, n_examples, scores)
+    order = sorted(range(len(fit.groups)), key=fit.cost, reverse=True)
+    with tqdm(total=len(order), desc=desc, unit="group", leave=False,
+              disable=not progress or not distributed.is_main()) as bar:
+        for _ in _side_by_side(fit.task, order):
+            bar.update()
+    fit.kept_bufs.clear()
+    return fit.tensors, fit.Lam, fit.M4, fit.seconds
 
-    entries: dict = {}  # layer -> [(batch number, input entry, gradient entry)]
-    for k, rec in enumerate(spill.batches):
-        for name, xe, ge in rec:
-            entries.setdefault(name, []).append((k, xe, ge))
-    by_input: dict = {}  # layers reading one input (with the same bias column) share A
-    for n in modules:
-        first = entries.get(n, [(None, ("none", n), None)])[0][1]
-        by_input.setdefault((first, has_bias(modules[n])), []).append(n)
-    groups = list(by_input.values())
-    tokens = sum(math.prod(m.shape) for m in spill.masks)
 
-    def cost(gid):  # eigendecompositions ~ 27 d^3; products 2 T (2 in^2 + 2 out^2 + out in), A and S included
-        inp = layer_shape(modules[groups[gid][0]])[1]
-        outs = [layer_shape(modules[n])[0] for n in groups[gid]]
-        return 27 * (inp ** 3 + sum(o ** 3 for o in outs)) + 2 * tokens * (
+class _SpilledFit:
+    """The tasks of :func:`_spilled_groups` and what they share: the spilled entries of
+    each layer, the groups of layers reading one input, and the results, which the
+    workers add under one lock."""
+
+    def __init__(self, modules: dict, spill: _Spill, compute, n_tokens: int, n_examples: int,
+                 scores: FitScores | None):
+        self.modules, self.spill, self.compute = modules, spill, compute
+        self.n_tokens, self.n_examples = n_tokens, n_examples
+        self.entries: dict = {}  # layer -> [(batch number, input entry, gradient entry)]
+        for k, rec in enumerate(spill.batches):
+            for name, xe, ge in rec:
+                self.entries.setdefault(name, []).append((k, xe, ge))
+        by_input: dict = {}  # layers reading one input (with the same bias column) share A
+        for n in modules:
+            first = self.entries.get(n, [(None, ("none", n), None)])[0][1]
+            by_input.setdefault((first, has_bias(modules[n])), []).append(n)
+        self.groups = list(by_input.values())
+        self.tokens = sum(math.prod(m.shape) for m in spill.masks)
+        self.tensors, self.Lam, self.M4 = {}, {}, {}
+        self.seconds = {"eigh": 0.0, "lambda": 0.0}
+        self.lock = threading.Lock()
+        self.kept_bufs: dict = {}  # worker thread -> the buffer its tasks' kept products reuse
+        self.scores = self._scoring(scores)
+
+    def cost(self, gid: int) -> int:
+        """A task's work: eigendecompositions ~ 27 d^3; products 2 T (2 in^2 + 2 out^2 + out in),
+        A and S included."""
+        modules, group = self.modules, self.groups[gid]
+        inp = layer_shape(modules[group[0]])[1]
+        outs = [layer_shape(modules[n])[0] for n in group]
+        return 27 * (inp ** 3 + sum(o ** 3 for o in outs)) + 2 * self.tokens * (
             2 * inp ** 2 + sum(2 * o * o + o * inp for o in outs))
 
-    tensors, Lam, M4 = {}, {}, {}
-    seconds = {"eigh": 0.0, "lambda": 0.0}
-    lock = threading.Lock()
-    if scores is not None:
-        itemsize = torch.empty((), dtype=compute).element_size()
-        kept = sorted((scores.n_examples * itemsize * sum(math.prod(layer_shape(modules[n])) for n in g)
-                       for g in groups), reverse=True)
+    def _scoring(self, scores: FitScores | None) -> FitScores | None:
+        """``scores`` where the products the largest tasks keep at once (one per worker) fit
+        ``scores.max_bytes``, else None."""
+        if scores is None:
+            return None
+        itemsize = torch.empty((), dtype=self.compute).element_size()
+        kept = sorted((scores.n_examples * itemsize * sum(math.prod(layer_shape(self.modules[n])) for n in g)
+                       for g in self.groups), reverse=True)
         at_once = sum(kept[:max(torch.get_num_threads(), 1)])  # the largest tasks, one per worker
-        rows = sorted(i for b in spill.examples for i in b)
+        rows = sorted(i for b in self.spill.examples for i in b)
         if rows != list(range(scores.n_examples)):
             raise ValueError("FitScores: the fit examples must be the encoded list's, each once")
         if at_once > scores.max_bytes:
             log.info("the fit does not score: its rotated gradients would take %.2f GiB at once (at most %.2f)",
                      at_once / 2**30, scores.max_bytes / 2**30)
-            scores = None
-    kept_bufs: dict = {}  # worker thread -> the buffer its tasks' kept products reuse
+            return None
+        return scores
 
-    def kept_products(layers) -> dict:
+    def kept_products(self, layers) -> dict:
         """Each layer's ``R`` (``n_examples x out x in'``), views of one buffer per worker
         thread: fresh pages for every task (17 GB over the demo's tasks) were ~13 s of
         kernel time in page faults. The buffer is replaced by a smaller one when a task
         needs at most half of it (the tasks come largest first, and the finished
         curvature grows as they go: the demo's peak RSS was ~400 MB higher with the
         largest buffers kept to the end)."""
-        shapes = {n: (scores.n_examples, *layer_shape(modules[n])) for n in layers}
+        shapes = {n: (self.scores.n_examples, *layer_shape(self.modules[n])) for n in layers}
         need = sum(math.prod(sh) for sh in shapes.values())
         tid = threading.get_ident()
-        buf = kept_bufs.get(tid)
+        buf = self.kept_bufs.get(tid)
         if buf is None or buf.numel() < need or 2 * need <= buf.numel():
             del buf
-            kept_bufs.pop(tid, None)  # the old buffer is freed before the new one is allocated
-            buf = kept_bufs[tid] = torch.empty(need, dtype=compute)
+            self.kept_bufs.pop(tid, None)  # the old buffer is freed before the new one is allocated
+            buf = self.kept_bufs[tid] = torch.empty(need, dtype=self.compute)
         out, at = {}, 0
         for n, sh in shapes.items():
             out[n] = buf[at:at + math.prod(sh)].view(sh)
             at += math.prod(sh)
         return out
 
-    def per_batch(layers):  # batch -> [(layer, input entry, gradient entry)] of these layers
+    def per_batch(self, layers) -> list:
+        """batch -> [(layer, input entry, gradient entry)] of these layers, in batch order."""
         out: dict = {}
         for n in layers:
-            for k, xe, ge in entries.get(n, []):
+            for k, xe, ge in self.entries.get(n, []):
                 out.setdefault(k, []).append((n, xe, ge))
         return [(k, out[k]) for k in sorted(out)]
 
-    def task(gid):
+    def task(self, gid: int) -> int:
+        """One group of layers reading one input: factors, eigendecompositions, eigenvalues
+        (and scores), added to the results."""
         t0 = time.perf_counter()
-        layers = groups[gid]
+        layers = self.groups[gid]
+        batches = self.per_batch(layers)
+        out, QA = self._decompose(layers, batches)
+        t1 = time.perf_counter()
+        taps = self._eigenvalues(gid, layers, batches, out, QA)
+        with self.lock:
+            for n in layers:
+                for key, t in out[n].items():
+                    self.tensors[f"{n}::{key}"] = t
+                self.Lam[n], self.M4[n] = taps[n].Lam, taps[n].M4
+            self.seconds["eigh"] += t1 - t0
+            self.seconds["lambda"] += time.perf_counter() - t1
+        # this worker's freed batches and products, in its own heap arena, go back to the
+        # system (untrimmed, the demo's stage ended 1.2 GB above where it began)
+        release_host_memory()
+        return gid
+
+    def _factors(self, layers: list, batches: list) -> tuple:
+        """The group's ``A`` and each layer's ``S``, as _CovTap sums them (A from the first
+        layer's input); lower triangles only."""
+        compute, spill, modules = self.compute, self.spill, self.modules
         bias = has_bias(modules[layers[0]])
         d_in = layer_shape(modules[layers[0]])[1]
         A = torch.zeros(d_in, d_in, dtype=compute)
         S = {n: torch.zeros(layer_shape(modules[n])[0], layer_shape(modules[n])[0], dtype=compute) for n in layers}
-        stats = _Stats(compute)
-        batches = per_batch(layers)
-        for k, rec in batches:  # the factors, as _CovTap sums them (A from the first layer's input)
+        for k, rec in batches:
             sel = spill.masks[k]
             x = spill.read(rec[0][1])
             a = (x * sel.to(x.dtype)[..., None]).reshape(-1, x.shape[-1])
@@ -339,9 +386,17 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
                 g = spill.read(ge)
                 _gram_into(S[n], g.reshape(-1, g.shape[-1]))
                 del g
+        return A, S
+
+    def _decompose(self, layers: list, batches: list) -> tuple:
+        """``(out, QA)``: each layer's ``QA``, ``lamA``, ``lamS``, ``QS`` (the first layer
+        holds the input's own, the others copies), and the input's eigenbasis. Each
+        factor is freed once decomposed."""
+        compute = self.compute
+        A, S = self._factors(layers, batches)
         # not mirrored: the eigensolver reads the lower triangle alone (_eigh), which is
         # what _gram_into sums (the upper block triangle stays zero)
-        A = A.div_(max(n_tokens, 1))
+        A = A.div_(max(self.n_tokens, 1))
         check_finite(A, "the activation covariance", layer=layers[0])
         out = {}
         lam, Q = _eigh(A)
@@ -350,17 +405,24 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
         # saved (+0.8 GB of host memory for the embedded model)
         lamA, QA = lam.clamp(min=0).to(compute), Q.to(compute).contiguous()
         for n in layers:
-            Sn = S.pop(n).div_(n_examples)  # lower triangle, as A
+            Sn = S.pop(n).div_(self.n_examples)  # lower triangle, as A
             check_finite(Sn, "the gradient covariance", layer=n)
             lam, Q = _eigh(Sn)
             del Sn
             out[n] = {"QA": QA if n == layers[0] else QA.clone(), "lamA": lamA if n == layers[0] else lamA.clone(),
                       "lamS": lam.clamp(min=0).to(compute), "QS": Q.to(compute).contiguous()}
             del lam, Q
-        t1 = time.perf_counter()
+        return out, QA
+
+    def _eigenvalues(self, gid: int, layers: list, batches: list, out: dict, QA) -> dict:
+        """Every spilled batch of the group's layers added to their ``Lambda`` and ``M4``
+        (each input read and rotated once per batch); with :class:`FitScores`, the
+        layers' scores. Returns the taps, which hold the sums."""
+        compute, spill, modules = self.compute, self.spill, self.modules
+        stats = _Stats(compute)
         taps = {}
         # FitScores: each layer's R_n, one row per example of the encoded list
-        R = kept_products(layers) if scores is not None else {}
+        R = self.kept_products(layers) if self.scores is not None else {}
         for n in layers:
             tap = taps[n] = _LambdaTap(modules[n], stats, QA, out[n]["QS"], gid)
             tap.Lam, tap.M4 = torch.zeros(*layer_shape(modules[n]), dtype=compute), torch.zeros(1, dtype=compute)
@@ -377,28 +439,10 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
         stats.cache.clear()
         del stats
         for n in list(R):  # Lambda as _finish_lambda forms it (the sums stay), then the layer's scores
-            lam, var = _lambda_from_sums(taps[n].Lam, taps[n].M4, n_examples, in_place=False)
-            scores.score_layer(n, {**out[n], "Lambda": lam, "LambdaVar": var}, R.pop(n), lock)
+            lam, var = _lambda_from_sums(taps[n].Lam, taps[n].M4, self.n_examples, in_place=False)
+            self.scores.score_layer(n, {**out[n], "Lambda": lam, "LambdaVar": var}, R.pop(n), self.lock)
             del lam, var
-        with lock:
-            for n in layers:
-                for key, t in out[n].items():
-                    tensors[f"{n}::{key}"] = t
-                Lam[n], M4[n] = taps[n].Lam, taps[n].M4
-            seconds["eigh"] += t1 - t0
-            seconds["lambda"] += time.perf_counter() - t1
-        # this worker's freed batches and products, in its own heap arena, go back to the
-        # system (untrimmed, the demo's stage ended 1.2 GB above where it began)
-        release_host_memory()
-        return gid
-
-    order = sorted(range(len(groups)), key=cost, reverse=True)
-    with tqdm(total=len(order), desc=desc, unit="group", leave=False,
-              disable=not progress or not distributed.is_main()) as bar:
-        for _ in _side_by_side(task, order):
-            bar.update()
-    kept_bufs.clear()
-    return tensors, Lam, M4, seconds
+        return taps
 
 
 class _SpillTap(Tap):

@@ -4,15 +4,18 @@ load-or-fit (:mod:`prism_select.cache` bounds and lists the entries)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+from .. import cache as cache_entries
 from .. import distributed
 from ..errors import CacheError
-from ..execution import DEFAULT_KERNELS, Kernels
+from ..execution import ExecutionContext
 from ..precision import fit_arithmetic
 from ..io import sha256_json
 from ..settings import key_of
 from .base import Curvature, FitSettings, apply_damping
-from .fit import FitScores, fit_curvature
+from .fit import FitLayout, FitSpill, fit_curvature
 
 log = logging.getLogger(__name__)
 
@@ -36,34 +39,71 @@ def curvature_key(settings: FitSettings, model_fingerprint: str, pool_fingerprin
     }
 
 
-def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_root,
-                          model_fingerprint, pool_fingerprint, max_length, device=None, progress=True,
-                          cuda_graphs: str = "auto", timings: dict | None = None, precision: str = "model",
-                          groups: list | None = None, store: str = "device", on_group=None,
-                          cache_max_bytes: int | None = None, kernels: Kernels = DEFAULT_KERNELS,
-                          offload: bool | None = None, on_spill=None, scores: FitScores | None = None,
-                          sharded_sums: str = "step"):
-    """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
-    and save it (``timings``, ``precision``, ``groups``, ``store``, ``offload``, ``on_group``,
-    ``on_spill``, ``scores`` and ``sharded_sums`` as in :func:`fit_curvature`; a reused curvature is handed to
-    ``on_group`` whole, and does not score).
+@dataclass(frozen=True)
+class FitCache:
+    """Where fitted curvatures are kept, and what identifies this fit's inputs.
 
-    The cache (:mod:`prism_select.cache`) is bounded by ``cache_max_bytes``: older entries
+    root: the cache directory of curvatures. model_fingerprint, pool_fingerprint,
+    max_length: the model, the fit examples and their truncation (:func:`curvature_key`).
+    max_bytes: the cache's bound (older entries are evicted to make room; None: the free
+    disk space only)."""
+
+    root: Path | str
+    model_fingerprint: str
+    pool_fingerprint: str
+    max_length: int
+    max_bytes: int | None = None
+
+
+def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache: FitCache,
+                          execution: ExecutionContext | None = None, timings: dict | None = None,
+                          layout: FitLayout = FitLayout(), on_group=None, spill: FitSpill = FitSpill()):
+    """Reuse a saved curvature whose settings, fingerprints and arithmetic match, else fit
+    and save it (``execution``, ``timings``, ``layout``, ``on_group`` and ``spill`` as in
+    :func:`fit_curvature`; a reused curvature is handed to ``on_group`` whole, and does not
+    score; the spill goes where the cache is, a disk rather than a RAM-backed /tmp).
+
+    The cache (:mod:`prism_select.cache`) is bounded by ``cache.max_bytes``: older entries
     are evicted to make room, and a curvature larger than the bound, a ``transient`` one,
     or one whose write fails (disk full) is not kept: the run goes on with it in memory.
     Returns ``(curvature, directory, reused)``.
     """
-    from pathlib import Path
+    execution = execution or ExecutionContext.of(model)
+    key = curvature_key(settings, cache.model_fingerprint, cache.pool_fingerprint, list(modules), cache.max_length,
+                        fit_arithmetic(model, execution))
+    directory = Path(cache.root) / sha256_json(key)[:24]
+    cur = _load_saved(settings, key, directory, layout.store, execution.device)
+    if distributed.all_or_nothing(cur is not None):
+        log.info("reusing curvature from %s", directory)
+        cache_entries.touch(directory)
+        if on_group is not None:
+            on_group(list(cur.layers), cur)
+        return cur, directory, True
+    spill_dir = None
+    try:
+        Path(cache.root).mkdir(parents=True, exist_ok=True)
+        spill_dir = str(cache.root)
+    except OSError:
+        pass
+    cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, execution=execution, timings=timings,
+                        layout=layout, on_group=on_group, spill=replace(spill, dir=spill_dir))
+    if settings.kind == "identity":
+        return cur, directory, False
+    if layout.store == "transient":
+        log.info("the curvature was not kept (transient memory plan), so it is not cached")
+        return cur, None, False
+    if cur.meta.get("owners"):
+        log.info("the curvature's factors are sharded over the ranks (FSDP), so it is not cached")
+        return cur, None, False
+    return cur, _save(cur, key, directory, cache), False
 
-    from .. import cache
 
-    key = curvature_key(settings, model_fingerprint, pool_fingerprint, list(modules), max_length,
-                        fit_arithmetic(model, precision))
-    directory = Path(cache_root) / sha256_json(key)[:24]
-    # Under torchrun the fit is collective: reuse only if every rank loads the saved copy
-    # (a cache directory that is not shared by all nodes means fitting again).
+def _load_saved(settings, key: dict, directory: Path, store: str, device):
+    """The saved curvature of ``key`` with its damping, if every rank can load it, else None.
+    Under torchrun the fit is collective: reuse only if every rank loads the saved copy (a
+    cache directory that is not shared by all nodes means fitting again). A transient plan
+    means the whole curvature does not fit host memory: it is never loaded."""
     cur = None
-    # a transient plan means the whole curvature does not fit host memory: never load it
     if settings.kind != "identity" and store != "transient" \
             and distributed.all_or_nothing((directory / "curvature.json").exists()):
         try:
@@ -71,39 +111,22 @@ def load_or_fit_curvature(model, modules, encoded, settings, *, pad_id, cache_ro
                                 settings)
         except CacheError as exc:
             log.warning("%s; fitting again", exc)
-    if distributed.all_or_nothing(cur is not None):
-        log.info("reusing curvature from %s", directory)
-        cache.touch(directory)
-        if on_group is not None:
-            on_group(list(cur.layers), cur)
-        return cur, directory, True
-    spill_dir = None  # the spill goes where the cache is (a disk, not a RAM-backed /tmp)
-    try:
-        Path(cache_root).mkdir(parents=True, exist_ok=True)
-        spill_dir = str(cache_root)
-    except OSError:
-        pass
-    cur = fit_curvature(model, modules, encoded, settings, pad_id=pad_id, device=device, progress=progress,
-                        cuda_graphs=cuda_graphs, timings=timings, precision=precision, groups=groups,
-                        store=store, on_group=on_group, spill_dir=spill_dir, kernels=kernels, offload=offload,
-                        on_spill=on_spill, scores=scores, sharded_sums=sharded_sums)
-    if settings.kind == "identity":
-        return cur, directory, False
-    if store == "transient":
-        log.info("the curvature was not kept (transient memory plan), so it is not cached")
-        return cur, None, False
-    if cur.meta.get("owners"):
-        log.info("the curvature's factors are sharded over the ranks (FSDP), so it is not cached")
-        return cur, None, False
+    return cur
+
+
+def _save(cur: Curvature, key: dict, directory: Path, cache: FitCache):
+    """Save a fitted curvature in the cache, room made for it; returns its directory, or
+    None where it is not kept (no room, or a failed write)."""
     size = sum(t.numel() * t.element_size() for t in cur.tensors.values())
-    root = Path(cache_root).parent
+    root = Path(cache.root).parent
     room = True
     if distributed.is_main():
-        room = cache.make_room(root, size, cache_max_bytes, keep=[directory])
+        room = cache_entries.make_room(root, size, cache.max_bytes, keep=[directory])
         if not room:
             log.warning("the fitted curvature (%s) does not fit the cache (--cache-max-gb, or the free disk "
-                        "space under %s): it is used from memory and not saved", cache.format_size(size), root)
+                        "space under %s): it is used from memory and not saved", cache_entries.format_size(size),
+                        root)
     if distributed.all_or_nothing(room):
-        saved = cache.guarded_write(directory, lambda: cur.save(directory, key), "the fitted curvature")
-        return cur, directory if saved else None, False
-    return cur, None, False
+        saved = cache_entries.guarded_write(directory, lambda: cur.save(directory, key), "the fitted curvature")
+        return directory if saved else None
+    return None

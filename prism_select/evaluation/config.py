@@ -545,6 +545,20 @@ def _check_fraction(v, name, allow_zero=False):
 
 
 def _validate(cfg, protocol: str):
+    """Check a protocol config, section by section; the first problem raises :class:`ConfigError`."""
+    _validate_common(cfg)
+    if isinstance(cfg, (RankingConfig, RepairConfig)):
+        _validate_pool_data(cfg)
+    if isinstance(cfg, RepairConfig):
+        _validate_repair(cfg)
+    if isinstance(cfg, SelectConfig):
+        _validate_select(cfg)
+    _validate_generation_finetune(cfg)
+
+
+def _validate_common(cfg):
+    """What every protocol has: seeds, methods and their options, the score settings, and
+    the harmful ratios where a protocol has them."""
     if not cfg.seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in cfg.seeds):
         raise ConfigError("seeds", f"must be a non-empty list of integers, got {cfg.seeds!r}")
     if len(set(cfg.seeds)) != len(cfg.seeds):
@@ -578,77 +592,86 @@ def _validate(cfg, protocol: str):
             raise ConfigError(name, "needs at least one ratio", "e.g. [0.1, 0.5]")
         for i, r in enumerate(ratios):
             _check_fraction(r, f"{name}[{i}]", allow_zero=True)
-    if isinstance(cfg, (RankingConfig, RepairConfig)):
-        if not cfg.data.gsm8k_train and cfg.data.family not in GENERATED_FAMILIES:
-            raise ConfigError("data.gsm8k_train", "is required", "the path of GSM8K's train.jsonl")
-        if cfg.data.pool_size < 1:
-            raise ConfigError("data.pool_size", f"must be >= 1, got {cfg.data.pool_size}")
-        if cfg.data.family not in POOL_FAMILIES:
-            raise ConfigError("data.family", f"unknown value {cfg.data.family!r}", f"use one of {', '.join(POOL_FAMILIES)}")
-        if cfg.data.family != "mistake_math" and isinstance(cfg, RankingConfig):
-            raise ConfigError("data.family", "the ranking protocol builds mistake-math pools only",
-                              "use the repair protocol for refusal_trigger pools")
-        try:
-            re.compile(cfg.data.trigger)
-        except re.error as e:
-            raise ConfigError("data.trigger", f"{cfg.data.trigger!r} is not a valid regular expression: {e}") from e
-        if cfg.data.bbh_tasks and not cfg.data.bbh_dir:
-            raise ConfigError("data.bbh_dir", "is required with data.bbh_tasks")
-    if isinstance(cfg, (RankingConfig, RepairConfig)):
-        names = [t.name for t in cfg.targets]
-        if len(set(names)) != len(names):
-            raise ConfigError("targets", f"target set names must differ, got {names}")
-        for i, t in enumerate(cfg.targets):
-            if not re.fullmatch(r"[A-Za-z0-9_.-]+", t.name):
-                raise ConfigError(f"targets[{i}].name", f"{t.name!r} must be letters, digits, '_', '-' or '.'")
+
+
+def _validate_pool_data(cfg):
+    """A ranking or repair config's pool data and target sets."""
+    if not cfg.data.gsm8k_train and cfg.data.family not in GENERATED_FAMILIES:
+        raise ConfigError("data.gsm8k_train", "is required", "the path of GSM8K's train.jsonl")
+    if cfg.data.pool_size < 1:
+        raise ConfigError("data.pool_size", f"must be >= 1, got {cfg.data.pool_size}")
+    if cfg.data.family not in POOL_FAMILIES:
+        raise ConfigError("data.family", f"unknown value {cfg.data.family!r}", f"use one of {', '.join(POOL_FAMILIES)}")
+    if cfg.data.family != "mistake_math" and isinstance(cfg, RankingConfig):
+        raise ConfigError("data.family", "the ranking protocol builds mistake-math pools only",
+                          "use the repair protocol for refusal_trigger pools")
+    try:
+        re.compile(cfg.data.trigger)
+    except re.error as e:
+        raise ConfigError("data.trigger", f"{cfg.data.trigger!r} is not a valid regular expression: {e}") from e
+    if cfg.data.bbh_tasks and not cfg.data.bbh_dir:
+        raise ConfigError("data.bbh_dir", "is required with data.bbh_tasks")
+    names = [t.name for t in cfg.targets]
+    if len(set(names)) != len(names):
+        raise ConfigError("targets", f"target set names must differ, got {names}")
+    for i, t in enumerate(cfg.targets):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", t.name):
+            raise ConfigError(f"targets[{i}].name", f"{t.name!r} must be letters, digits, '_', '-' or '.'")
     if isinstance(cfg, RankingConfig):
         for i, t in enumerate(cfg.targets):
             if t.n_counterfactual < 0 or t.n_distractors < 0 or t.n_counterfactual + t.n_distractors < 1:
                 raise ConfigError(f"targets[{i}]", "needs at least one pair")
-    if isinstance(cfg, RepairConfig):
-        if not cfg.probes.gsm8k_test and cfg.data.family not in GENERATED_FAMILIES:
-            raise ConfigError("probes.gsm8k_test", "is required", "the path of GSM8K's test.jsonl")
-        if cfg.probes.n < 1:
-            raise ConfigError("probes.n", f"must be >= 1, got {cfg.probes.n}")
-        for name in ("pair_selection", "fallback_pair_selection"):
-            v = getattr(cfg, name)
-            if v not in PAIR_SELECTIONS and not (v is None and name.startswith("fallback")):
-                raise ConfigError(name, f"unknown value {v!r}", f"use one of {', '.join(PAIR_SELECTIONS)}")
-        if cfg.min_pairs < 1:
-            raise ConfigError("min_pairs", f"must be >= 1, got {cfg.min_pairs}")
-        if cfg.score_at not in ("start", "post"):
-            raise ConfigError("score_at", f"unknown value {cfg.score_at!r}", "use start or post")
-        if cfg.remove_fraction is not None:
-            _check_fraction(cfg.remove_fraction, "remove_fraction", allow_zero=True)
-        if cfg.remove_fractions is not None:
-            if not cfg.remove_fractions:
-                raise ConfigError("remove_fractions", "needs at least one fraction", "e.g. [0.05, 0.1, 0.2]")
-            for i, r in enumerate(cfg.remove_fractions):
-                _check_fraction(r, f"remove_fractions[{i}]", allow_zero=True)
-        for i, t in enumerate(cfg.targets):
-            if t.source not in ("probes", "counterfactual"):
-                raise ConfigError(f"targets[{i}].source", f"unknown value {t.source!r}", "use probes or counterfactual")
-            rm = t.retrain_methods
-            if rm is not None and not (isinstance(rm, list) or (isinstance(rm, dict) and all(
-                    isinstance(v, list) for v in rm.values()))):
-                raise ConfigError(f"targets[{i}].retrain_methods", f"expected a list or a mapping percentage -> list, "
-                                  f"got {rm!r}")
-            if t.source == "counterfactual" and (t.n_counterfactual < 0 or t.n_distractors < 0
-                                                 or t.n_counterfactual + t.n_distractors < 1):
-                raise ConfigError(f"targets[{i}]", "needs at least one pair")
-        if cfg.probes.capability_per_task < 0:
-            raise ConfigError("probes.capability_per_task", f"must be >= 0, got {cfg.probes.capability_per_task}")
-        _validate_repair_extras(cfg)
-        if cfg.probes.capability_per_task and cfg.data.family not in GENERATED_FAMILIES \
-                and not (cfg.data.bbh_tasks and cfg.data.n_bbh_per_task):
-            raise ConfigError("probes.capability_per_task", "needs BBH tasks in the pool",
-                              "set data.bbh_dir, data.bbh_tasks and data.n_bbh_per_task")
-        from .probes import load_checker
-        try:
-            load_checker(cfg.probes.checker)
-        except ConfigError as e:
-            raise _rewrap(e, "probes") from None
-    if isinstance(cfg, SelectConfig) and cfg.multitask is not None:
+
+
+def _validate_repair(cfg):
+    """A repair config's probes, pair selection, removal fractions and target sources."""
+    if not cfg.probes.gsm8k_test and cfg.data.family not in GENERATED_FAMILIES:
+        raise ConfigError("probes.gsm8k_test", "is required", "the path of GSM8K's test.jsonl")
+    if cfg.probes.n < 1:
+        raise ConfigError("probes.n", f"must be >= 1, got {cfg.probes.n}")
+    for name in ("pair_selection", "fallback_pair_selection"):
+        v = getattr(cfg, name)
+        if v not in PAIR_SELECTIONS and not (v is None and name.startswith("fallback")):
+            raise ConfigError(name, f"unknown value {v!r}", f"use one of {', '.join(PAIR_SELECTIONS)}")
+    if cfg.min_pairs < 1:
+        raise ConfigError("min_pairs", f"must be >= 1, got {cfg.min_pairs}")
+    if cfg.score_at not in ("start", "post"):
+        raise ConfigError("score_at", f"unknown value {cfg.score_at!r}", "use start or post")
+    if cfg.remove_fraction is not None:
+        _check_fraction(cfg.remove_fraction, "remove_fraction", allow_zero=True)
+    if cfg.remove_fractions is not None:
+        if not cfg.remove_fractions:
+            raise ConfigError("remove_fractions", "needs at least one fraction", "e.g. [0.05, 0.1, 0.2]")
+        for i, r in enumerate(cfg.remove_fractions):
+            _check_fraction(r, f"remove_fractions[{i}]", allow_zero=True)
+    for i, t in enumerate(cfg.targets):
+        if t.source not in ("probes", "counterfactual"):
+            raise ConfigError(f"targets[{i}].source", f"unknown value {t.source!r}", "use probes or counterfactual")
+        rm = t.retrain_methods
+        if rm is not None and not (isinstance(rm, list) or (isinstance(rm, dict) and all(
+                isinstance(v, list) for v in rm.values()))):
+            raise ConfigError(f"targets[{i}].retrain_methods", f"expected a list or a mapping percentage -> list, "
+                              f"got {rm!r}")
+        if t.source == "counterfactual" and (t.n_counterfactual < 0 or t.n_distractors < 0
+                                             or t.n_counterfactual + t.n_distractors < 1):
+            raise ConfigError(f"targets[{i}]", "needs at least one pair")
+    if cfg.probes.capability_per_task < 0:
+        raise ConfigError("probes.capability_per_task", f"must be >= 0, got {cfg.probes.capability_per_task}")
+    _validate_repair_extras(cfg)
+    if cfg.probes.capability_per_task and cfg.data.family not in GENERATED_FAMILIES \
+            and not (cfg.data.bbh_tasks and cfg.data.n_bbh_per_task):
+        raise ConfigError("probes.capability_per_task", "needs BBH tasks in the pool",
+                          "set data.bbh_dir, data.bbh_tasks and data.n_bbh_per_task")
+    from .probes import load_checker
+    try:
+        load_checker(cfg.probes.checker)
+    except ConfigError as e:
+        raise _rewrap(e, "probes") from None
+
+
+def _validate_select(cfg):
+    """A general-selection config: a multitask build, or a pool with targets and held-out probes."""
+    if cfg.multitask is not None:
         mt = cfg.multitask
         if cfg.pool or cfg.bbh is not None or cfg.targets or cfg.heldout:
             raise ConfigError("multitask", "builds the pool, targets and held-out probes: give none of pool, bbh, "
@@ -664,7 +687,7 @@ def _validate(cfg, protocol: str):
         _check_fraction(cfg.fraction, "fraction")
         from .probes import load_checker
         load_checker(cfg.checker)
-    elif isinstance(cfg, SelectConfig):
+    else:
         if not cfg.pool:
             raise ConfigError("pool", "is required", "the candidate pool file")
         _check_fraction(cfg.fraction, "fraction")
@@ -674,6 +697,10 @@ def _validate(cfg, protocol: str):
             raise ConfigError("bbh", "give either bbh or targets + heldout, not both")
         from .probes import load_checker
         load_checker(cfg.checker)
+
+
+def _validate_generation_finetune(cfg):
+    """The generation and fine-tuning sections, where a protocol has them."""
     for sec in ("generation",):
         g = getattr(cfg, sec, None)
         if g is not None and (g.max_new_tokens < 1 or g.batch_size < 1):
@@ -684,6 +711,7 @@ def _validate(cfg, protocol: str):
             finetune_settings(ft, 0)
         except ConfigError as e:
             raise _rewrap(e, "finetune") from None
+
 
 
 def config_to_dict(cfg) -> dict:

@@ -7,7 +7,7 @@ from conftest import write_inputs
 import torch
 
 from prism_select.curvature import eigenvalues as eigenvalues_mod, factors as factors_mod, spill as spill_mod
-from prism_select.curvature import CurvatureSettings, fit_curvature
+from prism_select.curvature import CurvatureSettings, FitSpill, fit_curvature
 from prism_select.curvature import fit as fit_mod
 
 from reference import rel_err
@@ -79,10 +79,10 @@ def test_eigendecompositions_have_a_progress_bar(model, modules, tok, encoded_po
     or per layer input, whose task decomposes its factors (fit from the spill)."""
     import re
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
-    fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=True)
+    fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert re.search(r"curvature:\s+0%\|[^|]*\| 0/\d+ .*group/s", capsys.readouterr().err)
     monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)
-    fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=True)
+    fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     n = re.search(r"eigendecompositions:\s+0%\|[^|]*\| 0/(\d+) .*factor/s", capsys.readouterr().err)
     assert n and int(n.group(1)) > len(modules)  # each layer's S and the layer inputs' A
 
@@ -98,7 +98,7 @@ def test_eigendecompositions_hand_back_each_freed_factor(model, modules, tok, en
     monkeypatch.setattr(eigh_mod, "_eigh", lambda M: decomposed.append(M.shape) or eigh(M))
     monkeypatch.setattr(fit_mod, "release_host_memory", lambda: trims.append(len(decomposed)))
     settings = CurvatureSettings(kind="kfac", damping=1e-3, batch_size=3)
-    fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+    fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert len(decomposed) > len(modules)  # each layer's S and the layer inputs' A
     during = [t for t in trims if 0 < t <= len(decomposed)]
     assert len(during) >= len(decomposed)
@@ -361,7 +361,8 @@ def test_scores_from_the_fit_spill_equal_exact_scoring(model, modules, tok, enco
 
     kept = []
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
-    fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, on_spill=kept.append)
+    fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id,
+                  spill=FitSpill(on_spill=kept.append))
     assert len(kept) == 1
     g = torch.Generator().manual_seed(1)
     V = {n: torch.randn(*layer_shape(m), dtype=torch.float64, generator=g) for n, m in modules.items()}
@@ -371,7 +372,7 @@ def test_scores_from_the_fit_spill_equal_exact_scoring(model, modules, tok, enco
         assert kept[0].scores({**modules, "lm_head": model.lm_head}, {**V, "lm_head": None}, len(encoded_pool)) is None
     finally:
         kept[0].close()
-    ref = score_encoded(model, modules, encoded_pool, V, pad_id=tok.pad_token_id, batch_size=4, progress=False)
+    ref = score_encoded(model, modules, encoded_pool, V, pad_id=tok.pad_token_id, batch_size=4)
     assert got.dtype == torch.float64 and got.shape == ref.shape
     assert rel_err(got, ref) <= SPILL_SCORE_REL_TOL
 
@@ -433,14 +434,14 @@ def test_scores_inside_the_fit_equal_preconditioned_exact_scoring(model, modules
     d = {n: torch.randn(*layer_shape(m), dtype=torch.float64, generator=g) for n, m in modules.items()}
     direction = dict(d)
     fs = spill_mod.FitScores(direction, settings, len(encoded_pool))
-    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, scores=fs)
+    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, spill=FitSpill(scores=fs))
     ref_cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert list(cur.tensors) == list(ref_cur.tensors)
     assert all(torch.equal(cur.tensors[k], ref_cur.tensors[k]) for k in cur.tensors)
     assert cur.damping == ref_cur.damping and cur.shrinkage == ref_cur.shrinkage
     assert direction == {}
     v = ref_cur.precondition(d)
-    ref = score_encoded(model, modules, encoded_pool, v, pad_id=tok.pad_token_id, batch_size=4, progress=False)
+    ref = score_encoded(model, modules, encoded_pool, v, pad_id=tok.pad_token_id, batch_size=4)
     assert fs.scores.dtype == torch.float64 and fs.scores.shape == ref.shape
     assert rel_err(fs.scores, ref) <= FIT_SCORE_REL_TOL
 
@@ -453,8 +454,8 @@ def test_fit_does_not_score_beyond_its_memory_bound(model, modules, tok, encoded
     direction = {n: torch.ones(*layer_shape(m), dtype=torch.float64) for n, m in modules.items()}
     fs = spill_mod.FitScores(direction, settings, len(encoded_pool), max_bytes=0)
     kept = []
-    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, scores=fs,
-                        on_spill=kept.append)
+    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id,
+                        spill=FitSpill(on_spill=kept.append, scores=fs))
     ref_cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert fs.scores is None and set(direction) == set(modules)
     assert len(kept) == 1  # the spill goes to on_spill, to score from after the fit
@@ -528,7 +529,7 @@ def test_cpu_eigenvalue_pass_runs_in_bounded_steps(model, modules, tok, encoded_
     longest = max(len(e.input_ids) for e in encoded_pool)
     monkeypatch.setattr(eigenvalues_mod, "LAMBDA_STEP_MAX_BYTES", 2 * per_token * longest)  # two examples a step
     seen = _eigenvalue_pass_spy(monkeypatch)
-    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     (_, factor_batches), (_, steps) = seen
     assert max(len(b) for b in factor_batches) == 4
     assert max(len(s) for s in steps) == 2
@@ -536,7 +537,7 @@ def test_cpu_eigenvalue_pass_runs_in_bounded_steps(model, modules, tok, encoded_
     for s in steps:
         assert per_token * len(s) * max(len(encoded_pool[i].input_ids) for i in s) <= eigenvalues_mod.LAMBDA_STEP_MAX_BYTES
     monkeypatch.setattr(eigenvalues_mod, "LAMBDA_STEP_MAX_BYTES", 1 << 60)  # whole batches
-    ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+    ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert seen[-1][1] == factor_batches
     assert list(got.tensors) == list(ref.tensors)
     for k, t in ref.tensors.items():
@@ -546,7 +547,7 @@ def test_cpu_eigenvalue_pass_runs_in_bounded_steps(model, modules, tok, encoded_
     monkeypatch.setattr(eigenvalues_mod, "LAMBDA_STEP_MAX_BYTES", 1)
     fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=4,
                                                                  fisher="sampled"),
-                  pad_id=tok.pad_token_id, progress=False)
+                  pad_id=tok.pad_token_id)
     assert seen[1][1] == seen[0][1]
 
 
@@ -558,7 +559,7 @@ def test_layers_reading_one_input_share_its_eigenbasis_during_the_eigenvalue_pas
     monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)
     seen = _eigenvalue_pass_spy(monkeypatch)
     cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3),
-                        pad_id=tok.pad_token_id, progress=False)
+                        pad_id=tok.pad_token_id)
     taps = seen[1][0]
     for i in range(2):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."

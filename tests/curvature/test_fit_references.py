@@ -76,7 +76,7 @@ def test_sampled_fisher_equals_the_explicit_factors_of_labels_drawn_from_the_mod
                                                                                    encoded_pool):
     batch, seed = 3, 5
     settings = CurvatureSettings(kind="kfac", damping=1e-3, batch_size=batch, fisher="sampled", seed=seed)
-    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     labels = _sampled_labels(model, encoded_pool, batch, seed, model.config.vocab_size)
     A, S = _pieces(model, modules[LAYER], encoded_pool, labels)
     got_A, got_S = _kron_factors(cur, LAYER)
@@ -93,7 +93,7 @@ def test_a_fit_on_a_sample_equals_the_explicit_factors_of_exactly_those_records(
     chosen = sorted(random.Random(seed).sample(range(n), k))  # --fit-examples' documented draw
     assert chosen != sorted(random.Random(seed).sample(range(n - 1), k)) and chosen != list(range(k))
     settings = CurvatureSettings(kind="kfac", damping=1e-3, batch_size=3, fit_examples=k, seed=seed)
-    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     A, S = _pieces(model, modules[LAYER], [encoded_pool[i] for i in chosen])
     got_A, got_S = _kron_factors(cur, LAYER)
     assert rel_err(got_A, A) <= FIT_REL_TOL
@@ -109,7 +109,7 @@ def test_the_eigenvalue_pass_sees_the_same_labels_as_the_factor_pass(model, modu
     factors (the sampled Fisher draws them again from the same seed)."""
     batch, seed = 3, 5
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=batch, fisher=fisher, seed=seed)
-    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+    cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     labels = (_sampled_labels(model, encoded_pool, batch, seed, model.config.vocab_size) if fisher == "sampled"
               else [None] * len(encoded_pool))
     W = modules[LAYER].weight

@@ -85,9 +85,9 @@ def test_ekfac_scores_agree_with_kronfluence(model, modules, tok, pair_examples,
     rejected = [encode(tok, q, r) for q, _, r in pair_examples]
     pad = tok.pad_token_id
 
-    pref = compute_preference(model, modules, chosen, rejected, pad_id=pad, progress=False)
+    pref = compute_preference(model, modules, chosen, rejected, pad_id=pad)
     cur = fit_curvature(model, modules, pool, CurvatureSettings(kind="ekfac", batch_size=4), pad_id=pad)
-    ours = score_encoded(model, modules, pool, cur.precondition(pref.direction), pad_id=pad, progress=False)
+    ours = score_encoded(model, modules, pool, cur.precondition(pref.direction), pad_id=pad)
 
     task = PrismTask(list(modules))
     kf_model = prepare_model(model, task)

@@ -31,7 +31,7 @@ def test_layers_reading_one_input_share_one_accumulator(model, modules, tok, enc
     seen = _first_pass(monkeypatch, tracker)
     with tracker:
         fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind="kfac", batch_size=3),
-                      pad_id=tok.pad_token_id, progress=False)
+                      pad_id=tok.pad_token_id)
     taps, live = seen[0]
     for i in range(2):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -51,9 +51,9 @@ def test_layers_reading_one_input_share_one_accumulator(model, modules, tok, enc
 
 def test_shared_accumulators_give_the_same_curvature(model, modules, tok, encoded_pool, monkeypatch):
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
-    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+    got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     monkeypatch.setattr(fit_mod, "_shared_inputs", lambda model, modules, *a: {n: n for n in modules})
-    ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+    ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert list(got.tensors) == list(ref.tensors)
     for k, t in ref.tensors.items():
         assert torch.equal(got.tensors[k], t), k
@@ -114,14 +114,14 @@ def test_lower_block_factors_give_the_same_curvature(model, modules, tok, encode
     tracker = LiveBytes(list(model.parameters()))
     seen = _first_pass(monkeypatch, tracker)
     with tracker:
-        got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+        got = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     taps, live = seen[0]
     assert all(isinstance(t.S, factors_mod._LowerBlocks) for t in taps.values())
     monkeypatch.setattr(factors_mod._LowerBlocks, "wanted", staticmethod(lambda d, device: False))
     tracker = LiveBytes(list(model.parameters()))
     seen = _first_pass(monkeypatch, tracker)
     with tracker:
-        ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id, progress=False)
+        ref = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     assert seen[-1][1] > live  # the full accumulators at the start of the pass
     assert list(got.tensors) == list(ref.tensors)
     for k, t in ref.tensors.items():

@@ -21,8 +21,8 @@ def _direction(modules, seed=0):
 def test_fused_exact_equals_hooks_and_explicit_gradients(model, modules, tok, encoded_pool):
     V = _direction(modules)
     hooks = score_encoded(model, modules, encoded_pool, V, pad_id=tok.pad_token_id, batch_size=3,
-                          progress=False, impl="hooks")
-    fused = score_encoded(model, modules, encoded_pool, V, pad_id=tok.pad_token_id, batch_size=3, progress=False)
+                          impl="hooks")
+    fused = score_encoded(model, modules, encoded_pool, V, pad_id=tok.pad_token_id, batch_size=3)
     ref = per_example_grads(model, modules, encoded_pool) @ flatten(V, modules)
     assert rel_err(hooks, ref) <= 1e-10
     assert rel_err(fused, ref) <= 1e-10
