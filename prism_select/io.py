@@ -223,3 +223,12 @@ def canonical_json(obj: Any) -> str:
 def sha256_json(obj: Any) -> str:
     """Hex SHA-256 of ``obj``'s :func:`canonical_json`."""
     return hashlib.sha256(canonical_json(obj).encode("ascii")).hexdigest()
+
+
+def write_if_changed(path: Path, records: list) -> str:
+    """Write records (JSON Lines) unless the file already holds exactly them; return the sha256."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if not (path.is_file() and sha256_file(path) == digest):
+        atomic_write_jsonl(path, records)
+    return digest

@@ -28,6 +28,7 @@ to a single element changes the checksum, the result does not depend on the devi
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -849,3 +850,10 @@ def tracked_linear_modules(model: torch.nn.Module, patterns: list | None = None)
                           f"{', '.join(sample) or '(none)'}",
                           "use regexes that match these names (re.search), e.g. 'mlp' or 'q_proj'")
     return chosen
+
+
+def free_cuda_cache():
+    """Return cached GPU memory between steps (a no-op on CPU)."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()

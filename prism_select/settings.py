@@ -142,9 +142,9 @@ def _int(value, field: str, *, low: int, fix: str | None = None):
         raise ConfigError(field, f"must be >= {low}, got {value!r}", fix)
 
 
-def _baseline_names() -> list:
-    from .baselines import REGISTRY
-    return list(REGISTRY)
+#: the baseline methods that ship with the package (:mod:`prism_select.baselines` registers
+#: exactly these, and refuses any other name)
+BASELINE_METHODS = ("random", "ifguide", "vecfilter", "projdiff", "conceptinf", "saefeat", "less", "judge")
 
 
 @dataclass
@@ -158,7 +158,7 @@ class DirectionSettings:
     seed: int = setting(0, help="seeds every random choice of the run")
 
     def __post_init__(self):
-        known = set(DIRECTION_METHODS) | set(_baseline_names())
+        known = set(DIRECTION_METHODS) | set(BASELINE_METHODS)
         if self.method not in known:
             raise ConfigError("method", f"unknown method {self.method!r}", f"use one of {', '.join(sorted(known))}")
         if not isinstance(self.method_options, dict):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
+from ..settings import BASELINE_METHODS
 from .concept import conceptinf_method, projdiff_method, vecfilter_method
 from .ifguide import ifguide_method
 from .random_scores import random_method
@@ -59,6 +60,9 @@ def _register(name: str, fn, description: str, origin: str):
         raise TypeError(f"baseline {name!r} from {origin} is not callable")
     if name in REGISTRY or name in CORE_DESCRIPTIONS:
         raise TypeError(f"baseline name {name!r} from {origin} is already taken")
+    if name not in BASELINE_METHODS:
+        raise TypeError(f"baseline name {name!r} from {origin} is not in settings.BASELINE_METHODS, which the "
+                        "settings check method names against: add it there")
     REGISTRY[name] = fn
     DESCRIPTIONS[name] = description
 

@@ -23,8 +23,6 @@ deviation (``ddof = 1``).
 from __future__ import annotations
 
 import dataclasses
-import gc
-import hashlib
 import json
 import logging
 import math
@@ -37,7 +35,9 @@ from pathlib import Path
 
 from ..errors import CacheError, ConfigError, InputError, OutputError, PrismError
 from ..evaluation_metrics import auprc, auroc
-from ..io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_file
+from ..io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_file, write_if_changed
+from ..model import free_cuda_cache
+from ..settings import BASELINE_METHODS, DIRECTION_METHODS
 from . import builders
 from .config import config_to_dict, finetune_settings, score_settings
 
@@ -157,24 +157,9 @@ class Experiment:
         self.timings[name] = self.timings.get(name, 0.0) + seconds
 
 
-def write_if_changed(path: Path, records: list) -> str:
-    """Write records (JSON Lines) unless the file already holds exactly them; return the sha256."""
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    if not (path.is_file() and sha256_file(path) == digest):
-        atomic_write_jsonl(path, records)
-    return digest
-
-
 def available_methods() -> list:
-    """PRISM, its ablations and every registered baseline, by ``--method`` name."""
-    from ..preference import METHODS
-    try:
-        from ..baselines import REGISTRY
-        extra = list(REGISTRY)
-    except ImportError:
-        extra = []
-    return list(METHODS) + [m for m in extra if m not in METHODS]
+    """PRISM, its ablations and every baseline, by ``--method`` name."""
+    return list(DIRECTION_METHODS) + [m for m in BASELINE_METHODS if m not in DIRECTION_METHODS]
 
 
 def resolve_methods(methods) -> list:
@@ -232,14 +217,6 @@ def score_methods(exp: Experiment, lm, pool_path: Path, targets_path: Path | Non
         out[m] = rec
         free_cuda_cache()
     return out
-
-
-def free_cuda_cache():
-    """Return cached GPU memory between steps (a no-op on CPU)."""
-    import torch
-    if torch.cuda.is_available():
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def train_adapter(exp: Experiment, lm, pool_path: Path, out_dir: Path, seed: int, tag: str) -> Path:

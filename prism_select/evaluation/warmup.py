@@ -20,7 +20,7 @@ from dataclasses import asdict
 
 from filelock import FileLock
 
-from ..io import sha256_file
+from ..io import sha256_file, write_if_changed
 from . import carry
 from .config import config_to_dict, finetune_settings
 
@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 def warm_start_settings(exp, cfg):
     """The :class:`~prism_select.model.ModelSettings` of the warmed-up start model of
     ``cfg`` (fine-tuned, merged and saved on first use; reused while its inputs hold)."""
-    from .experiment import write_if_changed
     base = exp.out / "start-model"
     base.mkdir(parents=True, exist_ok=True)
     records_path = base / "warmup.jsonl"
@@ -49,8 +48,7 @@ def _warm_up(exp, cfg, records_path, settings, model_dir, key) -> None:
     """Fine-tune the configured model on the warm-up records, merge, save to ``model_dir``."""
     from peft import PeftModel
 
-    from ..model import load_model
-    from .experiment import free_cuda_cache
+    from ..model import free_cuda_cache, load_model
     from .finetune import finetune
     base = model_dir.parent
     t = time.perf_counter()

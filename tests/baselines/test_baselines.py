@@ -607,3 +607,14 @@ def test_a_stopped_compare_resumes_reusing_its_finished_methods(lm, tmp_path, po
     assert (out / "random" / "scores.jsonl").read_bytes() == first
     with pytest.raises(OutputError):  # a finished run with other settings is still refused
         compare(lm, pool, targets, out, ["random"], dataclasses.replace(s, seed=1), c)
+
+
+def test_the_settings_know_exactly_the_registered_baselines():
+    """Method names are checked in settings.py (the ground floor) without importing the
+    baselines; the registry and that list must name the same methods."""
+    from prism_select.baselines import REGISTRY
+    from prism_select.settings import BASELINE_METHODS, DirectionSettings
+
+    assert sorted(REGISTRY) == sorted(BASELINE_METHODS)
+    for name in BASELINE_METHODS:
+        DirectionSettings(method=name)
