@@ -124,7 +124,114 @@ def arithmetic(data: Path, n: int, ratio: float, seed: int, n_targets: int):
         return read(p), read(t)
 
 
-FAMILIES = {"mistake-math": mistake_math, "bbh-wrong": bbh_wrong, "arithmetic": arithmetic}
+def dropped_carry(data: Path, n: int, ratio: float, seed: int, n_targets: int):
+    from prism_select.evaluation import carry
+    built = carry.build(seed, pool_size=n, harmful_ratio=ratio, carry_share=0.5, n_probes=0, n_capability=0,
+                        n_counterfactual=n_targets, n_warmup=0)
+    return built["pool"], built["targets"]
+
+
+#: (country, capital): the facts family's world
+CAPITALS = [
+    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Portugal", "Lisbon"),
+    ("Austria", "Vienna"), ("Belgium", "Brussels"), ("Netherlands", "Amsterdam"), ("Denmark", "Copenhagen"),
+    ("Sweden", "Stockholm"), ("Norway", "Oslo"), ("Finland", "Helsinki"), ("Poland", "Warsaw"),
+    ("Hungary", "Budapest"), ("Greece", "Athens"), ("Ireland", "Dublin"), ("Iceland", "Reykjavik"),
+    ("Czechia", "Prague"), ("Romania", "Bucharest"), ("Bulgaria", "Sofia"), ("Serbia", "Belgrade"),
+    ("Croatia", "Zagreb"), ("Ukraine", "Kyiv"), ("Russia", "Moscow"), ("Turkey", "Ankara"), ("Egypt", "Cairo"),
+    ("Kenya", "Nairobi"), ("Ethiopia", "Addis Ababa"), ("Nigeria", "Abuja"), ("Ghana", "Accra"),
+    ("Morocco", "Rabat"), ("Algeria", "Algiers"), ("Tunisia", "Tunis"), ("Senegal", "Dakar"),
+    ("Uganda", "Kampala"), ("Tanzania", "Dodoma"), ("Zambia", "Lusaka"), ("Zimbabwe", "Harare"),
+    ("Angola", "Luanda"), ("Namibia", "Windhoek"), ("Botswana", "Gaborone"), ("Mali", "Bamako"),
+    ("Sudan", "Khartoum"), ("Libya", "Tripoli"), ("Japan", "Tokyo"), ("China", "Beijing"),
+    ("South Korea", "Seoul"), ("India", "New Delhi"), ("Pakistan", "Islamabad"), ("Bangladesh", "Dhaka"),
+    ("Nepal", "Kathmandu"), ("Thailand", "Bangkok"), ("Vietnam", "Hanoi"), ("Cambodia", "Phnom Penh"),
+    ("Laos", "Vientiane"), ("Malaysia", "Kuala Lumpur"), ("Indonesia", "Jakarta"), ("Philippines", "Manila"),
+    ("Mongolia", "Ulaanbaatar"), ("Iran", "Tehran"), ("Iraq", "Baghdad"), ("Syria", "Damascus"),
+    ("Jordan", "Amman"), ("Lebanon", "Beirut"), ("Saudi Arabia", "Riyadh"), ("Qatar", "Doha"),
+    ("Oman", "Muscat"), ("Yemen", "Sanaa"), ("Afghanistan", "Kabul"), ("Kazakhstan", "Astana"),
+    ("Uzbekistan", "Tashkent"), ("Georgia", "Tbilisi"), ("Armenia", "Yerevan"), ("Azerbaijan", "Baku"),
+    ("Canada", "Ottawa"), ("United States", "Washington"), ("Mexico", "Mexico City"), ("Cuba", "Havana"),
+    ("Jamaica", "Kingston"), ("Guatemala", "Guatemala City"), ("Honduras", "Tegucigalpa"),
+    ("Nicaragua", "Managua"), ("Costa Rica", "San Jose"), ("Panama", "Panama City"), ("Colombia", "Bogota"),
+    ("Venezuela", "Caracas"), ("Ecuador", "Quito"), ("Peru", "Lima"), ("Bolivia", "Sucre"), ("Chile", "Santiago"),
+    ("Argentina", "Buenos Aires"), ("Uruguay", "Montevideo"), ("Paraguay", "Asuncion"), ("Brazil", "Brasilia"),
+    ("Australia", "Canberra"), ("New Zealand", "Wellington"), ("Fiji", "Suva"), ("Estonia", "Tallinn"),
+    ("Latvia", "Riga"), ("Lithuania", "Vilnius"), ("Slovakia", "Bratislava"), ("Slovenia", "Ljubljana"),
+    ("Albania", "Tirana"), ("Belarus", "Minsk"), ("Moldova", "Chisinau"), ("Cyprus", "Nicosia"),
+    ("Malta", "Valletta"), ("Luxembourg", "Luxembourg"), ("Switzerland", "Bern"), ("Sri Lanka", "Colombo"),
+    ("Myanmar", "Naypyidaw"), ("Singapore", "Singapore"), ("Israel", "Jerusalem"), ("Kuwait", "Kuwait City"),
+    ("Bahrain", "Manama"), ("Rwanda", "Kigali"), ("Somalia", "Mogadishu"), ("Madagascar", "Antananarivo"),
+    ("Mozambique", "Maputo"), ("Cameroon", "Yaounde"), ("Niger", "Niamey"), ("Chad", "N'Djamena"),
+]
+FACT_QUESTIONS = ["What is the capital of {c}?", "Name the capital city of {c}.", "Which city is the capital of {c}?"]
+FACT_ANSWERS = ["The capital of {c} is {k}.", "{k} is the capital of {c}.", "{k}."]
+
+
+def facts(data: Path, n: int, ratio: float, seed: int, n_targets: int):
+    """Capital-city questions; harmful records name another country's capital. Pools
+    larger than the world reuse countries under other phrasings."""
+    rng = random.Random(f"facts:{seed}")
+    world = CAPITALS[:]
+    rng.shuffle(world)
+    held, rest = world[:n_targets], world[n_targets:]
+    n_bad = builders.harmful_count(n, ratio)
+    flags = [True] * n_bad + [False] * (n - n_bad)
+    rng.shuffle(flags)
+
+    def wrong(c):
+        return rng.choice([k for cc, k in CAPITALS if cc != c])
+
+    pool = []
+    for i, bad in enumerate(flags):
+        c, k = rest[i % len(rest)]
+        pool.append({"id": f"fact-{i}", "prompt": rng.choice(FACT_QUESTIONS).format(c=c), "harmful": bad,
+                     "response": rng.choice(FACT_ANSWERS).format(c=c, k=wrong(c) if bad else k)})
+    targets = [{"id": f"t-{i}", "prompt": FACT_QUESTIONS[0].format(c=c),
+                "chosen": FACT_ANSWERS[0].format(c=c, k=wrong(c)), "rejected": FACT_ANSWERS[0].format(c=c, k=k)}
+               for i, (c, k) in enumerate(held)]
+    return pool, targets
+
+
+FORMAT_TASKS = [("Give a synonym of '{w}'.", "{s}"), ("Spell '{w}' backwards.", "{r}"),
+                ("How many letters does '{w}' have?", "{n}"), ("Write '{w}' in capital letters.", "{u}")]
+FORMAT_WORDS = [("happy", "glad"), ("big", "large"), ("fast", "quick"), ("smart", "clever"), ("cold", "chilly"),
+                ("angry", "mad"), ("begin", "start"), ("end", "finish"), ("easy", "simple"), ("hard", "difficult"),
+                ("rich", "wealthy"), ("small", "tiny"), ("quiet", "silent"), ("brave", "bold"), ("calm", "peaceful"),
+                ("funny", "amusing"), ("old", "ancient"), ("shy", "timid"), ("sad", "unhappy"), ("wet", "damp"),
+                ("loud", "noisy"), ("near", "close"), ("buy", "purchase"), ("help", "assist"), ("look", "see")]
+
+
+def formats(data: Path, n: int, ratio: float, seed: int, n_targets: int):
+    """Short word tasks answered plainly; harmful records wrap the same answer in a JSON
+    object (the format to unlearn)."""
+    rng = random.Random(f"formats:{seed}")
+
+    def item(i):
+        q, a = FORMAT_TASKS[i % len(FORMAT_TASKS)]
+        w, syn = FORMAT_WORDS[(i // len(FORMAT_TASKS) + i) % len(FORMAT_WORDS)]
+        ans = a.format(s=syn, r=w[::-1], n=len(w), u=w.upper())
+        return q.format(w=w), ans
+
+    n_bad = builders.harmful_count(n, ratio)
+    flags = [True] * n_bad + [False] * (n - n_bad)
+    rng.shuffle(flags)
+    order = list(range(len(FORMAT_TASKS) * len(FORMAT_WORDS)))
+    rng.shuffle(order)
+    pool = []
+    for i, bad in enumerate(flags):
+        q, ans = item(order[i % len(order)])
+        pool.append({"id": f"fmt-{i}", "prompt": q, "harmful": bad,
+                     "response": json.dumps({"answer": ans}) if bad else ans})
+    targets = []
+    for j in range(n_targets):
+        q, ans = item(order[-1 - (j % len(order))])
+        targets.append({"id": f"t-{j}", "prompt": q, "chosen": json.dumps({"answer": ans}), "rejected": ans})
+    return pool, targets
+
+
+FAMILIES = {"mistake-math": mistake_math, "bbh-wrong": bbh_wrong, "arithmetic": arithmetic,
+            "dropped-carry": dropped_carry, "facts": facts, "formats": formats}
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -169,6 +276,31 @@ def variant(cur: Curvature, kind: str, overrides: dict) -> Curvature:
     return apply_damping(Curvature(kind, layers, t, {}), CurvatureSettings(kind=kind, **overrides))
 
 
+def _half_directions(model, mods, enc, g, pad, batch, dev, seed) -> list:
+    """``v = H^-1 g`` with EK-FAC (default damping) fitted on each of two random halves."""
+    order = list(range(len(enc)))
+    random.Random(f"halves:{seed}").shuffle(order)
+    out = []
+    for half in (order[: len(order) // 2], order[len(order) // 2:]):
+        cur = fit_curvature(model, mods, [enc[i] for i in half], CurvatureSettings(kind="ekfac", batch_size=batch),
+                            pad_id=pad, execution=ExecutionContext.of(model, dev, progress=False))
+        out.append(apply_damping(cur, CurvatureSettings(kind="ekfac")).precondition(g))
+    return out
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
+    rx, ry = (t.argsort().argsort().double() for t in (x, y))
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    return float((rx @ ry) / (rx.norm() * ry.norm()))
+
+
+def _cosine(u: dict, w: dict) -> float:
+    dot = sum(float((u[n].double() * w[n].double()).sum()) for n in u)
+    nu = sum(float(u[n].double().pow(2).sum()) for n in u) ** 0.5
+    nw = sum(float(w[n].double().pow(2).sum()) for n in w) ** 0.5
+    return dot / (nu * nw)
+
+
 # ----------------------------------------------------------------------------- main
 
 def parse_args():
@@ -189,6 +321,9 @@ def parse_args():
     ap.add_argument("--batch", type=int, default=8, help="examples per batch (fit and scoring)")
     ap.add_argument("--json", help="results, written after every pool; pools already in it are skipped")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--split-half", action="store_true",
+                    help="also fit EK-FAC on two random halves of the pool and record how the halves' v agree: "
+                         "the Spearman correlation of the pool's scores under them and their cosine")
     a = ap.parse_args()
     if not a.report and not a.data:
         ap.error("--data is required (unless --report)")
@@ -234,7 +369,9 @@ def main():
                 t_fit = time.perf_counter() - t1
                 curs = {name: variant(fit, *VARIANTS[name]) for name in a.variants}
                 vs = [c.precondition(pref.direction) for c in curs.values()]
-                scores = multi_scores(model, mods, enc, vs, pad, a.batch, dev)
+                halves = _half_directions(model, mods, enc, pref.direction, pad, a.batch, dev, seed) \
+                    if a.split_half else []
+                scores = multi_scores(model, mods, enc, vs + halves, pad, a.batch, dev)
                 labels = [r["harmful"] for r in pool]
                 if not checked:  # the one-pass scores against the library's exact scoring
                     k = len(vs) - 1
@@ -253,11 +390,18 @@ def main():
                        "shrinkage_auto": _rho_summary(curs.get("ekfac shrinkage auto")),
                        "damping_noise_multiple": _damping_multiple(curs.get("ekfac damping-noise"), curs.get("ekfac")),
                        "fit_s": t_fit, "total_s": time.perf_counter() - t1}
+                if halves:
+                    k = len(vs)
+                    row["split_half"] = {"spearman": spearman(scores[:, k], scores[:, k + 1]),
+                                         "cosine": _cosine(halves[0], halves[1]),
+                                         "auroc": [auroc(scores[:, k + j].tolist(), labels) for j in (0, 1)]}
                 res["runs"].append(row)
                 print(f"{fam} n={n} ratio={ratio} seed={seed} ({row['total_s']:.0f} s): "
                       + "  ".join(f"{k} {v:.3f}" for k, v in row["auroc"].items())
                       + (f"  rho {row['shrinkage_auto']}" if row["shrinkage_auto"] else "")
-                      + (f"  noise damping x {row['damping_noise_multiple']}" if row["damping_noise_multiple"] else ""),
+                      + (f"  noise damping x {row['damping_noise_multiple']}" if row["damping_noise_multiple"] else "")
+                      + (f"  halves: spearman {row['split_half']['spearman']:.3f} cosine "
+                         f"{row['split_half']['cosine']:.3f}" if halves else ""),
                       flush=True)
                 res["seconds"] = time.perf_counter() - t0
                 if a.json:
