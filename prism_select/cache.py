@@ -3,6 +3,7 @@
     <root>/curvature/<key>/   fitted curvature (curvature.json + factors*.safetensors)
     <root>/models/<key>/      converted GGUF models (prism_cache.json + model.safetensors)
     <root>/less/<key>/        LESS warm-up adapters
+    <root>/generations/<key>/ ProjDiff's sampled own responses (responses.jsonl, appended)
 
 An entry is a folder; it is *complete* once its marker file (written last, atomically)
 exists and holds a JSON object, so a killed writer (or a damaged marker) leaves an
@@ -30,7 +31,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 #: marker file of a complete entry, by kind (other kinds: any of these)
-MARKERS = {"curvature": "curvature.json", "models": "prism_cache.json", "less": "done.json"}
+MARKERS = {"curvature": "curvature.json", "models": "prism_cache.json", "less": "done.json",
+           "generations": "generations.json"}
 #: free disk space kept after a write, so the cache never fills the disk to the last byte
 DISK_RESERVE_BYTES = 1 << 30
 

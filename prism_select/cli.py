@@ -473,7 +473,7 @@ def cmd_cache(a):
     if a.action == "list":
         es = cache.entries(root)
         for e in es:
-            print(f"{e.kind:<10} {cache.format_size(e.size):>10}  {e.to_json()['last_used']}  "
+            print(f"{e.kind:<11} {cache.format_size(e.size):>10}  {e.to_json()['last_used']}  "
                   f"{'' if e.complete else '(incomplete) '}{e.path}")
         print(f"{len(es)} entries, {cache.format_size(sum(e.size for e in es))} in {root}")
         return

@@ -8,9 +8,11 @@ own ``torch.Generator`` seeded with a hash of the run seed and the cache key, so
 response does not depend on the order or draws of the other prompts. Prompts are
 sampled in left-padded batches with the KV cache (``max_new_tokens`` forwards).
 
-Cache: ``<cache_dir>/generations/<model fingerprint[:16]>.jsonl``, one line per
-response: ``key`` (sha256 of model fingerprint, prompt token ids and the generation
-settings), ``prompt_sha`` (sha256 of the prompt ids), ``settings``, ``response`` (text,
+Cache: an entry of :mod:`prism_select.cache` per model,
+``<cache_dir>/generations/<model fingerprint[:16]>/responses.jsonl`` (its marker
+``generations.json`` is written when the entry is made, so ``cache list``, ``prune`` and
+``--cache-max-gb`` see it), one line per response: ``key`` (sha256 of model fingerprint,
+prompt token ids and the generation settings), ``prompt_sha`` (sha256 of the prompt ids), ``settings``, ``response`` (text,
 special tokens dropped) and ``n_tokens``. Lines are appended as they are made, so an
 interrupted run keeps its work; a response is reused only when its ``key`` matches.
 """
@@ -26,8 +28,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .. import cache
 from ..errors import CacheError
-from ..io import sha256_json
+from ..io import atomic_write_json, sha256_json
 
 SAMPLER = "ancestral-v1"
 
@@ -56,7 +59,20 @@ def generation_key(model_fingerprint: str, prompt_ids: list, settings: dict) -> 
 
 
 def cache_path(cache_dir, model_fingerprint: str) -> Path:
-    return Path(cache_dir) / "generations" / f"{model_fingerprint[:16]}.jsonl"
+    return Path(cache_dir) / "generations" / model_fingerprint[:16] / "responses.jsonl"
+
+
+def _open_entry(path: Path, model_fingerprint: str) -> None:
+    """Make the cache entry holding ``path`` complete (its marker), or mark it used now."""
+    marker = path.parent / cache.MARKERS["generations"]
+    if marker.is_file():
+        cache.touch(path.parent)
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(marker, {"model": model_fingerprint})
+    except OSError as e:
+        raise CacheError(f"cannot write the generation cache {path.parent}: {e.strerror or e}") from e
 
 
 def read_cache(path: Path) -> dict:
@@ -163,9 +179,10 @@ def own_responses(lm, encoded: list, *, max_new_tokens: int, seed: int, cache_di
     stops = stop_ids(lm.tokenizer, lm.model)
     settings = generation_settings(max_new_tokens, seed, stops)
     path = cache_path(cache_dir, lm.fingerprint)
-    cache = read_cache(path)
+    _open_entry(path, lm.fingerprint)
+    done = read_cache(path)
     keys = [generation_key(lm.fingerprint, e.input_ids[: e.response_start], settings) for e in encoded]
-    todo = sorted({k: i for i, k in enumerate(keys) if k not in cache}.values(),
+    todo = sorted({k: i for i, k in enumerate(keys) if k not in done}.values(),
                   key=lambda i: encoded[i].response_start)  # similar prompt lengths batch together
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     bar = tqdm(total=len(todo), desc="own responses (ProjDiff)", unit="ex", leave=False, disable=not progress)
@@ -178,8 +195,8 @@ def own_responses(lm, encoded: list, *, max_new_tokens: int, seed: int, cache_di
             rec = {"key": keys[i], "prompt_sha": sha256_json(list(p)), "settings": settings,
                    "response": lm.tokenizer.decode(ids, skip_special_tokens=True), "n_tokens": len(ids)}
             append_cache(path, rec)
-            cache[keys[i]] = rec
+            done[keys[i]] = rec
         bar.update(len(idx))
     bar.close()
-    out = [cache[k]["response"] for k in keys]
+    out = [done[k]["response"] for k in keys]
     return out, {"generated": len(todo), "reused": len(keys) - len(todo), "cache": str(path)}

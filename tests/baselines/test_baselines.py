@@ -7,6 +7,7 @@ References compute hidden states with forward hooks on the decoder blocks (not
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -358,7 +359,14 @@ def test_projdiff_samples_caches_and_reuses_own_responses(model, tok, lm, make_c
     ctx3 = make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 3})
     REGISTRY["projdiff"](ctx3)
     assert calls and ctx3.info["method"]["own_responses"]["generated"] == 8
-    path.unlink()
+    # the responses are one entry of the cache: listed, and pruned under a size bound
+    from prism_select import cache
+    root = Path(lm.settings.resolved_cache_dir())
+    listed = [e for e in cache.entries(root) if e.kind == "generations"]
+    assert [e.path for e in listed] == [path.parent] and listed[0].complete
+    assert listed[0].size > path.stat().st_size  # the responses and the marker
+    cache.prune(root, max_bytes=0, keep=[e.path for e in cache.entries(root) if e.kind != "generations"])
+    assert not path.parent.exists()  # sampled again below, from scratch
     s4, _ = REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 4}))
     assert torch.equal(s1, s4)
 
