@@ -41,7 +41,7 @@ if [ "$WHAT" = fit ]; then
      --json "$OUT/run6_1b.json" 2>&1 | grep -A30 "^## "
   exit 0
 fi
-[ "$WHAT" != random ] && python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_model.py tests/test_reliability.py \
+[ "$WHAT" != random ] && python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_model.py tests/integration/test_reliability.py \
     -k "cuda or gpu or graph" 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 B="python3 benchmarks/bench_scoring.py"
 REFS=forward,fwd_bwd,forward_nomask,fwd_bwd_nomask,forward_graphs,fwd_bwd_graphs

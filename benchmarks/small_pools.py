@@ -75,6 +75,7 @@ VARIANTS = {  # name -> (kind, CurvatureSettings overrides)
     "ekfac": ("ekfac", {}),
     "ekfac damping x10": ("ekfac", {"damping_factor": 1.0}),
     "ekfac damping x100": ("ekfac", {"damping_factor": 10.0}),
+    "ekfac damping x1000": ("ekfac", {"damping_factor": 100.0}),
     "ekfac shrinkage auto": ("ekfac", {"shrinkage": "auto"}),
     "ekfac shrinkage 1": ("ekfac", {"shrinkage": 1.0}),
     "ekfac damping-noise": ("ekfac", {"damping_noise": True}),
@@ -276,15 +277,21 @@ def variant(cur: Curvature, kind: str, overrides: dict) -> Curvature:
     return apply_damping(Curvature(kind, layers, t, {}), CurvatureSettings(kind=kind, **overrides))
 
 
+#: damping factors (x the mean eigenvalue) at which the two halves' directions are compared
+HALF_DAMPING_FACTORS = (0.1, 1.0, 10.0, 100.0)
+
+
 def _half_directions(model, mods, enc, g, pad, batch, dev, seed) -> list:
-    """``v = H^-1 g`` with EK-FAC (default damping) fitted on each of two random halves."""
+    """``v = H^-1 g`` with EK-FAC fitted on each of two random halves, at every damping
+    factor of HALF_DAMPING_FACTORS: ``[half A at each factor..., half B at each factor...]``."""
     order = list(range(len(enc)))
     random.Random(f"halves:{seed}").shuffle(order)
     out = []
     for half in (order[: len(order) // 2], order[len(order) // 2:]):
         cur = fit_curvature(model, mods, [enc[i] for i in half], CurvatureSettings(kind="ekfac", batch_size=batch),
                             pad_id=pad, execution=ExecutionContext.of(model, dev, progress=False))
-        out.append(apply_damping(cur, CurvatureSettings(kind="ekfac")).precondition(g))
+        for f in HALF_DAMPING_FACTORS:
+            out.append(apply_damping(cur, CurvatureSettings(kind="ekfac", damping_factor=f)).precondition(g))
     return out
 
 
@@ -391,17 +398,20 @@ def main():
                        "damping_noise_multiple": _damping_multiple(curs.get("ekfac damping-noise"), curs.get("ekfac")),
                        "fit_s": t_fit, "total_s": time.perf_counter() - t1}
                 if halves:
-                    k = len(vs)
-                    row["split_half"] = {"spearman": spearman(scores[:, k], scores[:, k + 1]),
-                                         "cosine": _cosine(halves[0], halves[1]),
-                                         "auroc": [auroc(scores[:, k + j].tolist(), labels) for j in (0, 1)]}
+                    k, m = len(vs), len(HALF_DAMPING_FACTORS)
+                    row["split_half"] = {
+                        f"x{f / 0.1:g}": {"spearman": spearman(scores[:, k + j], scores[:, k + m + j]),
+                                          "cosine": _cosine(halves[j], halves[m + j]),
+                                          "auroc": [auroc(scores[:, k + i].tolist(), labels) for i in (j, m + j)]}
+                        for j, f in enumerate(HALF_DAMPING_FACTORS)}
                 res["runs"].append(row)
                 print(f"{fam} n={n} ratio={ratio} seed={seed} ({row['total_s']:.0f} s): "
                       + "  ".join(f"{k} {v:.3f}" for k, v in row["auroc"].items())
                       + (f"  rho {row['shrinkage_auto']}" if row["shrinkage_auto"] else "")
                       + (f"  noise damping x {row['damping_noise_multiple']}" if row["damping_noise_multiple"] else "")
-                      + (f"  halves: spearman {row['split_half']['spearman']:.3f} cosine "
-                         f"{row['split_half']['cosine']:.3f}" if halves else ""),
+                      + ("  halves (spearman, cosine): " + ", ".join(
+                          f"{d} {h['spearman']:.3f}/{h['cosine']:.3f}" for d, h in row["split_half"].items())
+                         if halves else ""),
                       flush=True)
                 res["seconds"] = time.perf_counter() - t0
                 if a.json:

@@ -7,7 +7,7 @@ weights) are not counted, nor are those :meth:`LiveBytes.to_host` marks as moved
 memory (on the CPU ``.to("cpu")`` is the tensor itself). ``peak`` is the largest sum seen;
 :meth:`phase` starts a named phase whose own peak is kept in ``phases``.
 
-Used by tests/test_scale.py to compare a fit's device memory with the memory plan's
+Used by tests/integration/test_scale.py to compare a fit's device memory with the memory plan's
 figure on the same shapes, without a GPU.
 """
 

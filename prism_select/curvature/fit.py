@@ -653,7 +653,7 @@ class _GroupFit:
                     tensors[f"{n}::{k}"] = _to_host(tensors[f"{n}::{k}"])
             # a layer's sums are allocated once its float32 eigenbases have left: allocated for
             # the whole group first, they stood next to all of its float32 eigenbases (the
-            # pass-1 factors' size) and exceeded the plan's figure for the fit (tests/test_scale.py)
+            # pass-1 factors' size) and exceeded the plan's figure for the fit (tests/integration/test_scale.py)
             Lam[n] = tap.Lam = self.zeros(*layer_shape(m))
             M4[n] = tap.M4 = self.zeros(1)
         return taps

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
 
 # Stands in for python3: `python3 -m venv .venv` makes a .venv whose pip and python only

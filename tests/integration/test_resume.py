@@ -14,7 +14,7 @@ import torch
 
 from prism_select.execution import ExecutionContext
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 ROOT = HERE.parent
 
 

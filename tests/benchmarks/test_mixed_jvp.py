@@ -16,7 +16,7 @@ from prism_select.errors import ConfigError
 from conftest import linear_modules
 from tiny import _norms_in_model_dtype, tiny_llama
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from mixed_jvp import SITES, MixedJVPScorer  # noqa: E402
 
 #: float64 agreement with ExactScorer (both exact; measured ~1e-15)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # In a fresh interpreter: the imports of `demo` and a `report` with ranking metrics and
 # plots on a small finished run; prints the top-level modules that were loaded.

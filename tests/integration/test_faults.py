@@ -3,7 +3,7 @@ score chunk is written, and a cache write that fails. Each ends the run with a n
 error (:class:`prism_select.errors.OutOfResourceError`) that says what ran out, what is
 kept and what to change; the finished work (score chunks, the fitted curvature) stays,
 and the same command resumes to the scores of an uninterrupted run. A killed process
-(SIGKILL) is covered by tests/test_resume.py."""
+(SIGKILL) is covered by tests/integration/test_resume.py."""
 
 import errno
 import json
