@@ -33,7 +33,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import __version__, distributed, sharding
-from .curvature import Curvature, CurvatureSettings, FitCache, FitLayout, FitSpill, load_or_fit_curvature
+from .curvature import (Curvature, CurvatureSettings, FitCache, FitLayout, FitSpill, fit_curvature,
+                        load_or_fit_curvature)
+from .curvature import support
+from .curvature.base import apply_damping
 from .curvature.base import DEFAULT_DAMPING_FACTOR, DEFAULT_SHRINKAGE
 from .curvature.fit import fit_indices
 from .curvature.spill import FitScores
@@ -82,9 +85,9 @@ SMALL_FIT_EXAMPLES = 1000
 def small_fit_note(cs: CurvatureSettings, n_fit: int) -> str | None:
     """The note for an EK-FAC fit on fewer than :data:`SMALL_FIT_EXAMPLES` examples
     preconditioned with the default damping (none of ``--damping``, ``--damping-factor``,
-    ``--damping-noise``, ``--shrinkage`` given), else None."""
+    ``--damping-noise``, ``--shrinkage``, ``--damping-rule`` given), else None."""
     if (cs.kind != "ekfac" or n_fit >= SMALL_FIT_EXAMPLES or cs.damping_noise or cs.shrinkage != DEFAULT_SHRINKAGE
-            or cs.damping is not None or cs.damping_factor != DEFAULT_DAMPING_FACTOR):
+            or cs.damping is not None or cs.damping_factor != DEFAULT_DAMPING_FACTOR or cs.damping_rule != "heuristic"):
         return None
     return (f"EK-FAC fitted on {n_fit} examples (< {SMALL_FIT_EXAMPLES}): its corrected eigenvalues are averages "
             "of few samples; consider --damping-noise (README, \"Which curvature (pool size)\")")
@@ -351,7 +354,7 @@ class RunContext:
         the pool is scored in memory by the exact route."""
         st, ex = self.settings, self.execution
         model = self.lm.model
-        return (st.scores_from_fit and st.method in DIRECTION_METHODS
+        return (st.scores_from_fit and st.method in DIRECTION_METHODS and cs.damping_rule == "heuristic"
                 and self.inputs.fit_encoded is None and cs.kind == "ekfac" and cs.fisher == "empirical"
                 and len(fit_indices(len(self.inputs.encoded), cs)) == len(self.inputs.encoded)
                 and not (groups and len(groups) > 1) and not st.stream
@@ -421,6 +424,8 @@ class RunContext:
         dev = self.lm.device
         vdt = self.lm.dtype
         transient = self._transient()
+        if self.curvature_settings.damping_rule == "split-half":
+            self._split_half_damping(direction)
 
         if self.execution.sharded:
             sizes = {n: m.out_features ** 3 + m.in_features ** 3 for n, m in self.modules.items()}
@@ -448,6 +453,47 @@ class RunContext:
         else:
             v = self.curvature().precondition(direction, device=dev)
         return {n: v.pop(n).to(dtype=vdt) for n in self.modules}  # each float32 layer let go once converted
+
+    def _split_half_damping(self, direction: dict) -> None:
+        """``--damping-rule split-half``: fit EK-FAC on two random halves of the fit sample,
+        score the fit sample with each half's ``v`` at every damping factor of the ladder,
+        and damp the run's curvature with the least factor at which the halves agree, or
+        rank with identity when they agree at none (:mod:`prism_select.curvature.support`).
+        Once per run; the result goes to ``run.json`` (``curvature.split_half``)."""
+        if self.info.get("curvature", {}).get("split_half") is not None:
+            return
+        cs = self.curvature_settings
+        if cs.kind != "ekfac" or self._transient() or self.execution.sharded or self.execution.world > 1:
+            raise ConfigError("damping_rule", "split-half needs an EK-FAC curvature kept whole by one process",
+                              "use --curvature ekfac on one process with the curvature on the device or host, "
+                              "or --damping-rule heuristic")
+        cur = self.curvature()
+        t = time.perf_counter()
+        pool = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
+        fit = [pool[i] for i in fit_indices(len(pool), cs)]
+        quiet = replace(self.execution, progress=False)
+        fit_settings = replace(cs, fit_examples=None)
+        scores: tuple = ({}, {})
+        for half, idx in zip(scores, support.split_halves(len(fit), cs.seed)):
+            part = fit_curvature(self.lm.model, self.modules, [fit[i] for i in idx], fit_settings, pad_id=self.pad_id,
+                                 execution=quiet)
+            for factor in support.DAMPING_LADDER:
+                v = apply_damping(part, replace(cs, damping_factor=factor)).precondition(direction)
+                half[factor] = score_encoded(self.lm.model, self.modules, fit, v, pad_id=self.pad_id,
+                                             batch_size=self.settings.batch_size, execution=quiet)
+        check = support.split_half(len(fit), *scores)
+        if check.factor is None:
+            cur = Curvature("identity", cur.layers, {}, {n: 0.0 for n in cur.layers})
+        else:
+            cur = apply_damping(cur, replace(cs, damping_factor=check.factor))
+        self._curvature = cur
+        self.timings["split_half_s"] = time.perf_counter() - t
+        self.info["curvature"] = {**self.info.get("curvature", {}), "split_half": check.to_json(),
+                                  "damping": _summary(list(cur.damping.values()))}
+        distributed.say("split-half check: " + (f"damping factor {check.factor:g}" if check.factor is not None else
+                                                "the halves agree at no damping; identity curvature")
+                        + " (" + ", ".join(f"{f:g}: {a:.3f}" for f, a in check.agreement.items()) + ")",
+                        self.settings.progress)
 
     def _transient(self) -> bool:
         """The memory plan keeps no curvature: each fit group preconditions its layers and

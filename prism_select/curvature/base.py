@@ -23,6 +23,9 @@ FISHERS = ("empirical", "sampled")
 DEFAULT_DAMPING_FACTOR = 0.1
 #: ``shrinkage`` values besides a fixed weight in [0, 1]
 SHRINKAGE_MODES = ("off", "auto")
+#: how the damping factor is chosen: ``heuristic`` (``damping_factor``), ``split-half``
+#: (:mod:`prism_select.curvature.support`)
+DAMPING_RULES = ("heuristic", "split-half")
 DEFAULT_SHRINKAGE = "off"
 
 
@@ -96,6 +99,13 @@ class PreconditionSettings:
         average that ``Lambda`` is, summed over its entries, estimated from the same fit
         (it shrinks as ``1/N``: few fit examples pull toward K-FAC, many leave EK-FAC);
         a number in [0, 1]: that ``rho`` for every layer.
+    damping_rule: ``heuristic`` (``damping_factor`` x mean eigenvalue); ``split-half``
+        (EK-FAC): EK-FAC is also fitted on two random halves of the fit sample, and the
+        damping factor is the least of :data:`~prism_select.curvature.support.DAMPING_LADDER`
+        at which the halves' ``v`` rank the fit sample alike
+        (:func:`~prism_select.curvature.support.supported_damping_factor`); when they agree
+        at none, the run ranks with identity curvature. Costs two half-size fits and eight
+        scorings of the fit sample: meant for small fit samples.
     """
 
     damping: float | None = setting(None, help=f"explicit damping (if not given: {DEFAULT_DAMPING_FACTOR} x mean "
@@ -111,7 +121,18 @@ class PreconditionSettings:
                                           "(strong on small pools, vanishing on large ones); RHO: a fixed weight "
                                           "in [0, 1]")
 
+    damping_rule: str = setting("heuristic", choices=DAMPING_RULES,
+                                help="heuristic: damping-factor x mean eigenvalue; split-half (EK-FAC): the least "
+                                     "damping factor (0.1, 1, 10, 100) at which EK-FAC fits on two random halves of "
+                                     "the fit sample rank it alike (Spearman >= 0.9), identity when none does")
+
     def __post_init__(self):
+        if self.damping_rule not in DAMPING_RULES:
+            raise ConfigError("damping_rule", f"unknown value {self.damping_rule!r}",
+                              f"use one of {', '.join(DAMPING_RULES)}")
+        if self.damping_rule == "split-half" and self.damping is not None:
+            raise ConfigError("damping_rule", "split-half chooses the damping; an explicit --damping contradicts it",
+                              "leave out --damping, or use --damping-rule heuristic")
         if self.damping is not None and (isinstance(self.damping, bool) or not (
                 isinstance(self.damping, (int, float)) and 0 <= self.damping <= MAX_DAMPING)):
             raise ConfigError("damping", f"must be a number within [0, {MAX_DAMPING:g}], got {self.damping}",

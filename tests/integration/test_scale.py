@@ -24,6 +24,8 @@ from reference import rel_err
 
 GROUP_TOL = 1e-10  # float64: a grouped fit sums the same statistics in the same order
 HOST_TOL = 1e-12  # float64: host and device accumulation differ only in summation order
+#: float64: the split-half run and the heuristic run at its factor damp the same fit alike
+SPLIT_HALF_RTOL = 1e-10
 
 
 def _three_groups(modules):
@@ -413,7 +415,8 @@ def _score(d, out, **kw):
     from prism_select.model import ModelSettings
     from prism_select.pipeline import ScoreSettings, score_pool
     ms = ModelSettings(model=str(d / "model"), dtype="float64", device="cpu", cache_dir=str(d / "cache"))
-    cs = CurvatureSettings(**{k: kw.pop(k) for k in list(kw) if k in ("damping", "damping_noise")})
+    cs = CurvatureSettings(**{k: kw.pop(k) for k in list(kw)
+                              if k in ("damping", "damping_noise", "damping_factor", "damping_rule", "kind")})
     summary = score_pool(ms, d / "pool.jsonl", d / "targets.jsonl", d / out,
                          ScoreSettings(progress=False, batch_size=4, chunk_size=8, **kw), cs)
     scores = [json.loads(line)["score"] for line in (d / out / "scores.jsonl").read_text().splitlines()]
@@ -600,6 +603,31 @@ def test_small_fit_notes_damping_noise(run_files, caplog):
     assert s2["curvature"]["reused"] and "note" not in s2["curvature"]
 
 
+def test_split_half_damping_rule(run_files):
+    """--damping-rule split-half records the halves' agreement at every factor of the
+    ladder, follows the rule on it, and scores as the heuristic damping at the chosen
+    factor does (identity when none agrees), reusing the run's one fit."""
+    from prism_select.curvature.support import DAMPING_LADDER, supported_damping_factor
+    s1, a = _score(run_files, "sh", damping_rule="split-half")
+    check = s1["curvature"]["split_half"]
+    assert check["n_fit"] == 24 and sorted(map(float, check["agreement"])) == list(DAMPING_LADDER)
+    factor = check["damping_factor"]
+    assert factor == supported_damping_factor({float(f): x for f, x in check["agreement"].items()})
+    assert "note" not in s1["curvature"]
+    _, ref = _score(run_files, "ref", kind="identity") if factor is None else _score(run_files, "ref",
+                                                                                      damping_factor=factor)
+    assert rel_err(a, ref) <= SPLIT_HALF_RTOL
+
+
+def test_split_half_refuses_an_explicit_damping():
+    from prism_select.curvature import CurvatureSettings
+    from prism_select.errors import ConfigError
+    with pytest.raises(ConfigError, match="damping_rule"):
+        CurvatureSettings(damping_rule="split-half", damping=1e-3)
+    with pytest.raises(ConfigError, match="damping_rule"):
+        CurvatureSettings(damping_rule="largest")
+
+
 def test_small_fit_note_threshold_and_options():
     from prism_select.curvature import CurvatureSettings
     from prism_select.pipeline import SMALL_FIT_EXAMPLES, small_fit_note
@@ -607,7 +635,7 @@ def test_small_fit_note_threshold_and_options():
     assert small_fit_note(CurvatureSettings(), small) is not None
     assert small_fit_note(CurvatureSettings(), SMALL_FIT_EXAMPLES) is None
     for kw in ({"kind": "kfac"}, {"kind": "identity"}, {"damping_noise": True}, {"shrinkage": "auto"},
-               {"shrinkage": 0.5}, {"damping": 1e-3}, {"damping_factor": 1.0}):
+               {"shrinkage": 0.5}, {"damping": 1e-3}, {"damping_factor": 1.0}, {"damping_rule": "split-half"}):
         assert small_fit_note(CurvatureSettings(**kw), small) is None, kw
 
 

@@ -1,0 +1,74 @@
+"""Whether a fit sample supports its curvature: split-half agreement.
+
+EK-FAC estimates, per layer, eigenbases and corrected eigenvalues from ``N`` fit
+examples. With few examples the damped inverse ``(H + lambda I)^-1`` amplifies what the
+particular sample happened to contain, and the direction ``v = H^-1 g_KL`` becomes a
+property of the sample rather than of the model. This module measures that from the fit
+sample itself: it is split at random into two halves, EK-FAC is fitted on each, and each
+half's ``v`` scores the whole fit sample at every damping factor of
+:data:`DAMPING_LADDER`. The halves *agree* at a factor when the Spearman correlation of
+their two score lists reaches :data:`MIN_AGREEMENT`: the sample then determines the
+ranking, not the half it came from.
+
+:func:`supported_damping_factor` reads the answer: the smallest factor of the ladder at
+which the halves agree (the least damping the sample supports), or ``None`` when they
+agree at none (the sample cannot support a curvature; identity ranks by ``g_KL``
+itself). The check costs two half-size fits and ``2 x len(DAMPING_LADDER)`` scorings of
+the fit sample, so it is meant for small fit samples.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+#: damping factors tried, each x the layer's mean eigenvalue (0.1: the default heuristic)
+DAMPING_LADDER = (0.1, 1.0, 10.0, 100.0)
+#: the halves agree when their score lists correlate (Spearman) at least this much
+MIN_AGREEMENT = 0.9
+
+
+@dataclass
+class SplitHalf:
+    """The agreement of the two half-sample fits at each damping factor, and the choice."""
+
+    n_fit: int
+    agreement: dict  # damping factor -> Spearman correlation of the halves' scores
+    factor: float | None  # the smallest factor that agrees; None: no curvature is supported
+
+    def to_json(self) -> dict:
+        return {"n_fit": self.n_fit, "min_agreement": MIN_AGREEMENT,
+                "agreement": {f"{f:g}": round(a, 4) for f, a in self.agreement.items()},
+                "damping_factor": self.factor, "supported": self.factor is not None}
+
+
+def split_halves(n: int, seed: int) -> tuple[list, list]:
+    """Two disjoint random halves of ``range(n)`` (the second one larger when ``n`` is odd)."""
+    order = list(range(n))
+    random.Random(f"split-half:{seed}").shuffle(order)
+    return sorted(order[: n // 2]), sorted(order[n // 2:])
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Spearman rank correlation of two score lists (ties broken by position)."""
+    rx, ry = (t.double().argsort().argsort().double() for t in (x, y))
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = float(rx.norm() * ry.norm())
+    return float(rx @ ry) / den if den > 0 else 1.0
+
+
+def supported_damping_factor(agreement: dict) -> float | None:
+    """The smallest damping factor whose halves agree (:data:`MIN_AGREEMENT`); None if none."""
+    for factor in sorted(agreement):
+        if agreement[factor] >= MIN_AGREEMENT:
+            return factor
+    return None
+
+
+def split_half(n_fit: int, scores_a: dict, scores_b: dict) -> SplitHalf:
+    """The check's result from the fit sample's scores under each half's ``v``, per
+    damping factor (``{factor: tensor}`` for half A and for half B)."""
+    agreement = {f: spearman(scores_a[f], scores_b[f]) for f in scores_a}
+    return SplitHalf(n_fit, agreement, supported_damping_factor(agreement))

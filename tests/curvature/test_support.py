@@ -1,0 +1,42 @@
+"""The split-half check of whether a fit sample supports its curvature."""
+import pytest
+import torch
+
+from prism_select.curvature.support import (DAMPING_LADDER, MIN_AGREEMENT, split_half, split_halves, spearman,
+                                            supported_damping_factor)
+
+#: a rank correlation of identical orders, up to float64 rounding of its sums
+RANK_TOL = 1e-12
+
+
+def test_halves_are_disjoint_cover_everything_and_depend_on_the_seed():
+    a, b = split_halves(61, seed=3)
+    assert sorted(a + b) == list(range(61)) and not set(a) & set(b) and (len(a), len(b)) == (30, 31)
+    assert split_halves(61, seed=3) == (a, b) and split_halves(61, seed=4) != (a, b)
+
+
+def test_spearman_against_its_definition():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, generator=g, dtype=torch.float64), torch.randn(40, generator=g, dtype=torch.float64)
+    rx, ry = x.argsort().argsort().double(), y.argsort().argsort().double()
+    d2 = float(((rx - ry) ** 2).sum())
+    assert abs(spearman(x, y) - (1 - 6 * d2 / (40 * (40 ** 2 - 1)))) < 1e-12  # no ties: the textbook formula
+    assert spearman(x, 3 * x + 1) == pytest.approx(1.0, abs=RANK_TOL)
+    assert spearman(x, -x) == pytest.approx(-1.0, abs=RANK_TOL)
+    assert spearman(x, x.exp()) == pytest.approx(1.0, abs=RANK_TOL)  # ranks only
+
+
+def test_the_least_damping_whose_halves_agree_is_chosen():
+    below, above = MIN_AGREEMENT - 0.01, MIN_AGREEMENT
+    assert supported_damping_factor({0.1: above, 1.0: above}) == 0.1
+    assert supported_damping_factor({0.1: below, 1.0: below, 10.0: above, 100.0: above}) == 10.0
+    assert supported_damping_factor({100.0: above, 0.1: below}) == 100.0  # whatever the order given
+    assert supported_damping_factor(dict.fromkeys(DAMPING_LADDER, below)) is None
+
+
+def test_split_half_from_scores():
+    base = torch.arange(30, dtype=torch.float64)
+    noisy = base.flip(0)
+    res = split_half(30, {0.1: base, 1.0: base}, {0.1: noisy, 1.0: base + 0.5})
+    assert res.agreement == pytest.approx({0.1: -1.0, 1.0: 1.0}, abs=RANK_TOL) and res.factor == 1.0
+    assert res.to_json()["supported"] and res.to_json()["agreement"] == {"0.1": -1.0, "1": 1.0}
