@@ -57,6 +57,7 @@ from bench_scoring import load_embedded  # noqa: E402
 from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature  # noqa: E402
 from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.curvature.base import apply_damping  # noqa: E402
+from prism_select.curvature.support import DAMPING_LADDER, supported_damping_factor  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.evaluation import builders  # noqa: E402
 from prism_select.evaluation_metrics import auroc  # noqa: E402
@@ -278,7 +279,7 @@ def variant(cur: Curvature, kind: str, overrides: dict) -> Curvature:
 
 
 #: damping factors (x the mean eigenvalue) at which the two halves' directions are compared
-HALF_DAMPING_FACTORS = (0.1, 1.0, 10.0, 100.0)
+HALF_DAMPING_FACTORS = DAMPING_LADDER
 
 
 def _half_directions(model, mods, enc, g, pad, batch, dev, seed) -> list:
@@ -323,7 +324,8 @@ def parse_args():
     ap.add_argument("--large", type=int, default=1000, help="pools of at least this many records use --large-seeds")
     ap.add_argument("--large-seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--targets", type=int, default=24, help="target pairs per pool")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=[*VARIANTS, SPLIT_HALF_RULE],
+                    help=f"curvatures to measure; with --report, also '{SPLIT_HALF_RULE}' (needs --split-half runs)")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8, help="examples per batch (fit and scoring)")
     ap.add_argument("--json", help="results, written after every pool; pools already in it are skipped")
@@ -438,10 +440,29 @@ def _device(res: dict) -> str:
     return "cpu" if res["device"] == "cpu" else res["device"].replace("NVIDIA ", "")
 
 
+#: the full-fit variant at each damping factor of the split-half ladder (x the default 0.1)
+LADDER_VARIANTS = {0.1: "ekfac", 1.0: "ekfac damping x10", 10.0: "ekfac damping x100", 100.0: "ekfac damping x1000"}
+#: a derived column: --damping-rule split-half's choice read from the recorded agreements
+SPLIT_HALF_RULE = "split-half rule"
+
+
+def _with_rule(r: dict) -> dict:
+    """The run with the split-half rule's AUROC added (the variant at the least damping
+    factor whose halves agree, identity when none), where the run recorded the halves at
+    every factor of the library's ladder and measured those variants."""
+    sh = r.get("split_half") or {}
+    agreement = {f: sh[f"x{f / 0.1:g}"]["spearman"] for f in DAMPING_LADDER if f"x{f / 0.1:g}" in sh}
+    if len(agreement) < len(DAMPING_LADDER) or not all(v in r["auroc"] for v in [*LADDER_VARIANTS.values(), "identity"]):
+        return r
+    factor = supported_damping_factor(agreement)
+    chosen = "identity" if factor is None else LADDER_VARIANTS[factor]
+    return {**r, "auroc": {**r["auroc"], SPLIT_HALF_RULE: r["auroc"][chosen]}, "split_half_choice": factor}
+
+
 def _rows(res: dict) -> list:
     """The runs of one result file, each with its device and harmful ratio (files written
-    before ``--ratios`` hold the ratio once, at the top)."""
-    return [{**r, "device": _device(res), "ratio": r.get("ratio", res.get("ratio"))} for r in res["runs"]]
+    before ``--ratios`` hold the ratio once, at the top) and the split-half rule's column."""
+    return [_with_rule({**r, "device": _device(res), "ratio": r.get("ratio", res.get("ratio"))}) for r in res["runs"]]
 
 
 def _groups(rows: list) -> dict:
@@ -492,6 +513,19 @@ def report(paths: list, names: list):
             rho, noise = r.get("shrinkage_auto"), r.get("damping_noise_multiple")
             cells += [f"{rho['mean']:.3f}" if rho else "-", f"{noise['mean']:.0f}" if noise else "-"]
             print(f"| {dev} | {fam} | {n} | {ratio:g} | {r['seed']} | " + " | ".join(cells) + " |")
+    if any(r.get("split_half") for r in rows):
+        print("\nSplit-half agreement: Spearman of the pool's scores under EK-FAC fitted on each half, per damping "
+              "factor; the rule's choice (None: identity)\n")
+        print("| device | family | n | harmful | seed | " + " | ".join(f"x{f / 0.1:g}" for f in DAMPING_LADDER)
+              + " | choice |")
+        print("|---|---|---|---|---|" + "---|" * (len(DAMPING_LADDER) + 1))
+        for (dev, fam, n, ratio), runs in groups.items():
+            for r in sorted(runs, key=lambda r: r["seed"]):
+                sh = r.get("split_half") or {}
+                cells = [f"{sh[f'x{f / 0.1:g}']['spearman']:.3f}" if f"x{f / 0.1:g}" in sh else "-"
+                         for f in DAMPING_LADDER]
+                print(f"| {dev} | {fam} | {n} | {ratio:g} | {r['seed']} | " + " | ".join(cells)
+                      + f" | {r.get('split_half_choice', '-')} |")
     print("\nMean +- standard deviation over seeds\n")
     _print_means(groups, names)
     print("\nPaired difference to EK-FAC, mean [min, max] over seeds\n")
