@@ -82,15 +82,17 @@ log = logging.getLogger(__name__)
 SMALL_FIT_EXAMPLES = 1000
 
 
-def small_fit_note(cs: CurvatureSettings, n_fit: int) -> str | None:
-    """The note for an EK-FAC fit on fewer than :data:`SMALL_FIT_EXAMPLES` examples
-    preconditioned with the default damping (none of ``--damping``, ``--damping-factor``,
-    ``--damping-noise``, ``--shrinkage``, ``--damping-rule`` given), else None."""
-    if (cs.kind != "ekfac" or n_fit >= SMALL_FIT_EXAMPLES or cs.damping_noise or cs.shrinkage != DEFAULT_SHRINKAGE
-            or cs.damping is not None or cs.damping_factor != DEFAULT_DAMPING_FACTOR or cs.damping_rule != "heuristic"):
-        return None
-    return (f"EK-FAC fitted on {n_fit} examples (< {SMALL_FIT_EXAMPLES}): its corrected eigenvalues are averages "
-            "of few samples; consider --damping-noise (README, \"Which curvature (pool size)\")")
+def damping_rule_of(cs: CurvatureSettings, n_fit: int, whole: bool) -> str:
+    """The damping rule a run applies: ``cs.damping_rule``, with ``auto`` resolved to
+    ``split-half`` for an EK-FAC fit on fewer than :data:`SMALL_FIT_EXAMPLES` examples
+    that none of ``--damping``, ``--damping-factor``, ``--damping-noise``, ``--shrinkage``
+    shapes, where one process keeps the curvature whole (``whole``), else ``heuristic``."""
+    if cs.damping_rule != "auto":
+        return cs.damping_rule
+    small = cs.kind == "ekfac" and n_fit < SMALL_FIT_EXAMPLES
+    plain = (cs.damping is None and cs.damping_factor == DEFAULT_DAMPING_FACTOR and not cs.damping_noise
+             and cs.shrinkage == DEFAULT_SHRINKAGE)
+    return "split-half" if small and plain and whole else "heuristic"
 
 
 @dataclass
@@ -324,12 +326,6 @@ class RunContext:
                                       "reused": reused, "damping": _summary(damping), "store": store,
                                       "groups": len(plan.fit_groups) if plan is not None and plan.fit_groups else 1,
                                       "phases_s": merged}  # factors / eigendecompositions / eigenvalues
-            note = small_fit_note(cs, len(fit_indices(len(fit), cs)))
-            if note and "note" not in info:  # once per run (a transient fit comes here per group)
-                self.info["curvature"]["note"] = note
-                log.info("note: %s", note)
-                if st.progress and distributed.is_main():
-                    print(f"note: {note}", file=sys.stderr)
             if cur.meta.get("owners"):  # each rank's share of the fitted curvature (sharded factors)
                 acc = 8 if next(self.lm.model.parameters()).dtype == torch.float64 else 4
                 per = [0] * self.execution.world
@@ -354,7 +350,7 @@ class RunContext:
         the pool is scored in memory by the exact route."""
         st, ex = self.settings, self.execution
         model = self.lm.model
-        return (st.scores_from_fit and st.method in DIRECTION_METHODS and cs.damping_rule == "heuristic"
+        return (st.scores_from_fit and st.method in DIRECTION_METHODS and self._damping_rule() == "heuristic"
                 and self.inputs.fit_encoded is None and cs.kind == "ekfac" and cs.fisher == "empirical"
                 and len(fit_indices(len(self.inputs.encoded), cs)) == len(self.inputs.encoded)
                 and not (groups and len(groups) > 1) and not st.stream
@@ -424,7 +420,7 @@ class RunContext:
         dev = self.lm.device
         vdt = self.lm.dtype
         transient = self._transient()
-        if self.curvature_settings.damping_rule == "split-half":
+        if self._damping_rule() == "split-half":
             self._split_half_damping(direction)
 
         if self.execution.sharded:
@@ -453,6 +449,13 @@ class RunContext:
         else:
             v = self.curvature().precondition(direction, device=dev)
         return {n: v.pop(n).to(dtype=vdt) for n in self.modules}  # each float32 layer let go once converted
+
+    def _damping_rule(self) -> str:
+        """This run's damping rule (:func:`damping_rule_of`)."""
+        cs = self.curvature_settings
+        pool = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
+        whole = not self._transient() and not self.execution.sharded and self.execution.world == 1
+        return damping_rule_of(cs, len(fit_indices(len(pool), cs)), whole)
 
     def _split_half_damping(self, direction: dict) -> None:
         """``--damping-rule split-half``: fit EK-FAC on two random halves of the fit sample,

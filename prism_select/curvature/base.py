@@ -24,8 +24,10 @@ DEFAULT_DAMPING_FACTOR = 0.1
 #: ``shrinkage`` values besides a fixed weight in [0, 1]
 SHRINKAGE_MODES = ("off", "auto")
 #: how the damping factor is chosen: ``heuristic`` (``damping_factor``), ``split-half``
-#: (:mod:`prism_select.curvature.support`)
-DAMPING_RULES = ("heuristic", "split-half")
+#: (:mod:`prism_select.curvature.support`), ``auto`` (split-half on a small EK-FAC fit that
+#: no damping option shapes, else heuristic: :func:`prism_select.pipeline.damping_rule_of`)
+DAMPING_RULES = ("auto", "heuristic", "split-half")
+DEFAULT_DAMPING_RULE = "auto"
 DEFAULT_SHRINKAGE = "off"
 
 
@@ -99,7 +101,10 @@ class PreconditionSettings:
         average that ``Lambda`` is, summed over its entries, estimated from the same fit
         (it shrinks as ``1/N``: few fit examples pull toward K-FAC, many leave EK-FAC);
         a number in [0, 1]: that ``rho`` for every layer.
-    damping_rule: ``heuristic`` (``damping_factor`` x mean eigenvalue); ``split-half``
+    damping_rule: ``auto``: ``split-half`` for an EK-FAC fit on fewer than 1,000 examples
+        when none of ``damping``, ``damping_factor``, ``damping_noise``, ``shrinkage`` is
+        set and one process keeps the curvature whole, else ``heuristic``;
+        ``heuristic`` (``damping_factor`` x mean eigenvalue; EK-FAC as kronfluence computes it); ``split-half``
         (EK-FAC): EK-FAC is also fitted on two random halves of the fit sample, and the
         damping factor is the least of :data:`~prism_select.curvature.support.DAMPING_LADDER`
         at which the halves' ``v`` rank the fit sample alike
@@ -121,10 +126,12 @@ class PreconditionSettings:
                                           "(strong on small pools, vanishing on large ones); RHO: a fixed weight "
                                           "in [0, 1]")
 
-    damping_rule: str = setting("heuristic", choices=DAMPING_RULES,
+    damping_rule: str = setting(DEFAULT_DAMPING_RULE, choices=DAMPING_RULES,
                                 help="heuristic: damping-factor x mean eigenvalue; split-half (EK-FAC): the least "
                                      "damping factor (0.1, 1, 10, 100) at which EK-FAC fits on two random halves of "
-                                     "the fit sample rank it alike (Spearman >= 0.9), identity when none does")
+                                     "the fit sample rank it alike (Spearman >= 0.9), identity when none does; auto: "
+                                     "split-half for an EK-FAC fit on fewer than 1,000 examples that no other damping "
+                                     "option shapes, else heuristic")
 
     def __post_init__(self):
         if self.damping_rule not in DAMPING_RULES:

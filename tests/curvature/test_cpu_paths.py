@@ -396,7 +396,8 @@ def test_run_scores_from_the_fit_spill_only_when_it_holds_the_scoring_gradients(
     calls = []
     real = spill_mod._Spill.scores
     monkeypatch.setattr(spill_mod._Spill, "scores", lambda self, *a: (calls.append(1), real(self, *a))[1])
-    cs = CurvatureSettings(kind="ekfac", fisher=fisher, fit_examples=fit_examples, batch_size=3)
+    cs = CurvatureSettings(kind="ekfac", fisher=fisher, fit_examples=fit_examples, batch_size=3,
+                           damping_rule="heuristic")  # the route, not the damping, is under test
 
     def run(name):
         lm = LoadedModel(model, tok, ModelSettings(model="tiny-test", device="cpu", cache_dir=str(tmp_path / name)),
@@ -474,7 +475,7 @@ def test_run_scores_inside_the_fit(model, tok, tmp_path, pool_examples, pair_exa
     from prism_select.pipeline import ScoreSettings, score_pool
 
     pool, targets = write_inputs(tmp_path, pool_examples, pair_examples)
-    cs = CurvatureSettings(kind="ekfac", batch_size=3)
+    cs = CurvatureSettings(kind="ekfac", batch_size=3, damping_rule="heuristic")  # the spill route needs it
     spill_calls = []
     real = spill_mod._Spill.scores
     monkeypatch.setattr(spill_mod._Spill, "scores", lambda self, *a: (spill_calls.append(1), real(self, *a))[1])

@@ -43,7 +43,8 @@ def _run(files, out, cache):
     model, pool, targets = files
     ms = ModelSettings(model=str(model), dtype="float32", device="cpu", cache_dir=str(cache))
     s = ScoreSettings(max_length=128, batch_size=4, chunk_size=4, progress=False)
-    return score_pool(ms, pool, targets, out, s, CurvatureSettings(kind="ekfac"))
+    # the faults are placed in the pool's scoring, which the heuristic damping reaches directly
+    return score_pool(ms, pool, targets, out, s, CurvatureSettings(kind="ekfac", damping_rule="heuristic"))
 
 
 def _scores(out):

@@ -415,6 +415,7 @@ def _score(d, out, **kw):
     from prism_select.model import ModelSettings
     from prism_select.pipeline import ScoreSettings, score_pool
     ms = ModelSettings(model=str(d / "model"), dtype="float64", device="cpu", cache_dir=str(d / "cache"))
+    kw.setdefault("damping_rule", "heuristic")  # the routes compare under one rule; auto is tested on its own
     cs = CurvatureSettings(**{k: kw.pop(k) for k in list(kw)
                               if k in ("damping", "damping_noise", "damping_factor", "damping_rule", "kind")})
     summary = score_pool(ms, d / "pool.jsonl", d / "targets.jsonl", d / out,
@@ -591,18 +592,6 @@ def test_new_damping_reuses_the_fit(run_files):
     assert rel_err(a, b) > 1e-6  # the damping was applied, not the cached one
 
 
-def test_small_fit_notes_damping_noise(run_files, caplog):
-    """A 24-example EK-FAC fit under the default damping records (run.json) and logs a
-    note recommending --damping-noise; with the option given, none."""
-    with caplog.at_level(logging.INFO, logger="prism_select.pipeline"):
-        s1, _ = _score(run_files, "n1")
-    note = json.loads((run_files / "n1" / "run.json").read_text())["curvature"]["note"]
-    assert note == s1["curvature"]["note"] and "--damping-noise" in note and "24 examples" in note
-    assert any(r.getMessage() == f"note: {note}" for r in caplog.records)
-    s2, _ = _score(run_files, "n2", damping_noise=True)
-    assert s2["curvature"]["reused"] and "note" not in s2["curvature"]
-
-
 def test_split_half_damping_rule(run_files):
     """--damping-rule split-half records the halves' agreement at every factor of the
     ladder, follows the rule on it, and scores as the heuristic damping at the chosen
@@ -628,15 +617,27 @@ def test_split_half_refuses_an_explicit_damping():
         CurvatureSettings(damping_rule="largest")
 
 
-def test_small_fit_note_threshold_and_options():
+def test_auto_damping_rule_threshold_and_options():
+    """auto is split-half for a small EK-FAC fit that no damping option shapes, on one
+    process with the curvature whole; heuristic otherwise; an explicit rule stays."""
     from prism_select.curvature import CurvatureSettings
-    from prism_select.pipeline import SMALL_FIT_EXAMPLES, small_fit_note
+    from prism_select.pipeline import SMALL_FIT_EXAMPLES, damping_rule_of
     small = SMALL_FIT_EXAMPLES - 1
-    assert small_fit_note(CurvatureSettings(), small) is not None
-    assert small_fit_note(CurvatureSettings(), SMALL_FIT_EXAMPLES) is None
+    assert damping_rule_of(CurvatureSettings(), small, whole=True) == "split-half"
+    assert damping_rule_of(CurvatureSettings(), SMALL_FIT_EXAMPLES, whole=True) == "heuristic"
+    assert damping_rule_of(CurvatureSettings(), small, whole=False) == "heuristic"
     for kw in ({"kind": "kfac"}, {"kind": "identity"}, {"damping_noise": True}, {"shrinkage": "auto"},
-               {"shrinkage": 0.5}, {"damping": 1e-3}, {"damping_factor": 1.0}, {"damping_rule": "split-half"}):
-        assert small_fit_note(CurvatureSettings(**kw), small) is None, kw
+               {"shrinkage": 0.5}, {"damping": 1e-3}, {"damping_factor": 1.0}, {"damping_rule": "heuristic"}):
+        assert damping_rule_of(CurvatureSettings(**kw), small, whole=True) == "heuristic", kw
+    assert damping_rule_of(CurvatureSettings(damping_rule="split-half"), SMALL_FIT_EXAMPLES, whole=True) == "split-half"
+
+
+def test_default_run_on_a_small_fit_takes_the_split_half_rule(run_files):
+    s1, a = _score(run_files, "auto", damping_rule="auto")
+    s2, b = _score(run_files, "sh", damping_rule="split-half")
+    assert s1["curvature"]["split_half"] == s2["curvature"]["split_half"] and torch.equal(a, b)
+    s3, _ = _score(run_files, "plain", damping_rule="heuristic")
+    assert "split_half" not in s3["curvature"] and s3["curvature"]["reused"]
 
 
 # ----------------------------------------------------------------------------- the fit's device memory
