@@ -187,9 +187,11 @@ def cmd_demo(a):
     from .pipeline import ScoreSettings, score_pool
     out = Path(a.out)
     pool, targets = make_example(out / "data", n_pool=a.pool_size, seed=a.seed)  # --seed: the data and the run
-    # scores from the fit's spill: the pool is the fit sample (docs/performance.md, "The CPU")
+    # scores from the fit's spill: the pool is the fit sample (docs/performance.md, "The CPU"), under
+    # kronfluence's damping: the split-half check of a small fit (docs/methods.md) would add two half
+    # fits and their scorings, minutes on a laptop's CPU
     s = settings_from_args(ScoreSettings, a, method="prism", max_length=DEMO_MAX_LENGTH, scores_from_fit=True)
-    c = settings_from_args(CurvatureSettings, a)
+    c = settings_from_args(CurvatureSettings, a, damping_rule="heuristic")
     summary = score_pool(_model_settings(a), pool, targets, out / "run", s, c)
     _print_demo(summary, out, pool, targets)
     auc = auroc_from_files(out / "run" / "scores.jsonl", pool, "harmful")

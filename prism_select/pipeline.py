@@ -459,9 +459,10 @@ class RunContext:
 
     def _split_half_damping(self, direction: dict) -> None:
         """``--damping-rule split-half``: fit EK-FAC on two random halves of the fit sample,
-        score the fit sample with each half's ``v`` at every damping factor of the ladder,
-        and damp the run's curvature with the least factor at which the halves agree, or
-        rank with identity when they agree at none (:mod:`prism_select.curvature.support`).
+        score the fit sample with each half's ``v`` down the damping ladder until the halves
+        disagree, and damp the run's curvature with the least factor from which on they
+        agree, or rank with identity when they disagree at the largest
+        (:mod:`prism_select.curvature.support`).
         Once per run; the result goes to ``run.json`` (``curvature.split_half``)."""
         if self.info.get("curvature", {}).get("split_half") is not None:
             return
@@ -476,15 +477,17 @@ class RunContext:
         fit = [pool[i] for i in fit_indices(len(pool), cs)]
         quiet = replace(self.execution, progress=False)
         fit_settings = replace(cs, fit_examples=None)
-        scores: tuple = ({}, {})
-        for half, idx in zip(scores, support.split_halves(len(fit), cs.seed)):
-            part = fit_curvature(self.lm.model, self.modules, [fit[i] for i in idx], fit_settings, pad_id=self.pad_id,
-                                 execution=quiet)
-            for factor in support.DAMPING_LADDER:
-                v = apply_damping(part, replace(cs, damping_factor=factor)).precondition(direction)
-                half[factor] = score_encoded(self.lm.model, self.modules, fit, v, pad_id=self.pad_id,
-                                             batch_size=self.settings.batch_size, execution=quiet)
-        check = support.split_half(len(fit), *scores)
+        halves = [fit_curvature(self.lm.model, self.modules, [fit[i] for i in idx], fit_settings, pad_id=self.pad_id,
+                                execution=quiet) for idx in support.split_halves(len(fit), cs.seed)]
+
+        def agreement_at(factor):
+            a, b = (score_encoded(self.lm.model, self.modules, fit,
+                                  apply_damping(h, replace(cs, damping_factor=factor)).precondition(direction),
+                                  pad_id=self.pad_id, batch_size=self.settings.batch_size, execution=quiet)
+                    for h in halves)
+            return support.spearman(a, b)
+
+        check = support.split_half(len(fit), support.walk_ladder(agreement_at))
         if check.factor is None:
             cur = Curvature("identity", cur.layers, {}, {n: 0.0 for n in cur.layers})
         else:

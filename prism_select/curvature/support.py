@@ -10,11 +10,13 @@ half's ``v`` scores the whole fit sample at every damping factor of
 their two score lists reaches :data:`MIN_AGREEMENT`: the sample then determines the
 ranking, not the half it came from.
 
-:func:`supported_damping_factor` reads the answer: the smallest factor of the ladder at
-which the halves agree (the least damping the sample supports), or ``None`` when they
-agree at none (the sample cannot support a curvature; identity ranks by ``g_KL``
-itself). The check costs two half-size fits and ``2 x len(DAMPING_LADDER)`` scorings of
-the fit sample, so it is meant for small fit samples.
+:func:`supported_damping_factor` reads the answer: the least factor of the ladder from
+which on the halves agree at every larger factor too (the least damping the sample
+supports), or ``None`` when they disagree at the largest (the sample cannot support a
+curvature; identity ranks by ``g_KL`` itself). So the ladder is walked from the largest
+factor down and the walk stops at the first disagreement (:func:`walk_ladder`). The
+check costs two half-size fits and two scorings of the fit sample per factor walked, so
+it is meant for small fit samples.
 """
 
 from __future__ import annotations
@@ -60,15 +62,27 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def supported_damping_factor(agreement: dict) -> float | None:
-    """The smallest damping factor whose halves agree (:data:`MIN_AGREEMENT`); None if none."""
-    for factor in sorted(agreement):
-        if agreement[factor] >= MIN_AGREEMENT:
-            return factor
-    return None
+    """The least damping factor from which on every factor agrees (:data:`MIN_AGREEMENT`);
+    None when the largest does not."""
+    chosen = None
+    for factor in sorted(agreement, reverse=True):
+        if agreement[factor] < MIN_AGREEMENT:
+            break
+        chosen = factor
+    return chosen
 
 
-def split_half(n_fit: int, scores_a: dict, scores_b: dict) -> SplitHalf:
-    """The check's result from the fit sample's scores under each half's ``v``, per
-    damping factor (``{factor: tensor}`` for half A and for half B)."""
-    agreement = {f: spearman(scores_a[f], scores_b[f]) for f in scores_a}
-    return SplitHalf(n_fit, agreement, supported_damping_factor(agreement))
+def walk_ladder(agreement_at) -> dict:
+    """``agreement_at(factor)`` for the ladder's factors from the largest down, until the
+    first that disagrees: the agreements :func:`supported_damping_factor` needs."""
+    out = {}
+    for factor in sorted(DAMPING_LADDER, reverse=True):
+        out[factor] = agreement_at(factor)
+        if out[factor] < MIN_AGREEMENT:
+            break
+    return out
+
+
+def split_half(n_fit: int, agreement: dict) -> SplitHalf:
+    """The check's result from the agreements of :func:`walk_ladder`."""
+    return SplitHalf(n_fit, dict(sorted(agreement.items())), supported_damping_factor(agreement))

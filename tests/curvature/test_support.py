@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from prism_select.curvature.support import (DAMPING_LADDER, MIN_AGREEMENT, split_half, split_halves, spearman,
-                                            supported_damping_factor)
+                                            supported_damping_factor, walk_ladder)
 
 #: a rank correlation of identical orders, up to float64 rounding of its sums
 RANK_TOL = 1e-12
@@ -32,11 +32,22 @@ def test_the_least_damping_whose_halves_agree_is_chosen():
     assert supported_damping_factor({0.1: below, 1.0: below, 10.0: above, 100.0: above}) == 10.0
     assert supported_damping_factor({100.0: above, 0.1: below}) == 100.0  # whatever the order given
     assert supported_damping_factor(dict.fromkeys(DAMPING_LADDER, below)) is None
+    # the least factor from which on every larger one agrees too
+    assert supported_damping_factor({0.1: above, 1.0: below, 10.0: above, 100.0: above}) == 10.0
 
 
-def test_split_half_from_scores():
-    base = torch.arange(30, dtype=torch.float64)
-    noisy = base.flip(0)
-    res = split_half(30, {0.1: base, 1.0: base}, {0.1: noisy, 1.0: base + 0.5})
-    assert res.agreement == pytest.approx({0.1: -1.0, 1.0: 1.0}, abs=RANK_TOL) and res.factor == 1.0
-    assert res.to_json()["supported"] and res.to_json()["agreement"] == {"0.1": -1.0, "1": 1.0}
+def test_the_ladder_is_walked_down_until_the_halves_disagree():
+    asked = []
+
+    def agreement_at(factor, values={100.0: 0.95, 10.0: 0.92, 1.0: 0.5, 0.1: 0.99}):
+        asked.append(factor)
+        return values[factor]
+
+    walked = walk_ladder(agreement_at)
+    assert asked == [100.0, 10.0, 1.0] and walked == {100.0: 0.95, 10.0: 0.92, 1.0: 0.5}
+    res = split_half(30, walked)
+    assert res.factor == 10.0 and list(res.agreement) == [1.0, 10.0, 100.0]
+    assert res.to_json()["supported"] and res.to_json()["agreement"] == {"1": 0.5, "10": 0.92, "100": 0.95}
+    asked.clear()
+    assert walk_ladder(lambda f: asked.append(f) or 0.2) == {max(DAMPING_LADDER): 0.2} and len(asked) == 1
+    assert split_half(30, {max(DAMPING_LADDER): 0.2}).factor is None

@@ -599,7 +599,8 @@ def test_split_half_damping_rule(run_files):
     from prism_select.curvature.support import DAMPING_LADDER, supported_damping_factor
     s1, a = _score(run_files, "sh", damping_rule="split-half")
     check = s1["curvature"]["split_half"]
-    assert check["n_fit"] == 24 and sorted(map(float, check["agreement"])) == list(DAMPING_LADDER)
+    walked = sorted(map(float, check["agreement"]), reverse=True)
+    assert check["n_fit"] == 24 and walked == sorted(DAMPING_LADDER, reverse=True)[:len(walked)]
     factor = check["damping_factor"]
     assert factor == supported_damping_factor({float(f): x for f, x in check["agreement"].items()})
     assert "note" not in s1["curvature"]
