@@ -57,7 +57,7 @@ from bench_scoring import load_embedded  # noqa: E402
 from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature  # noqa: E402
 from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.curvature.base import apply_damping  # noqa: E402
-from prism_select.curvature.support import DAMPING_LADDER, supported_damping_factor  # noqa: E402
+from prism_select.curvature.support import DAMPING_LADDER, spearman, supported_damping_factor  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.evaluation import builders  # noqa: E402
 from prism_select.evaluation_metrics import auroc  # noqa: E402
@@ -294,12 +294,6 @@ def _half_directions(model, mods, enc, g, pad, batch, dev, seed) -> list:
         for f in HALF_DAMPING_FACTORS:
             out.append(apply_damping(cur, CurvatureSettings(kind="ekfac", damping_factor=f)).precondition(g))
     return out
-
-
-def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
-    rx, ry = (t.argsort().argsort().double() for t in (x, y))
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    return float((rx @ ry) / (rx.norm() * ry.norm()))
 
 
 def _cosine(u: dict, w: dict) -> float:
