@@ -454,7 +454,9 @@ class RunContext:
         """This run's damping rule (:func:`damping_rule_of`)."""
         cs = self.curvature_settings
         pool = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
-        whole = not self._transient() and not self.execution.sharded and self.execution.world == 1
+        # the half fits run outside the memory plan: only where the plan fits the curvature in one group
+        one_group = self.plan is None or len(self.plan.fit_groups or []) <= 1
+        whole = one_group and not self._transient() and not self.execution.sharded and self.execution.world == 1
         return damping_rule_of(cs, len(fit_indices(len(pool), cs)), whole)
 
     def _split_half_damping(self, direction: dict) -> None:

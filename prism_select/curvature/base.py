@@ -103,7 +103,8 @@ class PreconditionSettings:
         a number in [0, 1]: that ``rho`` for every layer.
     damping_rule: ``auto``: ``split-half`` for an EK-FAC fit on fewer than 1,000 examples
         when none of ``damping``, ``damping_factor``, ``damping_noise``, ``shrinkage`` is
-        set and one process keeps the curvature whole, else ``heuristic``;
+        set and one process keeps the curvature whole, fitted in one group by the memory
+        plan (the half fits run outside the plan), else ``heuristic``;
         ``heuristic`` (``damping_factor`` x mean eigenvalue; EK-FAC as kronfluence computes it); ``split-half``
         (EK-FAC): EK-FAC is also fitted on two random halves of the fit sample, and the
         damping factor is the least of :data:`~prism_select.curvature.support.DAMPING_LADDER`
