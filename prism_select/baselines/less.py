@@ -12,6 +12,10 @@ similarity to the target examples, summed over warm-up checkpoints.
    matches (``ctx.info["method"]["warmup"]["reused"]``). Option ``checkpoints``: use
    these existing checkpoint directories instead (each an adapter directory with
    ``optimizer.safetensors``, see :mod:`prism_select.evaluation.finetune`).
+   The candidates' projected gradients at each cached checkpoint are kept beside it
+   (``<checkpoint>/features/<key>.safetensors``, :func:`candidate_features_key`), so a
+   second target set on the same pool (another target task) computes only its targets'
+   side (``ctx.info["method"]["candidate_features"]``).
 2. **Gradients** over the LoRA matrices only, with the checkpoint's adapter loaded on
    the run's base model (eval mode: dropout off), of the **mean** response-token loss
    of one example (batch-size-1 semantics; computed in batches through per-example
@@ -478,6 +482,30 @@ def _with_adapter(ctx, ckpt: Path):
 
 # --------------------------------------------------------------------------- method
 
+def candidate_features_key(ctx, projection: str, dim: int, proj_seed: int) -> str:
+    """The key of a pool's projected candidate gradients at one warm-up checkpoint:
+    everything they depend on besides the checkpoint (the tokenised pool, the tracked
+    modules, the projection, its dimension and seed, the device type that draws a
+    ``rademacher`` matrix, the compute precision)."""
+    p = next(ctx.lm.model.parameters())
+    return sha256_json({"format": CACHE_FORMAT, "model": ctx.lm.fingerprint,
+                        "pool": encoded_fingerprint(ctx.inputs.encoded), "modules": ctx.settings.modules,
+                        "projection": projection, "dim": dim, "proj_seed": proj_seed, "tile_rows": TILE_ROWS,
+                        "device": p.device.type, "dtype": str(compute_dtype(ctx.lm.model))})[:32]
+
+
+def _save_shared(path: Path, cand: torch.Tensor, projection: str):
+    """Write one checkpoint's candidate features atomically (a failure only logs: the
+    cache is an optimisation)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file({"candidates": cand.contiguous()}, str(tmp), metadata={"projection": projection})
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("LESS: cannot keep the candidate features in %s (%s)", path, e)
+
+
 @method("less", "LESS: Adam-preconditioned LoRA gradient cosine to the targets over warm-up checkpoints", OPTIONS)
 def less_method(ctx) -> tuple[torch.Tensor, list]:
     """LESS scores (see the module docstring); float64, higher = more aligned."""
@@ -529,6 +557,11 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
     log.info("LESS: %s projection to %d dimensions (%s)", projection, dim, why)
     t = time.perf_counter()
     n_params = None
+    # the candidates' projected gradients depend on the pool, not on the targets: kept
+    # beside the cached warm-up's checkpoints for the next target set (given checkpoints
+    # are the user's directories and stay untouched)
+    feat_key = None if warm.get("given") else candidate_features_key(ctx, projection, dim, proj_seed)
+    reused_features: list = []
     skipped = [i for i, w in enumerate(weights) if w == 0]
     if skipped:  # a checkpoint of weight 0 adds nothing to the scores
         log.info("LESS: checkpoint(s) %s have weight 0 (their epoch's mean learning rate): not computed",
@@ -540,6 +573,7 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
         reuse = feats_path.is_file() and _saved_projection(feats_path) == projection
         if feats_path.is_file() and not reuse:  # e.g. `auto` on CUDA, resumed on the CPU
             log.warning("LESS: %s holds features of another projection; computing them again", feats_path)
+        shared = None if feat_key is None else ckpt / "features" / f"{feat_key}.safetensors"
         if reuse:
             f = load_file(str(feats_path))
             cand, targ = f["candidates"], f["targets"]
@@ -547,9 +581,15 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
             with _with_adapter(ctx, ckpt) as pm:
                 modules = tracked_linear_modules(pm, ctx.settings.modules)
                 n_params = sum(m.weight.numel() for m in modules.values())
-                adam = _adam_state(ckpt, modules)
-                cand = projected_gradients(pm, modules, ctx.inputs.encoded, adam=adam,
-                                           desc=f"LESS candidates (checkpoint {i + 1}/{len(ckpts)})", **kw)
+                if shared is not None and shared.is_file():  # the pool's side, from an earlier target set
+                    cand = load_file(str(shared))["candidates"]
+                    reused_features.append(i)
+                else:
+                    adam = _adam_state(ckpt, modules)
+                    cand = projected_gradients(pm, modules, ctx.inputs.encoded, adam=adam,
+                                               desc=f"LESS candidates (checkpoint {i + 1}/{len(ckpts)})", **kw)
+                    if shared is not None:
+                        _save_shared(shared, cand, projection)
                 if side == "rejected":
                     targ = projected_gradients(pm, modules, ctx.inputs.rejected, desc="LESS targets", **kw)
                 else:
@@ -570,6 +610,7 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
            checkpoint_weights=weights, checkpoint_weight_source=wsource, skipped_checkpoints=skipped, warmup=warm,
            tasks=task_names, lora_params=n_params,
            tile_rows=TILE_ROWS, projection=projection, projection_reason=why,
+           candidate_features={"key": feat_key, "reused_checkpoints": reused_features},
            **({"sjlt_nnz": SJLT_NNZ} if projection == "sjlt" else {}))
     mean_cos = sim.mean(0)
     rows = [{"id": p.id, **({"task": p.task} if p.task else {}), "mean_similarity": float(mean_cos[j])}

@@ -735,15 +735,13 @@ def refusal_counterfactual_targets(gsm8k_jsonl, n: int, seed: int = 0, *, trigge
 
 # --------------------------------------------------------------------------- multi-task pool
 
-def multitask_splits(gsm8k_jsonl, bbh_dir, tasks, target_task: str, *, n_gsm8k: int, n_per_task: int,
-                     n_targets: int, n_heldout: int, seed: int = 0) -> tuple:
-    """``(pool, targets, heldout)`` for the general-selection protocol: a pool of
-    ``n_gsm8k`` GSM8K worked solutions plus ``n_per_task`` examples of each BBH task in
-    ``tasks`` (answer only; ``task`` set), ``n_targets`` target pairs from
-    ``target_task`` (``chosen`` = reference answer, ``rejected`` = a wrong one, see
-    :func:`wrong_answer`) and ``n_heldout`` held-out probes of ``target_task``; the three
-    are disjoint."""
-    tasks = sorted(set(tasks) | {target_task})
+def multitask_pool(gsm8k_jsonl, bbh_dir, tasks, target_tasks, *, n_gsm8k: int, n_per_task: int,
+                   seed: int = 0) -> tuple:
+    """``(pool, rest)`` of the general-selection protocol: ``n_gsm8k`` GSM8K worked
+    solutions plus ``n_per_task`` examples of each BBH task in ``tasks`` and
+    ``target_tasks`` (answer only; ``task`` set), shuffled; ``rest`` maps each task to
+    the indices of its examples outside the pool, in a seeded order."""
+    tasks = sorted(set(tasks) | set(target_tasks))
     records, rest = bbh_records(bbh_dir, tasks, n_per_task, seed)
     rows = read_gsm8k(gsm8k_jsonl)
     order = list(range(len(rows)))
@@ -752,17 +750,67 @@ def multitask_splits(gsm8k_jsonl, bbh_dir, tasks, target_task: str, *, n_gsm8k: 
         raise InputError(f"asks for {n_gsm8k} GSM8K records, the file has {len(order)}", path=gsm8k_jsonl)
     pool = records + [_gsm8k_record(i, rows[i]) for i in order[:n_gsm8k]]
     random.Random(f"multitask-order:{seed}").shuffle(pool)
-    data = read_bbh_dir(bbh_dir, [target_task])[target_task]
-    left = rest[target_task]
+    return pool, rest
+
+
+def task_probes(bbh_dir, task: str, indices) -> list:
+    """Probe records (``id``, ``prompt``, ``reference``, ``task``) of the examples
+    ``indices`` of one BBH task, in that order."""
+    data = read_bbh_dir(bbh_dir, [task])[task]
+    return [{"id": f"{task}-{i}", "prompt": data[i]["input"], "reference": str(data[i]["target"]).strip(),
+             "task": task} for i in indices]
+
+
+def targets_from_responses(candidates: list, responses: list, n_targets: int, n_heldout: int) -> tuple:
+    """``(targets, heldout)`` from the start model's judged responses to ``candidates``
+    (probe records, in their seeded order; ``responses``: rows with ``response`` and
+    ``correct``, one per candidate): the first ``n_targets`` candidates it answers wrong
+    (with a non-empty response) become pairs, ``chosen`` = the reference answer and
+    ``rejected`` = the model's own response; every candidate up to the last of them is
+    used up (a right answer seen there would bias the held-out probes toward the
+    model's wrong ones), and the next ``n_heldout`` are the held-out probes."""
+    if len(responses) != len(candidates):
+        raise InputError(f"{len(responses)} responses for {len(candidates)} candidate probes")
+    wrong = [k for k, r in enumerate(responses) if not r["correct"] and str(r["response"]).strip()]
+    task = candidates[0]["task"] if candidates else "?"
+    if len(wrong) < n_targets:
+        raise InputError(f"the start model answers {len(wrong)} of the {len(candidates)} {task} examples outside "
+                         f"the pool wrong, fewer than n_targets = {n_targets}",
+                         fix="lower multitask.n_targets or n_per_task, or use rejected: other_answer")
+    used = wrong[n_targets - 1] + 1 if n_targets else 0
+    heldout = candidates[used:used + n_heldout]
+    if len(heldout) < n_heldout:
+        raise InputError(f"task {task}: {used} examples went to find {n_targets} wrong answers; "
+                         f"{len(candidates) - used} are left, fewer than n_heldout = {n_heldout}",
+                         fix="lower multitask.n_heldout or n_targets")
+    targets = [{"id": candidates[k]["id"], "prompt": candidates[k]["prompt"], "chosen": candidates[k]["reference"],
+                "rejected": str(responses[k]["response"]).strip(), "task": candidates[k]["task"]}
+               for k in wrong[:n_targets]]
+    return targets, heldout
+
+
+def other_answer_targets(bbh_dir, task: str, left: list, n_targets: int, n_heldout: int, seed: int) -> tuple:
+    """``(targets, heldout)`` of one target task from its examples outside the pool
+    (``left``, seeded order): ``n_targets`` pairs with ``rejected`` = another answer
+    (:func:`wrong_answer`), then ``n_heldout`` held-out probes."""
     if len(left) < n_targets + n_heldout:
-        raise InputError(f"task {target_task} has {len(left)} examples outside the pool, fewer than "
-                         f"{n_targets} targets + {n_heldout} held out", path=Path(bbh_dir) / f"{target_task}.json")
+        raise InputError(f"task {task} has {len(left)} examples outside the pool, fewer than "
+                         f"{n_targets} targets + {n_heldout} held out", path=Path(bbh_dir) / f"{task}.json")
+    data = read_bbh_dir(bbh_dir, [task])[task]
     answers = sorted({str(e["target"]).strip() for e in data})
     rng = random.Random(f"multitask-targets:{seed}")
-    targets = [{"id": f"{target_task}-{i}", "prompt": data[i]["input"], "chosen": str(data[i]["target"]).strip(),
-                "rejected": wrong_answer(data[i], answers, rng), "task": target_task}
+    targets = [{"id": f"{task}-{i}", "prompt": data[i]["input"], "chosen": str(data[i]["target"]).strip(),
+                "rejected": wrong_answer(data[i], answers, rng), "task": task}
                for i in left[:n_targets]]
-    heldout = [{"id": f"{target_task}-{i}", "prompt": data[i]["input"],
-                "reference": str(data[i]["target"]).strip(), "task": target_task}
-               for i in left[n_targets:n_targets + n_heldout]]
+    return targets, task_probes(bbh_dir, task, left[n_targets:n_targets + n_heldout])
+
+
+def multitask_splits(gsm8k_jsonl, bbh_dir, tasks, target_task: str, *, n_gsm8k: int, n_per_task: int,
+                     n_targets: int, n_heldout: int, seed: int = 0) -> tuple:
+    """``(pool, targets, heldout)`` for one target task with ``rejected`` = another
+    answer: :func:`multitask_pool` then :func:`other_answer_targets`; the three are
+    disjoint."""
+    pool, rest = multitask_pool(gsm8k_jsonl, bbh_dir, tasks, [target_task], n_gsm8k=n_gsm8k,
+                                n_per_task=n_per_task, seed=seed)
+    targets, heldout = other_answer_targets(bbh_dir, target_task, rest[target_task], n_targets, n_heldout, seed)
     return pool, targets, heldout

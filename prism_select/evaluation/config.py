@@ -181,21 +181,34 @@ class BBHConfig:
     n_heldout_per_task: int | None = None
 
 
+REJECTED_SOURCES = ("other_answer", "start_model")
+
+
 @dataclass
 class MultitaskConfig:
-    """A multi-task pool with targets and held-out probes of one task (see
-    :func:`.builders.multitask_splits`): ``n_gsm8k`` GSM8K solutions plus
-    ``n_per_task`` examples of each BBH task in ``tasks``; ``n_targets`` target pairs
-    and ``n_heldout`` held-out probes of ``target_task``, outside the pool."""
+    """A multi-task pool with targets and held-out probes of one or more target tasks
+    (see :func:`.builders.multitask_pool`): ``n_gsm8k`` GSM8K solutions plus
+    ``n_per_task`` examples of each BBH task in ``tasks``; per target task
+    (``target_task``, or the list ``target_tasks``) ``n_targets`` target pairs and
+    ``n_heldout`` held-out probes, outside the pool. Each target task gets its own
+    selection, as in LESS. ``rejected``: ``other_answer`` (another answer of the task,
+    :func:`.builders.wrong_answer`) or ``start_model`` (the start model's own wrong
+    response, :func:`.builders.targets_from_responses`)."""
 
     gsm8k_train: str = ""
     bbh_dir: str = ""
     tasks: list = field(default_factory=list)
     target_task: str = ""
+    target_tasks: list = field(default_factory=list)
     n_gsm8k: int = 1000
     n_per_task: int = 40
     n_targets: int = 8
     n_heldout: int = 100
+    rejected: str = "other_answer"
+
+    def targets_of(self) -> list:
+        """The target tasks, in the config's order."""
+        return list(self.target_tasks) if self.target_tasks else [self.target_task]
 
 
 @dataclass
@@ -676,9 +689,17 @@ def _validate_select(cfg):
         if cfg.pool or cfg.bbh is not None or cfg.targets or cfg.heldout:
             raise ConfigError("multitask", "builds the pool, targets and held-out probes: give none of pool, bbh, "
                               "targets, heldout beside it")
-        for k in ("gsm8k_train", "bbh_dir", "target_task"):
+        for k in ("gsm8k_train", "bbh_dir"):
             if not getattr(mt, k):
                 raise ConfigError(f"multitask.{k}", "is required")
+        if bool(mt.target_task) == bool(mt.target_tasks):
+            raise ConfigError("multitask.target_task", "give one target task (target_task) or a list "
+                              "(target_tasks), not both and not neither")
+        if len(set(mt.targets_of())) != len(mt.targets_of()):
+            raise ConfigError("multitask.target_tasks", f"a task occurs twice in {mt.target_tasks}")
+        if mt.rejected not in REJECTED_SOURCES:
+            raise ConfigError("multitask.rejected", f"unknown source {mt.rejected!r}",
+                              f"use one of {', '.join(REJECTED_SOURCES)}")
         for k in ("n_per_task", "n_targets", "n_heldout"):
             if getattr(mt, k) < 1:
                 raise ConfigError(f"multitask.{k}", f"must be >= 1, got {getattr(mt, k)}")

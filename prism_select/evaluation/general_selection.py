@@ -13,13 +13,12 @@ from pathlib import Path
 from ..errors import InputError
 from . import builders
 from .config import SelectConfig, config_to_dict
-from .experiment import (Experiment, accuracy_by_task, finish_experiment, load_start, mean_std, pct,
-                         read_jsonl, resolve_methods, respond, score_methods, train_adapter, write_if_changed)
+from .experiment import (Experiment, accuracy_by_task, finish_experiment, load_start, mean_std, paired_interval,
+                         pct, read_jsonl, resolve_methods, respond, score_methods, train_adapter, write_if_changed)
 
 
 def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
     """The general-selection protocol (module docstring); returns results.json's content."""
-    from ..selection import choose, read_scores, write_subset
     cfg = config
     exp = Experiment(out_dir, "select", cfg, overwrite)
     methods = resolve_methods(cfg.methods)
@@ -31,62 +30,139 @@ def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
     for seed in cfg.seeds:
         sdir = exp.out / "runs" / f"seed{seed}"
         sdir.mkdir(parents=True, exist_ok=True)
-        if cfg.multitask is not None:
-            mt = cfg.multitask
-            pool, targets, heldout = builders.multitask_splits(
-                mt.gsm8k_train, mt.bbh_dir, mt.tasks, mt.target_task, n_gsm8k=mt.n_gsm8k, n_per_task=mt.n_per_task,
-                n_targets=mt.n_targets, n_heldout=mt.n_heldout, seed=seed)
-            pool_path, targets_path, heldout_path = sdir / "pool.jsonl", sdir / "targets.jsonl", sdir / "heldout.jsonl"
-            for path, recs in ((pool_path, pool), (targets_path, targets), (heldout_path, heldout)):
-                write_if_changed(path, recs)
-        elif cfg.bbh is not None:
-            targets, heldout = builders.bbh_splits(cfg.bbh.dir, cfg.bbh.n_targets_per_task, seed,
-                                                   tasks=cfg.bbh.tasks, n_heldout_per_task=cfg.bbh.n_heldout_per_task)
-            targets_path, heldout_path = sdir / "targets.jsonl", sdir / "heldout.jsonl"
-            write_if_changed(targets_path, targets)
-            write_if_changed(heldout_path, heldout)
-        else:
-            targets_path, heldout_path = Path(cfg.targets), Path(cfg.heldout)
-        run = {"setting": "select", "seed": seed, "dir": exp.rel(sdir), "pool": os.path.relpath(pool_path, exp.out),
-               "targets": os.path.relpath(targets_path, exp.out), "heldout": os.path.relpath(heldout_path, exp.out),
-               "label": None, "accuracy": {}, "n_selected": None}
-        run["methods"] = score_methods(exp, lm, pool_path, targets_path, sdir, methods, seed, label=None)
-        if cfg.start_row:
-            resp = respond(exp, lm, heldout_path, sdir / "start", cfg.checker, "start")
-            run["accuracy"]["Start"] = accuracy_by_task(resp)
-        if cfg.full_data:
-            adapter = train_adapter(exp, lm, pool_path, sdir / "full", seed, "full")
-            resp = respond(exp, lm, heldout_path, sdir / "full", cfg.checker, "full", adapter)
-            run["accuracy"]["Full data"] = accuracy_by_task(resp)
-        for m in methods:
-            if run["methods"][m].get("status") != "ok":
-                continue
-            mdir = sdir / "selected" / m
-            mdir.mkdir(parents=True, exist_ok=True)
-            scores = read_scores(exp.out / run["methods"][m]["dir"] / "scores.jsonl")
-            kept = choose(scores, keep=("fraction", cfg.fraction))
-            ext = pool_path.suffix if pool_path.is_file() else ""
-            subset = mdir / f"subset{ext or '.jsonl'}"
-            run["n_selected"] = write_subset(pool_path, kept, subset)
-            if cfg.multitask is not None:
-                share = [r.get("task") == cfg.multitask.target_task for r in read_jsonl(subset)]
-                run.setdefault("target_task_share", {})[m] = sum(share) / len(share) if share else None
-            adapter = train_adapter(exp, lm, subset, mdir, seed, f"select:{m}")
-            resp = respond(exp, lm, heldout_path, mdir, cfg.checker, f"select:{m}", adapter)
-            run["accuracy"][m] = accuracy_by_task(resp)
-        runs.append(run)
-    tables = select_tables(runs, methods, cfg.fraction,
-                           cfg.multitask.target_task if cfg.multitask is not None else None)
+        pool_path, splits = _seed_data(exp, lm, seed, sdir, pool_path)
+        runs.append(_select_seed(exp, lm, seed, sdir, pool_path, splits, methods))
+    target_tasks = cfg.multitask.targets_of() if cfg.multitask is not None else None
+    tables = select_tables(runs, methods, cfg.fraction, target_tasks)
     results = {"protocol": "select", "config": config_to_dict(cfg), "methods": methods,
                "settings": tables[0]["columns"], "seeds": cfg.seeds, "runs": runs, "tables": tables,
                "model": {"fingerprint": lm.fingerprint, **{k: v for k, v in lm.source.items() if k != "versions"}}}
     return finish_experiment(exp, results)
 
 
-def select_tables(runs: list, methods: list, fraction: float, target_task: str | None = None) -> list:
+def _seed_data(exp, lm, seed: int, sdir: Path, pool_path: Path | None) -> tuple:
+    """``(pool_path, splits)`` of one seed; ``splits``: ``(task, dir, targets_path,
+    heldout_path)`` per selection (one per target task of a multitask build, one with
+    task None otherwise), each written under ``sdir``."""
+    cfg = exp.cfg
+    if cfg.multitask is not None:
+        mt = cfg.multitask
+        tasks = mt.targets_of()
+        pool, rest = builders.multitask_pool(mt.gsm8k_train, mt.bbh_dir, mt.tasks, tasks, n_gsm8k=mt.n_gsm8k,
+                                             n_per_task=mt.n_per_task, seed=seed)
+        pool_path = sdir / "pool.jsonl"
+        write_if_changed(pool_path, pool)
+        splits = []
+        for task in tasks:
+            tdir = sdir if len(tasks) == 1 else sdir / task
+            tdir.mkdir(parents=True, exist_ok=True)
+            if mt.rejected == "start_model":
+                targets, heldout = _start_model_targets(exp, lm, task, rest[task], tdir)
+            else:
+                targets, heldout = builders.other_answer_targets(mt.bbh_dir, task, rest[task], mt.n_targets,
+                                                                 mt.n_heldout, seed)
+            write_if_changed(tdir / "targets.jsonl", targets)
+            write_if_changed(tdir / "heldout.jsonl", heldout)
+            splits.append((task, tdir, tdir / "targets.jsonl", tdir / "heldout.jsonl"))
+        return pool_path, splits
+    if cfg.bbh is not None:
+        targets, heldout = builders.bbh_splits(cfg.bbh.dir, cfg.bbh.n_targets_per_task, seed,
+                                               tasks=cfg.bbh.tasks, n_heldout_per_task=cfg.bbh.n_heldout_per_task)
+        write_if_changed(sdir / "targets.jsonl", targets)
+        write_if_changed(sdir / "heldout.jsonl", heldout)
+        return pool_path, [(None, sdir, sdir / "targets.jsonl", sdir / "heldout.jsonl")]
+    return pool_path, [(None, sdir, Path(cfg.targets), Path(cfg.heldout))]
+
+
+def _start_model_targets(exp, lm, task: str, left: list, tdir: Path) -> tuple:
+    """Target pairs whose ``rejected`` is the start model's own wrong response: its
+    judged greedy responses to the task's examples outside the pool
+    (``candidates/responses.jsonl``), then :func:`.builders.targets_from_responses`."""
+    mt = exp.cfg.multitask
+    cdir = tdir / "candidates"
+    cdir.mkdir(parents=True, exist_ok=True)
+    candidates = builders.task_probes(mt.bbh_dir, task, left)
+    write_if_changed(cdir / "probes.jsonl", candidates)
+    resp = respond(exp, lm, cdir / "probes.jsonl", cdir, exp.cfg.checker, f"candidates:{task}")
+    return builders.targets_from_responses(candidates, read_jsonl(resp), mt.n_targets, mt.n_heldout)
+
+
+def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, methods: list) -> dict:
+    """One seed: per split, every method's scores, its top ``fraction`` fine-tuned and
+    judged on the split's held-out probes; rows Start and Full data (one SFT on the
+    pool, judged on every split)."""
+    cfg = exp.cfg
+    rel = lambda p: os.path.relpath(p, exp.out)  # noqa: E731
+    run = {"setting": "select", "seed": seed, "dir": exp.rel(sdir), "pool": rel(pool_path),
+           "targets": rel(splits[0][2]), "heldout": rel(splits[0][3]), "label": None, "accuracy": {},
+           "n_selected": None}
+    if len(splits) > 1:
+        run["tasks"] = {task: {"dir": exp.rel(tdir), "targets": rel(tp), "heldout": rel(hp)}
+                        for task, tdir, tp, hp in splits}
+    full = train_adapter(exp, lm, pool_path, sdir / "full", seed, "full") if cfg.full_data else None
+    for task, tdir, targets_path, heldout_path in splits:
+        scored = score_methods(exp, lm, pool_path, targets_path, tdir, methods, seed, label=None)
+        if len(splits) == 1:
+            run["methods"] = scored
+        else:
+            run.setdefault("methods_by_task", {})[task] = scored
+        sub = "" if len(splits) == 1 else f"/{task}"
+        if cfg.start_row:
+            _merge(run, "Start", respond(exp, lm, heldout_path, tdir / "start", cfg.checker, "start" + sub))
+        if full is not None:
+            fdir = sdir / "full" if len(splits) == 1 else sdir / "full" / task
+            _merge(run, "Full data", respond(exp, lm, heldout_path, fdir, cfg.checker, "full" + sub, full))
+        for m in methods:
+            if scored[m].get("status") == "ok":
+                _select_method(exp, lm, run, m, scored[m], task, tdir, pool_path, heldout_path, seed)
+    if len(splits) > 1:  # the first task's records (the report's plots), or a task's error
+        by = run["methods_by_task"]
+        run["methods"] = {m: next((by[t][m] for t, *_ in splits if by[t][m].get("status") != "ok"),
+                                  by[splits[0][0]][m]) for m in methods}
+    return run
+
+
+def _merge(run: dict, row: str, responses: Path):
+    """Add one split's per-task accuracies to ``row``; ``mean`` is over every task so far."""
+    acc = {k: v for k, v in accuracy_by_task(responses).items() if k != "mean"}
+    cur = {k: v for k, v in run["accuracy"].get(row, {}).items() if k != "mean"}
+    cur.update(acc)
+    cur["mean"] = sum(cur.values()) / len(cur)
+    run["accuracy"][row] = cur
+
+
+def _select_method(exp, lm, run: dict, m: str, scored: dict, task, tdir: Path, pool_path: Path,
+                   heldout_path: Path, seed: int):
+    """Method ``m``'s top ``fraction`` of the pool for one split, fine-tuned and judged."""
+    from ..selection import choose, read_scores, write_subset
+    cfg = exp.cfg
+    mdir = tdir / "selected" / m
+    mdir.mkdir(parents=True, exist_ok=True)
+    scores = read_scores(exp.out / scored["dir"] / "scores.jsonl")
+    kept = choose(scores, keep=("fraction", cfg.fraction))
+    ext = pool_path.suffix if pool_path.is_file() else ""
+    subset = mdir / f"subset{ext or '.jsonl'}"
+    run["n_selected"] = write_subset(pool_path, kept, subset)
+    if task is not None:
+        share = [r.get("task") == task for r in read_jsonl(subset)]
+        value = sum(share) / len(share) if share else None
+        if len(run.get("tasks", ())) > 1:
+            run.setdefault("target_task_share_by_task", {}).setdefault(task, {})[m] = value
+            shares = [v.get(m) for v in run["target_task_share_by_task"].values()]
+            value = sum(shares) / len(shares) if None not in shares else None
+        run.setdefault("target_task_share", {})[m] = value
+    adapter = train_adapter(exp, lm, subset, mdir, seed, f"select:{m}" + ("" if task is None else f"/{task}"))
+    resp = respond(exp, lm, heldout_path, mdir, cfg.checker, f"select:{m}", adapter)
+    _merge(run, m, resp)
+
+
+def select_tables(runs: list, methods: list, fraction: float, target_tasks: list | None = None) -> list:
     """results.json's tables from the runs (seeds) of a select experiment: held-out
-    accuracy per row and task, and with ``target_task`` (a multitask pool) the share of
-    each method's selection from that task; cells are :func:`.mean_std` over the runs."""
+    accuracy per row and task; with ``target_tasks`` (a multitask pool) the share of each
+    method's selection from its target task; and each row's accuracy minus random's and
+    LESS's, paired by seed with a 95% t interval. Cells are :func:`.mean_std` over the runs."""
+    if isinstance(target_tasks, str):
+        target_tasks = [target_tasks]
     tasks = list(dict.fromkeys(t for r in runs for acc in r["accuracy"].values() for t in acc if t != "mean"))
     columns = tasks + ["mean"]
     row_keys = list(dict.fromkeys(k for r in runs for k in r["accuracy"]))
@@ -101,12 +177,23 @@ def select_tables(runs: list, methods: list, fraction: float, target_task: str |
              "rows": [{"label": k, "cells": [mean_std([acc(r, k, c) for r in runs]) for c in columns]}
                       for k in ordered]}
     tables = [table]
-    if target_task is not None:
+    if target_tasks:
+        named = ", ".join(target_tasks)
         tables.append({"name": "target_task_share", "title": f"Share of the selected records from the target task "
-                       f"{target_task} (its share of the pool is the random row's expectation)",
-                       "columns": ["share"], "lower_is_better": False, "note": "",
+                       f"({named}; its share of the pool is the random row's expectation)",
+                       "columns": ["share"], "lower_is_better": False,
+                       "note": "mean over the target tasks" if len(target_tasks) > 1 else "",
                        "rows": [{"label": m, "cells": [mean_std([(r.get("target_task_share") or {}).get(m)
                                                                  for r in runs])]} for m in methods]})
+    for comp in ("random", "less"):
+        if comp in row_keys and len(runs) > 1:
+            tables.append({"name": f"paired_vs_{comp}", "title": f"Accuracy minus {comp}'s, paired by seed "
+                           "(mean and 95% t interval over the seeds)", "columns": columns,
+                           "lower_is_better": False, "paired": True, "note": "",
+                           "rows": [{"label": k, "cells": [paired_interval(
+                               [acc(r, k, c) - acc(r, comp, c) for r in runs
+                                if acc(r, k, c) is not None and acc(r, comp, c) is not None]) for c in columns]}
+                                    for k in ordered if k != comp]})
     return tables
 
 
@@ -156,7 +243,8 @@ def combine_seeds(results: list, *, allow: tuple = ()) -> dict:
         raise InputError(f"a seed occurs twice among the runs ({seeds})")
     methods = list(dict.fromkeys(m for r in results for m in r.get("methods", [])))
     cfg = {**results[0]["config"], "seeds": seeds}
-    target = (cfg.get("multitask") or {}).get("target_task")
+    mt = cfg.get("multitask") or {}
+    target = mt.get("target_tasks") or ([mt["target_task"]] if mt.get("target_task") else None)
     # each file's step timings, keyed by its seeds ("0", "1,2")
     timings = {",".join(map(str, r.get("seeds") or [])): r.get("timings") for r in results}
     tables = select_tables(runs, methods, cfg["fraction"], target)

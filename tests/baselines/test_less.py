@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -351,6 +352,26 @@ def test_warmup_is_trained_cached_and_reused(tmp_path):
     assert ctx2.info["method"]["warmup"]["reused"] is True
     assert ctx2.info["method"]["warmup"]["key"] == warm["key"]
     torch.testing.assert_close(s1, s2)
+    # the pool's projected gradients were kept beside the checkpoints and read back
+    feats = ctx.info["method"]["candidate_features"]
+    assert feats["reused_checkpoints"] == [] and ctx2.info["method"]["candidate_features"] == {
+        "key": feats["key"], "reused_checkpoints": [0, 1]}
+    assert all((c / "features" / f"{feats['key']}.safetensors").is_file() for c in ck)
+
+    def other_targets(out):  # another target set on the same pool: chosen and rejected swapped
+        c = make_ctx(tmp_path, opts, dtype=torch.float32, out=out, model=ctx.lm.model, tok=ctx.lm.tokenizer)
+        c.inputs.chosen, c.inputs.rejected = c.inputs.rejected, c.inputs.chosen
+        return c
+    ctx4 = other_targets("run4")
+    s4, _ = LESS(ctx4)
+    assert ctx4.info["method"]["candidate_features"]["reused_checkpoints"] == [0, 1]
+    for c in ck:
+        shutil.rmtree(c / "features")
+    ctx5 = other_targets("run5")
+    s5, _ = LESS(ctx5)  # computed afresh: the same scores
+    assert ctx5.info["method"]["candidate_features"]["reused_checkpoints"] == []
+    torch.testing.assert_close(s4, s5, rtol=0, atol=0)
+    assert not torch.allclose(s4, s1)
     # other settings -> another key, trained afresh
     ctx3 = make_ctx(tmp_path, {**opts, "lr": 2e-3}, dtype=torch.float32, out="run3", model=ctx.lm.model,
                     tok=ctx.lm.tokenizer)

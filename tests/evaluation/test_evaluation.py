@@ -336,6 +336,10 @@ def test_config_validation_names_the_field(tmp_path, gsm8k):
         load_config({"model": "default", "multitask": mt, "pool": "p.jsonl"}, "select")
     with pytest.raises(ConfigError, match="multitask.target_task"):
         load_config({"model": "default", "multitask": {**mt, "target_task": ""}}, "select")
+    with pytest.raises(ConfigError, match="not both"):
+        load_config({"model": "default", "multitask": {**mt, "target_tasks": ["u"]}}, "select")
+    with pytest.raises(ConfigError, match="multitask.rejected"):
+        load_config({"model": "default", "multitask": {**mt, "rejected": "mine"}}, "select")
     assert load_config({"model": "default", "multitask": mt}, "select").multitask.n_per_task == 40
     # sections, smoke overrides, seeds override, YAML, relative paths against data_root
     cfg_file = tmp_path / "exp.yaml"
@@ -650,6 +654,60 @@ def test_select_protocol_on_a_multitask_pool(tmp_path, tiny_dir, gsm8k, bbh_dir)
     assert [r["label"] for r in share["rows"]] == ["prism", "random"]
 
 
+def test_targets_from_the_start_models_wrong_responses():
+    cands = [{"id": f"t-{i}", "prompt": f"q{i}", "reference": "yes", "task": "t"} for i in range(8)]
+    resp = [{"response": r, "correct": c} for r, c in
+            [("yes", True), ("No, it is not.", False), ("", False), ("yes!", True), ("Nope", False),
+             ("no", False), ("yes", True), ("no", False)]]
+    targets, heldout = builders.targets_from_responses(cands, resp, 2, 3)
+    # the empty response is no pair; everything up to the second wrong answer is used up
+    assert [(t["id"], t["chosen"], t["rejected"]) for t in targets] == [("t-1", "yes", "No, it is not."),
+                                                                      ("t-4", "yes", "Nope")]
+    assert [h["id"] for h in heldout] == ["t-5", "t-6", "t-7"]
+    with pytest.raises(InputError, match="fewer than n_targets = 5"):
+        builders.targets_from_responses(cands, resp, 5, 1)
+    with pytest.raises(InputError, match="fewer than n_heldout = 4"):
+        builders.targets_from_responses(cands, resp, 2, 4)
+
+
+def test_select_with_two_target_tasks_and_the_start_models_own_rejections(tmp_path, tiny_dir, gsm8k, bbh_dir):
+    cfg = load_config(_common(
+        tiny_dir, multitask={"gsm8k_train": str(gsm8k / "train.jsonl"), "bbh_dir": str(bbh_dir),
+                             "tasks": ["colors"], "target_tasks": ["yesno", "counting"], "n_gsm8k": 4,
+                             "n_per_task": 2, "n_targets": 1, "n_heldout": 2, "rejected": "start_model"},
+        fraction=0.2, seeds=[0, 1], methods=["prism", "random"], checker="leading_answer", report=False,
+        finetune={"preset": "general", "overrides": FAST_FT}, generation={"max_new_tokens": 4, "batch_size": 8}),
+        "select")
+    out = tmp_path / "exp"
+    res = select(cfg, out)
+    for run in res["runs"]:
+        sdir = out / run["dir"]
+        pool_ids = {json.loads(x)["id"] for x in (sdir / "pool.jsonl").read_text().splitlines()}
+        assert set(run["tasks"]) == {"yesno", "counting"}
+        for task in ("yesno", "counting"):
+            tdir = sdir / task
+            targets = [json.loads(x) for x in (tdir / "targets.jsonl").read_text().splitlines()]
+            heldout = [json.loads(x) for x in (tdir / "heldout.jsonl").read_text().splitlines()]
+            cand = {json.loads(x)["id"]: json.loads(x) for x in
+                    (tdir / "candidates" / "responses.jsonl").read_text().splitlines()}
+            # rejected = the start model's own wrong response to that probe
+            assert len(targets) == 1 and not cand[targets[0]["id"]]["correct"]
+            assert targets[0]["rejected"] == cand[targets[0]["id"]]["response"].strip()
+            ids = [t["id"] for t in targets] + [h["id"] for h in heldout]
+            assert len(set(ids)) == 3 and not pool_ids & set(ids) and {h["task"] for h in heldout} == {task}
+            for m in ("prism", "random"):  # each task's own selection, judged on its own probes
+                resp = [json.loads(x) for x in (tdir / "selected" / m / "responses.jsonl").read_text().splitlines()]
+                assert run["accuracy"][m][task] == pytest.approx(sum(r["correct"] for r in resp) / 2)
+                sub = [json.loads(x) for x in (tdir / "selected" / m / "subset.jsonl").read_text().splitlines()]
+                assert run["target_task_share_by_task"][task][m] == sum(r["task"] == task for r in sub) / len(sub)
+        assert run["accuracy"]["prism"]["mean"] == pytest.approx(
+            (run["accuracy"]["prism"]["yesno"] + run["accuracy"]["prism"]["counting"]) / 2)
+        assert set(run["accuracy"]) == {"Start", "Full data", "prism", "random"}
+    names = [t["name"] for t in res["tables"]]
+    assert names == ["accuracy", "target_task_share", "paired_vs_random"]
+    assert res["tables"][0]["columns"] == ["yesno", "counting", "mean"]  # the config's order
+
+
 def _select_result(seed, acc, share, max_length=320):
     """A results.json of one select seed, as far as combine_seeds reads it."""
     cfg = {"seeds": [seed], "fraction": 0.05, "data_root": f"/m{seed}", "finetune": {"max_length": max_length},
@@ -665,8 +723,12 @@ def test_combine_seeds_recomputes_the_tables_over_the_seeds():
     b = _select_result(0, {"Start": 0.4, "Full data": 0.7, "prism": 0.7, "random": 0.4}, {"prism": 0.3, "random": 0.0})
     res = combine_seeds([a, b])  # data paths differ between machines: allowed
     assert res["seeds"] == [0, 1] and res["config"]["seeds"] == [0, 1]
-    acc, share = res["tables"]
+    acc, share, vs_random = res["tables"]
     assert acc["columns"] == ["t", "mean"]
+    assert vs_random["name"] == "paired_vs_random" and vs_random["paired"]
+    prism_vs = next(r for r in vs_random["rows"] if r["label"] == "prism")["cells"][1]
+    assert prism_vs["values"] == pytest.approx([0.3, 0.1]) and prism_vs["ci"][0] < 0.2 < prism_vs["ci"][1]
+    assert "random" not in [r["label"] for r in vs_random["rows"]]
     assert [r["label"] for r in acc["rows"]] == ["Start", "Full data", "prism", "random"]
     prism = acc["rows"][2]["cells"][1]
     assert prism["values"] == [0.7, 0.5] and prism["mean"] == pytest.approx(0.6)
