@@ -192,6 +192,18 @@ def test_gradient_chunk_is_bounded_in_bytes(tmp_path, two_checkpoints, monkeypat
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
 
 
+def test_chunk_bound_grows_with_the_free_gpu_memory(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    assert less_mod.chunk_bytes(torch.device("cpu"), "rademacher") == (less_mod.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
+    assert less_mod.chunk_bytes(cuda, "sjlt")[0] == less_mod.SJLT_CHUNK_BYTES
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 140 << 30))
+    cap, name = less_mod.chunk_bytes(cuda, "rademacher")
+    assert cap == 25 << 30 and "free device memory" in name
+    # a busy GPU keeps the fixed bound
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 << 30, 140 << 30))
+    assert less_mod.chunk_bytes(cuda, "rademacher") == (less_mod.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
+
+
 def test_less_hands_the_heap_back_after_each_chunk_and_checkpoint(tmp_path, two_checkpoints, monkeypatch):
     """On the CPU the heap is trimmed after each projected chunk (its freed per-example
     gradients) and after each checkpoint (its adapter, Adam state and features): untrimmed,
