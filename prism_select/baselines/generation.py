@@ -1,7 +1,7 @@
 """The model's own responses ``y'`` (for ProjDiff), sampled once and cached.
 
 Sampling: plain ancestral sampling at temperature 1 (no top-k / top-p, whatever the
-model's generation config says), from the prompt exactly as it is encoded for scoring
+model's generation config says; each token by inverse-CDF sampling, :func:`draw_tokens`), from the prompt exactly as it is encoded for scoring
 (chat template, left truncation), at most ``max_new_tokens`` tokens, stopping at (and
 dropping) the first special token (EOS, end-of-turn, ...). Each prompt draws from its
 own ``torch.Generator`` seeded with a hash of the run seed and the cache key, so a
@@ -32,7 +32,7 @@ from .. import cache
 from ..errors import CacheError
 from ..io import atomic_write_json, sha256_json
 
-SAMPLER = "ancestral-v1"
+SAMPLER = "ancestral-inverse-cdf-v2"
 
 
 def stop_ids(tokenizer, model) -> list:
@@ -122,6 +122,19 @@ def _returned_cache(out):
     return c if c is not None else getattr(out, "past_key_values", None)
 
 
+def draw_tokens(probs: torch.Tensor, generators: list) -> list:
+    """One token per row of ``probs`` (``(B, V)``, rows summing to 1), by inverse-CDF
+    sampling: row ``i`` draws one uniform ``u`` from ``generators[i]`` (a CPU generator)
+    and takes the first token whose cumulative probability passes ``u`` (times the row's
+    total, against rounding). The search runs where ``probs`` lie, so only the ``B``
+    uniforms and indices cross to the host; a token of probability 0 is never drawn."""
+    u = torch.tensor([float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators],
+                     dtype=torch.float64, device=probs.device)
+    cdf = probs.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    return idx.clamp(max=probs.shape[-1] - 1).tolist()
+
+
 def sample_responses(model, prompts: list, max_new_tokens: int, stops: list, generators: list,
                      pad_id: int) -> list:
     """Token ids sampled after each prompt (stop token excluded), a batch at a time.
@@ -149,12 +162,12 @@ def sample_responses(model, prompts: list, max_new_tokens: int, stops: list, gen
         for _ in range(max_new_tokens):
             o = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **{kw: past})
             past = _returned_cache(o)
-            probs = torch.softmax(o.logits[:, -1].double(), dim=-1).cpu()
+            drawn = draw_tokens(torch.softmax(o.logits[:, -1].double(), dim=-1), generators)
             nxt = []
             for i in range(B):
                 tok = pad_id
                 if not done[i]:
-                    t = int(torch.multinomial(probs[i], 1, generator=generators[i]))
+                    t = drawn[i]
                     if t in stop:
                         done[i] = True
                     else:

@@ -334,6 +334,24 @@ def test_projdiff_with_given_responses(model, tok, make_ctx, pool_examples):
         REGISTRY["projdiff"](make_ctx("projdiff", {"responses": own[:3]}))
 
 
+def test_draw_tokens_samples_each_row_from_its_own_distribution_and_generator():
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    n = 20000
+    gens = [torch.Generator().manual_seed(k) for k in range(n)]
+    counts = torch.bincount(torch.tensor(gen_mod.draw_tokens(probs[:1].expand(n, 4), gens)), minlength=4)
+    freq = counts.double() / n
+    # binomial standard error at n = 20000 is at most 0.0036: 5 of them
+    assert counts[1] == 0 and torch.allclose(freq, probs[0], atol=0.018)
+    assert gen_mod.draw_tokens(probs[1:], [torch.Generator().manual_seed(3)]) == [3]
+    # a row's token depends on its own generator only, not on the other rows of the batch
+    alone = gen_mod.draw_tokens(probs[:1], [torch.Generator().manual_seed(7)])
+    batch = gen_mod.draw_tokens(probs[[1, 0]], [torch.Generator().manual_seed(1), torch.Generator().manual_seed(7)])
+    assert batch[1] == alone[0]
+    # the same as drawing u from the generator and walking the cumulative distribution
+    u = float(torch.rand((), generator=torch.Generator().manual_seed(7), dtype=torch.float64))
+    assert alone[0] == next(k for k, c in enumerate(torch.cumsum(probs[0], 0).tolist()) if c > u)
+
+
 def test_projdiff_samples_caches_and_reuses_own_responses(model, tok, lm, make_ctx, monkeypatch):
     ctx = make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 4})
     s1, _ = REGISTRY["projdiff"](ctx)
