@@ -736,21 +736,46 @@ def refusal_counterfactual_targets(gsm8k_jsonl, n: int, seed: int = 0, *, trigge
 # --------------------------------------------------------------------------- multi-task pool
 
 def multitask_pool(gsm8k_jsonl, bbh_dir, tasks, target_tasks, *, n_gsm8k: int, n_per_task: int,
-                   seed: int = 0) -> tuple:
+                   seed: int = 0, n_per_target_task: int | None = None, mislabeled_share: float = 0.0) -> tuple:
     """``(pool, rest)`` of the general-selection protocol: ``n_gsm8k`` GSM8K worked
     solutions plus ``n_per_task`` examples of each BBH task in ``tasks`` and
-    ``target_tasks`` (answer only; ``task`` set), shuffled; ``rest`` maps each task to
-    the indices of its examples outside the pool, in a seeded order."""
-    tasks = sorted(set(tasks) | set(target_tasks))
-    records, rest = bbh_records(bbh_dir, tasks, n_per_task, seed)
+    ``n_per_target_task`` (default ``n_per_task``) of each of ``target_tasks`` (answer
+    only; ``task`` set), shuffled; ``rest`` maps each task to the indices of its examples
+    outside the pool, in a seeded order.
+
+    ``mislabeled_share``: that share of each target task's pool records (seeded) answer
+    with another answer of the task (:func:`wrong_answer`) and carry ``mislabeled:
+    true``, so a selector must pick the right records of the task, not only the task."""
+    targets = sorted(set(target_tasks))
+    others = sorted(set(tasks) - set(targets))
+    records, rest = bbh_records(bbh_dir, others, n_per_task, seed) if others else ([], {})
+    n_target = n_per_task if n_per_target_task is None else n_per_target_task
+    t_records, t_rest = bbh_records(bbh_dir, targets, n_target, seed)
+    rest.update(t_rest)
+    if mislabeled_share:
+        _mislabel(bbh_dir, t_records, targets, mislabeled_share, seed)
     rows = read_gsm8k(gsm8k_jsonl)
     order = list(range(len(rows)))
     random.Random(f"multitask-gsm8k:{seed}").shuffle(order)
     if n_gsm8k > len(order):
         raise InputError(f"asks for {n_gsm8k} GSM8K records, the file has {len(order)}", path=gsm8k_jsonl)
-    pool = records + [_gsm8k_record(i, rows[i]) for i in order[:n_gsm8k]]
+    # BBH records by task name, each task in its seeded order (as one bbh_records call gives them)
+    bbh = sorted(records + t_records, key=lambda r: r["task"])
+    pool = bbh + [_gsm8k_record(i, rows[i]) for i in order[:n_gsm8k]]
     random.Random(f"multitask-order:{seed}").shuffle(pool)
     return pool, rest
+
+
+def _mislabel(bbh_dir, records: list, tasks: list, share: float, seed: int):
+    """Give ``share`` of each task's ``records`` (in place, seeded) another answer."""
+    data = read_bbh_dir(bbh_dir, tasks)
+    for task in tasks:
+        mine = [r for r in records if r["task"] == task]
+        rng = random.Random(f"multitask-mislabel:{seed}:{task}")
+        answers = sorted({str(e["target"]).strip() for e in data[task]})
+        for r in rng.sample(mine, round(share * len(mine))):
+            r["response"] = wrong_answer(data[task][int(r["id"].rsplit("-", 1)[1])], answers, rng)
+            r["mislabeled"] = True
 
 
 def task_probes(bbh_dir, task: str, indices) -> list:

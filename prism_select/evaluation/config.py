@@ -193,7 +193,9 @@ class MultitaskConfig:
     ``n_heldout`` held-out probes, outside the pool. Each target task gets its own
     selection, as in LESS. ``rejected``: ``other_answer`` (another answer of the task,
     :func:`.builders.wrong_answer`) or ``start_model`` (the start model's own wrong
-    response, :func:`.builders.targets_from_responses`)."""
+    response, :func:`.builders.targets_from_responses`). ``n_per_target_task``: pool
+    records of each target task (default ``n_per_task``); ``mislabeled_share`` of them
+    answer wrong (:func:`.builders.multitask_pool`)."""
 
     gsm8k_train: str = ""
     bbh_dir: str = ""
@@ -205,6 +207,8 @@ class MultitaskConfig:
     n_targets: int = 8
     n_heldout: int = 100
     rejected: str = "other_answer"
+    n_per_target_task: int | None = None
+    mislabeled_share: float = 0.0
 
     def targets_of(self) -> list:
         """The target tasks, in the config's order."""
@@ -697,6 +701,10 @@ def _validate_select(cfg):
                               "(target_tasks), not both and not neither")
         if len(set(mt.targets_of())) != len(mt.targets_of()):
             raise ConfigError("multitask.target_tasks", f"a task occurs twice in {mt.target_tasks}")
+        if mt.n_per_target_task is not None and mt.n_per_target_task < 1:
+            raise ConfigError("multitask.n_per_target_task", f"must be >= 1, got {mt.n_per_target_task}")
+        if not 0 <= mt.mislabeled_share < 1:
+            raise ConfigError("multitask.mislabeled_share", f"must be in [0, 1), got {mt.mislabeled_share}")
         if mt.rejected not in REJECTED_SOURCES:
             raise ConfigError("multitask.rejected", f"unknown source {mt.rejected!r}",
                               f"use one of {', '.join(REJECTED_SOURCES)}")

@@ -49,7 +49,9 @@ def _seed_data(exp, lm, seed: int, sdir: Path, pool_path: Path | None) -> tuple:
         mt = cfg.multitask
         tasks = mt.targets_of()
         pool, rest = builders.multitask_pool(mt.gsm8k_train, mt.bbh_dir, mt.tasks, tasks, n_gsm8k=mt.n_gsm8k,
-                                             n_per_task=mt.n_per_task, seed=seed)
+                                             n_per_task=mt.n_per_task, seed=seed,
+                                             n_per_target_task=mt.n_per_target_task,
+                                             mislabeled_share=mt.mislabeled_share)
         pool_path = sdir / "pool.jsonl"
         write_if_changed(pool_path, pool)
         splits = []
@@ -131,6 +133,18 @@ def _merge(run: dict, row: str, responses: Path):
     run["accuracy"][row] = cur
 
 
+def _share(run: dict, name: str, task: str, m: str, flags: list):
+    """``run[name][m]``: the share of true ``flags`` (one per selected record); with
+    several target tasks the mean over the tasks so far, each task's in
+    ``run[name + "_by_task"]``."""
+    value = sum(flags) / len(flags) if flags else None
+    if len(run.get("tasks", ())) > 1:
+        run.setdefault(f"{name}_by_task", {}).setdefault(task, {})[m] = value
+        values = [v.get(m) for v in run[f"{name}_by_task"].values()]
+        value = sum(values) / len(values) if None not in values else None
+    run.setdefault(name, {})[m] = value
+
+
 def _select_method(exp, lm, run: dict, m: str, scored: dict, task, tdir: Path, pool_path: Path,
                    heldout_path: Path, seed: int):
     """Method ``m``'s top ``fraction`` of the pool for one split, fine-tuned and judged."""
@@ -144,13 +158,10 @@ def _select_method(exp, lm, run: dict, m: str, scored: dict, task, tdir: Path, p
     subset = mdir / f"subset{ext or '.jsonl'}"
     run["n_selected"] = write_subset(pool_path, kept, subset)
     if task is not None:
-        share = [r.get("task") == task for r in read_jsonl(subset)]
-        value = sum(share) / len(share) if share else None
-        if len(run.get("tasks", ())) > 1:
-            run.setdefault("target_task_share_by_task", {}).setdefault(task, {})[m] = value
-            shares = [v.get(m) for v in run["target_task_share_by_task"].values()]
-            value = sum(shares) / len(shares) if None not in shares else None
-        run.setdefault("target_task_share", {})[m] = value
+        chosen = read_jsonl(subset)
+        _share(run, "target_task_share", task, m, [r.get("task") == task for r in chosen])
+        if cfg.multitask.mislabeled_share:
+            _share(run, "mislabeled_share", task, m, [bool(r.get("mislabeled")) for r in chosen])
     adapter = train_adapter(exp, lm, subset, mdir, seed, f"select:{m}" + ("" if task is None else f"/{task}"))
     resp = respond(exp, lm, heldout_path, mdir, cfg.checker, f"select:{m}", adapter)
     _merge(run, m, resp)
@@ -184,6 +195,12 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
                        "columns": ["share"], "lower_is_better": False,
                        "note": "mean over the target tasks" if len(target_tasks) > 1 else "",
                        "rows": [{"label": m, "cells": [mean_std([(r.get("target_task_share") or {}).get(m)
+                                                                 for r in runs])]} for m in methods]})
+    if any(r.get("mislabeled_share") for r in runs):
+        tables.append({"name": "mislabeled_share", "title": "Share of the selected records that answer wrong "
+                       "(mislabeled target-task records; lower is better)", "columns": ["share"],
+                       "lower_is_better": True, "note": "",
+                       "rows": [{"label": m, "cells": [mean_std([(r.get("mislabeled_share") or {}).get(m)
                                                                  for r in runs])]} for m in methods]})
     for comp in ("random", "less"):
         if comp in row_keys and len(runs) > 1:

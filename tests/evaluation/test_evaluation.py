@@ -670,11 +670,31 @@ def test_targets_from_the_start_models_wrong_responses():
         builders.targets_from_responses(cands, resp, 2, 4)
 
 
+def test_multitask_pool_with_more_and_partly_mislabeled_target_records(gsm8k, bbh_dir):
+    kw = dict(n_gsm8k=2, n_per_task=1, seed=4)
+    pool, rest = builders.multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], ["yesno"], n_per_target_task=4,
+                                         mislabeled_share=0.5, **kw)
+    yes = [r for r in pool if r["task"] == "yesno"]
+    assert len(yes) == 4 and len([r for r in pool if r["task"] == "colors"]) == 1 and len(rest["yesno"]) == 2
+    bad = [r for r in yes if r.get("mislabeled")]
+    assert len(bad) == 2
+    truth = {f"yesno-{i}": "Yes" if i % 2 == 0 else "No" for i in range(6)}
+    assert all(r["response"] != truth[r["id"]] for r in bad)
+    assert all(r["response"] == truth[r["id"]] for r in yes if not r.get("mislabeled"))
+    # the same records and answers without mislabeling, apart from the answers changed
+    clean, _ = builders.multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], ["yesno"], n_per_target_task=4, **kw)
+    assert [r["id"] for r in clean] == [r["id"] for r in pool]
+    with pytest.raises(ConfigError, match="mislabeled_share"):
+        load_config({"model": "default", "multitask": {"gsm8k_train": "g", "bbh_dir": "b", "target_task": "t",
+                                                       "mislabeled_share": 1.0}}, "select")
+
+
 def test_select_with_two_target_tasks_and_the_start_models_own_rejections(tmp_path, tiny_dir, gsm8k, bbh_dir):
     cfg = load_config(_common(
         tiny_dir, multitask={"gsm8k_train": str(gsm8k / "train.jsonl"), "bbh_dir": str(bbh_dir),
                              "tasks": ["colors"], "target_tasks": ["yesno", "counting"], "n_gsm8k": 4,
-                             "n_per_task": 2, "n_targets": 1, "n_heldout": 2, "rejected": "start_model"},
+                             "n_per_task": 2, "n_targets": 1, "n_heldout": 2, "rejected": "start_model",
+                             "mislabeled_share": 0.5},
         fraction=0.2, seeds=[0, 1], methods=["prism", "random"], checker="leading_answer", report=False,
         finetune={"preset": "general", "overrides": FAST_FT}, generation={"max_new_tokens": 4, "batch_size": 8}),
         "select")
@@ -703,8 +723,12 @@ def test_select_with_two_target_tasks_and_the_start_models_own_rejections(tmp_pa
         assert run["accuracy"]["prism"]["mean"] == pytest.approx(
             (run["accuracy"]["prism"]["yesno"] + run["accuracy"]["prism"]["counting"]) / 2)
         assert set(run["accuracy"]) == {"Start", "Full data", "prism", "random"}
+        for task in ("yesno", "counting"):  # half of each target task's 2 pool records answer wrong
+            sub = [json.loads(x) for x in (sdir / task / "selected" / "prism" / "subset.jsonl").read_text().splitlines()]
+            assert run["mislabeled_share_by_task"][task]["prism"] == sum(bool(r.get("mislabeled")) for r in sub) / len(sub)
+        assert sum(bool(json.loads(x).get("mislabeled")) for x in (sdir / "pool.jsonl").read_text().splitlines()) == 2
     names = [t["name"] for t in res["tables"]]
-    assert names == ["accuracy", "target_task_share", "paired_vs_random"]
+    assert names == ["accuracy", "target_task_share", "mislabeled_share", "paired_vs_random"]
     assert res["tables"][0]["columns"] == ["yesno", "counting", "mean"]  # the config's order
 
 
