@@ -104,7 +104,7 @@ def main():
 
     wrap(pipeline, "load_model", "load model")
     wrap(pipeline, "compute_preference", "target direction")
-    wrap(fit, "_passes", lambda args: "fit: " + args[9].split(" (")[0])
+    wrap(fit, "_passes", lambda args: "fit: " + args[7].split(" (")[0])
     if hasattr(fit, "_spilled_pass"):  # the eigenvalue pass read from the factor pass's spill
         wrap(fit, "_spilled_pass", lambda args: "fit: " + args[3].split(" (")[0])
     if hasattr(fit, "_spilled_groups"):  # factors, eigendecompositions and eigenvalues from the spill

@@ -21,6 +21,16 @@ def _rotate(x: torch.Tensor, Q: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return x @ Q
 
 
+#: the CPU eigenvalue pass forms each example's ``out x in'`` product this many rows at a
+#: time (a product of at most twice as many rows at once): a block that stays in a core's
+#: cache between its GEMM, its square and its sums. With FitScores' kept products the
+#: demo's 1536 x 576 and 576 x 1536 products took 18% less time so, the 576 x 576 ones 9%
+#: (a 2-core Xeon, 2 MB of L2 a core; 256 rows: 10% less, 3% more, 6% less); the demo's
+#: per-example products and sums, 9.9 CPU-s, 8.5-8.8. ``Lambda`` and the products are the same
+#: bits; ``M4`` adds the blocks' sums (another float order).
+LAMBDA_BLOCK_ROWS = 128
+
+
 class _LambdaTap(Tap):
     """Pass 2 (EK-FAC): ``Lambda += sum_n (Q_S^T G_n Q_A)**2`` (padding has ``b = 0``),
     ``M4 += sum_n sum_ij (Q_S^T G_n Q_A)_ij**4`` (a one-element tensor)."""
@@ -60,18 +70,25 @@ class _LambdaTap(Tap):
         if bq.device.type == "cpu" and bq.dtype == st.acc:
             # example by example into one reused buffer: a (B, out, in) product, squared
             # into a second one, cost three times the GEMMs on the CPU (memory traffic
-            # and page faults)
-            R = st.scratch(bq.shape[-1], aq.shape[-1])
-            flat = R.view(-1)
+            # and page faults); each product in blocks of rows that stay in the core's
+            # cache while they are squared and summed (LAMBDA_BLOCK_ROWS)
+            out, inp = bq.shape[-1], aq.shape[-1]
+            rows = out if out <= 2 * LAMBDA_BLOCK_ROWS else LAMBDA_BLOCK_ROWS
+            R = st.scratch(rows * inp)
             for n in range(bq.shape[0]):
-                if keep is None:
-                    torch.mm(bq[n].T, aq[n], out=R)
-                    R.square_()
-                else:
-                    torch.mm(bq[n].T, aq[n], out=keep[n])
-                    torch.square(keep[n], out=R)
-                Lam += R
-                M4 += torch.dot(flat, flat)
+                bT = bq[n].T
+                for r in range(0, out, rows):
+                    e = min(r + rows, out)
+                    Rb = R[:(e - r) * inp].view(e - r, inp)
+                    if keep is None:
+                        torch.mm(bT[r:e], aq[n], out=Rb)
+                        Rb.square_()
+                    else:
+                        torch.mm(bT[r:e], aq[n], out=keep[n][r:e])
+                        torch.square(keep[n][r:e], out=Rb)
+                    Lam[r:e].add_(Rb)
+                    flat = Rb.view(-1)
+                    M4 += torch.dot(flat, flat)
             return
         if keep is not None:
             raise ValueError("the kept products are formed on the CPU in the accumulation dtype only")

@@ -42,6 +42,7 @@ def test_gram_lower_blocks_mirrored_equal_the_full_product():
 @pytest.mark.parametrize("layer", ["model.layers.1.mlp.down_proj", "model.layers.0.self_attn.q_proj"])
 def test_blocked_fit_matches_explicit_factors(model, modules, tok, encoded_pool, monkeypatch, kind, layer):
     monkeypatch.setattr(factors_mod, "GRAM_BLOCK", TINY_BLOCK)
+    monkeypatch.setattr(eigenvalues_mod, "LAMBDA_BLOCK_ROWS", TINY_BLOCK)  # the products in row blocks too
     cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind=kind, damping=1e-3, batch_size=3),
                         pad_id=tok.pad_token_id)
     A, S, G = _explicit_fisher_pieces(model, modules, layer, encoded_pool, tok)
@@ -53,6 +54,30 @@ def test_blocked_fit_matches_explicit_factors(model, modules, tok, encoded_pool,
         assert rel_err(cur.tensors[f"{layer}::Lambda"], R2.mean(0)) <= CPU_PATH_REL_TOL
         var = float(R2.var(0, unbiased=True).sum()) / G.shape[0]
         assert float(cur.tensors[f"{layer}::LambdaVar"]) == pytest.approx(var, rel=CPU_PATH_REL_TOL)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("out", [4, 16, 17])
+def test_eigenvalue_sums_in_row_blocks_equal_the_whole_products(monkeypatch, keep, out):
+    """The CPU eigenvalue pass forms each example's product ``R_n = bq_n^T aq_n`` in blocks of
+    rows (``LAMBDA_BLOCK_ROWS``): ``Lambda``'s sum, ``M4`` and the kept products are those
+    of the whole products, whether the rows divide into the blocks or not."""
+    from prism_select.curvature.stats import _Stats
+    monkeypatch.setattr(eigenvalues_mod, "LAMBDA_BLOCK_ROWS", TINY_BLOCK)
+    g = torch.Generator().manual_seed(0)
+    B, T, inp = 3, 6, 7
+    aq = torch.randn(B, T, inp, dtype=torch.float64, generator=g)
+    bq = torch.randn(B, T, out, dtype=torch.float64, generator=g)
+    R = torch.einsum("bto,bti->boi", bq, aq)
+    tap = eigenvalues_mod._LambdaTap.__new__(eigenvalues_mod._LambdaTap)
+    tap.stats = _Stats(torch.float64)
+    Lam, M4 = torch.zeros(out, inp, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    kept = torch.full((B, out, inp), float("nan"), dtype=torch.float64) if keep else None
+    tap.add(aq, bq, Lam, M4, keep=None if kept is None else list(kept))
+    assert rel_err(Lam, (R ** 2).sum(0)) <= 1e-14
+    assert float(M4) == pytest.approx(float((R ** 4).sum()), rel=1e-14)
+    if keep:
+        assert rel_err(kept, R) <= 1e-14
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "sampled"])
