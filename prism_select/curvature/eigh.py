@@ -1,5 +1,6 @@
 """The eigendecompositions of the Kronecker factors: one solver call per factor, and a
-schedule that decomposes the narrow CPU factors side by side on one thread each."""
+schedule that decomposes the narrow CPU factors side by side on one thread each and the
+CUDA factors of one width side by side on their own streams."""
 
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def _eigh_many(factor, indices: list):
     side by side, one factor per thread, each on one thread: LAPACK's symmetric
     eigensolver scales poorly over threads at these sizes (its tridiagonal reduction is
     memory-bound and synchronises at every column), while independent factors scale
-    fully. The results are those of a one-thread ``_eigh``. Wider factors, and every
-    factor on other devices, run one after the other with all threads."""
+    fully. The results are those of a one-thread ``_eigh``. Wider CPU factors run one
+    after the other with all threads; CUDA factors of one width run side by side on their
+    own streams (:func:`_eigh_cuda_side_by_side`) when CUDA_EIGH_STREAMS allows more than one."""
     from concurrent.futures import ThreadPoolExecutor
 
     threads = torch.get_num_threads()
@@ -69,5 +71,66 @@ def _eigh_many(factor, indices: list):
                 yield from zip(small, pool.map(lambda i: _eigh(factor(i)), small))
         finally:
             torch.set_num_threads(threads)
+    gpu = [i for i in rest if factor(i).device.type == "cuda"]
     for i in rest:
-        yield i, _eigh(factor(i))
+        if i not in set(gpu):
+            yield i, _eigh(factor(i))
+    yield from _eigh_cuda_side_by_side(factor, gpu)
+
+
+#: CUDA factors decomposed side by side at most, each from its own thread on its own stream
+#: (cuSOLVER's divide and conquer leaves much of a large GPU idle). One H200, 4 float32
+#: factors alone: 14336 wide 1.130 s each side by side, 1.681 s one after another; 4096
+#: wide 0.092 against 0.120 s (benchmarks/eigh_routes.py, 2026-11-28). 1 (one after
+#: another) until the route has run inside a fit on a GPU
+#: (tests/curvature/test_eigh.py::test_cuda_factors_side_by_side_equal_one_by_one).
+CUDA_EIGH_STREAMS = 1
+#: the share of the device's free memory the side-by-side solvers' workspaces may take
+CUDA_EIGH_FREE_SHARE = 0.5
+
+
+def cuda_side_by_side(n: int, itemsize: int, free_bytes: int) -> int:
+    """How many ``n``-wide factors to decompose at once: at most CUDA_EIGH_STREAMS, and
+    as many as CUDA_EIGH_FREE_SHARE of ``free_bytes`` holds at about three ``n x n``
+    matrices each (the eigenvectors and cuSOLVER's workspace); at least 1."""
+    each = 3 * n * n * itemsize
+    return max(1, min(CUDA_EIGH_STREAMS, int(free_bytes * CUDA_EIGH_FREE_SHARE) // each))
+
+
+def _eigh_cuda_side_by_side(factor, indices: list):
+    """Yield ``(i, _eigh(factor(i)))`` for CUDA factors, widest first, up to
+    :func:`cuda_side_by_side` factors of one width at a time, each from its own thread on
+    its own stream (the same solver on the same matrix: the results of one after
+    another). Each side stream first waits for the caller's stream (where the factor was
+    summed); the results are marked as used by the caller's stream, which reads and frees
+    them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i, caller):
+        M = factor(i)
+        stream = torch.cuda.Stream(M.device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            lam, Q = _eigh(M)
+        stream.synchronize()
+        for t in (lam, Q):  # freed later on the caller's stream: the allocator waits for it
+            t.record_stream(caller)
+        return lam, Q
+
+    order = sorted(indices, key=lambda i: -factor(i).shape[0])
+    k = 0
+    while k < len(order):
+        M = factor(order[k])
+        free, _ = torch.cuda.mem_get_info(M.device)
+        width = cuda_side_by_side(M.shape[0], M.element_size(), free)
+        window = [order[k]]
+        while len(window) < width and k + len(window) < len(order) \
+                and factor(order[k + len(window)]).shape[0] == M.shape[0]:
+            window.append(order[k + len(window)])
+        k += len(window)
+        if len(window) == 1:
+            yield window[0], _eigh(M)
+            continue
+        caller = torch.cuda.current_stream(M.device)
+        with ThreadPoolExecutor(len(window)) as pool:
+            yield from zip(window, pool.map(lambda i: one(i, caller), window))

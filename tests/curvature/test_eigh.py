@@ -110,3 +110,27 @@ def test_side_by_side_runs_one_thread_workers_and_restores_the_threads():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_cuda_factors_side_by_side_are_bounded_by_the_streams_and_the_free_memory(monkeypatch):
+    monkeypatch.setattr(eigh_mod, "CUDA_EIGH_STREAMS", 4)
+    n = 14336
+    assert eigh_mod.cuda_side_by_side(n, 4, 130 << 30) == eigh_mod.CUDA_EIGH_STREAMS
+    each = 3 * n * n * 4  # eigenvectors and workspace, about three matrices
+    assert eigh_mod.cuda_side_by_side(n, 4, int(2 * each / eigh_mod.CUDA_EIGH_FREE_SHARE)) == 2
+    assert eigh_mod.cuda_side_by_side(n, 4, 1 << 20) == 1  # never fewer than one
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_factors_side_by_side_equal_one_by_one(monkeypatch):
+    """Every CUDA factor yielded once, each equal to its own `_eigh` (the same solver on
+    the same matrix, from side streams), widths mixed and a window wider than a run."""
+    monkeypatch.setattr(eigh_mod, "CUDA_EIGH_STREAMS", 4)
+    sizes = [384, 1024, 384, 1024, 384, 64, 1024, 1024, 1024]
+    mats = [_factor(n, torch.float32, seed=i).cuda() for i, n in enumerate(sizes)]
+    got = dict(eigh_mod._eigh_many(lambda i: mats[i], list(range(len(mats)))))
+    assert sorted(got) == list(range(len(mats)))
+    torch.cuda.synchronize()
+    for i, M in enumerate(mats):
+        lam, Q = eigh_mod._eigh(M)
+        assert torch.equal(got[i][0], lam) and torch.equal(got[i][1], Q)
