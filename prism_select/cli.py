@@ -242,6 +242,16 @@ def cmd_methods(a):
         print(f"{name:<{width}}  {text}")
 
 
+def _cell_text(c: dict) -> str:
+    """A table cell as the terminal shows it: mean +- sd, or for a paired difference its
+    mean and 95% interval."""
+    if c["mean"] is None:
+        return "-"
+    if c.get("ci"):
+        return f"{c['mean']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]"
+    return f"{c['mean']:.3f}" + (f" +- {c['std']:.3f}" if c["std"] is not None else "")
+
+
 def cmd_experiment(a):
     from .evaluation.protocols import run_experiment
     results = run_experiment(a.protocol, a.config, a.out, seeds=a.seeds, smoke=a.smoke,
@@ -251,9 +261,7 @@ def cmd_experiment(a):
         print(t["title"])
         print("  " + " | ".join(["method"] + [str(c) for c in t["columns"]]))
         for r in t["rows"]:
-            cells = ["-" if c["mean"] is None else f"{c['mean']:.3f}" + (f" +- {c['std']:.3f}" if c["std"] is not None else "")
-                     for c in r["cells"]]
-            print("  " + " | ".join([r["label"]] + cells))
+            print("  " + " | ".join([r["label"]] + [_cell_text(c) for c in r["cells"]]))
     print(f"wrote {out / 'results.json'}" + (f" and {out / 'report.html'}" if (out / "report.html").exists() else ""))
 
 
