@@ -71,9 +71,9 @@ def _eigh_many(factor, indices: list):
                 yield from zip(small, pool.map(lambda i: _eigh(factor(i)), small))
         finally:
             torch.set_num_threads(threads)
-    gpu = [i for i in rest if factor(i).device.type == "cuda"]
+    gpu = [i for i in rest if factor(i).device.type == "cuda"]  # before the caller frees any factor
     for i in rest:
-        if i not in set(gpu):
+        if factor(i).device.type != "cuda":
             yield i, _eigh(factor(i))
     yield from _eigh_cuda_side_by_side(factor, gpu)
 

@@ -778,10 +778,11 @@ def _mislabel(bbh_dir, records: list, tasks: list, share: float, seed: int):
             r["mislabeled"] = True
 
 
-def task_probes(bbh_dir, task: str, indices) -> list:
+def task_probes(bbh_dir, task: str, indices, data: list | None = None) -> list:
     """Probe records (``id``, ``prompt``, ``reference``, ``task``) of the examples
-    ``indices`` of one BBH task, in that order."""
-    data = read_bbh_dir(bbh_dir, [task])[task]
+    ``indices`` of one BBH task, in that order (``data``: the task's examples, when
+    already read)."""
+    data = read_bbh_dir(bbh_dir, [task])[task] if data is None else data
     return [{"id": f"{task}-{i}", "prompt": data[i]["input"], "reference": str(data[i]["target"]).strip(),
              "task": task} for i in indices]
 
@@ -827,7 +828,7 @@ def other_answer_targets(bbh_dir, task: str, left: list, n_targets: int, n_heldo
     targets = [{"id": f"{task}-{i}", "prompt": data[i]["input"], "chosen": str(data[i]["target"]).strip(),
                 "rejected": wrong_answer(data[i], answers, rng), "task": task}
                for i in left[:n_targets]]
-    return targets, task_probes(bbh_dir, task, left[n_targets:n_targets + n_heldout])
+    return targets, task_probes(bbh_dir, task, left[n_targets:n_targets + n_heldout], data)
 
 
 def multitask_splits(gsm8k_jsonl, bbh_dir, tasks, target_task: str, *, n_gsm8k: int, n_per_task: int,

@@ -94,30 +94,31 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
     judged on the split's held-out probes; rows Start and Full data (one SFT on the
     pool, judged on every split)."""
     cfg = exp.cfg
+    one = len(splits) == 1  # one selection: the seed's folder holds it, as before target tasks
     rel = lambda p: os.path.relpath(p, exp.out)  # noqa: E731
     run = {"setting": "select", "seed": seed, "dir": exp.rel(sdir), "pool": rel(pool_path),
            "targets": rel(splits[0][2]), "heldout": rel(splits[0][3]), "label": None, "accuracy": {},
            "n_selected": None}
-    if len(splits) > 1:
+    if not one:
         run["tasks"] = {task: {"dir": exp.rel(tdir), "targets": rel(tp), "heldout": rel(hp)}
                         for task, tdir, tp, hp in splits}
     full = train_adapter(exp, lm, pool_path, sdir / "full", seed, "full") if cfg.full_data else None
     for task, tdir, targets_path, heldout_path in splits:
         scored = score_methods(exp, lm, pool_path, targets_path, tdir, methods, seed, label=None)
-        if len(splits) == 1:
+        if one:
             run["methods"] = scored
         else:
             run.setdefault("methods_by_task", {})[task] = scored
-        sub = "" if len(splits) == 1 else f"/{task}"
+        sub = "" if one else f"/{task}"
         if cfg.start_row:
             _merge(run, "Start", respond(exp, lm, heldout_path, tdir / "start", cfg.checker, "start" + sub))
         if full is not None:
-            fdir = sdir / "full" if len(splits) == 1 else sdir / "full" / task
+            fdir = sdir / "full" if one else sdir / "full" / task
             _merge(run, "Full data", respond(exp, lm, heldout_path, fdir, cfg.checker, "full" + sub, full))
         for m in methods:
             if scored[m].get("status") == "ok":
                 _select_method(exp, lm, run, m, scored[m], task, tdir, pool_path, heldout_path, seed)
-    if len(splits) > 1:  # the first task's records (the report's plots), or a task's error
+    if not one:  # the first task's records (the report's plots), or a task's error
         by = run["methods_by_task"]
         run["methods"] = {m: next((by[t][m] for t, *_ in splits if by[t][m].get("status") != "ok"),
                                   by[splits[0][0]][m]) for m in methods}
@@ -172,8 +173,6 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
     accuracy per row and task; with ``target_tasks`` (a multitask pool) the share of each
     method's selection from its target task; and each row's accuracy minus random's and
     LESS's, paired by seed with a 95% t interval. Cells are :func:`.mean_std` over the runs."""
-    if isinstance(target_tasks, str):
-        target_tasks = [target_tasks]
     tasks = list(dict.fromkeys(t for r in runs for acc in r["accuracy"].values() for t in acc if t != "mean"))
     columns = tasks + ["mean"]
     row_keys = list(dict.fromkeys(k for r in runs for k in r["accuracy"]))
@@ -189,19 +188,13 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
                       for k in ordered]}
     tables = [table]
     if target_tasks:
-        named = ", ".join(target_tasks)
-        tables.append({"name": "target_task_share", "title": f"Share of the selected records from the target task "
-                       f"({named}; its share of the pool is the random row's expectation)",
-                       "columns": ["share"], "lower_is_better": False,
-                       "note": "mean over the target tasks" if len(target_tasks) > 1 else "",
-                       "rows": [{"label": m, "cells": [mean_std([(r.get("target_task_share") or {}).get(m)
-                                                                 for r in runs])]} for m in methods]})
+        tables.append(_share_table(
+            runs, methods, "target_task_share", f"Share of the selected records from the target task "
+            f"({', '.join(target_tasks)}; its share of the pool is the random row's expectation)", False,
+            "mean over the target tasks" if len(target_tasks) > 1 else ""))
     if any(r.get("mislabeled_share") for r in runs):
-        tables.append({"name": "mislabeled_share", "title": "Share of the selected records that answer wrong "
-                       "(mislabeled target-task records; lower is better)", "columns": ["share"],
-                       "lower_is_better": True, "note": "",
-                       "rows": [{"label": m, "cells": [mean_std([(r.get("mislabeled_share") or {}).get(m)
-                                                                 for r in runs])]} for m in methods]})
+        tables.append(_share_table(runs, methods, "mislabeled_share", "Share of the selected records that answer "
+                                   "wrong (mislabeled target-task records; lower is better)", True))
     for comp in ("random", "less"):
         if comp in row_keys and len(runs) > 1:
             tables.append({"name": f"paired_vs_{comp}", "title": f"Accuracy minus {comp}'s, paired by seed "
@@ -212,6 +205,13 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
                                 if acc(r, k, c) is not None and acc(r, comp, c) is not None]) for c in columns]}
                                     for k in ordered if k != comp]})
     return tables
+
+
+def _share_table(runs: list, methods: list, name: str, title: str, lower_is_better: bool, note: str = "") -> dict:
+    """A one-column table of ``run[name][method]`` shares, :func:`.mean_std` over the runs."""
+    return {"name": name, "title": title, "columns": ["share"], "lower_is_better": lower_is_better, "note": note,
+            "rows": [{"label": m, "cells": [mean_std([(r.get(name) or {}).get(m) for r in runs])]}
+                     for m in methods]}
 
 
 # what may differ between the results.json files of one experiment's seeds
