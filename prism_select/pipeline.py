@@ -33,8 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import __version__, distributed, sharding
-from .curvature import (Curvature, CurvatureSettings, FitCache, FitLayout, FitSpill, fit_curvature,
-                        load_or_fit_curvature)
+from .curvature import Curvature, CurvatureSettings, FitCache, FitLayout, FitSpill, load_or_fit_curvature
 from .curvature import support
 from .curvature.base import apply_damping
 from .curvature.base import DEFAULT_DAMPING_FACTOR, DEFAULT_SHRINKAGE
@@ -461,11 +460,13 @@ class RunContext:
 
     def _split_half_damping(self, direction: dict) -> None:
         """``--damping-rule split-half``: fit EK-FAC on two random halves of the fit sample,
-        score the fit sample with each half's ``v`` down the damping ladder until the halves
-        disagree, and damp the run's curvature with the least factor from which on they
-        agree, or rank with identity when they disagree at the largest
-        (:mod:`prism_select.curvature.support`).
-        Once per run; the result goes to ``run.json`` (``curvature.split_half``)."""
+        score the fit sample (at most :data:`~prism_select.curvature.support.AGREEMENT_EXAMPLES`
+        of it, a seeded subset) with each half's ``v`` down the damping ladder until the
+        halves disagree, and damp the run's curvature with the least factor from which on
+        they agree, or rank with identity when they disagree at the largest
+        (:mod:`prism_select.curvature.support`). The half fits go through the curvature
+        cache, so other runs on the same pool (another method, other target pairs) reuse
+        them. Once per run; the result goes to ``run.json`` (``curvature.split_half``)."""
         if self.info.get("curvature", {}).get("split_half") is not None:
             return
         cs = self.curvature_settings
@@ -479,11 +480,19 @@ class RunContext:
         fit = [pool[i] for i in fit_indices(len(pool), cs)]
         quiet = replace(self.execution, progress=False)
         fit_settings = replace(cs, fit_examples=None)
-        halves = [fit_curvature(self.lm.model, self.modules, [fit[i] for i in idx], fit_settings, pad_id=self.pad_id,
-                                execution=quiet) for idx in support.split_halves(len(fit), cs.seed)]
+        st = self.settings
+        cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
+        halves = []
+        for idx in support.split_halves(len(fit), cs.seed):
+            half = [fit[i] for i in idx]
+            cache = FitCache(cache_root, self.lm.fingerprint, encoded_fingerprint(half), st.max_length,
+                             st.cache_max_bytes)
+            halves.append(load_or_fit_curvature(self.lm.model, self.modules, half, fit_settings, pad_id=self.pad_id,
+                                                cache=cache, execution=quiet)[0])
+        scored = [fit[i] for i in support.agreement_sample(len(fit), cs.seed)]
 
         def agreement_at(factor):
-            a, b = (score_encoded(self.lm.model, self.modules, fit,
+            a, b = (score_encoded(self.lm.model, self.modules, scored,
                                   apply_damping(h, replace(cs, damping_factor=factor)).precondition(direction),
                                   pad_id=self.pad_id, batch_size=self.settings.batch_size, execution=quiet)
                     for h in halves)

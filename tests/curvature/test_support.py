@@ -51,3 +51,11 @@ def test_the_ladder_is_walked_down_until_the_halves_disagree():
     asked.clear()
     assert walk_ladder(lambda f: asked.append(f) or 0.2) == {max(DAMPING_LADDER): 0.2} and len(asked) == 1
     assert split_half(30, {max(DAMPING_LADDER): 0.2}).factor is None
+
+
+def test_agreement_sample_bounds_the_scored_examples():
+    from prism_select.curvature.support import AGREEMENT_EXAMPLES, agreement_sample
+    assert agreement_sample(AGREEMENT_EXAMPLES, 0) == list(range(AGREEMENT_EXAMPLES))
+    a = agreement_sample(3 * AGREEMENT_EXAMPLES, 0)
+    assert len(a) == len(set(a)) == AGREEMENT_EXAMPLES and a == sorted(a) and max(a) < 3 * AGREEMENT_EXAMPLES
+    assert a == agreement_sample(3 * AGREEMENT_EXAMPLES, 0) != agreement_sample(3 * AGREEMENT_EXAMPLES, 1)

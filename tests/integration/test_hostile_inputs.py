@@ -274,9 +274,11 @@ def _scores_of(out):
     return [json.loads(line) for line in (Path(out) / "scores.jsonl").read_text().splitlines()]
 
 
-def _curvature_entry(cache):
-    (entry,) = [p for p in (Path(cache) / "curvature").iterdir() if p.is_dir()]
-    return entry
+def _curvature_entry(cache, run):
+    """The cache entry of ``run``'s fitted curvature (the split-half check's half fits of a
+    small pool are entries beside it)."""
+    name = Path(json.loads((Path(run) / "run.json").read_text())["curvature"]["path"]).name
+    return Path(cache) / "curvature" / name
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +315,7 @@ def test_a_cached_curvature_changed_in_place_is_fitted_again(files, reference_ru
     mine = tmp_path / "cache"
     shutil.copytree(cache, mine)
     assert _rerun(files, mine, tmp_path / "same")["reused"] is True
-    factors = _curvature_entry(mine) / "factors.safetensors"
+    factors = _curvature_entry(mine, ref) / "factors.safetensors"
     data = bytearray(factors.read_bytes())
     header = int.from_bytes(data[:8], "little")
     at = 8 + header + 64  # one float32 of the first tensor's data (fitted in float32)
@@ -332,14 +334,14 @@ def test_a_truncated_curvature_json_is_an_incomplete_entry_fitted_again(files, r
     ref, cache = reference_run
     mine = tmp_path / "cache"
     shutil.copytree(cache, mine)
-    meta = _curvature_entry(mine) / "curvature.json"
+    meta = _curvature_entry(mine, ref) / "curvature.json"
     meta.write_text(meta.read_text()[:40])
-    assert [e.complete for e in cache_mod.entries(mine)] == [False]
+    assert [e.complete for e in cache_mod.entries(mine) if e.path == meta.parent] == [False]
     assert cli.main(["cache", "list", "--cache-dir", str(mine)]) == 0
     assert "(incomplete)" in capsys.readouterr().out
     assert _rerun(files, mine, tmp_path / "again")["reused"] is False
     _assert_same_scores(tmp_path / "again", ref)
-    assert [e.complete for e in cache_mod.entries(mine)] == [True]  # saved again, whole
+    assert [e.complete for e in cache_mod.entries(mine) if e.path == meta.parent] == [True]  # saved again, whole
 
 
 def test_a_damaged_record_of_an_unfinished_run_is_a_named_error(files, reference_run, tmp_path, capsys):

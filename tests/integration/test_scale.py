@@ -609,6 +609,27 @@ def test_split_half_damping_rule(run_files):
     assert rel_err(a, ref) <= SPLIT_HALF_RTOL
 
 
+def test_split_half_scores_a_bounded_sample_and_reuses_the_half_fits(run_files, monkeypatch):
+    """The halves are compared on at most AGREEMENT_EXAMPLES fit examples, and their fits
+    come from the curvature cache in a later run on the same pool."""
+    from prism_select import pipeline
+    from prism_select.curvature import store, support
+    monkeypatch.setattr(support, "AGREEMENT_EXAMPLES", 10)
+    scored, fitted = [], []
+    real_score, real_fit = pipeline.score_encoded, store.fit_curvature
+    monkeypatch.setattr(pipeline, "score_encoded", lambda m, mods, enc, *a, **kw: (scored.append(len(enc)),
+                                                                                    real_score(m, mods, enc, *a, **kw))[1])
+    monkeypatch.setattr(store, "fit_curvature", lambda m, mods, enc, *a, **kw: (fitted.append(len(enc)),
+                                                                                 real_fit(m, mods, enc, *a, **kw))[1])
+    s1, a = _score(run_files, "sh", damping_rule="split-half")
+    assert sorted(fitted) == [12, 12, 24]  # the run's fit and its two halves
+    # the halves' scores on 10 examples at each rung; the pool's own scores (24) beside them
+    assert scored.count(10) == 2 * len(s1["curvature"]["split_half"]["agreement"]) and set(scored) <= {10, 24}
+    fitted.clear()
+    s2, b = _score(run_files, "sh2", damping_rule="split-half")
+    assert fitted == [] and s2["curvature"]["split_half"] == s1["curvature"]["split_half"] and torch.equal(a, b)
+
+
 def test_split_half_refuses_an_explicit_damping():
     from prism_select.curvature import CurvatureSettings
     from prism_select.errors import ConfigError
