@@ -5,10 +5,11 @@
 # same warm machine resumes there); the log and a .tar.gz of each finished output
 # (LoRA adapters left out) go to $OUT.
 #
-#   bash BUNDLE/run/tree/experiments/device_experiment.sh BUNDLE BUDGET_S NAME:PROTOCOL:CONFIG[:SEEDS] [...]
+#   bash BUNDLE/run/tree/experiments/device_experiment.sh BUNDLE BUDGET_S NAME:PROTOCOL:CONFIG[:SEEDS[:TASKS]] [...]
 #   e.g. ... .cache/b 560 money-refusal:repair:money_refusal.yaml:0,1,2
 # (SEEDS: comma-separated, default the config's; a later call with more seeds reuses the
-# finished runs). Each job gets what is left of BUDGET_S.
+# finished runs; TASKS: a select job's target tasks, comma-separated, --target-tasks).
+# Each job gets what is left of BUDGET_S.
 # PARALLEL=1 runs the jobs side by side on the one GPU (a 135M model's LoRA steps and
 # scoring leave most of the GPU idle, bound by kernel launches), each with the whole
 # BUDGET_S and its own log (log-NAME.txt). Jobs may share an output folder when they
@@ -38,9 +39,10 @@ export PRISM_SELECT_DEFAULT_GGUF="$GGUF" PRISM_DATA_ROOT="$DATA" PRISM_SELECT_CA
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
 end=$(( $(date +%s) + BUDGET )); status=0
-run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG: one experiment command, its exit status in /tmp/prism-runs/.rc-NAME
-  local name="$1" proto="$2" cfg="$3" seeds="$4" outname="$5" log="$6" left seedargs=() t0 s
+run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG TASKS: one experiment command, its exit status in /tmp/prism-runs/.rc-NAME
+  local name="$1" proto="$2" cfg="$3" seeds="$4" outname="$5" log="$6" tasks="${7:-}" left seedargs=() t0 s
   [ -n "$seeds" ] && seedargs=(--seeds ${seeds//,/ })
+  [ -n "$tasks" ] && seedargs+=(--target-tasks ${tasks//,/ })
   [ "$proto" = repair ] && [ -n "${JOBS:-}" ] && seedargs+=(--jobs "$JOBS")
   left=$(( end - $(date +%s) )); [ "$left" -gt 20 ] || { echo "no time left for $name"; echo 124 >"/tmp/prism-runs/.rc-$name"; return; }
   echo "== $name: prism-select experiment $proto --config $cfg ($left s left)" | tee -a "$log"
@@ -52,18 +54,18 @@ run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG: one experiment command,
 }
 names=(); IFS=, read -r -a gpus <<<"${GPUS:-}"; i=0
 for job in "$@"; do
-  IFS=: read -r name proto cfg seeds <<<"$job"
+  IFS=: read -r name proto cfg seeds tasks <<<"$job"
   outname="${OUTNAME:-$name}"; names+=("$name")
   if [ -n "${PARALLEL:-}" ]; then
     if [ "${#gpus[@]}" -gt 0 ]; then
-      CUDA_VISIBLE_DEVICES="${gpus[$(( i % ${#gpus[@]} ))]}" run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log-$name.txt" &
+      CUDA_VISIBLE_DEVICES="${gpus[$(( i % ${#gpus[@]} ))]}" run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log-$name.txt" "${tasks:-}" &
     else
-      run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log-$name.txt" &
+      run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log-$name.txt" "${tasks:-}" &
     fi
     i=$(( i + 1 ))
   else
     n=$(cat "$OUTDIR/log.txt" 2>/dev/null | wc -l)
-    run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log.txt" >/dev/null; tail -n +$(( n + 1 )) "$OUTDIR/log.txt"
+    run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log.txt" "${tasks:-}" >/dev/null; tail -n +$(( n + 1 )) "$OUTDIR/log.txt"
     s=$(cat "/tmp/prism-runs/.rc-$name"); [ "$s" = 0 ] || { status=$s; [ "$s" = 124 ] && break; }
   fi
 done

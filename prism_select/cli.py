@@ -255,7 +255,8 @@ def _cell_text(c: dict) -> str:
 def cmd_experiment(a):
     from .evaluation.protocols import run_experiment
     results = run_experiment(a.protocol, a.config, a.out, seeds=a.seeds, smoke=a.smoke,
-                             data_root=a.data_root, overwrite=a.overwrite, jobs=a.jobs)
+                             data_root=a.data_root, overwrite=a.overwrite, jobs=a.jobs,
+                             target_tasks=a.target_tasks)
     out = Path(a.out)
     for t in results["tables"]:
         print(t["title"])
@@ -365,6 +366,9 @@ def _add_evaluation_parsers(sub):
     ex.add_argument("--jobs", type=int, default=1, metavar="N",
                     help="repair: run the retrainings in N worker processes once every setting is scored "
                          "(same results; on a GPU a small model's SFTs share the device)")
+    ex.add_argument("--target-tasks", nargs="+", default=None, metavar="TASK",
+                    help="select: select for these target tasks of a multitask pool only (the pool is the same; "
+                         "runs that split the tasks, e.g. one per GPU, merge with experiments/aggregate_seeds.py)")
     ex.set_defaults(func=cmd_experiment)
 
     bd = _parser(sub, "build-data", help="build evaluation data from GSM8K or BIG-Bench-Hard files")

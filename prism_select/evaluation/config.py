@@ -195,7 +195,11 @@ class MultitaskConfig:
     :func:`.builders.wrong_answer`) or ``start_model`` (the start model's own wrong
     response, :func:`.builders.targets_from_responses`). ``n_per_target_task``: pool
     records of each target task (default ``n_per_task``); ``mislabeled_share`` of them
-    answer wrong (:func:`.builders.multitask_pool`)."""
+    answer wrong (:func:`.builders.multitask_pool`). ``select_for``: the target tasks this
+    run selects for (default every one); the pool is built with all of them, so runs that
+    split the target tasks between them (``experiment select --target-tasks``, e.g. one
+    process per GPU) select from the same pool and are merged by
+    :func:`.general_selection.combine_seeds`."""
 
     gsm8k_train: str = ""
     bbh_dir: str = ""
@@ -209,10 +213,15 @@ class MultitaskConfig:
     rejected: str = "other_answer"
     n_per_target_task: int | None = None
     mislabeled_share: float = 0.0
+    select_for: list = field(default_factory=list)
 
     def targets_of(self) -> list:
         """The target tasks, in the config's order."""
         return list(self.target_tasks) if self.target_tasks else [self.target_task]
+
+    def selected_targets(self) -> list:
+        """The target tasks this run selects for, in the config's order."""
+        return [t for t in self.targets_of() if not self.select_for or t in self.select_for]
 
 
 @dataclass
@@ -478,13 +487,14 @@ def _section(raw: dict, protocol: str) -> dict:
 
 
 def load_config(source, protocol: str, *, smoke: bool = False, seeds: list | None = None,
-                data_root: str | None = None, base_dir=None):
+                data_root: str | None = None, base_dir=None, target_tasks: list | None = None):
     """Validate a config for ``protocol`` into its dataclass.
 
     ``source``: a path (YAML or JSON) or a mapping. The mapping holds the protocol's
     fields at the top level, or sections: ``common`` (merged into each protocol),
     ``ranking`` / ``repair`` / ``select``, and ``smoke`` (overrides applied with
-    ``smoke=True``; itself plain or sectioned). ``seeds`` overrides the config's.
+    ``smoke=True``; itself plain or sectioned). ``seeds`` overrides the config's;
+    ``target_tasks`` sets a multitask select config's ``select_for``.
 
     Relative data paths (``gsm8k_train``, ``gsm8k_test``, ``pool``, ``targets``,
     ``heldout``, ``bbh.dir``) are resolved against ``data_root``: the argument, else
@@ -511,6 +521,11 @@ def load_config(source, protocol: str, *, smoke: bool = False, seeds: list | Non
         data = _deep_merge(data, sm)
     if seeds is not None:
         data["seeds"] = list(seeds)
+    if target_tasks is not None:
+        if protocol != "select" or not isinstance(data.get("multitask"), dict):
+            raise ConfigError("target_tasks", "only a select config with a multitask pool has target tasks",
+                              "leave --target-tasks out")
+        data["multitask"] = {**data["multitask"], "select_for": list(target_tasks)}
     cfg = build_dataclass(CONFIG_CLASSES[protocol], data, "")
     _validate(cfg, protocol)
     root = data_root or os.environ.get(DATA_ROOT_ENV) or cfg.data_root
@@ -701,6 +716,10 @@ def _validate_select(cfg):
                               "(target_tasks), not both and not neither")
         if len(set(mt.targets_of())) != len(mt.targets_of()):
             raise ConfigError("multitask.target_tasks", f"a task occurs twice in {mt.target_tasks}")
+        unknown = [t for t in mt.select_for if t not in mt.targets_of()]
+        if unknown or len(set(mt.select_for)) != len(mt.select_for):
+            raise ConfigError("multitask.select_for", f"{mt.select_for}: each must be one target task, once",
+                              f"choose among {', '.join(mt.targets_of())}")
         if mt.n_per_target_task is not None and mt.n_per_target_task < 1:
             raise ConfigError("multitask.n_per_target_task", f"must be >= 1, got {mt.n_per_target_task}")
         if not 0 <= mt.mislabeled_share < 1:

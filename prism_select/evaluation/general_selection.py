@@ -32,7 +32,7 @@ def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
         sdir.mkdir(parents=True, exist_ok=True)
         pool_path, splits = _seed_data(exp, lm, seed, sdir, pool_path)
         runs.append(_select_seed(exp, lm, seed, sdir, pool_path, splits, methods))
-    target_tasks = cfg.multitask.targets_of() if cfg.multitask is not None else None
+    target_tasks = cfg.multitask.selected_targets() if cfg.multitask is not None else None
     tables = select_tables(runs, methods, cfg.fraction, target_tasks)
     results = {"protocol": "select", "config": config_to_dict(cfg), "methods": methods,
                "settings": tables[0]["columns"], "seeds": cfg.seeds, "runs": runs, "tables": tables,
@@ -55,7 +55,7 @@ def _seed_data(exp, lm, seed: int, sdir: Path, pool_path: Path | None) -> tuple:
         pool_path = sdir / "pool.jsonl"
         write_if_changed(pool_path, pool)
         splits = []
-        for task in tasks:
+        for task in mt.selected_targets():
             tdir = sdir if len(tasks) == 1 else sdir / task
             tdir.mkdir(parents=True, exist_ok=True)
             if mt.rejected == "start_model":
@@ -94,7 +94,9 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
     judged on the split's held-out probes; rows Start and Full data (one SFT on the
     pool, judged on every split)."""
     cfg = exp.cfg
-    one = len(splits) == 1  # one selection: the seed's folder holds it, as before target tasks
+    # one selection: the seed's folder holds it, as before target tasks (a run that selects
+    # for some of several target tasks keeps the several-task layout)
+    one = cfg.multitask is None or len(cfg.multitask.targets_of()) == 1
     rel = lambda p: os.path.relpath(p, exp.out)  # noqa: E731
     run = {"setting": "select", "seed": seed, "dir": exp.rel(sdir), "pool": rel(pool_path),
            "targets": rel(splits[0][2]), "heldout": rel(splits[0][3]), "label": None, "accuracy": {},
@@ -139,7 +141,7 @@ def _share(run: dict, name: str, task: str, m: str, flags: list):
     several target tasks the mean over the tasks so far, each task's in
     ``run[name + "_by_task"]``."""
     value = sum(flags) / len(flags) if flags else None
-    if len(run.get("tasks", ())) > 1:
+    if "tasks" in run:
         run.setdefault(f"{name}_by_task", {}).setdefault(task, {})[m] = value
         values = [v.get(m) for v in run[f"{name}_by_task"].values()]
         value = sum(values) / len(values) if None not in values else None
@@ -215,15 +217,18 @@ def _share_table(runs: list, methods: list, name: str, title: str, lower_is_bett
 
 
 # what may differ between the results.json files of one experiment's seeds
-_PER_SEED_CONFIG = ("seeds", "data_root", "multitask.gsm8k_train", "multitask.bbh_dir", "report")
+_PER_SEED_CONFIG = ("seeds", "data_root", "multitask.gsm8k_train", "multitask.bbh_dir", "report",
+                    "multitask.select_for")
 
 
 def combine_seeds(results: list, *, allow: tuple = ()) -> dict:
     """One select experiment's results from the results.json contents of runs with
     other seeds (each run on its own, e.g. one device call per seed): the runs merged in
     seed order and the tables recomputed over all of them, as ``experiment select
-    --seeds ...`` writes them for one output folder. Every number comes from the runs'
-    recorded accuracies and shares; scores and responses are not needed.
+    --seeds ...`` writes them for one output folder. Runs of one seed that selected for
+    different target tasks of a multitask pool (``--target-tasks``) become that seed's
+    one run (:func:`merge_task_runs`). Every number comes from the runs' recorded
+    accuracies and shares; scores and responses are not needed.
 
     The configs must agree except in the seeds and data paths; dotted keys in ``allow``
     (e.g. ``"finetune.max_length"``) may differ too, and each difference is listed
@@ -254,20 +259,76 @@ def combine_seeds(results: list, *, allow: tuple = ()) -> dict:
     fps = {json.dumps((r.get("model") or {}).get("fingerprint")) for r in results}
     if len(fps) > 1:
         raise InputError("the runs used different start models (model.fingerprint differs)")
-    runs = sorted((run for r in results for run in r.get("runs", [])), key=lambda run: run["seed"])
+    mt = (results[0]["config"] or {}).get("multitask") or {}
+    target = mt.get("target_tasks") or ([mt["target_task"]] if mt.get("target_task") else None)
+    by_seed: dict = {}
+    for r in results:
+        for run in r.get("runs", []):
+            by_seed.setdefault(run["seed"], []).append(run)
+    runs = [merge_task_runs(parts, target or []) for _, parts in sorted(by_seed.items())]
     seeds = [run["seed"] for run in runs]
-    if len(set(seeds)) != len(seeds):
-        raise InputError(f"a seed occurs twice among the runs ({seeds})")
     methods = list(dict.fromkeys(m for r in results for m in r.get("methods", [])))
     cfg = {**results[0]["config"], "seeds": seeds}
-    mt = cfg.get("multitask") or {}
-    target = mt.get("target_tasks") or ([mt["target_task"]] if mt.get("target_task") else None)
-    # each file's step timings, keyed by its seeds ("0", "1,2")
-    timings = {",".join(map(str, r.get("seeds") or [])): r.get("timings") for r in results}
+    if mt:
+        cfg["multitask"] = {**mt, "select_for": sorted({t for r in results for t in _selected(r)},
+                                                       key=(target or []).index)}
+        if cfg["multitask"]["select_for"] == target:
+            cfg["multitask"]["select_for"] = []
+    # each file's step timings, keyed by its seeds ("0", "1,2") and the tasks it selected for
+    timings = {",".join(map(str, r.get("seeds") or [])) + "".join(f"/{t}" for t in
+                                                                  (r["config"].get("multitask") or {}).get(
+                                                                      "select_for") or []): r.get("timings")
+               for r in results}
     tables = select_tables(runs, methods, cfg["fraction"], target)
     return {"protocol": "select", "config": cfg, "config_differences": diffs, "methods": methods,
             "settings": tables[0]["columns"], "seeds": seeds, "runs": runs, "tables": tables,
             "model": results[0].get("model"), "timings_by_seeds": timings}
+
+
+def _selected(result: dict) -> list:
+    """The target tasks a results.json selected for (every one unless ``select_for``)."""
+    mt = result["config"].get("multitask") or {}
+    return mt.get("select_for") or mt.get("target_tasks") or ([mt["target_task"]] if mt.get("target_task") else [])
+
+
+def merge_task_runs(parts: list, target_tasks: list) -> dict:
+    """One seed's run from runs of that seed that selected for different target tasks of
+    the same multitask pool (``multitask.select_for``), as one run selecting for all of
+    them writes it: the accuracy rows hold every task (``mean`` over them), the shares
+    per task and their mean, the methods' records per task. ``Start`` and ``Full data``
+    come from each part for its own tasks (the same seed trains the same Full-data SFT).
+    A single part is returned as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    seed = parts[0]["seed"]
+    tasks = [t for p in parts for t in p.get("tasks") or {}]
+    if any("tasks" not in p for p in parts) or len(set(tasks)) != len(tasks):
+        raise InputError(f"seed {seed} occurs twice among the runs",
+                         fix="combine each seed once, or runs of it that selected for different target tasks "
+                             "(--target-tasks)")
+    order = {t: i for i, t in enumerate(target_tasks)}
+    tasks.sort(key=lambda t: order.get(t, len(order)))
+    run = json.loads(json.dumps(parts[0]))
+    run["tasks"] = {t: next(p["tasks"][t] for p in parts if t in p["tasks"]) for t in tasks}
+    by = {t: next(p["methods_by_task"][t] for p in parts if t in p.get("methods_by_task", {})) for t in tasks}
+    run["methods_by_task"] = by
+    rows = list(dict.fromkeys(k for p in parts for k in p["accuracy"]))
+    run["accuracy"] = {}
+    for row in rows:
+        cells = {t: v for p in parts for t, v in (p["accuracy"].get(row) or {}).items() if t != "mean"}
+        cells = {t: cells[t] for t in sorted(cells, key=lambda t: order.get(t, len(order)))}
+        run["accuracy"][row] = {**cells, "mean": sum(cells.values()) / len(cells)}
+    for name in ("target_task_share", "mislabeled_share"):
+        per = {t: v for p in parts for t, v in (p.get(f"{name}_by_task") or {}).items()}
+        if not per:
+            continue
+        run[f"{name}_by_task"] = {t: per[t] for t in tasks if t in per}
+        ms = dict.fromkeys(m for v in per.values() for m in v)
+        run[name] = {m: (None if any(v.get(m) is None for v in per.values())
+                         else sum(v[m] for v in per.values()) / len(per)) for m in ms}
+    run["methods"] = {m: next((by[t][m] for t in tasks if by[t][m].get("status") != "ok"), by[tasks[0]][m])
+                      for m in by[tasks[0]]}
+    return run
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

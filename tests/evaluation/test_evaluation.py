@@ -690,14 +690,14 @@ def test_multitask_pool_with_more_and_partly_mislabeled_target_records(gsm8k, bb
 
 
 def test_select_with_two_target_tasks_and_the_start_models_own_rejections(tmp_path, tiny_dir, gsm8k, bbh_dir):
-    cfg = load_config(_common(
+    cfg_raw = _common(
         tiny_dir, multitask={"gsm8k_train": str(gsm8k / "train.jsonl"), "bbh_dir": str(bbh_dir),
                              "tasks": ["colors"], "target_tasks": ["yesno", "counting"], "n_gsm8k": 4,
                              "n_per_task": 2, "n_targets": 1, "n_heldout": 2, "rejected": "start_model",
                              "mislabeled_share": 0.5},
         fraction=0.2, seeds=[0, 1], methods=["prism", "random"], checker="leading_answer", report=False,
-        finetune={"preset": "general", "overrides": FAST_FT}, generation={"max_new_tokens": 4, "batch_size": 8}),
-        "select")
+        finetune={"preset": "general", "overrides": FAST_FT}, generation={"max_new_tokens": 4, "batch_size": 8})
+    cfg = load_config(cfg_raw, "select")
     out = tmp_path / "exp"
     res = select(cfg, out)
     for run in res["runs"]:
@@ -730,6 +730,28 @@ def test_select_with_two_target_tasks_and_the_start_models_own_rejections(tmp_pa
     names = [t["name"] for t in res["tables"]]
     assert names == ["accuracy", "target_task_share", "mislabeled_share", "paired_vs_random"]
     assert res["tables"][0]["columns"] == ["yesno", "counting", "mean"]  # the config's order
+
+    # the same seed split over two runs, one target task each (--target-tasks), then merged
+    raw = {**cfg_raw, "multitask": dict(cfg_raw["multitask"])}
+    parts = []
+    for task in ("counting", "yesno"):
+        part = select(load_config(raw, "select", seeds=[0], target_tasks=[task]), tmp_path / f"only-{task}")
+        assert set(part["runs"][0]["tasks"]) == {task}
+        assert not (tmp_path / f"only-{task}" / "runs" / "seed0" / ({"yesno", "counting"} - {task}).pop()).exists()
+        parts.append(part)
+    merged = combine_seeds(parts)
+    whole = res["runs"][0]
+    assert merged["seeds"] == [0] and merged["config"]["multitask"]["select_for"] == []
+    for key in ("accuracy", "target_task_share", "mislabeled_share", "target_task_share_by_task",
+                "mislabeled_share_by_task"):
+        assert merged["runs"][0][key] == whole[key], key
+    assert list(merged["runs"][0]["accuracy"]["prism"]) == ["yesno", "counting", "mean"]
+    assert list(merged["runs"][0]["methods_by_task"]) == ["yesno", "counting"]
+    assert merged["tables"][0]["columns"] == ["yesno", "counting", "mean"]
+    with pytest.raises(InputError, match="seed 0 occurs twice"):
+        combine_seeds([parts[0], parts[0]])
+    with pytest.raises(ConfigError, match="select_for"):
+        load_config(raw, "select", target_tasks=["colors"])
 
 
 def _select_result(seed, acc, share, max_length=320):
@@ -765,7 +787,7 @@ def test_combine_seeds_recomputes_the_tables_over_the_seeds():
     res = combine_seeds([a, c], allow=("finetune.max_length",))
     assert res["config_differences"]["finetune.max_length"] == [{"value": 320, "seeds": [1]},
                                                                 {"value": 400, "seeds": [2]}]
-    with pytest.raises(InputError, match="seed occurs twice"):
+    with pytest.raises(InputError, match="seed 1 occurs twice"):
         combine_seeds([a, a])
 
 

@@ -1,0 +1,93 @@
+"""What each method's top fraction holds, from the run folders of a multitask select
+experiment whose fine-tuning did not run (or has not finished): per seed, target task and
+method with a ``scores.jsonl``, the share of the selection from the target task and the
+share that answers wrong (``mislabeled`` pool records), the split-half check's choice and
+the method's recorded step times. Prints a table of the means over the (seed, task)
+pairs and writes every row as JSON.
+
+    python experiments/selection_shares.py RUN_DIR [RUN_DIR ...] --fraction 0.05 --json out.json
+
+RUN_DIR: an experiment folder (``runs/seed<k>/<task>/scores/<method>/``); a seed, task
+and method found in several folders is read from the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def _wrong_among(records: list, task: str) -> float | None:
+    """The share of ``records`` of ``task`` that answer wrong (None without any)."""
+    of_task = [r for r in records if r.get("task") == task]
+    return sum(bool(r.get("mislabeled")) for r in of_task) / len(of_task) if of_task else None
+
+
+def auroc(pos: list, neg: list) -> float:
+    """P(a score of ``pos`` > one of ``neg``), ties counted half."""
+    return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+
+
+def rows_of(run_dirs: list, fraction: float) -> list:
+    rows, seen = [], set()
+    for d in run_dirs:
+        for sdir in sorted(Path(d).glob("runs/seed*")):
+            pool = {r["id"]: r for r in map(json.loads, (sdir / "pool.jsonl").read_text().splitlines())}
+            k = round(fraction * len(pool))
+            for mdir in sorted(sdir.glob("*/scores/*")):
+                task, method = mdir.parent.parent.name, mdir.name
+                key = (int(sdir.name[4:]), task, method)
+                if key in seen or not (mdir / "scores.jsonl").is_file():
+                    continue
+                seen.add(key)
+                ranked = sorted(map(json.loads, (mdir / "scores.jsonl").read_text().splitlines()),
+                                key=lambda r: r["rank"])
+                score = {r["id"]: r["score"] for r in ranked}
+                right = [score[i] for i, r in pool.items() if r.get("task") == task and not r.get("mislabeled")]
+                wrong = [score[i] for i, r in pool.items() if r.get("task") == task and r.get("mislabeled")]
+                top = [pool[r["id"]] for r in ranked[:k]]
+                run = json.loads((mdir / "run.json").read_text()) if (mdir / "run.json").is_file() else {}
+                check = (run.get("curvature") or {}).get("split_half")
+                rows.append({"seed": key[0], "task": task, "method": method, "pool": len(pool), "selected": k,
+                             "target_task_share": sum(r.get("task") == task for r in top) / k,
+                             "mislabeled_share": sum(bool(r.get("mislabeled")) for r in top) / k,
+                             "wrong_among_target_task": _wrong_among(top, task),
+                             # does the method rank the task's right records above its wrong ones?
+                             "auroc_right_over_wrong": auroc(right, wrong) if right and wrong else None,
+                             "pool_wrong_among_target_task": _wrong_among(list(pool.values()), task),
+                             "split_half": check,
+                             "timings_s": {n: round(v, 1) for n, v in (run.get("timings") or {}).items()
+                                           if isinstance(v, (int, float))}})
+    return sorted(rows, key=lambda r: (r["seed"], r["task"], r["method"]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--fraction", type=float, default=0.05)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    rows = rows_of(a.runs, a.fraction)
+    pool_wrong = statistics.mean(r["pool_wrong_among_target_task"] for r in rows)
+    print(f"the pool's target-task records answering wrong: {pool_wrong:.2f} (mean over the (seed, task) pairs)")
+    print("| method | (seed, task) pairs | share of the target task | share answering wrong | "
+          "wrong among its target-task records | AUROC, the task's right over its wrong records |")
+    print("|---|---|---|---|---|---|")
+    for m in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == m]
+        share = statistics.mean(r["target_task_share"] for r in mine)
+        wrong = statistics.mean(r["mislabeled_share"] for r in mine)
+        cond = [r["wrong_among_target_task"] for r in mine if r["wrong_among_target_task"] is not None]
+        au = [r["auroc_right_over_wrong"] for r in mine if r["auroc_right_over_wrong"] is not None]
+        cells = [f"{statistics.mean(v):.2f}" + (f" ({min(v):.2f}-{max(v):.2f})" if len(v) > 1 else "") if v else "-"
+                 for v in (cond, au)]
+        print(f"| {m} | {len(mine)} | {share:.2f} | {wrong:.2f} | {cells[0]} | {cells[1]} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
