@@ -4,8 +4,11 @@ CUDA factors of one width side by side on their own streams."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+log = logging.getLogger(__name__)
 
 #: CPU eigendecompositions of factors up to this size run on one thread unless OpenMP
 #: threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, which the CLI sets before torch
@@ -39,8 +42,10 @@ def _eigh(M: torch.Tensor):
                 lam, Q = torch.linalg.eigh(M)  # uplo="L", the default
                 if torch.isfinite(lam.sum()) and torch.isfinite(Q.sum()):  # finite sums: all finite
                     return lam, Q
-            except RuntimeError:
-                pass
+                why = "non-finite eigenpairs"
+            except RuntimeError as e:
+                why = f"{type(e).__name__}: {e}"
+            log.info("a %d-wide %s factor on %s is decomposed in float64 (%s)", M.shape[0], M.dtype, M.device, why)
         return torch.linalg.eigh(M.double())
     finally:
         if serial:
@@ -81,9 +86,12 @@ def _eigh_many(factor, indices: list):
 #: CUDA factors decomposed side by side at most, each from its own thread on its own stream
 #: (cuSOLVER's divide and conquer leaves much of a large GPU idle). One H200, 4 float32
 #: factors alone: 14336 wide 1.130 s each side by side, 1.681 s one after another; 4096
-#: wide 0.092 against 0.120 s (benchmarks/eigh_routes.py, 2026-11-28). 1 (one after
-#: another) until the route has run inside a fit on a GPU
-#: (tests/curvature/test_eigh.py::test_cuda_factors_side_by_side_equal_one_by_one).
+#: wide 0.092 against 0.120 s (benchmarks/eigh_routes.py, 2026-11-28). Inside a fit it does
+#: not yet gain: at the 8B shape on an H200 the eigendecomposition phase took 202.0 s with 4
+#: against 203.0 s with 1 (benchmarks/eigh_streams_suite.sh, 2026-11-28), and
+#: tests/curvature/test_eigh.py::test_cuda_factors_side_by_side_equal_one_by_one failed
+#: there: the side-by-side results came back in float64, so the float32 solve had fallen
+#: back (the reason is now logged). 1 (one after another) until that is understood.
 CUDA_EIGH_STREAMS = 1
 #: the share of the device's free memory the side-by-side solvers' workspaces may take
 CUDA_EIGH_FREE_SHARE = 0.5
