@@ -91,7 +91,8 @@ def _eigh_many(factor, indices: list):
 #: against 203.0 s with 1 (benchmarks/eigh_streams_suite.sh, 2026-11-28), and
 #: tests/curvature/test_eigh.py::test_cuda_factors_side_by_side_equal_one_by_one failed
 #: there: the side-by-side results came back in float64, so the float32 solve had fallen
-#: back (the reason is now logged). 1 (one after another) until that is understood.
+#: back (the reason is now logged; each side thread now sets its device first, not yet run
+#: on a GPU). 1 (one after another) until the test passes.
 CUDA_EIGH_STREAMS = 1
 #: the share of the device's free memory the side-by-side solvers' workspaces may take
 CUDA_EIGH_FREE_SHARE = 0.5
@@ -116,6 +117,9 @@ def _eigh_cuda_side_by_side(factor, indices: list):
 
     def one(i, caller):
         M = factor(i)
+        # a new thread has no current device of its own: cuSOLVER's handle is made for the
+        # factor's (pytorch/pytorch#60892: eigh failed on a GPU that was not set)
+        torch.cuda.set_device(M.device)
         stream = torch.cuda.Stream(M.device)
         stream.wait_stream(caller)
         with torch.cuda.stream(stream):
