@@ -333,6 +333,34 @@ def accuracy_by_task(responses_path) -> dict:
     return out
 
 
+def balanced_accuracy_by_task(responses_path) -> dict:
+    """Per ``task``, the mean over its reference answers of the accuracy on the probes
+    with that reference (a model that gives one answer to every probe scores 1/k on a
+    task of k answers, whatever their shares), and the mean over the tasks; empty when
+    the responses carry no ``reference``."""
+    by: dict = {}
+    for r in read_jsonl(responses_path):
+        if r.get("reference") is None:
+            return {}
+        by.setdefault(r.get("task") or "all", {}).setdefault(str(r["reference"]), []).append(bool(r["correct"]))
+    out = {t: sum(sum(v) / len(v) for v in classes.values()) / len(classes) for t, classes in sorted(by.items())}
+    out["mean"] = sum(out.values()) / len(out) if out else float("nan")
+    return out
+
+
+def majority_answer_floor(probes: list) -> tuple:
+    """``(accuracy, balanced accuracy)`` per task of answering every probe with the task's
+    most common reference (the floor a one-answer model reaches), each with ``mean``."""
+    by: dict = {}
+    for p in probes:
+        by.setdefault(p.get("task") or "all", []).append(str(p["reference"]))
+    acc = {t: max(refs.count(x) for x in set(refs)) / len(refs) for t, refs in sorted(by.items())}
+    bal = {t: 1 / len(set(refs)) for t, refs in sorted(by.items())}
+    for d in (acc, bal):
+        d["mean"] = sum(d.values()) / len(d) if d else float("nan")
+    return acc, bal
+
+
 def pct(r: float) -> str:
     """A fraction as a percentage without trailing zeros (0.1 -> "10")."""
     s = f"{r * 100:.6g}"

@@ -13,8 +13,17 @@ from pathlib import Path
 from ..errors import InputError
 from . import builders
 from .config import SelectConfig, config_to_dict
-from .experiment import (Experiment, accuracy_by_task, finish_experiment, load_start, mean_std, paired_interval,
-                         pct, read_jsonl, resolve_methods, respond, score_methods, train_adapter, write_if_changed)
+from .experiment import (Experiment, accuracy_by_task, balanced_accuracy_by_task, finish_experiment, load_start,
+                         majority_answer_floor, mean_std, paired_interval, pct, read_jsonl, resolve_methods, respond,
+                         score_methods, train_adapter, write_if_changed)
+
+#: the row of the floor a model reaches by giving every held-out probe its task's most
+#: common reference answer (:func:`.experiment.majority_answer_floor`)
+MAJORITY_ROW = "Majority answer"
+#: the accuracy metrics of a select run: plain, and balanced over each task's reference
+#: answers (:func:`.experiment.balanced_accuracy_by_task`), which a model that answers
+#: every probe alike cannot raise above 1/k
+METRICS = {"accuracy": "Held-out accuracy", "balanced_accuracy": "Held-out accuracy balanced over the reference answers"}
 
 
 def select(config: SelectConfig, out_dir, *, overwrite: bool = False) -> dict:
@@ -114,6 +123,10 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
         sub = "" if one else f"/{task}"
         if cfg.start_row:
             _merge(run, "Start", respond(exp, lm, heldout_path, tdir / "start", cfg.checker, "start" + sub))
+        probes = read_jsonl(heldout_path)
+        if probes and all(p.get("reference") is not None for p in probes):
+            for key, values in zip(METRICS, majority_answer_floor(probes)):
+                _merge_values(run, key, MAJORITY_ROW, values)
         if full is not None:
             fdir = sdir / "full" if one else sdir / "full" / task
             _merge(run, "Full data", respond(exp, lm, heldout_path, fdir, cfg.checker, "full" + sub, full))
@@ -128,12 +141,20 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
 
 
 def _merge(run: dict, row: str, responses: Path):
-    """Add one split's per-task accuracies to ``row``; ``mean`` is over every task so far."""
-    acc = {k: v for k, v in accuracy_by_task(responses).items() if k != "mean"}
-    cur = {k: v for k, v in run["accuracy"].get(row, {}).items() if k != "mean"}
-    cur.update(acc)
+    """Add one split's per-task accuracies (plain and balanced) to ``row``."""
+    _merge_values(run, "accuracy", row, accuracy_by_task(responses))
+    balanced = balanced_accuracy_by_task(responses)
+    if balanced:
+        _merge_values(run, "balanced_accuracy", row, balanced)
+
+
+def _merge_values(run: dict, key: str, row: str, values: dict):
+    """``run[key][row]`` updated with one split's per-task ``values``; ``mean`` is over
+    every task so far."""
+    cur = {k: v for k, v in run.setdefault(key, {}).get(row, {}).items() if k != "mean"}
+    cur.update({k: v for k, v in values.items() if k != "mean"})
     cur["mean"] = sum(cur.values()) / len(cur)
-    run["accuracy"][row] = cur
+    run[key][row] = cur
 
 
 def _share(run: dict, name: str, task: str, m: str, flags: list):
@@ -178,17 +199,20 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
     tasks = list(dict.fromkeys(t for r in runs for acc in r["accuracy"].values() for t in acc if t != "mean"))
     columns = tasks + ["mean"]
     row_keys = list(dict.fromkeys(k for r in runs for k in r["accuracy"]))
-    ordered = [k for k in ("Start", "Full data") if k in row_keys] + [k for k in row_keys if k not in ("Start", "Full data")]
+    first = ("Start", MAJORITY_ROW, "Full data")
+    ordered = [k for k in first if k in row_keys] + [k for k in row_keys if k not in first]
+    metrics = [m for m in METRICS if any(r.get(m) for r in runs)]
 
-    def acc(run, m, task):
-        return (run["accuracy"].get(m) or {}).get(task)
+    def value(metric):
+        return lambda run, m, task: ((run.get(metric) or {}).get(m) or {}).get(task)
 
-    table = {"name": "accuracy", "title": f"Held-out accuracy after fine-tuning on the top {pct(fraction)}% "
-             "(higher is better)", "columns": columns, "lower_is_better": False,
-             "note": "Start: no fine-tuning; Full data: fine-tuned on the whole pool",
-             "rows": [{"label": k, "cells": [mean_std([acc(r, k, c) for r in runs]) for c in columns]}
-                      for k in ordered]}
-    tables = [table]
+    tables = [{"name": metric, "title": f"{METRICS[metric]} after fine-tuning on the top {pct(fraction)}% "
+               "(higher is better)", "columns": columns, "lower_is_better": False,
+               "note": "Start: no fine-tuning; Full data: fine-tuned on the whole pool"
+                       + (f"; {MAJORITY_ROW}: every probe answered with its task's most common reference"
+                          if MAJORITY_ROW in row_keys else ""),
+               "rows": [{"label": k, "cells": [mean_std([value(metric)(r, k, c) for r in runs]) for c in columns]}
+                        for k in ordered]} for metric in metrics]
     if target_tasks:
         tables.append(_share_table(
             runs, methods, "target_task_share", f"Share of the selected records from the target task "
@@ -197,15 +221,19 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
     if any(r.get("mislabeled_share") for r in runs):
         tables.append(_share_table(runs, methods, "mislabeled_share", "Share of the selected records that answer "
                                    "wrong (mislabeled target-task records; lower is better)", True))
-    for comp in ("random", "less"):
-        if comp in row_keys and len(runs) > 1:
-            tables.append({"name": f"paired_vs_{comp}", "title": f"Accuracy minus {comp}'s, paired by seed "
-                           "(mean and 95% t interval over the seeds)", "columns": columns,
-                           "lower_is_better": False, "paired": True, "note": "",
-                           "rows": [{"label": k, "cells": [paired_interval(
-                               [acc(r, k, c) - acc(r, comp, c) for r in runs
-                                if acc(r, k, c) is not None and acc(r, comp, c) is not None]) for c in columns]}
-                                    for k in ordered if k != comp]})
+    for metric in metrics:
+        acc = value(metric)
+        suffix = "" if metric == "accuracy" else "_balanced"
+        what = "Accuracy" if metric == "accuracy" else "Balanced accuracy"
+        for comp in ("random", "less"):
+            if comp in row_keys and len(runs) > 1:
+                tables.append({"name": f"paired_vs_{comp}{suffix}", "title": f"{what} minus {comp}'s, paired by "
+                               "seed (mean and 95% t interval over the seeds)", "columns": columns,
+                               "lower_is_better": False, "paired": True, "note": "",
+                               "rows": [{"label": k, "cells": [paired_interval(
+                                   [acc(r, k, c) - acc(r, comp, c) for r in runs
+                                    if acc(r, k, c) is not None and acc(r, comp, c) is not None]) for c in columns]}
+                                        for k in ordered if k != comp]})
     return tables
 
 
@@ -312,12 +340,13 @@ def merge_task_runs(parts: list, target_tasks: list) -> dict:
     run["tasks"] = {t: next(p["tasks"][t] for p in parts if t in p["tasks"]) for t in tasks}
     by = {t: next(p["methods_by_task"][t] for p in parts if t in p.get("methods_by_task", {})) for t in tasks}
     run["methods_by_task"] = by
-    rows = list(dict.fromkeys(k for p in parts for k in p["accuracy"]))
-    run["accuracy"] = {}
-    for row in rows:
-        cells = {t: v for p in parts for t, v in (p["accuracy"].get(row) or {}).items() if t != "mean"}
-        cells = {t: cells[t] for t in sorted(cells, key=lambda t: order.get(t, len(order)))}
-        run["accuracy"][row] = {**cells, "mean": sum(cells.values()) / len(cells)}
+    for metric in (m for m in METRICS if any(p.get(m) for p in parts)):
+        rows = list(dict.fromkeys(k for p in parts for k in p.get(metric) or {}))
+        run[metric] = {}
+        for row in rows:
+            cells = {t: v for p in parts for t, v in ((p.get(metric) or {}).get(row) or {}).items() if t != "mean"}
+            cells = {t: cells[t] for t in sorted(cells, key=lambda t: order.get(t, len(order)))}
+            run[metric][row] = {**cells, "mean": sum(cells.values()) / len(cells)}
     for name in ("target_task_share", "mislabeled_share"):
         per = {t: v for p in parts for t, v in (p.get(f"{name}_by_task") or {}).items()}
         if not per:

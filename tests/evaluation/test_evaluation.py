@@ -613,7 +613,9 @@ def test_select_protocol_end_to_end(tmp_path, tiny_dir, gsm8k, bbh_dir):
     res = select(cfg, out)
     run = res["runs"][0]
     assert run["n_selected"] == 2
-    assert set(run["accuracy"]) == {"Start", "Full data", "prism", "random"}
+    assert set(run["accuracy"]) == set(run["balanced_accuracy"]) == {"Start", "Majority answer", "Full data", "prism",
+                                                                      "random"}
+    heldout = [json.loads(x) for x in (out / run["dir"] / "heldout.jsonl").read_text().splitlines()]
     for m in ("prism", "random"):
         sub = (out / run["dir"] / "selected" / m / "subset.jsonl").read_text().splitlines()
         assert len(sub) == 2
@@ -622,9 +624,18 @@ def test_select_protocol_end_to_end(tmp_path, tiny_dir, gsm8k, bbh_dir):
         for task in ("colors", "yesno", "counting"):
             rows = [r for r in resp if r["task"] == task]
             assert run["accuracy"][m][task] == pytest.approx(sum(r["correct"] for r in rows) / len(rows))
+            refs = {r["reference"] for r in rows}  # balanced: the mean of each reference answer's accuracy
+            assert run["balanced_accuracy"][m][task] == pytest.approx(sum(
+                sum(r["correct"] for r in rows if r["reference"] == a) / sum(r["reference"] == a for r in rows)
+                for a in refs) / len(refs))
+    for task in ("colors", "yesno", "counting"):  # the floor: every probe given the most common reference
+        refs = [h["reference"] for h in heldout if h["task"] == task]
+        assert run["accuracy"]["Majority answer"][task] == max(refs.count(a) for a in refs) / len(refs)
+        assert run["balanced_accuracy"]["Majority answer"][task] == 1 / len(set(refs))
     t = res["tables"][0]
     assert t["columns"] == ["colors", "counting", "yesno", "mean"]
-    assert [r["label"] for r in t["rows"]][:2] == ["Start", "Full data"]
+    assert [r["label"] for r in t["rows"]][:3] == ["Start", "Majority answer", "Full data"]
+    assert res["tables"][1]["name"] == "balanced_accuracy"
     assert "table-accuracy" in (out / "report.html").read_text()
 
 
@@ -646,7 +657,8 @@ def test_select_protocol_on_a_multitask_pool(tmp_path, tiny_dir, gsm8k, bbh_dir)
     assert len(pool) == 4 + 3 * 2 and {t["task"] for t in targets} == {"yesno"} == {h["task"] for h in heldout}
     ids = [p["id"] for p in pool] + [t["id"] for t in targets] + [h["id"] for h in heldout]
     assert len(ids) == len(set(ids)) == 10 + 1 + 3  # pool, targets and held-out probes are disjoint
-    assert run["n_selected"] == 2 and set(run["accuracy"]) == {"Start", "Full data", "prism", "random"}
+    assert run["n_selected"] == 2 and set(run["accuracy"]) == {"Start", "Majority answer", "Full data", "prism",
+                                                                 "random"}
     share = next(t for t in res["tables"] if t["name"] == "target_task_share")
     for m in ("prism", "random"):
         sub = [json.loads(x) for x in (sdir / "selected" / m / "subset.jsonl").read_text().splitlines()]
@@ -722,13 +734,14 @@ def test_select_with_two_target_tasks_and_the_start_models_own_rejections(tmp_pa
                 assert run["target_task_share_by_task"][task][m] == sum(r["task"] == task for r in sub) / len(sub)
         assert run["accuracy"]["prism"]["mean"] == pytest.approx(
             (run["accuracy"]["prism"]["yesno"] + run["accuracy"]["prism"]["counting"]) / 2)
-        assert set(run["accuracy"]) == {"Start", "Full data", "prism", "random"}
+        assert set(run["accuracy"]) == {"Start", "Majority answer", "Full data", "prism", "random"}
         for task in ("yesno", "counting"):  # half of each target task's 2 pool records answer wrong
             sub = [json.loads(x) for x in (sdir / task / "selected" / "prism" / "subset.jsonl").read_text().splitlines()]
             assert run["mislabeled_share_by_task"][task]["prism"] == sum(bool(r.get("mislabeled")) for r in sub) / len(sub)
         assert sum(bool(json.loads(x).get("mislabeled")) for x in (sdir / "pool.jsonl").read_text().splitlines()) == 2
     names = [t["name"] for t in res["tables"]]
-    assert names == ["accuracy", "target_task_share", "mislabeled_share", "paired_vs_random"]
+    assert names == ["accuracy", "balanced_accuracy", "target_task_share", "mislabeled_share", "paired_vs_random",
+                     "paired_vs_random_balanced"]
     assert res["tables"][0]["columns"] == ["yesno", "counting", "mean"]  # the config's order
 
     # the same seed split over two runs, one target task each (--target-tasks), then merged
@@ -742,7 +755,7 @@ def test_select_with_two_target_tasks_and_the_start_models_own_rejections(tmp_pa
     merged = combine_seeds(parts)
     whole = res["runs"][0]
     assert merged["seeds"] == [0] and merged["config"]["multitask"]["select_for"] == []
-    for key in ("accuracy", "target_task_share", "mislabeled_share", "target_task_share_by_task",
+    for key in ("accuracy", "balanced_accuracy", "target_task_share", "mislabeled_share", "target_task_share_by_task",
                 "mislabeled_share_by_task"):
         assert merged["runs"][0][key] == whole[key], key
     assert list(merged["runs"][0]["accuracy"]["prism"]) == ["yesno", "counting", "mean"]
