@@ -1,8 +1,10 @@
 """What each method's top fraction holds, from the run folders of a multitask select
 experiment whose fine-tuning did not run (or has not finished): per seed, target task and
 method with a ``scores.jsonl``, the share of the selection from the target task and the
-share that answers wrong (``mislabeled`` pool records), the split-half check's choice and
-the method's recorded step times. Prints a table of the means over the (seed, task)
+share that answers wrong (``mislabeled`` pool records), whether the task's right records
+rank above its wrong ones, whether its records giving the task's most common answer rank
+above those giving the second (``by_answer``) and which answers the selection holds, the
+split-half check's choice and the method's recorded step times. Prints a table of the means over the (seed, task)
 pairs and writes every row as JSON.
 
     python experiments/selection_shares.py RUN_DIR [RUN_DIR ...] --fraction 0.05 --json out.json
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 
 
@@ -28,6 +31,19 @@ def _wrong_among(records: list, task: str) -> float | None:
 def auroc(pos: list, neg: list) -> float:
     """P(a score of ``pos`` > one of ``neg``), ties counted half."""
     return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+
+
+def _by_answer(pool: dict, score: dict, task: str) -> dict | None:
+    """AUROC of the task's records giving its most common answer over those giving the
+    second (responses compared stripped and lower-cased), or None with fewer than two."""
+    by: dict = {}
+    for i, r in pool.items():
+        if r.get("task") == task:
+            by.setdefault(str(r.get("response", "")).strip().lower(), []).append(score[i])
+    top = sorted(by, key=lambda k: -len(by[k]))[:2]
+    if len(top) < 2:
+        return None
+    return {"answer": top[0], "over": top[1], "auroc": auroc(by[top[0]], by[top[1]])}
 
 
 def rows_of(run_dirs: list, fraction: float) -> list:
@@ -56,6 +72,10 @@ def rows_of(run_dirs: list, fraction: float) -> list:
                              "wrong_among_target_task": _wrong_among(top, task),
                              # does the method rank the task's right records above its wrong ones?
                              "auroc_right_over_wrong": auroc(right, wrong) if right and wrong else None,
+                             # or by which answer they give?
+                             "by_answer": _by_answer(pool, score, task),
+                             "answers_selected": dict(Counter(str(r.get("response", "")).strip().lower()
+                                                              for r in top if r.get("task") == task)),
                              "pool_wrong_among_target_task": _wrong_among(list(pool.values()), task),
                              "split_half": check,
                              "timings_s": {n: round(v, 1) for n, v in (run.get("timings") or {}).items()
