@@ -39,15 +39,15 @@ def _ms(c):
     return _f(c["mean"]) + ("" if c["std"] is None else f" +- {_f(c['std'])}")
 
 
-def paired(res: dict, against: str, task: str = "mean") -> dict:
-    """Each accuracy row minus the row ``against``, seed by seed: ``{row: mean_std}``."""
+def paired(res: dict, against: str, task: str = "mean", metric: str = "accuracy") -> dict:
+    """Each ``metric`` row minus the row ``against``, seed by seed: ``{row: mean_std}``."""
     out = {}
-    for label in dict.fromkeys(k for r in res["runs"] for k in r["accuracy"]):
+    for label in dict.fromkeys(k for r in res["runs"] for k in r.get(metric) or {}):
         if label == against:
             continue
         d = []
         for r in res["runs"]:
-            a, b = ((r["accuracy"].get(k) or {}).get(task) for k in (label, against))
+            a, b = (((r.get(metric) or {}).get(k) or {}).get(task) for k in (label, against))
             d.append(None if a is None or b is None else a - b)
         out[label] = mean_std(d)
     return out
@@ -66,24 +66,28 @@ def share_vs_gain(res: dict, against: str = "random", task: str = "mean") -> dic
                 ys.append(a - ref)
     if len(xs) < 3:
         return None
-    return {"against": against, "n": len(xs), "pearson_r": statistics.correlation(xs, ys)}
+    try:
+        r = statistics.correlation(xs, ys)
+    except statistics.StatisticsError:  # a constant share or gain: no correlation to state
+        r = None
+    return {"against": against, "n": len(xs), "pearson_r": r}
 
 
-def markdown(res: dict, against: list, task: str = "mean") -> str:
-    """The accuracy table (column ``task``): each seed, mean +- std, the paired
+def markdown(res: dict, against: list, task: str = "mean", metric: str = "accuracy") -> str:
+    """The ``metric`` table (column ``task``): each seed, mean +- std, the paired
     differences from the rows ``against``, and the target-task share beside it."""
     runs = res["runs"]
     seeds = [r["seed"] for r in runs]
-    acc = next(t for t in res["tables"] if t["name"] == "accuracy")
+    acc = next(t for t in res["tables"] if t["name"] == metric)
     share = {r["label"]: r["cells"][0] for t in res["tables"] if t["name"] == "target_task_share" for r in t["rows"]}
     col = acc["columns"].index(task)
-    diffs = {a: paired(res, a, task) for a in against}
+    diffs = {a: paired(res, a, task, metric) for a in against}
     head = (["row"] + [f"seed {s}" for s in seeds] + [f"mean +- std ({len(seeds)})"]
             + [f"minus {a}, paired" for a in against] + (["target-task share, per seed; mean"] if share else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in acc["rows"]:
         label = row["label"]
-        vals = [(r["accuracy"].get(label) or {}).get(task) for r in runs]
+        vals = [((r.get(metric) or {}).get(label) or {}).get(task) for r in runs]
         out = [label] + [_f(v, 2) for v in vals] + [_ms(row["cells"][col])]
         out += ["-" if label == a else _ms(diffs[a][label]) for a in against]
         if share:
@@ -116,9 +120,15 @@ def main(argv=None) -> int:
     if args.out:
         atomic_write_json(Path(args.out), res)
     print(markdown(res, args.against))
+    if any(t["name"] == "balanced_accuracy" for t in res["tables"]):
+        res["paired_differences_balanced"] = {a: paired(res, a, metric="balanced_accuracy") for a in args.against}
+        if args.out:
+            atomic_write_json(Path(args.out), res)
+        print("\nbalanced over the reference answers:")
+        print(markdown(res, args.against, metric="balanced_accuracy"))
     for key, groups in res["config_differences"].items():
         print(f"config {key}: " + "; ".join(f"{g['value']} (seeds {g['seeds']})" for g in groups))
-    if res["share_vs_gain"]:
+    if res["share_vs_gain"] and res["share_vs_gain"]["pearson_r"] is not None:
         c = res["share_vs_gain"]
         print(f"target-task share vs accuracy minus {c['against']}: Pearson r {c['pearson_r']:.2f} "
               f"over {c['n']} (method, seed) pairs")
