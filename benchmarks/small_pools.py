@@ -57,7 +57,8 @@ from bench_scoring import load_embedded  # noqa: E402
 from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature  # noqa: E402
 from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.curvature.base import apply_damping  # noqa: E402
-from prism_select.curvature.support import DAMPING_LADDER, spearman, supported_damping_factor  # noqa: E402
+from prism_select.curvature.support import (DAMPING_LADDER, agreement_sample, spearman,  # noqa: E402
+                                            supported_damping_factor)
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.evaluation import builders  # noqa: E402
 from prism_select.evaluation_metrics import auroc  # noqa: E402
@@ -395,8 +396,12 @@ def main():
                        "fit_s": t_fit, "total_s": time.perf_counter() - t1}
                 if halves:
                     k, m = len(vs), len(HALF_DAMPING_FACTORS)
+                    # the library compares the halves on at most AGREEMENT_EXAMPLES of the fit sample
+                    sub = torch.tensor(agreement_sample(len(enc), CurvatureSettings().seed))
                     row["split_half"] = {
                         f"x{f / 0.1:g}": {"spearman": spearman(scores[:, k + j], scores[:, k + m + j]),
+                                          "spearman_agreement_sample": spearman(scores[sub, k + j],
+                                                                                scores[sub, k + m + j]),
                                           "cosine": _cosine(halves[j], halves[m + j]),
                                           "auroc": [auroc(scores[:, k + i].tolist(), labels) for i in (j, m + j)]}
                         for j, f in enumerate(HALF_DAMPING_FACTORS)}
