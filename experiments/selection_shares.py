@@ -21,6 +21,8 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
+from prism_select.evaluation_metrics import auroc
+
 
 def _wrong_among(records: list, task: str) -> float | None:
     """The share of ``records`` of ``task`` that answer wrong (None without any)."""
@@ -28,9 +30,9 @@ def _wrong_among(records: list, task: str) -> float | None:
     return sum(bool(r.get("mislabeled")) for r in of_task) / len(of_task) if of_task else None
 
 
-def auroc(pos: list, neg: list) -> float:
-    """P(a score of ``pos`` > one of ``neg``), ties counted half."""
-    return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+def auroc_of(pos: list, neg: list) -> float:
+    """AUROC of the scores ``pos`` over ``neg`` (ties count one half)."""
+    return auroc(pos + neg, [True] * len(pos) + [False] * len(neg))
 
 
 def _by_answer(pool: dict, score: dict, task: str) -> dict | None:
@@ -43,7 +45,7 @@ def _by_answer(pool: dict, score: dict, task: str) -> dict | None:
     top = sorted(by, key=lambda k: -len(by[k]))[:2]
     if len(top) < 2:
         return None
-    return {"answer": top[0], "over": top[1], "auroc": auroc(by[top[0]], by[top[1]])}
+    return {"answer": top[0], "over": top[1], "auroc": auroc_of(by[top[0]], by[top[1]])}
 
 
 def rows_of(run_dirs: list, fraction: float) -> list:
@@ -71,7 +73,7 @@ def rows_of(run_dirs: list, fraction: float) -> list:
                              "mislabeled_share": sum(bool(r.get("mislabeled")) for r in top) / k,
                              "wrong_among_target_task": _wrong_among(top, task),
                              # does the method rank the task's right records above its wrong ones?
-                             "auroc_right_over_wrong": auroc(right, wrong) if right and wrong else None,
+                             "auroc_right_over_wrong": auroc_of(right, wrong) if right and wrong else None,
                              # or by which answer they give?
                              "by_answer": _by_answer(pool, score, task),
                              "answers_selected": dict(Counter(str(r.get("response", "")).strip().lower()

@@ -289,7 +289,6 @@ class RunContext:
         when its spill would hold the scoring gradients (:meth:`_spill_scores_pool`)."""
         if self._curvature is None or on_group is not None:
             t = time.perf_counter()
-            cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
             fit = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
             phases = self._fit_timings = {}
             plan = self.plan
@@ -306,10 +305,9 @@ class RunContext:
             from_spill = self._spill_scores_pool(cs, groups)
             layout = FitLayout(groups, store, offload=plan.fit.get("offload") if plan is not None else None,
                                sums=plan.fit.get("sums", "step") if plan is not None else "step")
-            cache = FitCache(cache_root, self.lm.fingerprint, encoded_fingerprint(fit), st.max_length,
-                             st.cache_max_bytes)
             cur, directory, reused = load_or_fit_curvature(
-                self.lm.model, modules, fit, cs, pad_id=self.pad_id, cache=cache, execution=self.execution,
+                self.lm.model, modules, fit, cs, pad_id=self.pad_id, cache=self._fit_cache(fit),
+                execution=self.execution,
                 timings=phases, layout=layout, on_group=on_group,
                 spill=FitSpill(on_spill=self._keep_spill if from_spill else None,
                                scores=fit_scores if from_spill else None))
@@ -336,6 +334,13 @@ class RunContext:
                 return cur
             self._curvature = cur
         return self._curvature
+
+    def _fit_cache(self, encoded: list) -> FitCache:
+        """Where a curvature fitted on ``encoded`` is cached (the run's cache folder, keyed
+        by the model and that fit sample)."""
+        st = self.settings
+        return FitCache(Path(self.lm.settings.resolved_cache_dir()) / "curvature", self.lm.fingerprint,
+                        encoded_fingerprint(encoded), st.max_length, st.cache_max_bytes)
 
     def _spill_scores_pool(self, cs: CurvatureSettings, groups) -> bool:
         """Whether the fit (EK-FAC on the CPU, :func:`prism_select.curvature.fit.fit_curvature`)
@@ -480,15 +485,11 @@ class RunContext:
         fit = [pool[i] for i in fit_indices(len(pool), cs)]
         quiet = replace(self.execution, progress=False)
         fit_settings = replace(cs, fit_examples=None)
-        st = self.settings
-        cache_root = Path(self.lm.settings.resolved_cache_dir()) / "curvature"
         halves = []
         for idx in support.split_halves(len(fit), cs.seed):
             half = [fit[i] for i in idx]
-            cache = FitCache(cache_root, self.lm.fingerprint, encoded_fingerprint(half), st.max_length,
-                             st.cache_max_bytes)
             halves.append(load_or_fit_curvature(self.lm.model, self.modules, half, fit_settings, pad_id=self.pad_id,
-                                                cache=cache, execution=quiet)[0])
+                                                cache=self._fit_cache(half), execution=quiet)[0])
         scored = [fit[i] for i in support.agreement_sample(len(fit), cs.seed)]
 
         def agreement_at(factor):

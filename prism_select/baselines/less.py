@@ -512,14 +512,20 @@ def candidate_features_key(ctx, projection: str, dim: int, proj_seed: int) -> st
                         "device": p.device.type, "dtype": str(compute_dtype(ctx.lm.model))})[:32]
 
 
+def _save_features(path: Path, tensors: dict, projection: str):
+    """Write projected features to ``path`` atomically (a temporary file beside it, then
+    renamed), the projection in the metadata."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"projection": projection})
+    os.replace(tmp, path)
+
+
 def _save_shared(path: Path, cand: torch.Tensor, projection: str):
-    """Write one checkpoint's candidate features atomically (a failure only logs: the
-    cache is an optimisation)."""
+    """Keep one checkpoint's candidate features for the next target set (a failure only
+    logs: the cache is an optimisation)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file({"candidates": cand.contiguous()}, str(tmp), metadata={"projection": projection})
-        os.replace(tmp, path)
+        _save_features(path, {"candidates": cand}, projection)
     except OSError as e:
         log.warning("LESS: cannot keep the candidate features in %s (%s)", path, e)
 
@@ -614,11 +620,7 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
                     targ = projected_gradients(pm, modules, ctx.inputs.chosen, desc="LESS targets", **kw)
                     if side == "contrast":
                         targ = targ - projected_gradients(pm, modules, ctx.inputs.rejected, desc="LESS targets", **kw)
-            partial.mkdir(parents=True, exist_ok=True)
-            tmp = partial / f".ckpt-{i}.tmp"
-            save_file({"candidates": cand.contiguous(), "targets": targ.contiguous()}, str(tmp),
-                      metadata={"projection": projection})
-            os.replace(tmp, feats_path)
+            _save_features(feats_path, {"candidates": cand, "targets": targ}, projection)
         sim += w * (_normalise(cand) @ _normalise(targ).T)
         del cand, targ
         release_host_memory(ctx.lm.device)  # the checkpoint's adapter, Adam state and features are freed

@@ -6,6 +6,7 @@ pool by each method (and ``random``) for per-task target pairs -> LoRA SFT
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -133,11 +134,17 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
         for m in methods:
             if scored[m].get("status") == "ok":
                 _select_method(exp, lm, run, m, scored[m], task, tdir, pool_path, heldout_path, seed)
-    if not one:  # the first task's records (the report's plots), or a task's error
-        by = run["methods_by_task"]
-        run["methods"] = {m: next((by[t][m] for t, *_ in splits if by[t][m].get("status") != "ok"),
-                                  by[splits[0][0]][m]) for m in methods}
+    if not one:
+        run["methods"] = _methods_of_tasks(run["methods_by_task"])
     return run
+
+
+def _methods_of_tasks(by_task: dict) -> dict:
+    """A several-task run's ``methods``: per method its first task's records (the report's
+    plots), or the record of a task where it failed."""
+    tasks = list(by_task)
+    return {m: next((by_task[t][m] for t in tasks if by_task[t][m].get("status") != "ok"), by_task[tasks[0]][m])
+            for m in by_task[tasks[0]]}
 
 
 def _merge(run: dict, row: str, responses: Path):
@@ -161,7 +168,12 @@ def _share(run: dict, name: str, task: str, m: str, flags: list):
     """``run[name][m]``: the share of true ``flags`` (one per selected record); with
     several target tasks the mean over the tasks so far, each task's in
     ``run[name + "_by_task"]``."""
-    value = sum(flags) / len(flags) if flags else None
+    _set_share(run, name, task, m, sum(flags) / len(flags) if flags else None)
+
+
+def _set_share(run: dict, name: str, task: str, m: str, value: float | None):
+    """``run[name][m] = value``, or with several target tasks ``value`` as ``task``'s in
+    ``run[name + "_by_task"]`` and their mean so far (None while a task has none)."""
     if "tasks" in run:
         run.setdefault(f"{name}_by_task", {}).setdefault(task, {})[m] = value
         values = [v.get(m) for v in run[f"{name}_by_task"].values()]
@@ -288,7 +300,7 @@ def combine_seeds(results: list, *, allow: tuple = ()) -> dict:
     if len(fps) > 1:
         raise InputError("the runs used different start models (model.fingerprint differs)")
     mt = (results[0]["config"] or {}).get("multitask") or {}
-    target = mt.get("target_tasks") or ([mt["target_task"]] if mt.get("target_task") else None)
+    target = _targets(mt) or None
     by_seed: dict = {}
     for r in results:
         for run in r.get("runs", []):
@@ -302,21 +314,26 @@ def combine_seeds(results: list, *, allow: tuple = ()) -> dict:
                                                        key=(target or []).index)}
         if cfg["multitask"]["select_for"] == target:
             cfg["multitask"]["select_for"] = []
-    # each file's step timings, keyed by its seeds ("0", "1,2") and the tasks it selected for
-    timings = {",".join(map(str, r.get("seeds") or [])) + "".join(f"/{t}" for t in
-                                                                  (r["config"].get("multitask") or {}).get(
-                                                                      "select_for") or []): r.get("timings")
-               for r in results}
+    # each file's step timings, keyed by its seeds ("0", "1,2") and any tasks it alone selected for
+    timings = {}
+    for r in results:
+        only = (r["config"].get("multitask") or {}).get("select_for") or []
+        timings[",".join(map(str, r.get("seeds") or [])) + "".join(f"/{t}" for t in only)] = r.get("timings")
     tables = select_tables(runs, methods, cfg["fraction"], target)
     return {"protocol": "select", "config": cfg, "config_differences": diffs, "methods": methods,
             "settings": tables[0]["columns"], "seeds": seeds, "runs": runs, "tables": tables,
             "model": results[0].get("model"), "timings_by_seeds": timings}
 
 
+def _targets(mt: dict) -> list:
+    """The target tasks of a multitask config as results.json records it."""
+    return mt.get("target_tasks") or ([mt["target_task"]] if mt.get("target_task") else [])
+
+
 def _selected(result: dict) -> list:
     """The target tasks a results.json selected for (every one unless ``select_for``)."""
     mt = result["config"].get("multitask") or {}
-    return mt.get("select_for") or mt.get("target_tasks") or ([mt["target_task"]] if mt.get("target_task") else [])
+    return mt.get("select_for") or _targets(mt)
 
 
 def merge_task_runs(parts: list, target_tasks: list) -> dict:
@@ -335,28 +352,19 @@ def merge_task_runs(parts: list, target_tasks: list) -> dict:
                          fix="combine each seed once, or runs of it that selected for different target tasks "
                              "(--target-tasks)")
     order = {t: i for i, t in enumerate(target_tasks)}
-    tasks.sort(key=lambda t: order.get(t, len(order)))
-    run = json.loads(json.dumps(parts[0]))
-    run["tasks"] = {t: next(p["tasks"][t] for p in parts if t in p["tasks"]) for t in tasks}
-    by = {t: next(p["methods_by_task"][t] for p in parts if t in p.get("methods_by_task", {})) for t in tasks}
-    run["methods_by_task"] = by
-    for metric in (m for m in METRICS if any(p.get(m) for p in parts)):
-        rows = list(dict.fromkeys(k for p in parts for k in p.get(metric) or {}))
-        run[metric] = {}
-        for row in rows:
-            cells = {t: v for p in parts for t, v in ((p.get(metric) or {}).get(row) or {}).items() if t != "mean"}
-            cells = {t: cells[t] for t in sorted(cells, key=lambda t: order.get(t, len(order)))}
-            run[metric][row] = {**cells, "mean": sum(cells.values()) / len(cells)}
-    for name in ("target_task_share", "mislabeled_share"):
-        per = {t: v for p in parts for t, v in (p.get(f"{name}_by_task") or {}).items()}
-        if not per:
-            continue
-        run[f"{name}_by_task"] = {t: per[t] for t in tasks if t in per}
-        ms = dict.fromkeys(m for v in per.values() for m in v)
-        run[name] = {m: (None if any(v.get(m) is None for v in per.values())
-                         else sum(v[m] for v in per.values()) / len(per)) for m in ms}
-    run["methods"] = {m: next((by[t][m] for t in tasks if by[t][m].get("status") != "ok"), by[tasks[0]][m])
-                      for m in by[tasks[0]]}
+    parts = sorted(parts, key=lambda p: min(order.get(t, len(order)) for t in p["tasks"]))
+    run = copy.deepcopy(parts[0])  # the others added as the tasks of one run are, in the config's order
+    for p in parts[1:]:
+        run["tasks"].update(p["tasks"])
+        run["methods_by_task"].update(p["methods_by_task"])
+        for metric in METRICS:
+            for row, values in (p.get(metric) or {}).items():
+                _merge_values(run, metric, row, values)
+        for name in ("target_task_share", "mislabeled_share"):
+            for task, shares in (p.get(f"{name}_by_task") or {}).items():
+                for m, value in shares.items():
+                    _set_share(run, name, task, m, value)
+    run["methods"] = _methods_of_tasks(run["methods_by_task"])
     return run
 
 
