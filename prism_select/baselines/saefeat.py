@@ -12,6 +12,10 @@ and optionally the metadata entry ``layer`` (an integer, the hidden-state index 
 :mod:`prism_select.baselines.common`: ``l`` = residual stream after decoder block ``l``,
 SAELens' ``blocks.{l-1}.hook_resid_post``); the option ``layer`` overrides it.
 
+Without an SAE for the model, ``sae="pool"`` fits one on the pool's own hidden states
+(:func:`fit_sae`: a ReLU SAE with an L1 penalty weighted by the decoder norms, on every
+real token of the pool) and scores with it; its reconstruction quality is recorded.
+
 Per token: ``pre = (h - b_dec) W_enc + b_enc``; ``act = ReLU(pre)``, and with a
 threshold ``act = ReLU(pre) * [pre > threshold]`` (JumpReLU as in Gemma Scope).
 """
@@ -25,6 +29,7 @@ import torch
 
 from ..errors import ConfigError, InputError
 from ..gradients import check_finite
+from ..data.tokenize import collate
 from .common import batch_hidden, compute_dtype, method, num_layers, record, resolve_layer, resolve_options
 
 REDUCES = ("mean", "max")
@@ -117,6 +122,107 @@ class SAE:
         return act
 
 
+#: fit_sae's defaults: latents per hidden dimension, L1 weight (on inputs scaled so that
+#: E||x||^2 = d_model), Adam steps, tokens per step, learning rate
+SAE_EXPANSION = 4
+SAE_L1 = 5.0
+SAE_STEPS = 2000
+SAE_BATCH_TOKENS = 4096
+SAE_LR = 1e-3
+#: rows whose norm exceeds this multiple of the median norm are left out of the fit: the
+#: "massive activations" of a sequence's first token (SmolLM2-135M, layer 20: norm about
+#: 25,000 against a median of 217, 99% of the squared norm of a pool), which would
+#: otherwise set the input scale and leave the ordinary tokens under the L1 penalty
+SAE_OUTLIER_NORM = 10.0
+
+
+def pool_hidden_tokens(model, encoded: list, layer: int, pad_id: int, batch_size: int) -> torch.Tensor:
+    """Hidden state ``layer`` at every real token (prompt and response) of ``encoded``:
+    ``(tokens, d_model)`` on the model's device, in :func:`compute_dtype`."""
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(encoded), batch_size):
+            b = collate(encoded[s:s + batch_size], pad_id, device)
+            hs = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True,
+                       use_cache=False).hidden_states
+            if hs is None or len(hs) <= layer:
+                raise ConfigError("layer", f"the model returned {0 if hs is None else len(hs)} hidden states; "
+                                  f"layer {layer} does not exist", "choose a smaller layer")
+            out.append(hs[layer].to(compute_dtype(model))[b["attention_mask"].bool()])
+    return torch.cat(out)
+
+
+def fit_sae(X: torch.Tensor, *, d_sae: int, l1: float = SAE_L1, steps: int = SAE_STEPS,
+            batch_tokens: int = SAE_BATCH_TOKENS, lr: float = SAE_LR, seed: int = 0,
+            outlier_norm: float | None = SAE_OUTLIER_NORM) -> tuple[dict, dict]:
+    """A sparse autoencoder of the rows of ``X (tokens, d)``; returns ``(tensors, stats)``.
+
+    Rows with a norm above ``outlier_norm`` times the median norm are left out (None: none
+    are); ``stats["outliers"]`` counts them. Training (after Bricken et al. 2023 and
+    Anthropic's 2024 update): the inputs scaled by
+    one number ``c`` so that ``E||x||^2 = d``; ``f = ReLU((x - b_dec) W_enc + b_enc)``,
+    ``x_hat = f W_dec + b_dec``; loss ``mean ||x - x_hat||^2 + l1 * mean sum_j f_j
+    ||W_dec[j]||``; Adam on batches of ``batch_tokens`` rows drawn with replacement;
+    ``b_dec`` starts at the mean input, ``W_dec`` at ``W_enc^T`` with rows of norm 0.1.
+    The tensors are those of :class:`SAE` in the input's units (``W_enc / c``,
+    ``b_dec * c``, plus ``W_dec`` scaled back), so that ``SAE(tensors).encode(h)`` gives
+    the trained latents of ``h / c``. ``stats``: the scale, the final fraction of variance
+    unexplained (``fvu``) and the mean number of active latents per token (``l0``), both
+    on up to 16,384 rows."""
+    if X.dim() != 2 or len(X) < 2:
+        raise ConfigError("sae", f"fitting an SAE needs at least 2 hidden-state rows, got shape {tuple(X.shape)}",
+                          "score a larger pool, or pass an SAE file")
+    outliers = 0
+    if outlier_norm is not None:
+        norms = X.norm(dim=1)
+        keep = norms <= outlier_norm * norms.median()
+        outliers = int((~keep).sum())
+        X = X[keep]
+    n, d = X.shape
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    c = float(X.double().pow(2).sum(1).mean().div(d).sqrt())
+    x = X / c
+    W_enc = torch.randn(d, d_sae, generator=g, dtype=X.dtype).to(X.device)
+    W_enc *= 0.1 / W_enc.norm(dim=0, keepdim=True)
+    params = {"W_enc": W_enc, "b_enc": torch.zeros(d_sae, dtype=X.dtype, device=X.device),
+              "W_dec": W_enc.T.clone(), "b_dec": x.mean(0)}
+    for p in params.values():
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params.values(), lr=lr)
+
+    def forward(xb):
+        f = torch.relu((xb - params["b_dec"]) @ params["W_enc"] + params["b_enc"])
+        return f, f @ params["W_dec"] + params["b_dec"]
+
+    for _ in range(steps):
+        idx = torch.randint(n, (min(batch_tokens, n),), generator=g).to(X.device)
+        xb = x[idx]
+        f, xh = forward(xb)
+        loss = (xb - xh).pow(2).sum(1).mean() + l1 * (f * params["W_dec"].norm(dim=1)).sum(1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        xe = x[torch.randperm(n, generator=g)[:16384].to(X.device)]
+        f, xh = forward(xe)
+        fvu = float((xe - xh).pow(2).sum() / (xe - xe.mean(0)).pow(2).sum())
+        l0 = float((f > 0).sum(1).double().mean())
+        tensors = {"W_enc": params["W_enc"] / c, "b_enc": params["b_enc"].clone(),
+                   "W_dec": params["W_dec"] * c, "b_dec": params["b_dec"] * c}
+    return ({k: v.detach() for k, v in tensors.items()},
+            {"scale": c, "fvu": fvu, "l0": l0, "d_sae": d_sae, "tokens": n, "outliers": outliers, "steps": steps,
+             "l1": l1})
+
+
+def save_sae(path, tensors: dict, layer: int | None = None):
+    """Write ``tensors`` (at least ``W_enc`` and ``b_enc``) as an SAE file :func:`load_sae`
+    reads, with ``layer`` as metadata."""
+    from safetensors.torch import save_file
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
+              metadata=None if layer is None else {"layer": str(int(layer))})
+
+
 def _reduce(act: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
     """``act (B, T, k)`` over the response positions ``mask (B, T)`` -> ``(B, k)``."""
     m = mask[..., None]
@@ -140,14 +246,17 @@ def latent_stats(model, sae: SAE, encoded: list, layer: int, pad_id: int, batch_
 
 
 @method("saefeat", "SAE-Feat: one SAE latent's activation on the response tokens (by default the latent "
-        "separating chosen from rejected most)", {"sae": None, "layer": None, "latent": None, "reduce": "mean"})
+        "separating chosen from rejected most)", {"sae": None, "layer": None, "latent": None, "reduce": "mean", "sae_width": None, "sae_l1": SAE_L1,
+         "sae_steps": SAE_STEPS})
 def saefeat_method(ctx) -> tuple[torch.Tensor, list]:
     """SAE-Feat scores. Needs target pairs unless ``latent`` is given.
 
     Options:
-      sae: path of the SAE safetensors file (required; keys in the module docstring).
-      layer: hidden-state index the SAE reads (default: the file's ``layer`` metadata;
-        one of the two is required).
+      sae: path of the SAE safetensors file (keys in the module docstring), or "pool":
+        fit one on the pool's hidden states (:func:`fit_sae`; ``sae_width`` latents,
+        default 4 x the hidden size; ``sae_l1``; ``sae_steps``). Required.
+      layer: hidden-state index the SAE reads (default: the file's ``layer`` metadata,
+        one of the two being required; with ``sae="pool"`` the default layer, 2/3 depth).
       latent: the latent to score (default: chosen from the target pairs, below).
       reduce: "mean" (default) or "max" over the example's response tokens.
 
@@ -163,10 +272,16 @@ def saefeat_method(ctx) -> tuple[torch.Tensor, list]:
     if opts["reduce"] not in REDUCES:
         raise ConfigError("reduce", f"unknown value {opts['reduce']!r}", f"use one of {', '.join(REDUCES)}")
     model = ctx.lm.model
-    tensors, meta = load_sae(opts["sae"], _hidden_size(model))
+    fitted = opts["sae"] == "pool"
+    if fitted:
+        tensors, meta = _fit_on_pool(ctx, model, opts), {}
+    else:
+        tensors, meta = load_sae(opts["sae"], _hidden_size(model))
     layer = opts["layer"]
     layer_from = "option"
-    if layer is None:
+    if fitted:
+        layer, layer_from = ctx.info["sae_fit"]["layer"], "fit on the pool"
+    elif layer is None:
         if "layer" not in meta:
             raise ConfigError("layer", f"the SAE file {opts['sae']} has no 'layer' metadata",
                               f"pass --option layer=N (0 .. {num_layers(model)})")
@@ -209,7 +324,29 @@ def saefeat_method(ctx) -> tuple[torch.Tensor, list]:
     scores = latent_stats(model, sae, ctx.inputs.encoded, layer, ctx.pad_id, st.batch_size, how, [latent])[:, 0]
     ctx.timings["sae_scores_s"] = time.perf_counter() - t
     check_finite(scores, "SAE-Feat scores")
-    record(ctx, "saefeat", {**opts, "sae": str(Path(opts["sae"]).expanduser().resolve()), "layer": layer,
-                            "latent": latent}, layer_from=layer_from, d_sae=sae.d_sae,
+    if fitted:
+        extra["sae_fit"] = ctx.info.pop("sae_fit")
+    record(ctx, "saefeat", {**opts, "sae": "pool" if fitted else str(Path(opts["sae"]).expanduser().resolve()),
+                            "layer": layer, "latent": latent}, layer_from=layer_from, d_sae=sae.d_sae,
            jumprelu=sae.threshold is not None, **extra)
     return scores, pairs
+
+
+def _fit_on_pool(ctx, model, opts) -> dict:
+    """``sae="pool"``: an SAE fitted on every real token of the pool at the option's
+    layer (default 2/3 depth); the fit's statistics go to ``ctx.info["sae_fit"]``."""
+    layer = resolve_layer(model, opts["layer"])
+    d = _hidden_size(model)
+    width = opts["sae_width"] if opts["sae_width"] is not None else SAE_EXPANSION * d
+    for key, v, ok in (("sae_width", width, isinstance(width, int) and not isinstance(width, bool) and width > 0),
+                       ("sae_steps", opts["sae_steps"], isinstance(opts["sae_steps"], int) and opts["sae_steps"] > 0),
+                       ("sae_l1", opts["sae_l1"], isinstance(opts["sae_l1"], (int, float)) and opts["sae_l1"] >= 0)):
+        if not ok:
+            raise ConfigError(key, f"must be a positive number, got {v!r}")
+    t = time.perf_counter()
+    X = pool_hidden_tokens(model, ctx.inputs.encoded, layer, ctx.pad_id, ctx.settings.batch_size)
+    tensors, stats = fit_sae(X, d_sae=width, l1=float(opts["sae_l1"]), steps=opts["sae_steps"],
+                             seed=ctx.settings.seed or 0)
+    ctx.timings["sae_fit_s"] = time.perf_counter() - t
+    ctx.info["sae_fit"] = {"layer": layer, **stats}
+    return tensors

@@ -480,6 +480,65 @@ def test_saefeat_latent_choice_and_scores(model, make_ctx, tmp_path, reduce):
     assert torch.allclose(s2, ref2, rtol=1e-10, atol=1e-12)
 
 
+#: a fitted SAE of a 2-sparse code over a 24-atom dictionary leaves at most this fraction
+#: of the variance unexplained (it reaches about 0.01-0.03)
+SAE_FIT_MAX_FVU = 0.1
+
+
+def _sparse_rows(n=3000, d=16, atoms=24, active=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    D = torch.randn(atoms, d, generator=g, dtype=torch.float64)
+    D /= D.norm(dim=1, keepdim=True)
+    codes = torch.zeros(n, atoms, dtype=torch.float64)
+    for i in range(n):
+        idx = torch.randperm(atoms, generator=g)[:active]
+        codes[i, idx] = 1 + torch.rand(active, generator=g, dtype=torch.float64)
+    return 3.0 * (codes @ D) + 0.5  # an offset and a scale the fit must absorb
+
+
+def test_fit_sae_reconstructs_a_sparse_code_and_saves_in_input_units(tmp_path):
+    from prism_select.baselines.saefeat import SAE, fit_sae, load_sae, save_sae
+    X = _sparse_rows()
+    # a few "massive activation" rows (a first token's): left out of the fit
+    huge = 1000.0 * torch.ones(5, X.shape[1], dtype=X.dtype)
+    tensors, stats = fit_sae(torch.cat([huge, X]), d_sae=48, l1=0.5, steps=1500, batch_tokens=512, lr=3e-3)
+    assert stats["outliers"] == 5 and stats["tokens"] == len(X)
+    assert stats["fvu"] < SAE_FIT_MAX_FVU
+    assert 0 < stats["l0"] < X.shape[1] / 2  # sparse: about 6 latents a row for a 2-sparse code
+    # the saved tensors act on unscaled inputs: encode, decode, the fit's own fvu (every
+    # row is in its evaluation sample here)
+    save_sae(tmp_path / "fit.safetensors", tensors, layer=LAYER)
+    loaded, meta = load_sae(tmp_path / "fit.safetensors", d_model=16)
+    assert meta["layer"] == str(LAYER)
+    f = SAE(loaded, "cpu", torch.float64).encode(X)
+    Xh = f @ tensors["W_dec"] + tensors["b_dec"]
+    fvu = float((X - Xh).pow(2).sum() / (X - X.mean(0)).pow(2).sum())
+    assert math.isclose(fvu, stats["fvu"], rel_tol=1e-9)
+    assert math.isclose(float((f > 0).sum(1).double().mean()), stats["l0"], rel_tol=1e-12)
+
+
+def test_saefeat_fits_an_sae_on_the_pool(model, make_ctx, tmp_path):
+    from prism_select.baselines.saefeat import save_sae
+    ctx = make_ctx("saefeat", {"sae": "pool", "sae_width": 32, "sae_steps": 200})
+    scores, rows = REGISTRY["saefeat"](ctx)
+    info = ctx.info["method"]
+    assert info["layer_from"] == "fit on the pool" and info["d_sae"] == 32
+    fit = info["sae_fit"]
+    n_tokens = sum(len(e.input_ids) for e in ctx.inputs.encoded)
+    assert fit["tokens"] + fit["outliers"] == n_tokens and fit["layer"] == info["options"]["layer"] and 0 <= fit["fvu"] < 1
+    assert len(rows) == len(ctx.inputs.pairs) and torch.isfinite(scores).all()
+    # the same fit (seeded) written to a file and read back scores the same latent alike
+    from prism_select.baselines.saefeat import fit_sae, pool_hidden_tokens
+    X = pool_hidden_tokens(model, ctx.inputs.encoded, fit["layer"], ctx.pad_id, 3)
+    tensors, _ = fit_sae(X, d_sae=32, steps=200, seed=0)
+    save_sae(tmp_path / "pool.safetensors", tensors, layer=fit["layer"])
+    s2, _ = REGISTRY["saefeat"](make_ctx("saefeat", {"sae": str(tmp_path / "pool.safetensors"),
+                                                     "latent": info["options"]["latent"]}))
+    assert torch.allclose(scores, s2, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ConfigError, match="sae_width"):
+        REGISTRY["saefeat"](make_ctx("saefeat", {"sae": "pool", "sae_width": 0}))
+
+
 def test_saefeat_errors(make_ctx, tmp_path):
     run = lambda **o: REGISTRY["saefeat"](make_ctx("saefeat", o))  # noqa: E731
     with pytest.raises(ConfigError, match="sae"):
