@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from prism_select.errors import InputError, PrismError
-from prism_select.evaluation.experiment import mean_std
+from prism_select.evaluation.experiment import paired_interval
 from prism_select.evaluation.general_selection import combine_seeds
 from prism_select.io import atomic_write_json
 
@@ -39,8 +39,15 @@ def _ms(c):
     return _f(c["mean"]) + ("" if c["std"] is None else f" +- {_f(c['std'])}")
 
 
+def _ci(c):
+    if c["mean"] is None:
+        return "-"
+    return f"{c['mean']:+.3f}" + ("" if not c.get("ci") else f" [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]")
+
+
 def paired(res: dict, against: str, task: str = "mean", metric: str = "accuracy") -> dict:
-    """Each ``metric`` row minus the row ``against``, seed by seed: ``{row: mean_std}``."""
+    """Each ``metric`` row minus the row ``against``, seed by seed: ``{row: paired_interval}``
+    (mean, std and a 95% t interval over the seeds)."""
     out = {}
     for label in dict.fromkeys(k for r in res["runs"] for k in r.get(metric) or {}):
         if label == against:
@@ -49,7 +56,7 @@ def paired(res: dict, against: str, task: str = "mean", metric: str = "accuracy"
         for r in res["runs"]:
             a, b = (((r.get(metric) or {}).get(k) or {}).get(task) for k in (label, against))
             d.append(None if a is None or b is None else a - b)
-        out[label] = mean_std(d)
+        out[label] = paired_interval(d)
     return out
 
 
@@ -75,7 +82,8 @@ def share_vs_gain(res: dict, against: str = "random", task: str = "mean") -> dic
 
 def markdown(res: dict, against: list, task: str = "mean", metric: str = "accuracy") -> str:
     """The ``metric`` table (column ``task``): each seed, mean +- std, the paired
-    differences from the rows ``against``, and the target-task share beside it."""
+    differences from the rows ``against`` (mean [95% t interval]), and the target-task
+    share beside it."""
     runs = res["runs"]
     seeds = [r["seed"] for r in runs]
     acc = next(t for t in res["tables"] if t["name"] == metric)
@@ -89,7 +97,7 @@ def markdown(res: dict, against: list, task: str = "mean", metric: str = "accura
         label = row["label"]
         vals = [((r.get(metric) or {}).get(label) or {}).get(task) for r in runs]
         out = [label] + [_f(v, 2) for v in vals] + [_ms(row["cells"][col])]
-        out += ["-" if label == a else _ms(diffs[a][label]) for a in against]
+        out += ["-" if label == a else _ci(diffs[a][label]) for a in against]
         if share:
             c = share.get(label)
             out.append("-" if not c or c["mean"] is None else
@@ -106,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the combined results here (JSON)")
     ap.add_argument("--against", nargs="*", default=["random", "Full data"], metavar="ROW",
                     help="rows to take paired differences from (none: pass --against alone)")
+    ap.add_argument("--task", default="mean",
+                    help="the printed tables' column: a target task, or mean (the JSON holds every one)")
     args = ap.parse_args(argv)
     loaded = []
     for p in args.results:
@@ -119,13 +129,13 @@ def main(argv=None) -> int:
     res["share_vs_gain"] = share_vs_gain(res)
     if args.out:
         atomic_write_json(Path(args.out), res)
-    print(markdown(res, args.against))
+    print(markdown(res, args.against, args.task))
     if any(t["name"] == "balanced_accuracy" for t in res["tables"]):
         res["paired_differences_balanced"] = {a: paired(res, a, metric="balanced_accuracy") for a in args.against}
         if args.out:
             atomic_write_json(Path(args.out), res)
         print("\nbalanced over the reference answers:")
-        print(markdown(res, args.against, metric="balanced_accuracy"))
+        print(markdown(res, args.against, args.task, metric="balanced_accuracy"))
     for key, groups in res["config_differences"].items():
         print(f"config {key}: " + "; ".join(f"{g['value']} (seeds {g['seeds']})" for g in groups))
     if res["share_vs_gain"] and res["share_vs_gain"]["pearson_r"] is not None:

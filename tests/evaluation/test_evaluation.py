@@ -804,6 +804,38 @@ def test_combine_seeds_recomputes_the_tables_over_the_seeds():
         combine_seeds([a, a])
 
 
+def test_merge_method_rows_adds_a_later_runs_method_after_checking_the_shared_rows(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "merge_method_rows", Path(__file__).resolve().parents[2] / "experiments" / "merge_method_rows.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    main = _select_result(0, {"prism": 0.6, "random": 0.4}, {"prism": 1.0, "random": 0.1})
+    later = _select_result(0, {"random": 0.4, "saefeat": 0.5}, {"random": 0.1, "saefeat": 0.2})
+    merged = mod.merge(main, later, ["saefeat"])
+    run = merged["runs"][0]
+    assert run["accuracy"]["saefeat"] == {"t": 0.5, "mean": 0.5} and run["target_task_share"]["saefeat"] == 0.2
+    assert run["accuracy"]["prism"] == main["runs"][0]["accuracy"]["prism"]
+    assert merged["methods"] == ["prism", "random", "saefeat"] and "saefeat" not in main["methods"]
+    assert merged["merged"] == [{"methods": ["saefeat"], "checked_rows": {0: ["random"]}}]
+    assert [r["label"] for r in combine_seeds([merged])["tables"][0]["rows"]] == ["prism", "random", "saefeat"]
+    other = _select_result(0, {"random": 0.45, "saefeat": 0.5}, {"random": 0.1, "saefeat": 0.2})
+    with pytest.raises(InputError, match="row 'random'"):
+        mod.merge(main, other, ["saefeat"])
+    with pytest.raises(InputError, match="no row to check"):
+        mod.merge(main, _select_result(0, {"saefeat": 0.5}, {"saefeat": 0.2}), ["saefeat"])
+    # with the folders: the data files must be byte-identical
+    for d, text in (("a", "x"), ("b", "y")):
+        (tmp_path / d).mkdir()
+        for name in ("pool.jsonl", "targets.jsonl", "heldout.jsonl"):
+            (tmp_path / d / name).write_text(text if name == "pool.jsonl" else "z")
+    for r in (main, later):
+        r["runs"][0].update(pool="pool.jsonl", targets="targets.jsonl", heldout="heldout.jsonl")
+    with pytest.raises(InputError, match="pool.jsonl differs"):
+        mod.merge(main, later, ["saefeat"], (tmp_path / "a", tmp_path / "b"))
+    (tmp_path / "b" / "pool.jsonl").write_text("x")
+    assert mod.merge(main, later, ["saefeat"], (tmp_path / "a", tmp_path / "b"))["runs"][0]["accuracy"]["saefeat"]
+
+
 def test_refusal_and_leading_answer_checkers():
     assert probes.is_refusal("I'm sorry, but I can't help with questions about money.")
     assert not probes.is_refusal("Ali gave Leila half of her $100, so she has 50.")
