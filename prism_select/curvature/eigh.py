@@ -85,14 +85,17 @@ def _eigh_many(factor, indices: list):
 
 #: CUDA factors decomposed side by side at most, each from its own thread on its own stream
 #: (cuSOLVER's divide and conquer leaves much of a large GPU idle). One H200, 4 float32
-#: factors alone: 14336 wide 1.130 s each side by side, 1.681 s one after another; 4096
-#: wide 0.092 against 0.120 s (benchmarks/eigh_routes.py, 2026-11-28). Inside a fit it does
-#: not yet gain: at the 8B shape on an H200 the eigendecomposition phase took 202.0 s with 4
-#: against 203.0 s with 1 (benchmarks/eigh_streams_suite.sh, 2026-11-28), and
-#: tests/curvature/test_eigh.py::test_cuda_factors_side_by_side_equal_one_by_one failed
-#: there: the side-by-side results came back in float64, so the float32 solve had fallen
-#: back (the reason is now logged; each side thread now sets its device first, not yet run
-#: on a GPU). 1 (one after another) until the test passes.
+#: factors alone, torch.linalg.eigh called from 4 threads: 14336 wide 1.128 s each side by
+#: side, 1.668 s one after another; 4096 wide 0.091 against 0.113 s; every thread's result
+#: float32 with relative residual 4e-6 (benchmarks/eigh_routes.py,
+#: benchmarks/results/eigh_routes_h200.json, 2026-11-28). Inside a fit it does not gain: at
+#: the 8B shape on an H200 the eigendecomposition phase took 202.0 s with 4 against 203.0 s
+#: with 1 (benchmarks/eigh_streams_suite.sh, 2026-11-28), and
+#: tests/curvature/test_eigh.py::test_cuda_factors_side_by_side_equal_one_by_one fails on an
+#: H200 (2026-11-28, also with each side thread setting its device first): through
+#: _eigh_many the side threads' results come back in float64, so their float32 solve fell
+#: back (the reason is logged at INFO: run the test with -o log_cli=true
+#: --log-cli-level=INFO). 1 (one after another) until the test passes.
 CUDA_EIGH_STREAMS = 1
 #: the share of the device's free memory the side-by-side solvers' workspaces may take
 CUDA_EIGH_FREE_SHARE = 0.5
