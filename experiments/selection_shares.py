@@ -1,10 +1,12 @@
 """What each method's top fraction holds, from the run folders of a multitask select
-experiment whose fine-tuning did not run (or has not finished): per seed, target task and
+experiment (its fine-tuning finished or not): per seed, target task and
 method with a ``scores.jsonl``, the share of the selection from the target task and the
 share that answers wrong (``mislabeled`` pool records), whether the task's right records
 rank above its wrong ones, whether its records giving the task's most common answer rank
 above those giving the second (``by_answer``) and which answers the selection holds, the
-split-half check's choice and the method's recorded step times. Prints a table of the means over the (seed, task)
+split-half check's choice, the method's recorded step times and, once the selection is
+fine-tuned, what the model answers the held-out probes (``heldout``: accuracy and the
+first words of its responses). Prints a table of the means over the (seed, task)
 pairs and writes every row as JSON.
 
     python experiments/selection_shares.py RUN_DIR [RUN_DIR ...] --fraction 0.05 --json out.json
@@ -48,6 +50,22 @@ def _by_answer(pool: dict, score: dict, task: str) -> dict | None:
     return {"answer": top[0], "over": top[1], "auroc": auroc_of(by[top[0]], by[top[1]])}
 
 
+def _first_word(text: str) -> str:
+    """A response's first word, lower-cased, without trailing punctuation."""
+    words = str(text).strip().split()
+    return words[0].strip(".,:;!").lower() if words else ""
+
+
+def heldout_answers(path: Path) -> dict | None:
+    """A fine-tuned model's held-out responses (``responses.jsonl``): its accuracy and how
+    often each first word opens a response (None without the file)."""
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {"accuracy": sum(bool(r.get("correct")) for r in rows) / len(rows) if rows else None,
+            "first_words": dict(Counter(_first_word(r.get("response", "")) for r in rows).most_common())}
+
+
 def rows_of(run_dirs: list, fraction: float) -> list:
     rows, seen = [], set()
     for d in run_dirs:
@@ -80,6 +98,8 @@ def rows_of(run_dirs: list, fraction: float) -> list:
                                                               for r in top if r.get("task") == task)),
                              "pool_wrong_among_target_task": _wrong_among(list(pool.values()), task),
                              "split_half": check,
+                             # what the model fine-tuned on the selection answers the task's held-out probes
+                             "heldout": heldout_answers(sdir / task / "selected" / method / "responses.jsonl"),
                              "timings_s": {n: round(v, 1) for n, v in (run.get("timings") or {}).items()
                                            if isinstance(v, (int, float))}})
     return sorted(rows, key=lambda r: (r["seed"], r["task"], r["method"]))
