@@ -324,7 +324,10 @@ class SelectConfig(CommonConfig):
     budget kept by each method (0.05 = the paper's 5%); finetune: the SFT
     (``general`` preset); checker: judges held-out responses; full_data/start_row: add
     the rows "Full data" (SFT on the whole pool) and "Start" (no SFT); multitask:
-    build the pool, targets and held-out probes per seed instead (:class:`MultitaskConfig`)."""
+    build the pool, targets and held-out probes per seed instead (:class:`MultitaskConfig`);
+    task_floor: with a multitask pool, add the row "Task records": the budget filled with
+    the target task's pool records in a seeded random order (what a user who knows each
+    record's task selects without any model), fine-tuned like a method's selection."""
 
     pool: str = ""
     multitask: MultitaskConfig | None = None
@@ -337,6 +340,7 @@ class SelectConfig(CommonConfig):
     checker: Any = "final_answer"
     full_data: bool = True
     start_row: bool = True
+    task_floor: bool = True
 
 
 CONFIG_CLASSES = {"ranking": RankingConfig, "repair": RepairConfig, "select": SelectConfig}

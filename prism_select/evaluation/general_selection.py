@@ -21,6 +21,11 @@ from .experiment import (Experiment, accuracy_by_task, balanced_accuracy_by_task
 #: the row of the floor a model reaches by giving every held-out probe its task's most
 #: common reference answer (:func:`.experiment.majority_answer_floor`)
 MAJORITY_ROW = "Majority answer"
+#: the row of the floor a selector reaches with the records' task labels alone: the budget
+#: filled with the target task's records in a seeded random order (:func:`_task_floor_scores`)
+TASK_ROW = "Task records"
+#: the rows every other row is compared with, paired by seed (row -> table name part)
+COMPARATORS = {"random": "random", "less": "less", TASK_ROW: "task_records"}
 #: the accuracy metrics of a select run: plain, and balanced over each task's reference
 #: answers (:func:`.experiment.balanced_accuracy_by_task`), which a model that answers
 #: every probe alike cannot raise above 1/k
@@ -131,12 +136,34 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
         if full is not None:
             fdir = sdir / "full" if one else sdir / "full" / task
             _merge(run, "Full data", respond(exp, lm, heldout_path, fdir, cfg.checker, "full" + sub, full))
+        if task is not None and cfg.task_floor:
+            floor = _task_floor_scores(pool_path, task, seed, tdir / "floors" / "task_records")
+            _select_method(exp, lm, run, TASK_ROW, {"dir": exp.rel(floor)}, task, tdir, pool_path, heldout_path,
+                           seed)
         for m in methods:
             if scored[m].get("status") == "ok":
                 _select_method(exp, lm, run, m, scored[m], task, tdir, pool_path, heldout_path, seed)
     if not one:
         run["methods"] = _methods_of_tasks(run["methods_by_task"])
     return run
+
+
+def _task_floor_scores(pool_path: Path, task: str, seed: int, out: Path) -> Path:
+    """``out/scores.jsonl`` ranking ``task``'s pool records first, then the others, each
+    group in an order seeded by ``seed`` and the task's name; returns ``out``."""
+    import random
+    import zlib
+    records = read_jsonl(pool_path)
+    rng = random.Random(seed * 1_000_003 + zlib.crc32(task.encode()))
+    mine = [r["id"] for r in records if r.get("task") == task]
+    rest = [r["id"] for r in records if r.get("task") != task]
+    rng.shuffle(mine)
+    rng.shuffle(rest)
+    n = len(records)
+    rows = [{"id": rid, "score": float(n - i), "rank": i + 1} for i, rid in enumerate(mine + rest)]
+    out.mkdir(parents=True, exist_ok=True)
+    write_if_changed(out / "scores.jsonl", rows)
+    return out
 
 
 def _methods_of_tasks(by_task: dict) -> dict:
@@ -206,12 +233,13 @@ def _select_method(exp, lm, run: dict, m: str, scored: dict, task, tdir: Path, p
 def select_tables(runs: list, methods: list, fraction: float, target_tasks: list | None = None) -> list:
     """results.json's tables from the runs (seeds) of a select experiment: held-out
     accuracy per row and task; with ``target_tasks`` (a multitask pool) the share of each
-    method's selection from its target task; and each row's accuracy minus random's and
-    LESS's, paired by seed with a 95% t interval. Cells are :func:`.mean_std` over the runs."""
+    method's selection from its target task; and each row's accuracy minus random's,
+    LESS's and the task-records floor's (:data:`COMPARATORS`), paired by seed with a 95% t
+    interval. Cells are :func:`.mean_std` over the runs."""
     tasks = list(dict.fromkeys(t for r in runs for acc in r["accuracy"].values() for t in acc if t != "mean"))
     columns = tasks + ["mean"]
     row_keys = list(dict.fromkeys(k for r in runs for k in r["accuracy"]))
-    first = ("Start", MAJORITY_ROW, "Full data")
+    first = ("Start", MAJORITY_ROW, "Full data", TASK_ROW)
     ordered = [k for k in first if k in row_keys] + [k for k in row_keys if k not in first]
     metrics = [m for m in METRICS if any(r.get(m) for r in runs)]
 
@@ -225,6 +253,8 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
                           if MAJORITY_ROW in row_keys else ""),
                "rows": [{"label": k, "cells": [mean_std([value(metric)(r, k, c) for r in runs]) for c in columns]}
                         for k in ordered]} for metric in metrics]
+    if any(TASK_ROW in (r.get("target_task_share") or {}) for r in runs):
+        methods = [TASK_ROW] + [m for m in methods if m != TASK_ROW]
     if target_tasks:
         tables.append(_share_table(
             runs, methods, "target_task_share", f"Share of the selected records from the target task "
@@ -237,9 +267,9 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
         acc = value(metric)
         suffix = "" if metric == "accuracy" else "_balanced"
         what = "Accuracy" if metric == "accuracy" else "Balanced accuracy"
-        for comp in ("random", "less"):
+        for comp, slug in COMPARATORS.items():
             if comp in row_keys and len(runs) > 1:
-                tables.append({"name": f"paired_vs_{comp}{suffix}", "title": f"{what} minus {comp}'s, paired by "
+                tables.append({"name": f"paired_vs_{slug}{suffix}", "title": f"{what} minus {comp}'s, paired by "
                                "seed (mean and 95% t interval over the seeds)", "columns": columns,
                                "lower_is_better": False, "paired": True, "note": "",
                                "rows": [{"label": k, "cells": [paired_interval(

@@ -657,13 +657,17 @@ def test_select_protocol_on_a_multitask_pool(tmp_path, tiny_dir, gsm8k, bbh_dir)
     assert len(pool) == 4 + 3 * 2 and {t["task"] for t in targets} == {"yesno"} == {h["task"] for h in heldout}
     ids = [p["id"] for p in pool] + [t["id"] for t in targets] + [h["id"] for h in heldout]
     assert len(ids) == len(set(ids)) == 10 + 1 + 3  # pool, targets and held-out probes are disjoint
-    assert run["n_selected"] == 2 and set(run["accuracy"]) == {"Start", "Majority answer", "Full data", "prism",
-                                                                 "random"}
+    assert run["n_selected"] == 2 and set(run["accuracy"]) == {"Start", "Majority answer", "Full data",
+                                                                 "Task records", "prism", "random"}
     share = next(t for t in res["tables"] if t["name"] == "target_task_share")
-    for m in ("prism", "random"):
+    for m in ("prism", "random", "Task records"):
         sub = [json.loads(x) for x in (sdir / "selected" / m / "subset.jsonl").read_text().splitlines()]
         assert run["target_task_share"][m] == sum(r["task"] == "yesno" for r in sub) / 2
-    assert [r["label"] for r in share["rows"]] == ["prism", "random"]
+    # the task-label floor: the budget (2) filled with the target task's records (2 in the pool)
+    assert run["target_task_share"]["Task records"] == 1.0
+    assert [r["label"] for r in share["rows"]] == ["Task records", "prism", "random"]
+    assert [r["label"] for r in res["tables"][0]["rows"]][:4] == ["Start", "Majority answer", "Full data",
+                                                                  "Task records"]
 
 
 def test_targets_from_the_start_models_wrong_responses():
@@ -734,14 +738,14 @@ def test_select_with_two_target_tasks_and_the_start_models_own_rejections(tmp_pa
                 assert run["target_task_share_by_task"][task][m] == sum(r["task"] == task for r in sub) / len(sub)
         assert run["accuracy"]["prism"]["mean"] == pytest.approx(
             (run["accuracy"]["prism"]["yesno"] + run["accuracy"]["prism"]["counting"]) / 2)
-        assert set(run["accuracy"]) == {"Start", "Majority answer", "Full data", "prism", "random"}
+        assert set(run["accuracy"]) == {"Start", "Majority answer", "Full data", "Task records", "prism", "random"}
         for task in ("yesno", "counting"):  # half of each target task's 2 pool records answer wrong
             sub = [json.loads(x) for x in (sdir / task / "selected" / "prism" / "subset.jsonl").read_text().splitlines()]
             assert run["mislabeled_share_by_task"][task]["prism"] == sum(bool(r.get("mislabeled")) for r in sub) / len(sub)
         assert sum(bool(json.loads(x).get("mislabeled")) for x in (sdir / "pool.jsonl").read_text().splitlines()) == 2
     names = [t["name"] for t in res["tables"]]
     assert names == ["accuracy", "balanced_accuracy", "target_task_share", "mislabeled_share", "paired_vs_random",
-                     "paired_vs_random_balanced"]
+                     "paired_vs_task_records", "paired_vs_random_balanced", "paired_vs_task_records_balanced"]
     assert res["tables"][0]["columns"] == ["yesno", "counting", "mean"]  # the config's order
 
     # the same seed split over two runs, one target task each (--target-tasks), then merged
