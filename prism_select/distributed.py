@@ -25,6 +25,7 @@ With one process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) every helper is a no-op
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -81,6 +82,10 @@ def init_from_env(device: str = "auto") -> bool:
     except TypeError:  # older torch: no device_id
         dist.init_process_group(backend=backend, init_method="env://",
                                 timeout=datetime.timedelta(minutes=60))
+    # the group is torn down before the interpreter's own teardown: left to the C++ static
+    # destructors, gloo's threads could abort the process after a finished run
+    # ("terminate called without an active exception", exit status 134)
+    atexit.register(destroy)
     return dist.get_world_size() > 1
 
 
