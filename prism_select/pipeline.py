@@ -69,7 +69,7 @@ from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory
                    host_share_bytes, make_plan, measure_example_bytes, stored_bytes)
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
-from .scoring import Chunking, score_encoded, score_stream
+from .scoring import Chunking, score_directions, score_encoded, score_stream
 from .settings import DEFAULT_STREAM_WINDOW, STREAM_FIT_EXAMPLES, ScoreSettings, key_of  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -492,12 +492,24 @@ class RunContext:
                                                 cache=self._fit_cache(half), execution=quiet)[0])
         scored = [fit[i] for i in support.agreement_sample(len(fit), cs.seed)]
 
-        def agreement_at(factor):
-            a, b = (score_encoded(self.lm.model, self.modules, scored,
-                                  apply_damping(h, replace(cs, damping_factor=factor)).precondition(direction),
-                                  pad_id=self.pad_id, batch_size=self.settings.batch_size, execution=quiet)
-                    for h in halves)
-            return support.spearman(a, b)
+        def v_at(h, factor):
+            return apply_damping(h, replace(cs, damping_factor=factor)).precondition(direction)
+
+        ladder = support.DAMPING_LADDER
+        if support.stack_ladder(sum(int(d.numel()) for d in direction.values())):
+            # every rung's two directions scored together, from one forward and backward a batch;
+            # the walk then reads the rungs it would have scored one by one
+            vs = [v_at(h, f) for f in ladder for h in halves]
+            scores = score_directions(self.lm.model, self.modules, scored, vs, pad_id=self.pad_id,
+                                      batch_size=self.settings.batch_size, execution=quiet)
+            del vs
+            at = {f: support.spearman(scores[:, 2 * i], scores[:, 2 * i + 1]) for i, f in enumerate(ladder)}
+            agreement_at = at.__getitem__
+        else:
+            def agreement_at(factor):
+                a, b = (score_encoded(self.lm.model, self.modules, scored, v_at(h, factor), pad_id=self.pad_id,
+                                      batch_size=self.settings.batch_size, execution=quiet) for h in halves)
+                return support.spearman(a, b)
 
         check = support.split_half(len(fit), support.walk_ladder(agreement_at))
         if check.factor is None:

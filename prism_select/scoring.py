@@ -201,7 +201,8 @@ def chunk_token_limit(model, device) -> int | None:
 
 def make_scorer(model, modules: dict, V: dict, *, pad_id: int = 0, impl: str = "auto", batch_size: int | None = None,
                 execution: ExecutionContext | None = None):
-    """A context-managed object with ``score(collated_batch) -> (B,) tensor``.
+    """A context-managed object with ``score(collated_batch) -> (B,) tensor`` (``(B, K)``
+    when ``V`` stacks K directions per layer).
 
     impl: ``auto`` (one forward + one activation-only backward) or ``hooks`` (the
     reference route). ``execution`` (default: :meth:`ExecutionContext.of` the model, CUDA
@@ -457,6 +458,33 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     results = score_chunks(scorer, encoded, layout, pad_id=pad_id, batch_size=batch_size, execution=execution,
                            partial_dir=partial_dir, ids=ids, stats=stats)
     return _gather(len(encoded), layout, results)
+
+
+def score_directions(model, modules: dict, encoded: list, Vs: list, *, pad_id: int, batch_size: int = 8,
+                     execution: ExecutionContext | None = None) -> torch.Tensor:
+    """Scores ``g_z . V_k`` of every encoded example for each direction of ``Vs`` (a list
+    of ``{layer: V}``): ``(N, K)`` float64, input order, on one process.
+
+    The directions are stacked per layer and scored together, from one forward and one
+    backward per batch (:class:`~prism_select.engine.ExactScorer` with stacked ``V``),
+    except under precision ``split32``, where each is scored on its own
+    (:func:`score_encoded`). Sorted by length into batches, padded to
+    ``batch_size`` rows under CUDA graphs."""
+    execution = execution or ExecutionContext.of(model)
+    if execution.precision == "split32" or len(Vs) == 1:
+        return torch.stack([score_encoded(model, modules, encoded, V, pad_id=pad_id, batch_size=batch_size,
+                                          execution=execution) for V in Vs], dim=1)
+    stacked = {n: torch.stack([V[n] for V in Vs]) for n in modules}
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].input_ids))
+    out = torch.empty(len(encoded), len(Vs), dtype=torch.float64)
+    scorer = make_scorer(model, modules, stacked, pad_id=pad_id, batch_size=batch_size, execution=execution)
+    del stacked  # the scorer holds its own layout of them
+    with scorer as sc:
+        for s in range(0, len(order), batch_size):
+            idx = order[s:s + batch_size]
+            out[idx] = sc.score(collate_to([encoded[i] for i in idx], pad_id, execution.device)).double().cpu()
+    check_finite(out, "scores")
+    return out
 
 
 # ----------------------------------------------------------------------------- streaming

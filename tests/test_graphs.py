@@ -132,6 +132,22 @@ def test_graphs_match_eager_on_gpu(gpu_model, tok, encoded_pool):
 
 
 @needs_cuda
+def test_stacked_directions_graphed_match_one_by_one_on_gpu(gpu_model, tok, encoded_pool):
+    """score_directions under CUDA graphs (several directions from one pass) against each
+    direction scored on its own, eagerly."""
+    from prism_select.model import tracked_linear_modules
+    from prism_select.scoring import score_directions
+    modules = tracked_linear_modules(gpu_model, None)
+    Vs = [{k: v.cuda() for k, v in _direction(modules, seed, dtype=torch.float32).items()} for seed in (1, 2, 3)]
+    kw = dict(pad_id=tok.pad_token_id, batch_size=3)
+    eager = ExecutionContext.of(gpu_model, cuda_graphs="off", progress=False)
+    one = torch.stack([score_encoded(gpu_model, modules, encoded_pool, V, execution=eager, **kw) for V in Vs], 1)
+    got = score_directions(gpu_model, modules, encoded_pool, Vs,
+                           execution=ExecutionContext.of(gpu_model, cuda_graphs="on", progress=False), **kw)
+    assert got.shape == one.shape and rel_err(got, one) <= GPU_F32_RTOL
+
+
+@needs_cuda
 def test_graph_replays_each_shape_and_counts_captures(gpu_model, tok, encoded_pool):
     from prism_select.model import tracked_linear_modules
     modules = tracked_linear_modules(gpu_model, None)

@@ -54,6 +54,18 @@ class SplitHalf:
 AGREEMENT_EXAMPLES = 256
 
 
+#: the check scores every rung's two directions together (one forward and backward a
+#: batch for all of them) while they hold at most this many numbers in all; beyond it
+#: (large tracked layers) each rung is scored on its own, as the walk reaches it
+STACKED_LADDER_MAX_ELEMENTS = 1 << 30
+
+
+def stack_ladder(direction_elements: int) -> bool:
+    """Whether the ladder's ``2 x len(DAMPING_LADDER)`` directions, ``direction_elements``
+    numbers each, are scored together (:data:`STACKED_LADDER_MAX_ELEMENTS`)."""
+    return 2 * len(DAMPING_LADDER) * direction_elements <= STACKED_LADDER_MAX_ELEMENTS
+
+
 def agreement_sample(n: int, seed: int) -> list:
     """The fit-sample positions the halves are compared on: all ``n`` up to
     AGREEMENT_EXAMPLES, else that many drawn with ``seed`` (sorted)."""

@@ -90,13 +90,22 @@ class _Layer:
         self.module, self.state = module, state
         self.bias = has_bias(module)
         self.sharded = V is None
+        #: ``K`` when ``V`` stacks K directions (``K x out x in [+1]``), else None
+        self.k = None if V is None or V.dim() == 2 else V.shape[0]
         if not self.sharded:
             W = module.weight
             self._W, self._b = W, module.bias
             Vd = V.to(device=W.device, dtype=W.dtype)
-            self._Vw = Vd[:, :module.in_features].contiguous()
-            self._Vb = Vd[:, -1].contiguous() if self.bias else None
-        self.mode = mode or ("u" if module.out_features <= module.in_features else "w")
+            if self.k is None:
+                self._Vw = Vd[:, :module.in_features].contiguous()
+                self._Vb = Vd[:, -1].contiguous() if self.bias else None
+            else:  # out x (K in): one product gives every direction's V_k^T b_t; bias out x K
+                self._Vw = Vd[:, :, :module.in_features].permute(1, 0, 2).reshape(module.out_features, -1).contiguous()
+                self._Vb = Vd[:, :, -1].t().contiguous() if self.bias else None
+        # several directions: the "w" order, whose extra tensor is formed in the backward and
+        # let go at once (the "u" order would keep K outputs per layer until the backward)
+        self.mode = "w" if self.k is not None else (
+            mode or ("u" if module.out_features <= module.in_features else "w"))
         self.parts = state.parts
 
     @property
@@ -125,6 +134,9 @@ class ScoringLinear(torch.autograd.Function):
         # float32 activations of a half-precision model (precision "split32"): the
         # products run as split half-precision GEMMs with float32 results
         ctx.split = x.dtype != layer.W.dtype
+        if ctx.split and layer.k is not None:
+            raise ValueError("several stacked directions are scored in the model's own arithmetic only, "
+                             "not under precision split32")
         k = layer.state.kernels
         linear = (lambda a, w, b: split_linear(a, w, b, k)) if ctx.split else F.linear
         if layer.mode == "u":
@@ -139,7 +151,13 @@ class ScoringLinear(torch.autograd.Function):
         ctx.t = None
         k = layer.state.kernels
         mm = (lambda a, b: cotangent_mm(a, b, k)) if ctx.split else torch.matmul
-        if layer.mode == "u":
+        if layer.k is not None:  # (B, K): sum_t <V_k^T b_t, a_t> (+ the bias column) for each direction k
+            B, acc = g.shape[0], torch.float64 if g.dtype == torch.float64 else torch.float32
+            z = mm(g, layer.Vw).unflatten(-1, (layer.k, -1))
+            s = (z.to(acc) * t.to(acc).unsqueeze(-2)).sum(-1).reshape(B, -1, layer.k).sum(1)
+            if layer.bias:
+                s = s + g.reshape(B, -1, g.shape[-1]).sum(1, dtype=acc) @ layer.Vb.to(acc)
+        elif layer.mode == "u":
             s = rowdot(g, t, k.rowdot)
         else:
             s = rowdot(mm(g, layer.Vw), t, k.rowdot)
@@ -172,6 +190,10 @@ def frozen(model):
 
 class ExactScorer:
     """``g_z . V`` for a batch with one forward and one activation-only backward.
+
+    ``V`` may stack ``K`` directions per layer (``K x out x in [+1]``, the same ``K`` for
+    every layer): :meth:`score` then gives ``(B, K)``, every direction from the one
+    forward and backward.
 
     Use as a context manager (it patches the tracked layers' ``forward`` for its
     lifetime), then call :meth:`score` on collated batches.
@@ -220,7 +242,8 @@ class ExactScorer:
             losses.sum().backward()
         parts, self.state.parts = self.state.parts, []
         if not parts:
-            return torch.zeros(B, dtype=self.acc, device=batch["input_ids"].device)
+            k = next((layer.k for layer in self.layers.values() if layer.k is not None), None)
+            return torch.zeros(B, *(() if k is None else (k,)), dtype=self.acc, device=batch["input_ids"].device)
         return torch.stack([p.to(self.acc) for p in parts]).sum(0)
 
 

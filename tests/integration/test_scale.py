@@ -26,6 +26,7 @@ GROUP_TOL = 1e-10  # float64: a grouped fit sums the same statistics in the same
 HOST_TOL = 1e-12  # float64: host and device accumulation differ only in summation order
 #: float64: the split-half run and the heuristic run at its factor damp the same fit alike
 SPLIT_HALF_RTOL = 1e-10
+SPLIT_HALF_AGREEMENT_ATOL = 1e-9  # float64: stacked and one-by-one scoring differ only in summation order
 
 
 def _three_groups(modules):
@@ -615,19 +616,32 @@ def test_split_half_scores_a_bounded_sample_and_reuses_the_half_fits(run_files, 
     from prism_select import pipeline
     from prism_select.curvature import store, support
     monkeypatch.setattr(support, "AGREEMENT_EXAMPLES", 10)
-    scored, fitted = [], []
-    real_score, real_fit = pipeline.score_encoded, store.fit_curvature
+    scored, stacked, fitted = [], [], []
+    real_score, real_many, real_fit = pipeline.score_encoded, pipeline.score_directions, store.fit_curvature
     monkeypatch.setattr(pipeline, "score_encoded", lambda m, mods, enc, *a, **kw: (scored.append(len(enc)),
                                                                                     real_score(m, mods, enc, *a, **kw))[1])
+    monkeypatch.setattr(pipeline, "score_directions", lambda m, mods, enc, vs, **kw: (
+        stacked.append((len(enc), len(vs))), real_many(m, mods, enc, vs, **kw))[1])
     monkeypatch.setattr(store, "fit_curvature", lambda m, mods, enc, *a, **kw: (fitted.append(len(enc)),
                                                                                  real_fit(m, mods, enc, *a, **kw))[1])
     s1, a = _score(run_files, "sh", damping_rule="split-half")
     assert sorted(fitted) == [12, 12, 24]  # the run's fit and its two halves
-    # the halves' scores on 10 examples at each rung; the pool's own scores (24) beside them
-    assert scored.count(10) == 2 * len(s1["curvature"]["split_half"]["agreement"]) and set(scored) <= {10, 24}
+    # the halves' directions at every rung scored together on 10 examples; the pool's own scores (24) beside
+    assert stacked == [(10, 2 * len(support.DAMPING_LADDER))] and scored == [24]
     fitted.clear()
     s2, b = _score(run_files, "sh2", damping_rule="split-half")
     assert fitted == [] and s2["curvature"]["split_half"] == s1["curvature"]["split_half"] and torch.equal(a, b)
+    # directions too large to stack: each rung scored on its own as the walk reaches it, with the same result
+    monkeypatch.setattr(support, "STACKED_LADDER_MAX_ELEMENTS", 0)
+    scored.clear()
+    stacked.clear()
+    s3, c = _score(run_files, "sh3", damping_rule="split-half")
+    walked = s3["curvature"]["split_half"]
+    assert stacked == [] and scored.count(10) == 2 * len(walked["agreement"])
+    assert walked["damping_factor"] == s1["curvature"]["split_half"]["damping_factor"]
+    for f, x in walked["agreement"].items():
+        assert x == pytest.approx(s1["curvature"]["split_half"]["agreement"][f], abs=SPLIT_HALF_AGREEMENT_ATOL)
+    assert torch.equal(a, c)
 
 
 def test_split_half_refuses_an_explicit_damping():
