@@ -18,14 +18,13 @@ target-task share of a selection goes with its gain over random (``share_vs_gain
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-from prism_select.errors import InputError, PrismError
+from prism_select.errors import PrismError
 from prism_select.evaluation.experiment import paired_interval
-from prism_select.evaluation.general_selection import combine_seeds
+from prism_select.evaluation.general_selection import combine_seeds, read_results
 from prism_select.io import atomic_write_json
 
 
@@ -117,13 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--task", default="mean",
                     help="the printed tables' column: a target task, or mean (the JSON holds every one)")
     args = ap.parse_args(argv)
-    loaded = []
-    for p in args.results:
-        try:
-            loaded.append(json.loads(Path(p).read_text(encoding="utf-8")))
-        except (OSError, ValueError) as e:
-            raise InputError(f"cannot read results: {e}", path=p, fix="pass results.json files") from e
-    res = combine_seeds(loaded, allow=tuple(args.allow))
+    res = combine_seeds(read_results(args.results), allow=tuple(args.allow))
     res["sources"] = [str(p) for p in args.results]
     res["paired_differences"] = {a: paired(res, a) for a in args.against}
     res["share_vs_gain"] = share_vs_gain(res)

@@ -16,13 +16,13 @@ then go to `aggregate_seeds.py` as any other.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
+import copy
 import sys
 from pathlib import Path
 
 from prism_select.errors import InputError, PrismError
-from prism_select.io import atomic_write_json
+from prism_select.evaluation.general_selection import read_results
+from prism_select.io import atomic_write_json, sha256_file
 
 #: per-run keys that hold one entry per row or method (``*_by_task``: one per task, then method)
 ROW_KEYS = ("accuracy", "balanced_accuracy", "target_task_share", "mislabeled_share", "methods")
@@ -30,10 +30,6 @@ BY_TASK_KEYS = ("target_task_share_by_task", "mislabeled_share_by_task", "method
 #: a common row's accuracies may differ by at most this much (the same fine-tuning on the
 #: same data repeats them exactly on one machine; this allows rounding in the JSON)
 SAME_ACCURACY_TOL = 1e-9
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _data_files(run: dict) -> list:
@@ -50,7 +46,7 @@ def merge(main: dict, later: dict, methods: list, dirs: tuple | None = None) -> 
     if (main.get("model") or {}).get("fingerprint") != (later.get("model") or {}).get("fingerprint"):
         raise InputError("the runs used different start models (model.fingerprint differs)")
     runs = {r["seed"]: r for r in main["runs"]}
-    out = json.loads(json.dumps(main))
+    out = copy.deepcopy(main)
     out_runs = {r["seed"]: r for r in out["runs"]}
     checked = {}
     for lr in later["runs"]:
@@ -72,7 +68,7 @@ def merge(main: dict, later: dict, methods: list, dirs: tuple | None = None) -> 
         if dirs:
             for rel in _data_files(mr):
                 a, b = Path(dirs[0]) / rel, Path(dirs[1]) / rel
-                if not b.is_file() or _sha(a) != _sha(b):
+                if not b.is_file() or sha256_file(a) != sha256_file(b):
                     raise InputError(f"seed {seed}: {rel} differs between the runs", path=b)
         checked[seed] = common
         tgt = out_runs[seed]
@@ -101,13 +97,7 @@ def main(argv=None) -> int:
                     help="the two experiment folders: check that their data files are identical")
     ap.add_argument("--out", required=True, help="merged results.json")
     args = ap.parse_args(argv)
-    loaded = []
-    for p in (args.main, args.later):
-        try:
-            loaded.append(json.loads(Path(p).read_text(encoding="utf-8")))
-        except (OSError, ValueError) as e:
-            raise InputError(f"cannot read results: {e}", path=p, fix="pass results.json files") from e
-    merged = merge(*loaded, args.methods, tuple(args.dirs) if args.dirs else None)
+    merged = merge(*read_results([args.main, args.later]), args.methods, tuple(args.dirs) if args.dirs else None)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(args.out), merged)
     print(f"wrote {args.out}: {', '.join(args.methods)} added; checked by "

@@ -85,12 +85,14 @@ def compute_dtype(model) -> torch.dtype:
     return torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
 
 
-def batch_hidden(model, batch: list, layer: int, pad_id: int, device, per_token: bool = False):
+def batch_hidden(model, batch: list, layer: int, pad_id: int, device, per_token: bool = False,
+                 all_tokens: bool = False):
     """Hidden states of ``layer`` for a batch of encoded examples, with the autograd
     graph (call under ``torch.no_grad()`` when not needed).
 
     Returns the response-averaged ``(B, d)`` tensor, or with ``per_token`` the pair
-    ``(h (B, T, d), response mask (B, T) bool)``; in float32 at least.
+    ``(h (B, T, d), response mask (B, T) bool)`` (with ``all_tokens`` the mask of every
+    real token, prompt included); in float32 at least.
     """
     b = collate(batch, pad_id, device)
     out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True,
@@ -101,7 +103,7 @@ def batch_hidden(model, batch: list, layer: int, pad_id: int, device, per_token:
                           f"layer {layer} does not exist", "choose a smaller layer")
     dt = compute_dtype(model)
     h = hs[layer].to(dt)
-    mask = b["labels"] != -100
+    mask = b["attention_mask"].bool() if all_tokens else b["labels"] != -100
     if per_token:
         return h, mask
     m = mask.to(dt)[..., None]

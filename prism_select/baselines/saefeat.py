@@ -29,7 +29,6 @@ import torch
 
 from ..errors import ConfigError, InputError
 from ..gradients import check_finite
-from ..data.tokenize import collate
 from .common import batch_hidden, compute_dtype, method, num_layers, record, resolve_layer, resolve_options
 
 REDUCES = ("mean", "max")
@@ -143,13 +142,9 @@ def pool_hidden_tokens(model, encoded: list, layer: int, pad_id: int, batch_size
     out = []
     with torch.no_grad():
         for s in range(0, len(encoded), batch_size):
-            b = collate(encoded[s:s + batch_size], pad_id, device)
-            hs = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True,
-                       use_cache=False).hidden_states
-            if hs is None or len(hs) <= layer:
-                raise ConfigError("layer", f"the model returned {0 if hs is None else len(hs)} hidden states; "
-                                  f"layer {layer} does not exist", "choose a smaller layer")
-            out.append(hs[layer].to(compute_dtype(model))[b["attention_mask"].bool()])
+            h, mask = batch_hidden(model, encoded[s:s + batch_size], layer, pad_id, device, per_token=True,
+                                   all_tokens=True)
+            out.append(h[mask])
     return torch.cat(out)
 
 
@@ -246,8 +241,8 @@ def latent_stats(model, sae: SAE, encoded: list, layer: int, pad_id: int, batch_
 
 
 @method("saefeat", "SAE-Feat: one SAE latent's activation on the response tokens (by default the latent "
-        "separating chosen from rejected most)", {"sae": None, "layer": None, "latent": None, "reduce": "mean", "sae_width": None, "sae_l1": SAE_L1,
-         "sae_steps": SAE_STEPS})
+        "separating chosen from rejected most)", {"sae": None, "layer": None, "latent": None, "reduce": "mean",
+                                          "sae_width": None, "sae_l1": SAE_L1, "sae_steps": SAE_STEPS})
 def saefeat_method(ctx) -> tuple[torch.Tensor, list]:
     """SAE-Feat scores. Needs target pairs unless ``latent`` is given.
 
@@ -273,14 +268,16 @@ def saefeat_method(ctx) -> tuple[torch.Tensor, list]:
         raise ConfigError("reduce", f"unknown value {opts['reduce']!r}", f"use one of {', '.join(REDUCES)}")
     model = ctx.lm.model
     fitted = opts["sae"] == "pool"
+    extra = {}
     if fitted:
-        tensors, meta = _fit_on_pool(ctx, model, opts), {}
+        tensors, meta = _fit_on_pool(ctx, model, opts)
+        extra["sae_fit"] = meta
     else:
         tensors, meta = load_sae(opts["sae"], _hidden_size(model))
     layer = opts["layer"]
     layer_from = "option"
     if fitted:
-        layer, layer_from = ctx.info["sae_fit"]["layer"], "fit on the pool"
+        layer, layer_from = meta["layer"], "fit on the pool"
     elif layer is None:
         if "layer" not in meta:
             raise ConfigError("layer", f"the SAE file {opts['sae']} has no 'layer' metadata",
@@ -294,7 +291,7 @@ def saefeat_method(ctx) -> tuple[torch.Tensor, list]:
     layer = resolve_layer(model, layer)
     sae = SAE(tensors, next(model.parameters()).device, compute_dtype(model))
     st, how = ctx.settings, opts["reduce"]
-    latent, pairs, extra, col = opts["latent"], [], {}, 0
+    latent, pairs, col = opts["latent"], [], 0
     if latent is not None and (isinstance(latent, bool) or not isinstance(latent, int)
                                or not 0 <= latent < sae.d_sae):
         raise ConfigError("latent", f"must be an integer in 0 .. {sae.d_sae - 1}, got {latent!r}")
@@ -324,17 +321,16 @@ def saefeat_method(ctx) -> tuple[torch.Tensor, list]:
     scores = latent_stats(model, sae, ctx.inputs.encoded, layer, ctx.pad_id, st.batch_size, how, [latent])[:, 0]
     ctx.timings["sae_scores_s"] = time.perf_counter() - t
     check_finite(scores, "SAE-Feat scores")
-    if fitted:
-        extra["sae_fit"] = ctx.info.pop("sae_fit")
     record(ctx, "saefeat", {**opts, "sae": "pool" if fitted else str(Path(opts["sae"]).expanduser().resolve()),
                             "layer": layer, "latent": latent}, layer_from=layer_from, d_sae=sae.d_sae,
            jumprelu=sae.threshold is not None, **extra)
     return scores, pairs
 
 
-def _fit_on_pool(ctx, model, opts) -> dict:
+def _fit_on_pool(ctx, model, opts) -> tuple[dict, dict]:
     """``sae="pool"``: an SAE fitted on every real token of the pool at the option's
-    layer (default 2/3 depth); the fit's statistics go to ``ctx.info["sae_fit"]``."""
+    layer (default 2/3 depth); returns its tensors and the fit's record (the layer and
+    :func:`fit_sae`'s statistics)."""
     layer = resolve_layer(model, opts["layer"])
     d = _hidden_size(model)
     width = opts["sae_width"] if opts["sae_width"] is not None else SAE_EXPANSION * d
@@ -348,5 +344,4 @@ def _fit_on_pool(ctx, model, opts) -> dict:
     tensors, stats = fit_sae(X, d_sae=width, l1=float(opts["sae_l1"]), steps=opts["sae_steps"],
                              seed=ctx.settings.seed or 0)
     ctx.timings["sae_fit_s"] = time.perf_counter() - t
-    ctx.info["sae_fit"] = {"layer": layer, **stats}
-    return tensors
+    return tensors, {"layer": layer, **stats}

@@ -209,6 +209,8 @@ class ExactScorer:
         self.state = _State(kernels)
         self.layers = {n: _Layer(m, None if V is None else V[n], self.state, (modes or {}).get(n))
                        for n, m in modules.items()}
+        #: the number of stacked directions (None: one, scores ``(B,)``)
+        self.k = next((layer.k for layer in self.layers.values()), None)
         p = next(model.parameters())
         self.acc = torch.float64 if p.dtype == torch.float64 else torch.float32
         self.anchor = torch.zeros(0, dtype=p.dtype, device=p.device, requires_grad=True)
@@ -242,8 +244,8 @@ class ExactScorer:
             losses.sum().backward()
         parts, self.state.parts = self.state.parts, []
         if not parts:
-            k = next((layer.k for layer in self.layers.values() if layer.k is not None), None)
-            return torch.zeros(B, *(() if k is None else (k,)), dtype=self.acc, device=batch["input_ids"].device)
+            shape = (B,) if self.k is None else (B, self.k)
+            return torch.zeros(shape, dtype=self.acc, device=batch["input_ids"].device)
         return torch.stack([p.to(self.acc) for p in parts]).sum(0)
 
 

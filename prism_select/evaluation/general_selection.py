@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
+import zlib
 from pathlib import Path
 
 from ..errors import InputError
@@ -151,8 +153,6 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
 def _task_floor_scores(pool_path: Path, task: str, seed: int, out: Path) -> Path:
     """``out/scores.jsonl`` ranking ``task``'s pool records first, then the others, each
     group in an order seeded by ``seed`` and the task's name; returns ``out``."""
-    import random
-    import zlib
     records = read_jsonl(pool_path)
     rng = random.Random(seed * 1_000_003 + zlib.crc32(task.encode()))
     mine = [r["id"] for r in records if r.get("task") == task]
@@ -289,6 +289,18 @@ def _share_table(runs: list, methods: list, name: str, title: str, lower_is_bett
 # what may differ between the results.json files of one experiment's seeds
 _PER_SEED_CONFIG = ("seeds", "data_root", "multitask.gsm8k_train", "multitask.bbh_dir", "report",
                     "multitask.select_for")
+
+
+def read_results(paths: list) -> list:
+    """The contents of results.json files of select experiments (an :class:`InputError`
+    naming the file that cannot be read)."""
+    out = []
+    for p in paths:
+        try:
+            out.append(json.loads(Path(p).read_text(encoding="utf-8")))
+        except (OSError, ValueError) as e:
+            raise InputError(f"cannot read results: {e}", path=p, fix="pass results.json files") from e
+    return out
 
 
 def combine_seeds(results: list, *, allow: tuple = ()) -> dict:
