@@ -8,7 +8,8 @@
 #   bash BUNDLE/run/tree/experiments/device_experiment.sh BUNDLE BUDGET_S NAME:PROTOCOL:CONFIG[:SEEDS[:TASKS]] [...]
 #   e.g. ... .cache/b 560 money-refusal:repair:money_refusal.yaml:0,1,2
 # (SEEDS: comma-separated, default the config's; a later call with more seeds reuses the
-# finished runs; TASKS: a select job's target tasks, comma-separated, --target-tasks).
+# finished runs; TASKS: a select job's target tasks, comma-separated, --target-tasks; for a
+# ranking or repair job its harmful ratios, --harmful-ratios).
 # Each job gets what is left of BUDGET_S.
 # PARALLEL=1 runs the jobs side by side on the one GPU (a 135M model's LoRA steps and
 # scoring leave most of the GPU idle, bound by kernel launches), each with the whole
@@ -42,7 +43,9 @@ end=$(( $(date +%s) + BUDGET )); status=0
 run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG TASKS: one experiment command, its exit status in /tmp/prism-runs/.rc-NAME
   local name="$1" proto="$2" cfg="$3" seeds="$4" outname="$5" log="$6" tasks="${7:-}" left seedargs=() t0 s
   [ -n "$seeds" ] && seedargs=(--seeds ${seeds//,/ })
-  [ -n "$tasks" ] && seedargs+=(--target-tasks ${tasks//,/ })
+  if [ -n "$tasks" ]; then
+    if [ "$proto" = select ]; then seedargs+=(--target-tasks ${tasks//,/ }); else seedargs+=(--harmful-ratios ${tasks//,/ }); fi
+  fi
   [ "$proto" = repair ] && [ -n "${JOBS:-}" ] && seedargs+=(--jobs "$JOBS")
   left=$(( end - $(date +%s) )); [ "$left" -gt 20 ] || { echo "no time left for $name"; echo 124 >"/tmp/prism-runs/.rc-$name"; return; }
   echo "== $name: prism-select experiment $proto --config $cfg ($left s left)" | tee -a "$log"

@@ -5,7 +5,12 @@ summary of each run (in the table: its range over the seeds and the mean of the 
 means). It needs only the scoring steps to have finished (no retraining), so it reads an
 experiment cut short before its retrainings as well as a finished one.
 
-    python experiments/rankings_of_runs.py RUN_DIR [--json OUT.json] [--fractions 0.05,0.1,0.2]
+    python experiments/rankings_of_runs.py RUN_DIR [--json OUT.json] [--fractions 0.05,0.1,0.2] [--floors]
+
+``--floors`` adds the floors of each pool and target set as rows ``floor: NAME`` (AUROC
+only): the keyword, length and TF-IDF neighbour rules (:mod:`prism_select.evaluation.floors`)
+and, with ``--family dropped_carry``, that family's knowledge floors (the arithmetic checker,
+"the prompt is a carry problem").
 
 RUN_DIR is an experiment's ``--out`` folder (``runs/<setting>/seed<k>/<targets>/scores/<method>/``).
 """
@@ -46,6 +51,25 @@ def rankings(run_dir: Path, fractions: list, label: str = "harmful") -> list:
     return rows
 
 
+def floor_rows(run_dir: Path, label: str = "harmful", family: str | None = None) -> list:
+    """One row per floor, pool and target set (``floor: NAME``, its AUROC)."""
+    from prism_select.evaluation.experiment import read_jsonl
+    from prism_select.evaluation.floors import floors
+    extra = None
+    if family == "dropped_carry":
+        from prism_select.evaluation import carry
+        extra = {"checker": carry.arithmetic_error, "carry_in_prompt": carry.carry_in_prompt}
+    rows = []
+    for seed_dir in sorted(run_dir.glob("runs/*/seed*")):
+        pool = read_jsonl(seed_dir / "pool.jsonl")
+        for targets in sorted(seed_dir.glob("*/targets.jsonl")):
+            for name, f in floors(pool, read_jsonl(targets), label, extra).items():
+                rows.append({"setting": seed_dir.parent.name, "seed": int(seed_dir.name[4:]),
+                             "targets": targets.parent.name, "method": f"floor: {name}", "auroc": f["auroc"],
+                             "rule": f["rule"]})
+    return rows
+
+
 def summary(rows: list, fractions: list) -> list:
     keys = ["auroc"] + [f"recall@{f:g}" for f in fractions]
     groups: dict = {}
@@ -55,7 +79,7 @@ def summary(rows: list, fractions: list) -> list:
     for (setting, targets, method), rs in sorted(groups.items()):
         s = {"setting": setting, "targets": targets, "method": method, "seeds": sorted(r["seed"] for r in rs)}
         for k in keys:
-            ms = mean_std([r[k] for r in rs])
+            ms = mean_std([r[k] for r in rs if k in r])
             s[k], s[k + "_std"] = ms["mean"], ms["std"] or 0.0
         pis = [r["pi"] for r in rs if isinstance(r.get("pi"), dict)]
         s["pi"] = ({"min": min(p["min"] for p in pis), "mean": sum(p["mean"] for p in pis) / len(pis),
@@ -70,9 +94,13 @@ def main(argv=None) -> int:
     ap.add_argument("--fractions", default="0.05,0.1,0.2")
     ap.add_argument("--label", default="harmful")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--floors", action="store_true", help="add the floors of every pool and target set")
+    ap.add_argument("--family", choices=["dropped_carry"], help="with --floors: that family's knowledge floors too")
     a = ap.parse_args(argv)
     fractions = [float(x) for x in a.fractions.split(",")]
     rows = rankings(a.run_dir, fractions, a.label)
+    if a.floors:
+        rows += floor_rows(a.run_dir, a.label, a.family)
     if not rows:
         print(f"no scored methods under {a.run_dir}/runs/*/seed*/", file=sys.stderr)
         return 1
@@ -81,7 +109,7 @@ def main(argv=None) -> int:
     print("| setting | targets | method | seeds | " + " | ".join(cols) + " | pi: min / mean / max |")
     print("|---|---|---|---|" + "---|" * len(cols) + "---|")
     for s in summ:
-        cells = [f"{s[c]:.3f} ± {s[c + '_std']:.3f}" for c in cols]
+        cells = [f"{s[c]:.3f} ± {s[c + '_std']:.3f}" if s[c] is not None else "" for c in cols]
         pi = s["pi"]
         pi_cell = f"{pi['min']:.2f} / {pi['mean']:.2f} / {pi['max']:.2f}" if pi else "-"
         print(f"| {s['setting']} | {s['targets']} | {s['method']} | {','.join(map(str, s['seeds']))} | "

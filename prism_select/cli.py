@@ -256,7 +256,7 @@ def cmd_experiment(a):
     from .evaluation.protocols import run_experiment
     results = run_experiment(a.protocol, a.config, a.out, seeds=a.seeds, smoke=a.smoke,
                              data_root=a.data_root, overwrite=a.overwrite, jobs=a.jobs,
-                             target_tasks=a.target_tasks)
+                             target_tasks=a.target_tasks, harmful_ratios=a.harmful_ratios)
     out = Path(a.out)
     for t in results["tables"]:
         print(t["title"])
@@ -369,6 +369,9 @@ def _add_evaluation_parsers(sub):
     ex.add_argument("--target-tasks", nargs="+", default=None, metavar="TASK",
                     help="select: select for these target tasks of a multitask pool only (the pool is the same; "
                          "runs that split the tasks, e.g. one per GPU, merge with experiments/aggregate_seeds.py)")
+    ex.add_argument("--harmful-ratios", type=float, nargs="+", default=None, metavar="R",
+                    help="ranking / repair: these harmful ratios instead of the config's (runs of other ratios "
+                         "may share --out, e.g. one process per ratio, as runs of other --seeds do)")
     ex.set_defaults(func=cmd_experiment)
 
     bd = _parser(sub, "build-data", help="build evaluation data from GSM8K or BIG-Bench-Hard files")

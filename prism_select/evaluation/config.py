@@ -491,14 +491,16 @@ def _section(raw: dict, protocol: str) -> dict:
 
 
 def load_config(source, protocol: str, *, smoke: bool = False, seeds: list | None = None,
-                data_root: str | None = None, base_dir=None, target_tasks: list | None = None):
+                data_root: str | None = None, base_dir=None, target_tasks: list | None = None,
+                harmful_ratios: list | None = None):
     """Validate a config for ``protocol`` into its dataclass.
 
     ``source``: a path (YAML or JSON) or a mapping. The mapping holds the protocol's
     fields at the top level, or sections: ``common`` (merged into each protocol),
     ``ranking`` / ``repair`` / ``select``, and ``smoke`` (overrides applied with
     ``smoke=True``; itself plain or sectioned). ``seeds`` overrides the config's;
-    ``target_tasks`` sets a multitask select config's ``select_for``.
+    ``target_tasks`` sets a multitask select config's ``select_for``; ``harmful_ratios``
+    overrides a ranking or repair config's.
 
     Relative data paths (``gsm8k_train``, ``gsm8k_test``, ``pool``, ``targets``,
     ``heldout``, ``bbh.dir``) are resolved against ``data_root``: the argument, else
@@ -530,6 +532,11 @@ def load_config(source, protocol: str, *, smoke: bool = False, seeds: list | Non
             raise ConfigError("target_tasks", "only a select config with a multitask pool has target tasks",
                               "leave --target-tasks out")
         data["multitask"] = {**data["multitask"], "select_for": list(target_tasks)}
+    if harmful_ratios is not None:
+        if protocol == "select":
+            raise ConfigError("harmful_ratios", "a select config has no harmful ratios",
+                              "leave --harmful-ratios out")
+        data["harmful_ratios"] = list(harmful_ratios)
     cfg = build_dataclass(CONFIG_CLASSES[protocol], data, "")
     _validate(cfg, protocol)
     root = data_root or os.environ.get(DATA_ROOT_ENV) or cfg.data_root

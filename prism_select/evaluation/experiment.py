@@ -111,13 +111,18 @@ class Experiment:
         # seeds only add or leave out runs (each step is keyed by its own inputs), so a
         # rerun with other --seeds reuses the finished runs of the seeds it shares
         seeds = conf.pop("seeds", None)
+        # so do the harmful ratios: each (ratio, seed) is its own runs/r<ratio>/seed<k>/
+        ratios = conf.pop("harmful_ratios", None)
         meta = {"protocol": protocol, "config": conf, "seeds": seeds}
+        if ratios is not None:
+            meta["harmful_ratios"] = ratios
         marker = self.out / "experiment.json"
         if self.out.exists() and any(self.out.iterdir()):
             if not marker.is_file():
                 raise OutputError(f"{self.out} exists and is not an experiment directory; choose another --out")
             old = json.loads(marker.read_text())
-            if old.get("protocol") != protocol or old.get("config") != meta["config"]:
+            old_conf = {k: v for k, v in (old.get("config") or {}).items() if k != "harmful_ratios"}
+            if old.get("protocol") != protocol or old_conf != meta["config"]:
                 if not overwrite:
                     raise OutputError(f"{self.out} holds an experiment with another protocol or config; "
                                       "pass --overwrite to replace it, or choose another --out")

@@ -32,16 +32,18 @@ RUNNERS = {"ranking": ranking, "repair": repair, "select": select}
 
 
 def run_experiment(protocol: str, config_source, out_dir, *, seeds=None, smoke: bool = False,
-                   data_root=None, overwrite: bool = False, jobs: int = 1, target_tasks=None) -> dict:
+                   data_root=None, overwrite: bool = False, jobs: int = 1, target_tasks=None,
+                   harmful_ratios=None) -> dict:
     """Load and validate the config, then run ``protocol``; returns results.json's content.
     ``jobs``: worker processes for the repair protocol's retrainings; ``target_tasks``:
-    the target tasks a multitask select run selects for (``multitask.select_for``)."""
+    the target tasks a multitask select run selects for (``multitask.select_for``);
+    ``harmful_ratios``: a ranking or repair run's ratios instead of the config's."""
     if jobs < 1 or (jobs > 1 and protocol != "repair"):
         raise ConfigError("jobs", f"{jobs} worker processes: they run the repair protocol's retrainings, "
                           "at least 1", f"leave --jobs out for {protocol!r}" if protocol != "repair"
                           else "pass --jobs 1 or more")
     cfg = load_config(config_source, protocol, smoke=smoke, seeds=seeds, data_root=data_root,
-                      target_tasks=target_tasks)
+                      target_tasks=target_tasks, harmful_ratios=harmful_ratios)
     if protocol == "repair":
         return repair(cfg, out_dir, overwrite=overwrite, jobs=jobs)
     return RUNNERS[protocol](cfg, out_dir, overwrite=overwrite)

@@ -417,9 +417,21 @@ def test_ranking_protocol_end_to_end(tmp_path, tiny_dir, gsm8k):
     one = ranking(cfg, out)
     assert len(one["runs"]) == 2 and all(r["seed"] == 0 for r in one["runs"])
     assert (out / res["runs"][0]["methods"]["prism"]["dir"] / "scores.jsonl").stat().st_mtime_ns == mtime
+    # another harmful ratio in the same dir (one process per ratio): its own runs, the finished ones kept
+    other = load_config(_common(
+        tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 10},
+        targets=[{"name": "cf", "n_counterfactual": 3}, {"name": "mixed", "n_counterfactual": 3, "n_distractors": 2,
+                                                         "methods": ["prism", "equal"]}],
+        harmful_ratios=[0.3], seeds=[0], methods=["prism", "equal", "random"], report=False), "ranking",
+        harmful_ratios=[0.5])
+    half = ranking(other, out)
+    assert {r["harmful_ratio"] for r in half["runs"]} == {0.5} and all(r["n_harmful"] == 5 for r in half["runs"])
+    assert (out / res["runs"][0]["methods"]["prism"]["dir"] / "scores.jsonl").stat().st_mtime_ns == mtime
     cfg.score.max_length = 256  # another config is refused
     with pytest.raises(OutputError):
         ranking(cfg, out)
+    with pytest.raises(ConfigError, match="harmful ratios"):
+        load_config({"model": "default", "multitask": {}}, "select", harmful_ratios=[0.1])
 
 
 def test_ranking_records_method_errors(tmp_path, tiny_dir, gsm8k):
@@ -1033,3 +1045,16 @@ def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
     assert out[2] == "| r20 | t | prism | 0,1 | 1.000 ± 0.000 | 1.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
     assert out[3] == "| r50 | t | prism | 0,1 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
     assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 4
+    # --floors: each pool's floors against its target pairs, one row per floor; the length rule
+    # finds the long harmful responses
+    for setting in ("r20", "r50"):
+        for seed in (0, 1):
+            d = tmp_path / "runs" / setting / f"seed{seed}"
+            (d / "pool.jsonl").write_text("".join(json.dumps({"id": f"x{i}", "harmful": h, "prompt": "add 2 and 3",
+                                                              "response": "5" * (9 if h else 1)}) + "\n"
+                                                  for i, h in enumerate(harmful)))
+            (d / "t" / "targets.jsonl").write_text(json.dumps({"prompt": "add 1 and 1", "chosen": "22222222",
+                                                               "rejected": "2"}) + "\n")
+    assert reader.main([str(tmp_path), "--fractions", "0.2", "--floors"]) == 0
+    out = capsys.readouterr().out
+    assert "| r20 | t | floor: length | 0,1 | 1.000 ± 0.000 |  | - |" in out and "floor: neighbour" in out
