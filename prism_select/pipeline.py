@@ -65,8 +65,8 @@ from .io import (
     sha256_json,
 )
 from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
-from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory, device_memory, held_elsewhere_note,
-                   host_share_bytes, make_plan, measure_example_bytes, stored_bytes)
+from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, gib, cap_device_memory, device_memory,
+                   held_elsewhere_note, host_share_bytes, make_plan, measure_example_bytes, stored_bytes)
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
 from .scoring import Chunking, score_directions, score_encoded, score_stream
@@ -79,6 +79,10 @@ log = logging.getLogger(__name__)
 #: well as the default EK-FAC or better on average, on every seed at 300 (README, "Which
 #: curvature (pool size)"); at 3,000 records only one seed was measured
 SMALL_FIT_EXAMPLES = 1000
+
+#: the split-half check's stacked directions are held twice while scored: the list of
+#: ``v`` and their per-layer stack (:func:`prism_select.scoring.score_directions`)
+STACKED_LADDER_COPIES = 2
 
 
 def damping_rule_of(cs: CurvatureSettings, n_fit: int, whole: bool) -> str:
@@ -457,11 +461,10 @@ class RunContext:
     def _damping_rule(self) -> str:
         """This run's damping rule (:func:`damping_rule_of`)."""
         cs = self.curvature_settings
-        pool = self.inputs.encoded if self.inputs.fit_encoded is None else self.inputs.fit_encoded
         # the half fits run outside the memory plan: only where the plan fits the curvature in one group
         one_group = self.plan is None or len(self.plan.fit_groups or []) <= 1
         whole = one_group and not self._transient() and not self.execution.sharded and self.execution.world == 1
-        return damping_rule_of(cs, len(fit_indices(len(pool), cs)), whole)
+        return damping_rule_of(cs, _fit_size(self), whole)
 
     def _split_half_damping(self, direction: dict) -> None:
         """``--damping-rule split-half``: fit EK-FAC on two random halves of the fit sample,
@@ -485,6 +488,8 @@ class RunContext:
         fit = [pool[i] for i in fit_indices(len(pool), cs)]
         quiet = replace(self.execution, progress=False)
         fit_settings = replace(cs, fit_examples=None)
+        if self.plan is not None and self.plan.fit.get("batch_size"):  # the plan's batch, as the run's own fit
+            fit_settings = replace(fit_settings, batch_size=self.plan.fit["batch_size"])
         halves = []
         for idx in support.split_halves(len(fit), cs.seed):
             half = [fit[i] for i in idx]
@@ -496,7 +501,7 @@ class RunContext:
             return apply_damping(h, replace(cs, damping_factor=factor)).precondition(direction)
 
         ladder = support.DAMPING_LADDER
-        if support.stack_ladder(sum(int(d.numel()) for d in direction.values())):
+        if support.stack_ladder(sum(int(d.numel()) for d in direction.values())) and self._ladder_fits(direction):
             # every rung's two directions scored together, from one forward and backward a batch;
             # the walk then reads the rungs it would have scored one by one
             vs = [v_at(h, f) for f in ladder for h in halves]
@@ -524,6 +529,23 @@ class RunContext:
                                                 "the halves agree at no damping; identity curvature")
                         + " (" + ", ".join(f"{f:g}: {a:.3f}" for f, a in check.agreement.items()) + ")",
                         self.settings.progress)
+
+    def _ladder_fits(self, direction: dict) -> bool:
+        """Whether the split-half check's stacked directions (every rung of both halves,
+        :data:`STACKED_LADDER_COPIES` copies while they are scored) fit beside what this
+        process holds now, within a bounded memory plan's usable bytes (unbounded: yes).
+        Where they do not, the walk scores one rung at a time."""
+        plan = self.plan
+        if plan is None or not plan.bounded or plan.usable is None or self.lm.device.type != "cuda":
+            return True
+        k = 2 * len(support.DAMPING_LADDER)
+        need = STACKED_LADDER_COPIES * k * sum(int(d.numel()) * d.element_size() for d in direction.values())
+        held = torch.cuda.memory_allocated(self.lm.device)
+        if held + need <= plan.usable:
+            return True
+        log.info("split-half check: the %d stacked directions (%s) do not fit beside the %s held within the plan's "
+                 "%s; each rung is scored on its own", k, gib(need), gib(held), gib(plan.usable))
+        return False
 
     def _transient(self) -> bool:
         """The memory plan keeps no curvature: each fit group preconditions its layers and
@@ -1121,7 +1143,22 @@ def _score_warnings(ctx: RunContext, scores) -> list:
         warnings.append(f"every score is {float(scores[0])!r}, so the ranking is the pool's own order: the direction "
                         "or the preconditioned curvature vanished (check the target pairs, --damping and pairs.jsonl)")
         log.warning("%s", warnings[-1])
+    cs = ctx.curvature_settings
+    if cs.kind == "ekfac" and ctx._damping_rule() == "heuristic" and (
+            damping_rule_of(cs, _fit_size(ctx), whole=True) == "split-half"):
+        # the same job on one process with the curvature whole would take the split-half rule
+        warnings.append(f"the fit sample has {_fit_size(ctx)} examples, below {SMALL_FIT_EXAMPLES}: one process "
+                        "keeping the curvature whole would choose the damping by the split-half check, this run "
+                        "(several processes, or a grouped or transient fit) used the heuristic damping, so its "
+                        "scores differ from such a run's; to compare them, pass --damping-rule heuristic to both")
+        log.warning("%s", warnings[-1])
     return warnings
+
+
+def _fit_size(ctx: RunContext) -> int:
+    """The number of examples the curvature is fitted on."""
+    pool = ctx.inputs.encoded if ctx.inputs.fit_encoded is None else ctx.inputs.fit_encoded
+    return len(fit_indices(len(pool), ctx.curvature_settings))
 
 
 def _add_device_figures(summary: dict, lm, info: dict, model_bytes) -> None:

@@ -98,7 +98,8 @@ class PlanError(PrismError):
     """The run cannot fit the device's memory as configured; the message says what would."""
 
 
-def _gib(b: float) -> str:
+def gib(b: float) -> str:
+    """A byte count as text (e.g. ``"11.0 GiB"``)."""
     return format_size(b)
 
 
@@ -135,7 +136,7 @@ def held_elsewhere_note(device, elsewhere: int) -> str:
     """A sentence for a plan error when other processes hold much of the device ('' else)."""
     if elsewhere < HELD_ELSEWHERE_NOTE_BYTES:
         return ""
-    return (f" {_gib(elsewhere)} of {device} are held outside this run (other processes such as a notebook "
+    return (f" {gib(elsewhere)} of {device} are held outside this run (other processes such as a notebook "
             "or a server, and CUDA contexts) and were left out of the plan: free them, or choose another GPU "
             "with --device")
 
@@ -292,13 +293,13 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """A few lines for the console."""
-        cap = _gib(self.usable) if self.usable is not None else "unbounded"
-        lines = [f"memory plan on {self.device} (usable {cap}; weights {_gib(self.weights)}; "
-                 f"expected peak {_gib(self.peak)})"]
+        cap = gib(self.usable) if self.usable is not None else "unbounded"
+        lines = [f"memory plan on {self.device} (usable {cap}; weights {gib(self.weights)}; "
+                 f"expected peak {gib(self.peak)})"]
         d, f, s = self.direction, self.fit, self.scoring
         if d:
             lines.append(f"  direction: gradients accumulate on the {d['accumulate']}, kept on the "
-                         f"{d['store']}, batch {d['batch_size']}, peak {_gib(d['peak'])}")
+                         f"{d['store']}, batch {d['batch_size']}, peak {gib(d['peak'])}")
         if f.get("groups"):
             kept = (f"kept on the {self.curvature_store}" if self.curvature_store != "transient"
                     else "not kept: each group preconditions the direction")
@@ -307,14 +308,14 @@ class MemoryPlan:
                 when = "once per pass" if f.get("sums") == "pass" else "every step"
                 sharded = f" over {f['factor_shards']} ranks, statistics sent to their owners {when}"
             lines.append(f"  fit: {len(f['groups'])} group(s) of layers, batch {f['batch_size']}, "
-                         f"peak {_gib(f['peak'])}; curvature ({_gib(f['stored_bytes'])}{sharded}) {kept}")
+                         f"peak {gib(f['peak'])}; curvature ({gib(f['stored_bytes'])}{sharded}) {kept}")
         if s:
-            lines.append(f"  scoring: batch {s['batch_size']}, peak {_gib(s['peak'])}")
+            lines.append(f"  scoring: batch {s['batch_size']}, peak {gib(s['peak'])}")
         h = self.host
         if h:
-            lines.append(f"  host memory: {_gib(h['peak'])} of {_gib(h['usable'])} usable "
-                         f"({HOST_USABLE:.0%} of {_gib(h['available'])} available): direction "
-                         f"{_gib(h['direction'])}, fit {_gib(h['fit'])}, scoring {_gib(h['scoring'])}")
+            lines.append(f"  host memory: {gib(h['peak'])} of {gib(h['usable'])} usable "
+                         f"({HOST_USABLE:.0%} of {gib(h['available'])} available): direction "
+                         f"{gib(h['direction'])}, fit {gib(h['fit'])}, scoring {gib(h['scoring'])}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -458,9 +459,9 @@ class _Planner:
             if bs is not None:
                 break
         else:
-            raise PlanError(f"the target direction does not fit on {dev}: the weights take {_gib(weights)} of "
-                            f"{_gib(usable)} usable and one pair of {self.longest} tokens needs "
-                            f"{_gib(need(1) - weights)} more; "
+            raise PlanError(f"the target direction does not fit on {dev}: the weights take {gib(weights)} of "
+                            f"{gib(usable)} usable and one pair of {self.longest} tokens needs "
+                            f"{gib(need(1) - weights)} more; "
                             + _suggestions(len(self.names), "or --max-gpu-memory if it caps below the device"))
         # the finished direction (float32) stays alive through the fit and the scoring: on the
         # device only while it is small next to what those stages need
@@ -473,8 +474,8 @@ class _Planner:
                                                     + self.act(1)):
                 dir_store = "device"
             else:
-                raise PlanError(f"the target direction ({_gib(dir_bytes)} in float32) fits neither host memory "
-                                f"({_gib(self.host_usable)} usable of {_gib(self.host_available)} available) nor "
+                raise PlanError(f"the target direction ({gib(dir_bytes)} in float32) fits neither host memory "
+                                f"({gib(self.host_usable)} usable of {gib(self.host_available)} available) nor "
                                 f"{dev} next to the weights; "
                                 + _suggestions(len(self.names), "or a host with more memory"))
         self.held = dir_bytes if dir_store == "device" and self.bounded else 0
@@ -489,9 +490,9 @@ class _Planner:
         need_s = lambda bs: self.weights + self.held + v_bytes + self.act(bs)  # noqa: E731
         sbs = self.sbs = self.largest_batch(need_s, batch_size)
         if sbs is None:
-            raise PlanError(f"scoring does not fit on {self.dev}: the weights ({_gib(self.weights)}) and the "
-                            f"preconditioned direction ({_gib(v_bytes)}) leave no room for one example of "
-                            f"{self.longest} tokens within {_gib(self.usable)}; "
+            raise PlanError(f"scoring does not fit on {self.dev}: the weights ({gib(self.weights)}) and the "
+                            f"preconditioned direction ({gib(v_bytes)}) leave no room for one example of "
+                            f"{self.longest} tokens within {gib(self.usable)}; "
                             + _suggestions(len(self.names), "the preconditioned direction is as large as the "
                                                             "tracked weights"))
         self.plan.scoring = {"batch_size": sbs, "peak": need_s(sbs), "v_bytes": v_bytes}
@@ -605,8 +606,8 @@ class _Planner:
         if groups is None:
             worst = max(names, key=lambda n: cost[n])
             raise PlanError(f"the curvature fit does not fit on {self.dev}: layer {worst!r} alone needs "
-                            f"{_gib(cost[worst])} of factors next to the weights ({_gib(self.weights)}) within "
-                            f"{_gib(self.usable)}; "
+                            f"{gib(cost[worst])} of factors next to the weights ({gib(self.weights)}) within "
+                            f"{gib(self.usable)}; "
                             + _suggestions(len(names), "or --curvature diagonal / identity"))
         return fbs, groups
 
@@ -629,9 +630,9 @@ class _Planner:
             # during its eigenvalue pass)
             return "host", self.kind == "ekfac", self.total_stored, groups, base_peak
         groups, offload, group_host = self._transient_groups(fbs, groups)
-        self.plan.notes.append(f"the fitted curvature ({_gib(self.total_stored)}) fits neither the device nor host "
-                               f"memory ({HOST_FRACTION:.0%} of the host's {_gib(self.host_available)} available, "
-                               f"and {_gib(self.host_usable)} usable next to the direction and v): each group "
+        self.plan.notes.append(f"the fitted curvature ({gib(self.total_stored)}) fits neither the device nor host "
+                               f"memory ({HOST_FRACTION:.0%} of the host's {gib(self.host_available)} available, "
+                               f"and {gib(self.host_usable)} usable next to the direction and v): each group "
                                "preconditions the direction and is dropped (not cached)")
         return "transient", offload, group_host, groups, self._base_peak(fbs, groups)
 
@@ -656,9 +657,9 @@ class _Planner:
                                        "host memory does not hold a group's")
         if g is None:
             raise PlanError(f"the curvature fit does not fit host memory: the target direction "
-                            f"({_gib(self.dir_host)}) leaves {_gib(max(self.spare_fit, 0))} of "
-                            f"{_gib(self.host_usable)} usable ({HOST_USABLE:.0%} of {_gib(self.host_available)} "
-                            f"available) for v ({_gib(self.v_host(True))}, collected group by group) and a "
+                            f"({gib(self.dir_host)}) leaves {gib(max(self.spare_fit, 0))} of "
+                            f"{gib(self.host_usable)} usable ({HOST_USABLE:.0%} of {gib(self.host_available)} "
+                            f"available) for v ({gib(self.v_host(True))}, collected group by group) and a "
                             f"group's eigenbases; " + _suggestions(len(names), "or a host with more memory"))
         if len(g) > len(groups):
             self.plan.notes.append(f"{len(g)} fit groups (not {len(groups)}) to fit host memory")
@@ -682,8 +683,8 @@ class _Planner:
                          + group_sums + kept_on_device)
         if sums == "pass" and not self.fits(local_peak):
             raise PlanError(f"--fsdp-sums pass does not fit on {self.dev}: every rank would hold a whole fit "
-                            f"group's sums ({_gib(group_sums)}), a peak of {_gib(local_peak)} of "
-                            f"{_gib(self.usable)} usable; use --fsdp-sums step (or auto)")
+                            f"group's sums ({gib(group_sums)}), a peak of {gib(local_peak)} of "
+                            f"{gib(self.usable)} usable; use --fsdp-sums step (or auto)")
         if sums == "pass" or sums == "auto" and self.fits(local_peak):
             return "pass", max(fit_peak, local_peak)
         return "step", fit_peak
@@ -700,12 +701,12 @@ class _Planner:
             room = self.fits(plan.peak + rest)
             if keep == "on" and not room:
                 raise PlanError(f"--fsdp-keep-gathered on does not fit on {self.dev}: the whole model "
-                                f"({_gib(rest)} more per rank) beside a peak of {_gib(plan.peak)} exceeds "
-                                f"{_gib(self.usable)} usable; use --fsdp-keep-gathered off (or auto)")
+                                f"({gib(rest)} more per rank) beside a peak of {gib(plan.peak)} exceeds "
+                                f"{gib(self.usable)} usable; use --fsdp-keep-gathered off (or auto)")
             if room:
                 plan.keep_gathered, plan.peak = True, plan.peak + rest
                 plan.notes.append(f"each decoder block keeps its gathered weights from forward to backward "
-                                  f"(one all-gather a step instead of two; +{_gib(rest)} per rank)")
+                                  f"(one all-gather a step instead of two; +{gib(rest)} per rank)")
 
     def host(self):
         """Host memory (bounded plans): what the direction, the fit and the scoring keep there."""

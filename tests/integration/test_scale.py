@@ -644,6 +644,45 @@ def test_split_half_scores_a_bounded_sample_and_reuses_the_half_fits(run_files, 
     assert torch.equal(a, c)
 
 
+def test_split_half_fits_its_halves_at_the_plans_batch(run_files, monkeypatch):
+    """The half fits run at the memory plan's fit batch, as the run's own fit does, not at
+    the settings' batch (a plan under --max-gpu-memory may have chosen a smaller one)."""
+    from prism_select import pipeline
+    from prism_select.curvature import store
+    real_plan, real_fit = pipeline.make_plan, store.fit_curvature
+    batches = []
+
+    def small_batch_plan(model, modules, **kw):
+        plan = real_plan(model, modules, **kw)
+        plan.fit["batch_size"] = 3
+        return plan
+
+    monkeypatch.setattr(pipeline, "make_plan", small_batch_plan)
+    monkeypatch.setattr(store, "fit_curvature", lambda m, mods, enc, cs, **kw: (batches.append((len(enc), cs.batch_size)),
+                                                                                 real_fit(m, mods, enc, cs, **kw))[1])
+    _score(run_files, "sh-batch", damping_rule="split-half")
+    assert sorted(batches) == [(12, 3), (12, 3), (24, 3)]
+
+
+def test_stacked_ladder_only_where_it_fits_the_bounded_plan(monkeypatch):
+    """Under a bounded plan the check stacks its ladder only when the stacked directions
+    (held twice while scored) fit beside what the process holds; unbounded: always."""
+    from types import SimpleNamespace
+    from prism_select import pipeline
+    from prism_select.curvature import support
+    gib = 1 << 30
+    direction = {"a": torch.zeros(1024, 1024), "b": torch.zeros(1024, 1024)}  # 8 MiB
+    need = pipeline.STACKED_LADDER_COPIES * 2 * len(support.DAMPING_LADDER) * 8 * (1 << 20)
+    ctx = SimpleNamespace(lm=SimpleNamespace(device=torch.device("cuda", 0)),
+                          plan=SimpleNamespace(bounded=True, usable=gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: gib - need)
+    assert pipeline.RunContext._ladder_fits(ctx, direction)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: gib - need + 1)
+    assert not pipeline.RunContext._ladder_fits(ctx, direction)
+    ctx.plan = SimpleNamespace(bounded=False, usable=None)
+    assert pipeline.RunContext._ladder_fits(ctx, direction)
+
+
 def test_split_half_refuses_an_explicit_damping():
     from prism_select.curvature import CurvatureSettings
     from prism_select.errors import ConfigError
@@ -838,3 +877,17 @@ def test_sharded_pass_sums_send_each_input_once(model, modules, tok, encoded_poo
     for block in {n.rsplit(".", 1)[0] for n in modules if ".self_attn." in n}:  # one eigenbasis per input
         qa = [t[f"{block}.{p}::QA"] for p in ("q_proj", "k_proj", "v_proj")]
         assert torch.equal(qa[0], qa[1]) and torch.equal(qa[0], qa[2])
+
+
+def test_a_small_fit_without_the_split_half_rule_warns(run_files, monkeypatch):
+    """Where one whole-curvature process would take the split-half rule but this run cannot
+    (here a grouped fit), run.json warns that its scores differ from such a run's; a
+    whole-curvature default run does not warn."""
+    s1, _ = _score(run_files, "auto-whole", damping_rule="auto")
+    assert "split_half" in s1["curvature"] and not any("split-half" in w for w in s1["warnings"])
+    _forced_plan(monkeypatch, "host")
+    s2, _ = _score(run_files, "auto-grouped", damping_rule="auto")
+    assert "split_half" not in s2["curvature"]
+    assert any("--damping-rule heuristic" in w and "24 examples" in w for w in s2["warnings"])
+    s3, _ = _score(run_files, "heuristic-grouped", damping_rule="heuristic")  # asked for: nothing to warn of
+    assert not any("split-half" in w for w in s3["warnings"])
