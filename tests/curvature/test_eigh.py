@@ -122,9 +122,6 @@ def test_cuda_factors_side_by_side_are_bounded_by_the_streams_and_the_free_memor
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.xfail(strict=True, reason="on an H200 (torch 2.11) the side streams' float32 solves fall back to "
-                                       "float64, also with the side threads' device set; CUDA_EIGH_STREAMS stays 1 "
-                                       "until this passes")
 def test_cuda_factors_side_by_side_equal_one_by_one(monkeypatch):
     """Every CUDA factor yielded once, each equal to its own `_eigh` (the same solver on
     the same matrix, from side streams), widths mixed and a window wider than a run."""
