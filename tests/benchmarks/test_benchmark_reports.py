@@ -35,3 +35,28 @@ def test_small_pools_report_keeps_devices_apart_and_plots_the_paired_differences
     spec.loader.exec_module(mod)
     mod.plot([str(b)], str(tmp_path / "none.png"))
     assert not (tmp_path / "none.png").exists()
+
+
+def test_fit_sample_report_compares_every_fit_with_the_whole_pools(tmp_path):
+    """Spearman and top-10% overlap against the whole-pool run, AUROC of the harmful flag."""
+    ids = [f"r{i}" for i in range(20)]
+    harmful = {i: k < 4 for k, i in enumerate(ids)}
+    (tmp_path / "pool.jsonl").write_text("".join(json.dumps({"id": i, "prompt": "q", "response": "a",
+                                                             "harmful": harmful[i]}) + "\n" for i in ids))
+    (tmp_path / "pool_info.json").write_text(json.dumps({"records": 20}))
+    whole = {i: 20.0 - k for k, i in enumerate(ids)}  # the harmful records first: AUROC 1
+    flipped = {i: -s for i, s in whole.items()}  # reversed: Spearman -1, AUROC 0, no top record shared
+    for name, scores, fit in (("whole", whole, None), ("fit10-seed0", flipped, 10)):
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        ranked = sorted(scores.items(), key=lambda kv: -kv[1])
+        (d / "scores.jsonl").write_text("".join(json.dumps({"id": i, "score": s, "rank": r + 1}) + "\n"
+                                                for r, (i, s) in enumerate(ranked)))
+        (d / "run.json").write_text(json.dumps({"curvature_settings": {"fit_examples": fit},
+                                                "timings": {"curvature_s": 2.0, "total_s": 5.0}}))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fit_sample.py"), "report", "--out", str(tmp_path),
+                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, check=True).stdout
+    assert "| whole | 1.0000 | 1.000 | 1.000 | 2.0 | 5.0 |" in out
+    assert "| fit10-seed0 | -1.0000 | 0.000 | 0.000 | 2.0 | 5.0 |" in out
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["fit_examples"] for r in rows] == [None, 10]
