@@ -55,10 +55,8 @@ def floor_rows(run_dir: Path, label: str = "harmful", family: str | None = None)
     """One row per floor, pool and target set (``floor: NAME``, its AUROC)."""
     from prism_select.evaluation.experiment import read_jsonl
     from prism_select.evaluation.floors import floors
-    extra = None
-    if family == "dropped_carry":
-        from prism_select.evaluation import carry
-        extra = {"checker": carry.arithmetic_error, "carry_in_prompt": carry.carry_in_prompt}
+    from prism_select.evaluation.repair import family_floors
+    extra = family_floors() if family == "dropped_carry" else None
     rows = []
     for seed_dir in sorted(run_dir.glob("runs/*/seed*")):
         pool = read_jsonl(seed_dir / "pool.jsonl")

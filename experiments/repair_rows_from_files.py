@@ -24,7 +24,7 @@ from pathlib import Path
 from prism_select.evaluation.config import load_config
 from prism_select.evaluation.experiment import mean_std, paired_interval, pct, ranking_metrics, read_jsonl
 from prism_select.evaluation.floors import floors
-from prism_select.evaluation.repair import _family_floors, _retrain_dir, rates_by_task
+from prism_select.evaluation.repair import family_floors, _retrain_dir, rates_by_task
 
 METRICS = ("behaviour_rate", "harmful_answer_rate", "harmful_preference", "capability")
 
@@ -95,7 +95,7 @@ def collect(run_dir: Path, cfg, variant: str, task: str) -> dict:
                     1 for p in pool if p["harmful"] and p["id"] not in kept) / n_harm
         pis = [json.loads(x)["pi"] for x in (vdir / "scores" / "prism" / "pairs.jsonl").read_text().splitlines()
                if x.strip()] if (vdir / "scores" / "prism" / "pairs.jsonl").is_file() else []
-        fl = floors(pool, targets, extra=_family_floors() if cfg.data.family == "dropped_carry" else None)
+        fl = floors(pool, targets, extra=family_floors() if cfg.data.family == "dropped_carry" else None)
         seeds[rdir.name] = {"rows": seed_rows(rdir, cfg, variant, task), "methods": methods, "recall": recall,
                             "floors": fl, "n_pairs": len(targets), "pi": pis}
     return seeds

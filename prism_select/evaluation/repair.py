@@ -348,7 +348,7 @@ def _reference_rows(exp, cfg, lm, ctx: dict, retrain) -> dict:
     return {"rates": rows, "removed": removed}
 
 
-def _family_floors():
+def family_floors():
     """The knowledge floors of the dropped-carry family (name -> record -> score)."""
     return {"checker": carry.arithmetic_error, "carry_in_prompt": carry.carry_in_prompt}
 
@@ -385,7 +385,7 @@ def _setting(exp, cfg, lm, ratio: float, seed: int, checker, methods_all: list, 
         run["targets"] = exp.rel(targets_path)
         run["n_pairs"] = len(pairs)
         if cfg.floors:
-            run["floors"] = floors(pool, pairs, extra=_family_floors() if cfg.data.family == "dropped_carry" else None)
+            run["floors"] = floors(pool, pairs, extra=family_floors() if cfg.data.family == "dropped_carry" else None)
         if not pairs:
             run["note"] = (f"no probe qualified as a target pair ({run['pair_selection']}): "
                            "nothing to score; methods left out of this setting")
