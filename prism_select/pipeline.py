@@ -631,6 +631,8 @@ class RunContext:
         direction is read back and each layer's curvature freed as it is used, and the
         run's curvature is dropped (the fit stays in the cache). ``direction`` is left
         empty. On the CPU the embedded model's fit held its 540 MB direction to the end."""
+        if self._damping_rule() == "split-half":  # the run's damping, whichever method asks (once a run)
+            self._split_half_damping(direction)
         if self._curvature is None and isinstance(direction, dict) and direction \
                 and all(t.device.type == "cpu" for t in direction.values()):
             direction = self._set_aside(direction)

@@ -891,3 +891,12 @@ def test_a_small_fit_without_the_split_half_rule_warns(run_files, monkeypatch):
     assert any("--damping-rule heuristic" in w and "24 examples" in w for w in s2["warnings"])
     s3, _ = _score(run_files, "heuristic-grouped", damping_rule="heuristic")  # asked for: nothing to warn of
     assert not any("split-half" in w for w in s3["warnings"])
+
+
+def test_ifguide_takes_the_runs_damping_rule(run_files):
+    """IF-Guide preconditions through the run's last use of the curvature: on a small fit
+    it takes the split-half check as PRISM does, not the heuristic damping."""
+    s1, a = _score(run_files, "ifg-auto", damping_rule="auto", method="ifguide")
+    assert s1["curvature"]["split_half"]["n_fit"] == 24
+    s2, b = _score(run_files, "ifg-sh", damping_rule="split-half", method="ifguide")
+    assert s2["curvature"]["split_half"] == s1["curvature"]["split_half"] and torch.equal(a, b)
