@@ -47,7 +47,7 @@ def make_ctx(lm, modules, tok, tmp_path, pool_examples, pair_examples):
     """A RunContext built directly (no files), identity curvature by default."""
     counter = [0]
 
-    def make(method, options=None, curvature="identity", seed=0, with_pairs=True):
+    def make(method, options=None, curvature="identity", seed=0, with_pairs=True, damping_rule="auto"):
         counter[0] += 1
         pool = [PoolExample(f"p{i}", p, r, i) for i, (p, r) in enumerate(pool_examples)]
         pairs = [TargetPair(f"q{i}", q, c, r, i) for i, (q, c, r) in enumerate(pair_examples)] if with_pairs else []
@@ -57,7 +57,7 @@ def make_ctx(lm, modules, tok, tmp_path, pool_examples, pair_examples):
                         invalid=[], truncated={"pool": 0, "targets": 0})
         settings = ScoreSettings(method=method, batch_size=3, progress=False, seed=seed,
                                  method_options=dict(options or {}))
-        return RunContext(lm, modules, inputs, settings, CurvatureSettings(kind=curvature),
+        return RunContext(lm, modules, inputs, settings, CurvatureSettings(kind=curvature, damping_rule=damping_rule),
                           tmp_path / f"run{counter[0]}")
     return make
 
@@ -251,7 +251,8 @@ def test_ifguide_method_rankings(model, modules, tok, make_ctx):
 def test_last_use_fits_with_the_direction_on_disk_and_frees_the_curvature(modules, make_ctx, monkeypatch, disk):
     """``RunContext.last_use``: the caller's direction is out of memory while the curvature
     is fitted (a full disk: it stays, and the result is the same), the run's curvature is
-    dropped, and ``v`` equals preconditioning with the kept curvature."""
+    dropped, and ``v`` equals preconditioning with the kept curvature. Under the heuristic
+    damping rule: a small fit's split-half check scores the direction, so it is held then."""
     import errno
     import tempfile
 
@@ -271,11 +272,11 @@ def test_last_use_fits_with_the_direction_on_disk_and_frees_the_curvature(module
         def refuse(**kw):
             raise OSError(errno.ENOSPC, "No space left on device")
         monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
-    ctx = make_ctx("prism", curvature="ekfac")
+    ctx = make_ctx("prism", curvature="ekfac", damping_rule="heuristic")
     v = ctx.last_use(given)
     assert held_during_fit == [0 if disk == "writable" else len(g)]
     assert given == {} and ctx._curvature is None
-    ref = make_ctx("prism", curvature="ekfac").curvature().precondition(dict(g))  # from the cache
+    ref = make_ctx("prism", curvature="ekfac", damping_rule="heuristic").curvature().precondition(dict(g))  # cached
     assert list(v) == list(ref) and all(torch.equal(v[n], ref[n]) for n in ref)
 
 
