@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
-from prism_select.errors import PrismError
+from prism_select.errors import run_script
 from prism_select.evaluation.experiment import paired_interval
 from prism_select.evaluation.general_selection import combine_seeds, read_results
 from prism_select.io import atomic_write_json
@@ -139,8 +138,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except PrismError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main)

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 from pathlib import Path
 
-from prism_select.errors import InputError, PrismError
+from prism_select.errors import InputError, run_script
 from prism_select.evaluation.general_selection import read_results
 from prism_select.io import atomic_write_json, sha256_file
 
@@ -106,8 +105,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except PrismError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main)

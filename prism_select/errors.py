@@ -135,3 +135,15 @@ def resource_error(exc: BaseException, out_dir, curvature=None) -> OutOfResource
         return OutOfResourceError("disk", text, f"free disk space under {out_dir} and the cache (prism-select "
                                   "cache prune), or write to another --out", _kept(out_dir, curvature))
     return None
+
+
+def run_script(main) -> None:
+    """Exit with ``main()``'s status; a :class:`PrismError` is printed as ``error: ...`` on
+    stderr and exits 2 (the CLI's convention), for the scripts beside the package."""
+    import sys
+    try:
+        status = main()
+    except PrismError as e:
+        print(f"error: {e}", file=sys.stderr)
+        status = 2
+    sys.exit(status)

@@ -65,7 +65,7 @@ from .io import (
     sha256_json,
 )
 from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
-from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, gib, cap_device_memory, device_memory,
+from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory, device_memory, gib,
                    held_elsewhere_note, host_share_bytes, make_plan, measure_example_bytes, stored_bytes)
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import compute_preference
@@ -79,10 +79,6 @@ log = logging.getLogger(__name__)
 #: well as the default EK-FAC or better on average, on every seed at 300 (README, "Which
 #: curvature (pool size)"); at 3,000 records only one seed was measured
 SMALL_FIT_EXAMPLES = 1000
-
-#: the split-half check's stacked directions are held twice while scored: the list of
-#: ``v`` and their per-layer stack (:func:`prism_select.scoring.score_directions`)
-STACKED_LADDER_COPIES = 2
 
 
 def damping_rule_of(cs: CurvatureSettings, n_fit: int, whole: bool) -> str:
@@ -531,20 +527,19 @@ class RunContext:
                         self.settings.progress)
 
     def _ladder_fits(self, direction: dict) -> bool:
-        """Whether the split-half check's stacked directions (every rung of both halves,
-        :data:`STACKED_LADDER_COPIES` copies while they are scored) fit beside what this
+        """Whether the split-half check's stacked directions
+        (:func:`~prism_select.curvature.support.stacked_ladder_bytes`) fit beside what this
         process holds now, within a bounded memory plan's usable bytes (unbounded: yes).
         Where they do not, the walk scores one rung at a time."""
         plan = self.plan
         if plan is None or not plan.bounded or plan.usable is None or self.lm.device.type != "cuda":
             return True
-        k = 2 * len(support.DAMPING_LADDER)
-        need = STACKED_LADDER_COPIES * k * sum(int(d.numel()) * d.element_size() for d in direction.values())
+        need = support.stacked_ladder_bytes(direction)
         held = torch.cuda.memory_allocated(self.lm.device)
         if held + need <= plan.usable:
             return True
-        log.info("split-half check: the %d stacked directions (%s) do not fit beside the %s held within the plan's "
-                 "%s; each rung is scored on its own", k, gib(need), gib(held), gib(plan.usable))
+        log.info("split-half check: the stacked ladder's directions (%s) do not fit beside the %s held within the "
+                 "plan's %s; each rung is scored on its own", gib(need), gib(held), gib(plan.usable))
         return False
 
     def _transient(self) -> bool:
@@ -1145,11 +1140,11 @@ def _score_warnings(ctx: RunContext, scores) -> list:
         warnings.append(f"every score is {float(scores[0])!r}, so the ranking is the pool's own order: the direction "
                         "or the preconditioned curvature vanished (check the target pairs, --damping and pairs.jsonl)")
         log.warning("%s", warnings[-1])
-    cs = ctx.curvature_settings
+    cs, n_fit = ctx.curvature_settings, _fit_size(ctx)
     if cs.kind == "ekfac" and ctx._damping_rule() == "heuristic" and (
-            damping_rule_of(cs, _fit_size(ctx), whole=True) == "split-half"):
+            damping_rule_of(cs, n_fit, whole=True) == "split-half"):
         # the same job on one process with the curvature whole would take the split-half rule
-        warnings.append(f"the fit sample has {_fit_size(ctx)} examples, below {SMALL_FIT_EXAMPLES}: one process "
+        warnings.append(f"the fit sample has {n_fit} examples, below {SMALL_FIT_EXAMPLES}: one process "
                         "keeping the curvature whole would choose the damping by the split-half check, this run "
                         "(several processes, or a grouped or transient fit) used the heuristic damping, so its "
                         "scores differ from such a run's; to compare them, pass --damping-rule heuristic to both")

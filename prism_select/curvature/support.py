@@ -66,6 +66,18 @@ def stack_ladder(direction_elements: int) -> bool:
     return 2 * len(DAMPING_LADDER) * direction_elements <= STACKED_LADDER_MAX_ELEMENTS
 
 
+#: the stacked directions are held twice while scored: the list of ``v`` and their
+#: per-layer stack (:func:`prism_select.scoring.score_directions`)
+STACKED_LADDER_COPIES = 2
+
+
+def stacked_ladder_bytes(direction: dict) -> int:
+    """Device bytes the stacked ladder holds while scored: every rung's two directions
+    shaped like ``direction``, :data:`STACKED_LADDER_COPIES` times."""
+    each = sum(int(d.numel()) * d.element_size() for d in direction.values())
+    return STACKED_LADDER_COPIES * 2 * len(DAMPING_LADDER) * each
+
+
 def agreement_sample(n: int, seed: int) -> list:
     """The fit-sample positions the halves are compared on: all ``n`` up to
     AGREEMENT_EXAMPLES, else that many drawn with ``seed`` (sorted)."""

@@ -672,7 +672,7 @@ def test_stacked_ladder_only_where_it_fits_the_bounded_plan(monkeypatch):
     from prism_select.curvature import support
     gib = 1 << 30
     direction = {"a": torch.zeros(1024, 1024), "b": torch.zeros(1024, 1024)}  # 8 MiB
-    need = pipeline.STACKED_LADDER_COPIES * 2 * len(support.DAMPING_LADDER) * 8 * (1 << 20)
+    need = support.STACKED_LADDER_COPIES * 2 * len(support.DAMPING_LADDER) * 8 * (1 << 20)
     ctx = SimpleNamespace(lm=SimpleNamespace(device=torch.device("cuda", 0)),
                           plan=SimpleNamespace(bounded=True, usable=gib))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: gib - need)
