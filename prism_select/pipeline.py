@@ -490,7 +490,8 @@ class RunContext:
         for idx in support.split_halves(len(fit), cs.seed):
             half = [fit[i] for i in idx]
             halves.append(load_or_fit_curvature(self.lm.model, self.modules, half, fit_settings, pad_id=self.pad_id,
-                                                cache=self._fit_cache(half), execution=quiet)[0])
+                                                cache=self._fit_cache(half), execution=quiet,
+                                                layout=self._half_fit_layout())[0])
         scored = [fit[i] for i in support.agreement_sample(len(fit), cs.seed)]
 
         def v_at(h, factor):
@@ -502,14 +503,14 @@ class RunContext:
             # the walk then reads the rungs it would have scored one by one
             vs = [v_at(h, f) for f in ladder for h in halves]
             scores = score_directions(self.lm.model, self.modules, scored, vs, pad_id=self.pad_id,
-                                      batch_size=self.settings.batch_size, execution=quiet)
+                                      batch_size=self._scoring_batch(), execution=quiet)
             del vs
             at = {f: support.spearman(scores[:, 2 * i], scores[:, 2 * i + 1]) for i, f in enumerate(ladder)}
             agreement_at = at.__getitem__
         else:
             def agreement_at(factor):
                 a, b = (score_encoded(self.lm.model, self.modules, scored, v_at(h, factor), pad_id=self.pad_id,
-                                      batch_size=self.settings.batch_size, execution=quiet) for h in halves)
+                                      batch_size=self._scoring_batch(), execution=quiet) for h in halves)
                 return support.spearman(a, b)
 
         check = support.split_half(len(fit), support.walk_ladder(agreement_at))
@@ -525,6 +526,21 @@ class RunContext:
                                                 "the halves agree at no damping; identity curvature")
                         + " (" + ", ".join(f"{f:g}: {a:.3f}" for f, a in check.agreement.items()) + ")",
                         self.settings.progress)
+
+    def _scoring_batch(self) -> int:
+        """The scoring batch: the memory plan's (it may have lowered the settings')."""
+        plan = self.plan
+        return plan.scoring["batch_size"] if plan is not None and plan.scoring else self.settings.batch_size
+
+    def _half_fit_layout(self) -> FitLayout:
+        """Where the split-half check keeps its two half fits: in host memory under a
+        bounded memory plan on a GPU (the plan counts one curvature on the device, the
+        run's; each half's layers go to the device only while they precondition), else
+        where they are computed."""
+        plan = self.plan
+        if plan is not None and plan.bounded and self.lm.device.type == "cuda":
+            return FitLayout(store="host")
+        return FitLayout()
 
     def _ladder_fits(self, direction: dict) -> bool:
         """Whether the split-half check's stacked directions
@@ -709,8 +725,7 @@ class RunContext:
         formed from the fit's spill, or the model's pass over the encoded pool."""
         st, partial = self.settings, self.out_dir / ".partial"
         stats: dict = {}
-        batch = self.plan.scoring["batch_size"] if self.plan is not None and self.plan.scoring else st.batch_size
-        common = {"batch_size": batch, "execution": self.execution,
+        common = {"batch_size": self._scoring_batch(), "execution": self.execution,
                   "chunking": Chunking(st.chunk_size, partial / tag, self.info.get("run_key"))}
         if st.stream:
             out = partial / f"{tag}.jsonl"

@@ -664,6 +664,40 @@ def test_split_half_fits_its_halves_at_the_plans_batch(run_files, monkeypatch):
     assert sorted(batches) == [(12, 3), (12, 3), (24, 3)]
 
 
+def test_split_half_scores_at_the_plans_batch(run_files, monkeypatch):
+    """The check scores its sample at the memory plan's scoring batch, as the run's own
+    scoring does, not at the settings' batch."""
+    from prism_select import pipeline
+    real_plan, real_many = pipeline.make_plan, pipeline.score_directions
+    batches = []
+
+    def small_batch_plan(model, modules, **kw):
+        plan = real_plan(model, modules, **kw)
+        plan.scoring["batch_size"] = 3
+        return plan
+
+    monkeypatch.setattr(pipeline, "make_plan", small_batch_plan)
+    monkeypatch.setattr(pipeline, "score_directions", lambda m, mods, enc, vs, **kw: (
+        batches.append(kw["batch_size"]), real_many(m, mods, enc, vs, **kw))[1])
+    _score(run_files, "sh-score-batch", damping_rule="split-half")
+    assert batches == [3]
+
+
+def test_split_half_keeps_its_halves_in_host_memory_under_a_bounded_gpu_plan():
+    """The plan counts one curvature on the device (the run's): under a bounded plan on a
+    GPU the two half fits wait in host memory; elsewhere they stay where they are fitted."""
+    from types import SimpleNamespace
+    from prism_select import pipeline
+    ctx = SimpleNamespace(lm=SimpleNamespace(device=torch.device("cuda", 0)), plan=SimpleNamespace(bounded=True))
+    assert pipeline.RunContext._half_fit_layout(ctx).store == "host"
+    ctx.plan = SimpleNamespace(bounded=False)
+    assert pipeline.RunContext._half_fit_layout(ctx).store == "device"
+    ctx.lm, ctx.plan = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(bounded=True)
+    assert pipeline.RunContext._half_fit_layout(ctx).store == "device"
+    ctx.plan = None
+    assert pipeline.RunContext._half_fit_layout(ctx).store == "device"
+
+
 def test_stacked_ladder_only_where_it_fits_the_bounded_plan(monkeypatch):
     """Under a bounded plan the check stacks its ladder only when the stacked directions
     (held twice while scored) fit beside what the process holds; unbounded: always."""
