@@ -18,7 +18,9 @@ Sizes below the pool's are run with ``--seeds`` (other fit samples of the same s
     python benchmarks/fit_sample.py report --out /tmp/fs --json fit_sample.json --markdown fit_sample.md
 
 ``run`` skips runs whose ``run.json`` exists (a stopped run resumes) and runs the
-whole-pool fit first (the reference of every row).
+whole-pool fit first (the reference of every row); with ``--no-whole`` it leaves that fit
+to another process, so that one process per GPU can share the folder (each with its own
+``--sizes``).
 """
 
 from __future__ import annotations
@@ -65,9 +67,14 @@ def run_name(size, seed: int) -> str:
     return WHOLE if size == WHOLE else f"fit{size}-seed{seed}"
 
 
-def run(out: Path, sizes: list, seeds: list, extra: list) -> None:
-    todo = [(WHOLE, 0)] + [(n, s) for s in seeds for n in sizes]
-    for size, seed in todo:
+def planned_runs(sizes: list, seeds: list, whole: bool = True) -> list:
+    """``(size, seed)`` of each run in order: the whole-pool fit first (unless ``whole`` is
+    false: another process runs it), then every size for each seed."""
+    return ([(WHOLE, 0)] if whole else []) + [(n, s) for s in seeds for n in sizes]
+
+
+def run(out: Path, sizes: list, seeds: list, extra: list, whole: bool = True) -> None:
+    for size, seed in planned_runs(sizes, seeds, whole):
         d = out / "runs" / run_name(size, seed)
         if (d / "run.json").is_file():
             continue
@@ -128,6 +135,8 @@ def main():
     ap.add_argument("--data", help="build: the folder holding gsm8k/train.jsonl and bbh/")
     ap.add_argument("--sizes", type=int, nargs="+", default=[10000, 5000, 2000, 1000])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--no-whole", action="store_true",
+                    help="run: leave out the whole-pool fit (another process on another GPU runs it)")
     ap.add_argument("--json", help="report: write the rows here")
     ap.add_argument("--markdown", help="report: write the table here")
     a, extra = ap.parse_known_args()
@@ -137,7 +146,7 @@ def main():
             ap.error("build needs --data")
         print(json.dumps(build(Path(a.data), out)))
     elif a.step == "run":
-        run(out, a.sizes, a.seeds, extra)
+        run(out, a.sizes, a.seeds, extra, whole=not a.no_whole)
     else:
         res = report(out)
         text = markdown(res)

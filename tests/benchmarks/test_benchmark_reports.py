@@ -60,3 +60,11 @@ def test_fit_sample_report_compares_every_fit_with_the_whole_pools(tmp_path):
     assert "| fit10-seed0 | -1.0000 | 0.000 | 0.000 | 2.0 | 5.0 |" in out
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert [r["fit_examples"] for r in rows] == [None, 10]
+
+
+def test_fit_sample_runs_put_the_whole_pool_first_unless_another_process_runs_it():
+    spec = importlib.util.spec_from_file_location("fit_sample", ROOT / "benchmarks" / "fit_sample.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.planned_runs([200, 100], [0, 1]) == [("whole", 0), (200, 0), (100, 0), (200, 1), (100, 1)]
+    assert mod.planned_runs([100], [3], whole=False) == [(100, 3)]
