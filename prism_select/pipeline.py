@@ -519,6 +519,8 @@ class RunContext:
         else:
             cur = apply_damping(cur, replace(cs, damping_factor=check.factor))
         self._curvature = cur
+        del halves
+        self.stage_peak("split_half")
         self.timings["split_half_s"] = time.perf_counter() - t
         self.info["curvature"] = {**self.info.get("curvature", {}), "split_half": check.to_json(),
                                   "damping": _summary(list(cur.damping.values()))}

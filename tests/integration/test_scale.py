@@ -683,6 +683,27 @@ def test_split_half_scores_at_the_plans_batch(run_files, monkeypatch):
     assert batches == [3]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_half_on_a_capped_gpu_fits_its_halves_into_host_memory(run_files, monkeypatch):
+    """End to end on a GPU under --max-gpu-memory: the half fits come back in host memory,
+    the run's own curvature stays on the device, and run.json records the check's GPU peak."""
+    from prism_select import pipeline
+    from prism_select.curvature import CurvatureSettings
+    from prism_select.model import ModelSettings
+    from prism_select.pipeline import ScoreSettings, score_pool
+    real_fit, fitted = pipeline.load_or_fit_curvature, []
+    monkeypatch.setattr(pipeline, "load_or_fit_curvature", lambda *a, **kw: (
+        fitted.append(r := real_fit(*a, **kw)), r)[1])
+    ms = ModelSettings(model=str(run_files / "model"), dtype="float32", device="cuda",
+                       cache_dir=str(run_files / "cache"))
+    summary = score_pool(ms, run_files / "pool.jsonl", run_files / "targets.jsonl", run_files / "sh-gpu",
+                         ScoreSettings(progress=False, batch_size=4, max_gpu_memory=8 << 30),
+                         CurvatureSettings(damping_rule="split-half"))
+    devices = [{t.device.type for t in cur.tensors.values()} for cur, _, _ in fitted]
+    assert devices == [{"cuda"}, {"cpu"}, {"cpu"}]  # the run's fit, then its two halves
+    assert summary["gpu_peak_bytes_by_stage"]["split_half"] > 0
+
+
 def test_split_half_keeps_its_halves_in_host_memory_under_a_bounded_gpu_plan():
     """The plan counts one curvature on the device (the run's): under a bounded plan on a
     GPU the two half fits wait in host memory; elsewhere they stay where they are fitted."""
