@@ -995,6 +995,25 @@ def test_shipped_experiment_config_is_valid(tmp_path):
     assert rp.remove_fractions == [0.05, 0.1, 0.2] and rp.oracle
 
 
+def test_the_cpu_ranking_config_builds_the_gpu_configs_testbed(tmp_path):
+    """dropped_carry_ranking_cpu.yaml: the GPU ranking config's pools, start model, probes,
+    SFT and target pairs, a subset of its methods, on the CPU."""
+    import dataclasses
+    from prism_select.evaluation.config import load_config
+    root = Path(__file__).resolve().parents[2] / "experiments"
+    gpu = load_config(root / "dropped_carry_ranking.yaml", "repair", data_root=str(tmp_path))
+    cpu = load_config(root / "dropped_carry_ranking_cpu.yaml", "repair", data_root=str(tmp_path))
+    for f in ("data", "warmup", "probes", "finetune", "pair_selection", "min_pairs", "fallback_pair_selection",
+              "score_at", "retrain", "floors", "targets", "curvature"):
+        assert getattr(cpu, f) == getattr(gpu, f), f
+    assert dataclasses.replace(cpu.generation, batch_size=gpu.generation.batch_size) == gpu.generation
+    from prism_select.evaluation.experiment import available_methods
+    assert gpu.methods == "all" and set(cpu.methods) < set(available_methods())
+    assert cpu.harmful_ratios == [0.1] and 0.1 in gpu.harmful_ratios
+    assert cpu.model.device == "cpu" and "max_gpu_memory" not in cpu.score.extra
+    assert dataclasses.replace(cpu.score, extra=gpu.score.extra) == gpu.score
+
+
 # --------------------------------------------------------------------------- browser
 
 CHROMIUM = Path("/usr/bin/chromium")
