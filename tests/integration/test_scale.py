@@ -644,43 +644,31 @@ def test_split_half_scores_a_bounded_sample_and_reuses_the_half_fits(run_files, 
     assert torch.equal(a, c)
 
 
-def test_split_half_fits_its_halves_at_the_plans_batch(run_files, monkeypatch):
-    """The half fits run at the memory plan's fit batch, as the run's own fit does, not at
-    the settings' batch (a plan under --max-gpu-memory may have chosen a smaller one)."""
+@pytest.mark.parametrize("stage", ["fit", "scoring"])
+def test_split_half_runs_at_the_plans_batches(run_files, monkeypatch, stage):
+    """The half fits run at the memory plan's fit batch and the check scores its sample at
+    the plan's scoring batch, as the run's own fit and scoring do, not at the settings'
+    batch (a plan under --max-gpu-memory may have chosen smaller ones)."""
     from prism_select import pipeline
     from prism_select.curvature import store
-    real_plan, real_fit = pipeline.make_plan, store.fit_curvature
-    batches = []
+    real_plan, real_fit, real_many = pipeline.make_plan, store.fit_curvature, pipeline.score_directions
+    fits, scorings = [], []
 
     def small_batch_plan(model, modules, **kw):
         plan = real_plan(model, modules, **kw)
-        plan.fit["batch_size"] = 3
+        getattr(plan, stage)["batch_size"] = 3
         return plan
 
     monkeypatch.setattr(pipeline, "make_plan", small_batch_plan)
-    monkeypatch.setattr(store, "fit_curvature", lambda m, mods, enc, cs, **kw: (batches.append((len(enc), cs.batch_size)),
+    monkeypatch.setattr(store, "fit_curvature", lambda m, mods, enc, cs, **kw: (fits.append((len(enc), cs.batch_size)),
                                                                                  real_fit(m, mods, enc, cs, **kw))[1])
-    _score(run_files, "sh-batch", damping_rule="split-half")
-    assert sorted(batches) == [(12, 3), (12, 3), (24, 3)]
-
-
-def test_split_half_scores_at_the_plans_batch(run_files, monkeypatch):
-    """The check scores its sample at the memory plan's scoring batch, as the run's own
-    scoring does, not at the settings' batch."""
-    from prism_select import pipeline
-    real_plan, real_many = pipeline.make_plan, pipeline.score_directions
-    batches = []
-
-    def small_batch_plan(model, modules, **kw):
-        plan = real_plan(model, modules, **kw)
-        plan.scoring["batch_size"] = 3
-        return plan
-
-    monkeypatch.setattr(pipeline, "make_plan", small_batch_plan)
     monkeypatch.setattr(pipeline, "score_directions", lambda m, mods, enc, vs, **kw: (
-        batches.append(kw["batch_size"]), real_many(m, mods, enc, vs, **kw))[1])
-    _score(run_files, "sh-score-batch", damping_rule="split-half")
-    assert batches == [3]
+        scorings.append(kw["batch_size"]), real_many(m, mods, enc, vs, **kw))[1])
+    _score(run_files, f"sh-{stage}-batch", damping_rule="split-half")
+    if stage == "fit":
+        assert sorted(fits) == [(12, 3), (12, 3), (24, 3)]
+    else:
+        assert scorings == [3]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
