@@ -257,6 +257,7 @@ class RunContext:
 
     def stage_peak(self, stage: str) -> None:
         """At the end of a stage (the memory plan's stage names: direction, fit, scoring;
+        ``split_half``: the split-half damping check;
         a baseline's own stages by the names of their timings, e.g. IF-Guide's ``target``
         and ``token_scores``), record the process's host high-water mark so far under
         ``host_peak_mib_by_stage[stage]`` (resident memory, MiB; a value above the previous

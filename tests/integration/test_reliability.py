@@ -381,9 +381,10 @@ def test_same_seed_gives_equal_scores_on_gpu(tmp_path, model_dir, data):
 
 
 @pytest.mark.parametrize("method,expected", [
-    ("prism", ["direction", "fit", "scoring"]),
-    ("ifguide", ["target", "fit", "token_scores"]),
-    ("conceptinf", ["concept_vector", "concept_gradient", "fit", "scoring"]),
+    # a small pool: the split-half check between the fit and the scores (the default rule)
+    ("prism", ["direction", "fit", "split_half", "scoring"]),
+    ("ifguide", ["target", "fit", "split_half", "token_scores"]),
+    ("conceptinf", ["concept_vector", "concept_gradient", "fit", "split_half", "scoring"]),
 ])
 def test_run_json_records_the_host_peak_at_the_end_of_each_stage(tmp_path, model_dir, data, method, expected):
     """The process's resident high-water mark when each stage ended (what says which stage
