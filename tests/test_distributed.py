@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 WORKER = r"""
-import json, sys
+import json, os, sys
 sys.path.insert(0, {tests!r})
 import torch
 from prism_select import distributed
@@ -40,10 +40,18 @@ v = cur.precondition(d)
 s = score_encoded(model, modules, pool, v, pad_id=tok.pad_token_id, batch_size=2, chunking=Chunking(3))
 if distributed.rank() == 0:
     name = "model.layers.1.mlp.down_proj"
-    json.dump({{"scores": s.tolist(), "lam": cur.tensors[name + "::Lambda"].flatten().tolist(),
-               "world": distributed.world()}}, open(sys.argv[1], "w"))
+    with open(sys.argv[1], "w") as f:
+        json.dump({{"scores": s.tolist(), "lam": cur.tensors[name + "::Lambda"].flatten().tolist(),
+                   "world": distributed.world()}}, f)
+ranks = distributed.world()
 distributed.barrier()  # no rank tears the group down while another is still in a collective
 distributed.destroy()
+if ranks > 1:
+    # what still holds the gloo group (the sharded runs' device meshes) is freed in the
+    # interpreter's teardown, where its threads can abort a finished rank: leave before it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 """
 
 

@@ -162,7 +162,7 @@ def test_sharded_transient_run_resumes_finished_groups(runs, tmp_path):
 
 
 WORKER = r"""
-import json, sys
+import json, os, sys
 import torch
 from prism_select import distributed, sharding
 distributed.init_from_env("cpu")
@@ -198,9 +198,13 @@ for n, m in modules.items():
     rows = torch.arange(m.out_features, dtype=torch.float64)[a:b, None].expand(-1, m.in_features)
     out[n] = out[n] and bool(torch.equal(sharding.gather_rows(rows.contiguous(), m.out_features)[:, 0],
                                          torch.arange(m.out_features, dtype=torch.float64)))
-json.dump(out, open(sys.argv[1] + str(distributed.rank()), "w"))
+with open(sys.argv[1] + str(distributed.rank()), "w") as f:
+    json.dump(out, f)
 distributed.barrier()  # no rank tears the group down while another is still in a collective
 distributed.destroy()
+# FSDP's device mesh still holds the gloo group: freed in the interpreter's own teardown, its
+# threads can abort a finished rank ("terminate called without an active exception")
+os._exit(0)
 """
 
 
