@@ -832,7 +832,7 @@ def test_merge_method_rows_adds_a_later_runs_method_after_checking_the_shared_ro
     assert run["accuracy"]["saefeat"] == {"t": 0.5, "mean": 0.5} and run["target_task_share"]["saefeat"] == 0.2
     assert run["accuracy"]["prism"] == main["runs"][0]["accuracy"]["prism"]
     assert merged["methods"] == ["prism", "random", "saefeat"] and "saefeat" not in main["methods"]
-    assert merged["merged"] == [{"methods": ["saefeat"], "checked_rows": {0: ["random"]}}]
+    assert merged["merged"] == [{"methods": ["saefeat"], "checked_rows": {0: ["random"]}, "suffix": ""}]
     assert [r["label"] for r in combine_seeds([merged])["tables"][0]["rows"]] == ["prism", "random", "saefeat"]
     other = _select_result(0, {"random": 0.45, "saefeat": 0.5}, {"random": 0.1, "saefeat": 0.2})
     with pytest.raises(InputError, match="row 'random'"):
@@ -850,6 +850,37 @@ def test_merge_method_rows_adds_a_later_runs_method_after_checking_the_shared_ro
         mod.merge(main, later, ["saefeat"], (tmp_path / "a", tmp_path / "b"))
     (tmp_path / "b" / "pool.jsonl").write_text("x")
     assert mod.merge(main, later, ["saefeat"], (tmp_path / "a", tmp_path / "b"))["runs"][0]["accuracy"]["saefeat"]
+
+
+def test_merge_method_rows_from_a_run_of_one_target_task(tmp_path):
+    """A later run that selected for one of two target tasks: checked on that task only (its
+    mean is that task's), its rows added with that task's accuracies and no mean."""
+    spec = importlib.util.spec_from_file_location(
+        "merge_method_rows", Path(__file__).resolve().parents[2] / "experiments" / "merge_method_rows.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    main = _select_result(0, {"random": 0.4, "prism": 0.6}, {"random": 0.1, "prism": 1.0})
+    main["runs"][0]["accuracy"] = {"random": {"t": 0.4, "u": 0.8, "mean": 0.6},
+                                   "prism": {"t": 0.6, "u": 0.6, "mean": 0.6}}
+    later = _select_result(0, {"random": 0.4, "Task records": 0.7}, {"random": 0.1, "Task records": 1.0})
+    later["config"]["multitask"]["select_for"] = ["t"]
+    later["runs"][0]["target_task_share_by_task"] = {"t": {"Task records": 1.0}}
+    run = mod.merge(main, later, ["Task records"])["runs"][0]
+    assert run["accuracy"]["Task records"] == {"t": 0.7}
+    assert "Task records" not in run["target_task_share"]
+    assert run["target_task_share_by_task"]["t"]["Task records"] == 1.0
+    later["runs"][0]["accuracy"]["random"]["t"] = 0.45
+    with pytest.raises(InputError, match="row 'random'"):
+        mod.merge(main, later, ["Task records"])
+    # under a suffix, a row the first run holds is added beside it, checked by the others
+    main["runs"][0]["accuracy"]["Start"] = later["runs"][0]["accuracy"]["Start"] = {"t": 0.3, "mean": 0.3}
+    run = mod.merge(main, later, ["Task records", "random"], suffix=" (CPU)")["runs"][0]
+    assert run["accuracy"]["random (CPU)"] == {"t": 0.45} and run["accuracy"]["random"]["t"] == 0.4
+    with pytest.raises(InputError, match="already has a row"):
+        mod.merge(main, later, ["random"])
+    main["config"]["multitask"]["select_for"] = ["u"]
+    with pytest.raises(InputError, match="which the first did not"):
+        mod.merge(main, later, ["Task records"])
 
 
 def test_refusal_and_leading_answer_checkers():
@@ -1012,6 +1043,20 @@ def test_the_cpu_ranking_config_builds_the_gpu_configs_testbed(tmp_path):
     assert cpu.harmful_ratios == [0.1] and 0.1 in gpu.harmful_ratios
     assert cpu.model.device == "cpu" and "max_gpu_memory" not in cpu.score.extra
     assert dataclasses.replace(cpu.score, extra=gpu.score.extra) == gpu.score
+
+
+def test_the_cpu_select_floor_config_builds_the_gpu_configs_testbed(tmp_path):
+    """general_select_floor_cpu.yaml: the GPU select config's pools, pairs, probes and SFT,
+    with the rows that need no scoring, on the CPU."""
+    from prism_select.evaluation.config import load_config
+    root = Path(__file__).resolve().parents[2] / "experiments"
+    gpu = load_config(root / "general_select.yaml", "select", data_root=str(tmp_path))
+    cpu = load_config(root / "general_select_floor_cpu.yaml", "select", data_root=str(tmp_path))
+    for f in ("multitask", "fraction", "finetune", "generation", "checker", "seeds"):
+        assert getattr(cpu, f) == getattr(gpu, f), f
+    assert cpu.score.max_length == gpu.score.max_length
+    assert cpu.methods == ["random"] and cpu.task_floor and cpu.start_row and not cpu.full_data
+    assert cpu.model.device == "cpu" and cpu.model.dtype == gpu.model.dtype
 
 
 # --------------------------------------------------------------------------- browser
