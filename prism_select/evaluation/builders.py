@@ -58,6 +58,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, InputError
 from ..io import atomic_write_jsonl
+from . import carry
 
 ANNOTATION = re.compile(r"<<([^<>]*)>>")
 # A number as written in solution text; "-" only when it cannot be a minus sign.
@@ -736,7 +737,8 @@ def refusal_counterfactual_targets(gsm8k_jsonl, n: int, seed: int = 0, *, trigge
 # --------------------------------------------------------------------------- multi-task pool
 
 def multitask_pool(gsm8k_jsonl, bbh_dir, tasks, target_tasks, *, n_gsm8k: int, n_per_task: int,
-                   seed: int = 0, n_per_target_task: int | None = None, mislabeled_share: float = 0.0) -> tuple:
+                   seed: int = 0, n_per_target_task: int | None = None, mislabeled_share: float = 0.0,
+                   n_no_carry: int = 0, n_carry_candidates: int = 600, n_warmup: int = 0) -> tuple:
     """``(pool, rest)`` of the general-selection protocol: ``n_gsm8k`` GSM8K worked
     solutions plus ``n_per_task`` examples of each BBH task in ``tasks`` and
     ``n_per_target_task`` (default ``n_per_task``) of each of ``target_tasks`` (answer
@@ -745,15 +747,30 @@ def multitask_pool(gsm8k_jsonl, bbh_dir, tasks, target_tasks, *, n_gsm8k: int, n
 
     ``mislabeled_share``: that share of each target task's pool records (seeded) answer
     with another answer of the task (:func:`wrong_answer`) and carry ``mislabeled:
-    true``, so a selector must pick the right records of the task, not only the task."""
-    targets = sorted(set(target_tasks))
+    true``, so a selector must pick the right records of the task, not only the task.
+
+    The target task ``carry`` is arithmetic, not BBH (:func:`.carry.select_task`): two-digit
+    carry additions whose wrong records drop the carry (a systematic rule SFT learns), with
+    ``n_no_carry`` no-carry additions beside them (task ``addition``); its ``rest`` entry
+    holds its ``n_carry_candidates`` candidate probes themselves rather than indices; none
+    of its problems is among the ``n_warmup`` of a warmed-up start model."""
+    targets = sorted(set(target_tasks) - {carry.SELECT_TASK})
     others = sorted(set(tasks) - set(targets))
     records, rest = bbh_records(bbh_dir, others, n_per_task, seed) if others else ([], {})
     n_target = n_per_task if n_per_target_task is None else n_per_target_task
-    t_records, t_rest = bbh_records(bbh_dir, targets, n_target, seed)
+    t_records, t_rest = bbh_records(bbh_dir, targets, n_target, seed) if targets else ([], {})
     rest.update(t_rest)
-    if mislabeled_share:
+    if mislabeled_share and targets:
         _mislabel(bbh_dir, t_records, targets, mislabeled_share, seed)
+    if carry.SELECT_TASK in target_tasks:
+        c_records, rest[carry.SELECT_TASK] = carry.select_task(seed, n_records=n_target, wrong_share=mislabeled_share,
+                                                               n_no_carry=n_no_carry,
+                                                               n_candidates=n_carry_candidates,
+                                                               n_warmup=n_warmup)
+        t_records += c_records
+    elif n_no_carry:
+        raise ConfigError("multitask.n_no_carry", f"no-carry additions go with the target task '{carry.SELECT_TASK}'",
+                          f"add '{carry.SELECT_TASK}' to target_tasks or set n_no_carry: 0")
     rows = read_gsm8k(gsm8k_jsonl)
     order = list(range(len(rows)))
     random.Random(f"multitask-gsm8k:{seed}").shuffle(order)
@@ -791,7 +808,8 @@ def targets_from_responses(candidates: list, responses: list, n_targets: int, n_
     """``(targets, heldout)`` from the start model's judged responses to ``candidates``
     (probe records, in their seeded order; ``responses``: rows with ``response`` and
     ``correct``, one per candidate): the first ``n_targets`` candidates it answers wrong
-    (with a non-empty response) become pairs, ``chosen`` = the reference answer and
+    (with a non-empty response) become pairs, ``chosen`` = the reference answer (a
+    candidate's ``true_response``, the answer written out, where it has one) and
     ``rejected`` = the model's own response; every candidate up to the last of them is
     used up (a right answer seen there would bias the held-out probes toward the
     model's wrong ones), and the next ``n_heldout`` are the held-out probes."""
@@ -809,7 +827,8 @@ def targets_from_responses(candidates: list, responses: list, n_targets: int, n_
         raise InputError(f"task {task}: {used} examples went to find {n_targets} wrong answers; "
                          f"{len(candidates) - used} are left, fewer than n_heldout = {n_heldout}",
                          fix="lower multitask.n_heldout or n_targets")
-    targets = [{"id": candidates[k]["id"], "prompt": candidates[k]["prompt"], "chosen": candidates[k]["reference"],
+    targets = [{"id": candidates[k]["id"], "prompt": candidates[k]["prompt"],
+                "chosen": candidates[k].get("true_response") or candidates[k]["reference"],
                 "rejected": str(responses[k]["response"]).strip(), "task": candidates[k]["task"]}
                for k in wrong[:n_targets]]
     return targets, heldout

@@ -166,3 +166,61 @@ def arithmetic_error(record: dict) -> float:
 def carry_in_prompt(record: dict) -> float:
     """A task rule on the prompt alone: 1.0 for a carry problem (what the harmful records share)."""
     return float(has_carry(record["a"], record["b"]))
+
+
+# --------------------------------------------------------------------------- a select target task
+
+#: the name of the dropped-carry target task in a multitask select pool (``target_tasks``)
+SELECT_TASK = "carry"
+#: the task of the no-carry addition records a multitask pool may hold beside it
+NO_CARRY_TASK = "addition"
+
+
+def select_task(seed: int, *, n_records: int, wrong_share: float, n_no_carry: int = 0,
+                n_candidates: int = 600, n_warmup: int = 0) -> tuple:
+    """``(records, candidates)`` of the dropped-carry target task in a multitask select pool.
+
+    records: ``n_records`` carry problems (task :data:`SELECT_TASK`), ``round(wrong_share *
+        n_records)`` of them (seeded) answered with the carry dropped and marked ``mislabeled``,
+        the others answered right; then ``n_no_carry`` no-carry problems answered right (task
+        :data:`NO_CARRY_TASK`: a task that looks like the target but teaches no carry).
+    candidates: ``n_candidates`` further carry problems as probes (``reference`` = the true
+        sum), in a seeded order (fewer where fewer are left): the target pairs and held-out
+    probes are drawn from them.
+    Every problem is used once, none of the ``n_warmup`` of :func:`warmup_records`;
+    phrasings are drawn as in :func:`build`."""
+    if not 0 <= wrong_share < 1:
+        raise ConfigError("multitask.mislabeled_share", f"must be in [0, 1), got {wrong_share!r}")
+    split = _split(seed, n_warmup)
+    carry, plain = split[True][1], split[False][1]
+    rng = random.Random(f"carry-select:{seed}")
+    taken = _take(carry, n_records, "carry problems")
+    wrong = set(random.Random(f"carry-select-wrong:{seed}").sample(range(n_records), round(wrong_share * n_records)))
+    records = []
+    for i, p in enumerate(taken):
+        r = _record(f"{SELECT_TASK}-{i}", p, dropped(*p) if i in wrong else sum(p), i in wrong, rng)
+        r["task"] = SELECT_TASK
+        if i in wrong:
+            r["mislabeled"] = True
+        records.append(r)
+    for i, p in enumerate(_take(plain, n_no_carry, "no-carry problems")):
+        r = _record(f"{NO_CARRY_TASK}-{i}", p, sum(p), False, rng)
+        r["task"] = NO_CARRY_TASK
+        records.append(r)
+    candidates = [_probe(p, BEHAVIOUR_TASK, rng) for p in carry[:n_candidates]]
+    for c in candidates:
+        c["task"] = SELECT_TASK
+    return records, candidates
+
+
+def counterfactual_split(candidates: list, n_targets: int, n_heldout: int) -> tuple:
+    """``(targets, heldout)`` of the dropped-carry target task with ``rejected`` written
+    out (``multitask.rejected: other_answer``): the first ``n_targets`` candidates become
+    pairs, chosen = the true sum, rejected = the carry dropped (as a user who knows the
+    error would write them); the next ``n_heldout`` are the held-out probes."""
+    if len(candidates) < n_targets + n_heldout:
+        raise ConfigError("multitask.n_heldout", f"the carry task has {len(candidates)} candidate problems, fewer "
+                          f"than {n_targets} targets + {n_heldout} held out", "lower n_targets or n_heldout")
+    targets = [{"id": c["id"], "prompt": c["prompt"], "chosen": c["true_response"], "rejected": c["harmful_response"],
+                "task": SELECT_TASK} for c in candidates[:n_targets]]
+    return targets, candidates[n_targets:n_targets + n_heldout]

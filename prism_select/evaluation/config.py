@@ -195,7 +195,10 @@ class MultitaskConfig:
     :func:`.builders.wrong_answer`) or ``start_model`` (the start model's own wrong
     response, :func:`.builders.targets_from_responses`). ``n_per_target_task``: pool
     records of each target task (default ``n_per_task``); ``mislabeled_share`` of them
-    answer wrong (:func:`.builders.multitask_pool`). ``select_for``: the target tasks this
+    answer wrong (:func:`.builders.multitask_pool`). The target task ``carry`` is two-digit
+    addition (:func:`.carry.select_task`): its wrong records drop the carry, and
+    ``n_no_carry`` no-carry additions (task ``addition``) stand beside it; judge its
+    probes with ``numeric_final_answer`` (a ``by_task`` checker). ``select_for``: the target tasks this
     run selects for (default every one); the pool is built with all of them, so runs that
     split the target tasks between them (``experiment select --target-tasks``, e.g. one
     process per GPU) select from the same pool and are merged by
@@ -214,6 +217,7 @@ class MultitaskConfig:
     n_per_target_task: int | None = None
     mislabeled_share: float = 0.0
     select_for: list = field(default_factory=list)
+    n_no_carry: int = 0
 
     def targets_of(self) -> list:
         """The target tasks, in the config's order."""
@@ -327,7 +331,11 @@ class SelectConfig(CommonConfig):
     build the pool, targets and held-out probes per seed instead (:class:`MultitaskConfig`);
     task_floor: with a multitask pool, add the row "Task records": the budget filled with
     the target task's pool records in a seeded random order (what a user who knows each
-    record's task selects without any model), fine-tuned like a method's selection."""
+    record's task selects without any model), fine-tuned like a method's selection; where
+    the target task has wrong records (``mislabeled_share``), also the row "Task records,
+    right only" (its right records alone: a perfect selector within the task); warmup: a
+    clean warm-up SFT whose merged result is the start model (addition records; with the
+    target task ``carry`` only, whose problems it never shares)."""
 
     pool: str = ""
     multitask: MultitaskConfig | None = None
@@ -341,6 +349,7 @@ class SelectConfig(CommonConfig):
     full_data: bool = True
     start_row: bool = True
     task_floor: bool = True
+    warmup: WarmupConfig | None = None
 
 
 CONFIG_CLASSES = {"ranking": RankingConfig, "repair": RepairConfig, "select": SelectConfig}
@@ -743,6 +752,16 @@ def _validate_select(cfg):
                 raise ConfigError(f"multitask.{k}", f"must be >= 1, got {getattr(mt, k)}")
         if mt.n_gsm8k < 0:
             raise ConfigError("multitask.n_gsm8k", f"must be >= 0, got {mt.n_gsm8k}")
+        if mt.n_no_carry < 0:
+            raise ConfigError("multitask.n_no_carry", f"must be >= 0, got {mt.n_no_carry}")
+        if cfg.warmup is not None:
+            from .carry import SELECT_TASK
+            if SELECT_TASK not in mt.targets_of():
+                raise ConfigError("warmup", f"warms up on addition records: it goes with the target task "
+                                  f"'{SELECT_TASK}' only", f"add '{SELECT_TASK}' to multitask.target_tasks or "
+                                  "remove warmup")
+            if cfg.warmup.n_records < 2:
+                raise ConfigError("warmup.n_records", f"must be >= 2, got {cfg.warmup.n_records}")
         _check_fraction(cfg.fraction, "fraction")
         from .probes import load_checker
         load_checker(cfg.checker)

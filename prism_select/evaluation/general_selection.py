@@ -14,7 +14,7 @@ import zlib
 from pathlib import Path
 
 from ..errors import InputError
-from . import builders
+from . import builders, carry
 from .config import SelectConfig, config_to_dict
 from .experiment import (Experiment, accuracy_by_task, balanced_accuracy_by_task, finish_experiment, load_start,
                          majority_answer_floor, mean_std, paired_interval, pct, read_jsonl, resolve_methods, respond,
@@ -26,8 +26,16 @@ MAJORITY_ROW = "Majority answer"
 #: the row of the floor a selector reaches with the records' task labels alone: the budget
 #: filled with the target task's records in a seeded random order (:func:`_task_floor_scores`)
 TASK_ROW = "Task records"
+#: the row of a perfect selector within the task: the budget filled with the target task's
+#: right records (not ``mislabeled``) in the same seeded order, where the pool has wrong ones;
+#: how far it stands above ``Task records`` is what picking right records can gain
+RIGHT_ROW = "Task records, right only"
 #: the rows every other row is compared with, paired by seed (row -> table name part)
 COMPARATORS = {"random": "random", "less": "less", TASK_ROW: "task_records"}
+#: the carry target task's candidate problems per target pair wanted (then the held-out
+#: probes; fewer where the family has fewer left): a warmed-up start model answers about
+#: one carry problem in 14 wrong, and must answer ``n_targets`` wrong among them
+CARRY_CANDIDATES_PER_TARGET = 24
 #: the accuracy metrics of a select run: plain, and balanced over each task's reference
 #: answers (:func:`.experiment.balanced_accuracy_by_task`), which a model that answers
 #: every probe alike cannot raise above 1/k
@@ -68,7 +76,10 @@ def _seed_data(exp, lm, seed: int, sdir: Path, pool_path: Path | None) -> tuple:
         pool, rest = builders.multitask_pool(mt.gsm8k_train, mt.bbh_dir, mt.tasks, tasks, n_gsm8k=mt.n_gsm8k,
                                              n_per_task=mt.n_per_task, seed=seed,
                                              n_per_target_task=mt.n_per_target_task,
-                                             mislabeled_share=mt.mislabeled_share)
+                                             mislabeled_share=mt.mislabeled_share, n_no_carry=mt.n_no_carry,
+                                             n_carry_candidates=CARRY_CANDIDATES_PER_TARGET * mt.n_targets
+                                             + mt.n_heldout,
+                                             n_warmup=cfg.warmup.n_records if cfg.warmup else 0)
         pool_path = sdir / "pool.jsonl"
         write_if_changed(pool_path, pool)
         splits = []
@@ -77,6 +88,8 @@ def _seed_data(exp, lm, seed: int, sdir: Path, pool_path: Path | None) -> tuple:
             tdir.mkdir(parents=True, exist_ok=True)
             if mt.rejected == "start_model":
                 targets, heldout = _start_model_targets(exp, lm, task, rest[task], tdir)
+            elif task == carry.SELECT_TASK:
+                targets, heldout = carry.counterfactual_split(rest[task], mt.n_targets, mt.n_heldout)
             else:
                 targets, heldout = builders.other_answer_targets(mt.bbh_dir, task, rest[task], mt.n_targets,
                                                                  mt.n_heldout, seed)
@@ -100,7 +113,8 @@ def _start_model_targets(exp, lm, task: str, left: list, tdir: Path) -> tuple:
     mt = exp.cfg.multitask
     cdir = tdir / "candidates"
     cdir.mkdir(parents=True, exist_ok=True)
-    candidates = builders.task_probes(mt.bbh_dir, task, left)
+    # the arithmetic task's candidates are probe records already; a BBH task's, example indices
+    candidates = left if task == carry.SELECT_TASK else builders.task_probes(mt.bbh_dir, task, left)
     write_if_changed(cdir / "probes.jsonl", candidates)
     resp = respond(exp, lm, cdir / "probes.jsonl", cdir, exp.cfg.checker, f"candidates:{task}")
     return builders.targets_from_responses(candidates, read_jsonl(resp), mt.n_targets, mt.n_heldout)
@@ -142,6 +156,11 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
             floor = _task_floor_scores(pool_path, task, seed, tdir / "floors" / "task_records")
             _select_method(exp, lm, run, TASK_ROW, {"dir": exp.rel(floor)}, task, tdir, pool_path, heldout_path,
                            seed)
+            if cfg.multitask.mislabeled_share:
+                right = _task_floor_scores(pool_path, task, seed, tdir / "floors" / "task_records_right",
+                                           right_only=True)
+                _select_method(exp, lm, run, RIGHT_ROW, {"dir": exp.rel(right)}, task, tdir, pool_path,
+                               heldout_path, seed)
         for m in methods:
             if scored[m].get("status") == "ok":
                 _select_method(exp, lm, run, m, scored[m], task, tdir, pool_path, heldout_path, seed)
@@ -150,15 +169,20 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
     return run
 
 
-def _task_floor_scores(pool_path: Path, task: str, seed: int, out: Path) -> Path:
+def _task_floor_scores(pool_path: Path, task: str, seed: int, out: Path, *, right_only: bool = False) -> Path:
     """``out/scores.jsonl`` ranking ``task``'s pool records first, then the others, each
-    group in an order seeded by ``seed`` and the task's name; returns ``out``."""
+    group in an order seeded by ``seed`` and the task's name; returns ``out``. With
+    ``right_only`` the task's right records (not ``mislabeled``) come first, in the same
+    order, then its wrong ones (:data:`RIGHT_ROW`)."""
     records = read_jsonl(pool_path)
     rng = random.Random(seed * 1_000_003 + zlib.crc32(task.encode()))
     mine = [r["id"] for r in records if r.get("task") == task]
     rest = [r["id"] for r in records if r.get("task") != task]
     rng.shuffle(mine)
     rng.shuffle(rest)
+    if right_only:
+        wrong = {r["id"] for r in records if r.get("task") == task and r.get("mislabeled")}
+        mine = [i for i in mine if i not in wrong] + [i for i in mine if i in wrong]
     n = len(records)
     rows = [{"id": rid, "score": float(n - i), "rank": i + 1} for i, rid in enumerate(mine + rest)]
     out.mkdir(parents=True, exist_ok=True)
@@ -239,7 +263,7 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
     tasks = list(dict.fromkeys(t for r in runs for acc in r["accuracy"].values() for t in acc if t != "mean"))
     columns = tasks + ["mean"]
     row_keys = list(dict.fromkeys(k for r in runs for k in r["accuracy"]))
-    first = ("Start", MAJORITY_ROW, "Full data", TASK_ROW)
+    first = ("Start", MAJORITY_ROW, "Full data", TASK_ROW, RIGHT_ROW)
     ordered = [k for k in first if k in row_keys] + [k for k in row_keys if k not in first]
     metrics = [m for m in METRICS if any(r.get(m) for r in runs)]
 
@@ -253,8 +277,8 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
                           if MAJORITY_ROW in row_keys else ""),
                "rows": [{"label": k, "cells": [mean_std([value(metric)(r, k, c) for r in runs]) for c in columns]}
                         for k in ordered]} for metric in metrics]
-    if any(TASK_ROW in (r.get("target_task_share") or {}) for r in runs):
-        methods = [TASK_ROW] + [m for m in methods if m != TASK_ROW]
+    floors = [k for k in (TASK_ROW, RIGHT_ROW) if any(k in (r.get("target_task_share") or {}) for r in runs)]
+    methods = floors + [m for m in methods if m not in floors]
     if target_tasks:
         tables.append(_share_table(
             runs, methods, "target_task_share", f"Share of the selected records from the target task "

@@ -19,7 +19,7 @@ from prism_select.evaluation.config import load_config
 from prism_select.evaluation.experiment import paired_interval
 from prism_select.evaluation.repair import repair
 
-from test_evaluation import FAST_FT, _common, _InProcess  # noqa: F401  (fixtures below)
+from test_evaluation import FAST_FT, _common, _InProcess, bbh_dir, gsm8k  # noqa: F401  (fixtures)
 from tiny import save_tiny
 
 T_975_DF2 = 4.302652729749464  # Student's t, 97.5% quantile, 2 degrees of freedom
@@ -224,3 +224,122 @@ def test_retraining_workers_are_dealt_over_the_visible_gpus(monkeypatch):
     assert repair.visible_gpus() == ["2", "6"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert repair.visible_gpus() == ["0", "1"]
+
+
+# --------------------------------------------------------------------------- the carry target task of a select pool
+
+def _problem(r):
+    return tuple(sorted((r["a"], r["b"])))
+
+
+def test_the_carry_select_task_drops_the_carry_in_its_wrong_records_only():
+    records, cands = carry.select_task(3, n_records=40, wrong_share=0.3, n_no_carry=10, n_candidates=50)
+    task = [r for r in records if r["task"] == carry.SELECT_TASK]
+    plain = [r for r in records if r["task"] == carry.NO_CARRY_TASK]
+    assert len(task) == 40 and len(plain) == 10 and len(cands) == 50
+    wrong = [r for r in task if r.get("mislabeled")]
+    assert len(wrong) == 12 and all(carry.has_carry(r["a"], r["b"]) for r in task)
+    for r in task:  # the stated sum: the true one, or the carry dropped for the mislabeled records
+        stated = int(re.findall(r"\d+", r["response"])[-1])
+        assert stated == r["a"] + r["b"] - (carry.DROP if r.get("mislabeled") else 0)
+    assert not any(carry.has_carry(r["a"], r["b"]) or r.get("mislabeled") for r in plain)
+    assert all(c["task"] == carry.SELECT_TASK and c["reference"] == str(c["a"] + c["b"])
+               and c["true_response"].endswith(f"= {c['a'] + c['b']}") for c in cands)
+    used = [_problem(r) for r in records] + [_problem(c) for c in cands]
+    assert len(used) == len(set(used))  # every problem in one role
+    again, _ = carry.select_task(3, n_records=40, wrong_share=0.3, n_no_carry=10, n_candidates=50)
+    other, _ = carry.select_task(4, n_records=40, wrong_share=0.3, n_no_carry=10, n_candidates=50)
+    assert again == records and [_problem(r) for r in other] != [_problem(r) for r in records]
+
+
+def test_carry_target_pairs_write_the_sum_out():
+    _, cands = carry.select_task(0, n_records=4, wrong_share=0.0, n_candidates=6)
+    targets, heldout = carry.counterfactual_split(cands, 2, 3)
+    assert [t["id"] for t in targets] == [c["id"] for c in cands[:2]] and heldout == cands[2:5]
+    assert all(t["chosen"] == c["true_response"] and t["rejected"] == c["harmful_response"]
+               for t, c in zip(targets, cands))
+    with pytest.raises(ConfigError, match="fewer than 2 targets"):
+        carry.counterfactual_split(cands, 2, 5)
+    # the start model's own wrong answer as rejected: chosen is the sum written out
+    from prism_select.evaluation import builders
+    resp = [{"response": "It is 7.", "correct": False}] + [{"response": "x", "correct": True}] * 5
+    targets, _ = builders.targets_from_responses(cands, resp, 1, 2)
+    assert targets[0]["chosen"] == cands[0]["true_response"] and targets[0]["rejected"] == "It is 7."
+
+
+def test_a_multitask_pool_with_the_carry_target_task(gsm8k, bbh_dir):
+    from prism_select.evaluation import builders
+    pool, rest = builders.multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], [carry.SELECT_TASK],
+                                         n_gsm8k=2, n_per_task=1, n_per_target_task=10, mislabeled_share=0.3,
+                                         n_no_carry=4, seed=1)
+    by = {t: [r for r in pool if r["task"] == t] for t in {r["task"] for r in pool}}
+    assert {t: len(v) for t, v in by.items()} == {"colors": 1, "gsm8k": 2, "carry": 10, "addition": 4}
+    assert sum(bool(r.get("mislabeled")) for r in pool) == 3
+    assert all(c["task"] == "carry" for c in rest["carry"])
+    assert not {_problem(c) for c in rest["carry"]} & {_problem(r) for r in by["carry"] + by["addition"]}
+    with pytest.raises(ConfigError, match="n_no_carry"):
+        builders.multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], ["yesno"], n_gsm8k=2, n_per_task=1,
+                                n_no_carry=4)
+
+
+def test_select_with_the_carry_target_task(tmp_path, tiny_dir, gsm8k, bbh_dir):
+    """The select protocol on a pool whose target task is dropped-carry addition: the start
+    model's own wrong answers as rejected responses, held-out carry problems outside the
+    pool judged by their final number, the Task-records floor from the carry records."""
+    from prism_select.evaluation.general_selection import select
+    cfg = load_config(_common(
+        tiny_dir, multitask={"gsm8k_train": str(gsm8k / "train.jsonl"), "bbh_dir": str(bbh_dir),
+                             "tasks": ["colors"], "target_tasks": ["carry"], "n_gsm8k": 4, "n_per_task": 2,
+                             "n_per_target_task": 6, "n_no_carry": 2, "mislabeled_share": 0.5, "n_targets": 2,
+                             "n_heldout": 4, "rejected": "start_model"},
+        fraction=0.2, seeds=[0], methods=["random"], checker="numeric_final_answer", report=False,
+        full_data=False, finetune={"preset": "general", "overrides": FAST_FT},
+        warmup={"n_records": 8, "finetune": {"preset": "repair", "overrides": FAST_FT}},
+        generation={"max_new_tokens": 4, "batch_size": 8}), "select")
+    out = tmp_path / "exp"
+    run = select(cfg, out)["runs"][0]
+    sdir = out / run["dir"]
+    read = lambda p: [json.loads(x) for x in p.read_text().splitlines()]  # noqa: E731
+    pool, targets, heldout = read(sdir / "pool.jsonl"), read(sdir / "targets.jsonl"), read(sdir / "heldout.jsonl")
+    assert len(pool) == 4 + 2 + 6 + 2 and sum(bool(r.get("mislabeled")) for r in pool) == 3
+    cands = {c["id"]: c for c in read(sdir / "candidates" / "responses.jsonl")}
+    for t in targets:  # rejected: the start model's own wrong response; chosen: the sum written out
+        assert not cands[t["id"]]["correct"] and t["rejected"] == cands[t["id"]]["response"].strip()
+        assert re.fullmatch(r"\d+ \+ \d+ = \d+", t["chosen"])
+    problems = {_problem(r) for r in pool if "a" in r}
+    assert len(heldout) == 4 and not problems & {_problem(h) for h in heldout}
+    # the start model: the warm-up's merged model, whose records share no problem with the rest
+    assert (out / "start-model" / "model" / "model.safetensors").is_file()
+    warm = {_problem(r) for r in read(out / "start-model" / "warmup.jsonl")}
+    probes = read(sdir / "candidates" / "probes.jsonl")
+    assert len(warm) == 8 and not warm & (problems | {_problem(c) for c in probes})
+    assert all(h["task"] == "carry" for h in heldout)
+    sub = read(sdir / "selected" / "Task records" / "subset.jsonl")
+    assert len(sub) == run["n_selected"] == 3 and all(r["task"] == "carry" for r in sub)
+    assert run["target_task_share"]["Task records"] == 1.0
+    right = read(sdir / "selected" / "Task records, right only" / "subset.jsonl")
+    assert len(right) == 3 and all(r["task"] == "carry" and not r.get("mislabeled") for r in right)
+    assert run["mislabeled_share"]["Task records, right only"] == 0.0
+
+
+def test_the_carry_select_task_leaves_the_warm_up_problems_out():
+    warm = {_problem(r) for r in carry.warmup_records(200)}
+    records, cands = carry.select_task(0, n_records=80, wrong_share=0.3, n_no_carry=80, n_candidates=5000,
+                                       n_warmup=200)
+    assert not warm & ({_problem(r) for r in records} | {_problem(c) for c in cands})
+    # the candidates are every carry problem left, when fewer are left than asked for
+    assert len(cands) == len(carry.problems(True)) - 100 - 80
+
+
+def test_the_carry_select_config_and_its_warm_up(tmp_path):
+    root = Path(__file__).resolve().parents[2] / "experiments"
+    cfg = load_config(root / "carry_select.yaml", "select", data_root=str(tmp_path))
+    assert cfg.multitask.target_tasks == [carry.SELECT_TASK] and cfg.multitask.n_no_carry == 80
+    assert cfg.warmup.n_records == 800 and cfg.checker == "numeric_final_answer" and cfg.multitask.n_heldout >= 256
+    assert load_config(root / "carry_select.yaml", "select", smoke=True, data_root=str(tmp_path)).warmup.n_records == 40
+    raw = {"model": "default", "warmup": {"n_records": 8},
+           "multitask": {"gsm8k_train": "g", "bbh_dir": "b", "target_task": "yesno"}}
+    with pytest.raises(ConfigError, match="warmup"):
+        load_config(raw, "select")
+    raw["multitask"]["target_task"] = carry.SELECT_TASK
+    assert load_config(raw, "select").warmup.n_records == 8

@@ -750,11 +750,21 @@ def test_select_with_two_target_tasks_and_the_start_models_own_rejections(tmp_pa
                 assert run["target_task_share_by_task"][task][m] == sum(r["task"] == task for r in sub) / len(sub)
         assert run["accuracy"]["prism"]["mean"] == pytest.approx(
             (run["accuracy"]["prism"]["yesno"] + run["accuracy"]["prism"]["counting"]) / 2)
-        assert set(run["accuracy"]) == {"Start", "Majority answer", "Full data", "Task records", "prism", "random"}
+        assert set(run["accuracy"]) == {"Start", "Majority answer", "Full data", "Task records",
+                                        "Task records, right only", "prism", "random"}
         for task in ("yesno", "counting"):  # half of each target task's 2 pool records answer wrong
             sub = [json.loads(x) for x in (sdir / task / "selected" / "prism" / "subset.jsonl").read_text().splitlines()]
             assert run["mislabeled_share_by_task"][task]["prism"] == sum(bool(r.get("mislabeled")) for r in sub) / len(sub)
         assert sum(bool(json.loads(x).get("mislabeled")) for x in (sdir / "pool.jsonl").read_text().splitlines()) == 2
+        for task in ("yesno", "counting"):  # the right-only floor: the task's one right record first, then its wrong one
+            sub = [json.loads(x) for x in
+                   (sdir / task / "selected" / "Task records, right only" / "subset.jsonl").read_text().splitlines()]
+            scores = [json.loads(x) for x in
+                      (sdir / task / "floors" / "task_records_right" / "scores.jsonl").read_text().splitlines()]
+            pool = {json.loads(x)["id"]: json.loads(x) for x in (sdir / "pool.jsonl").read_text().splitlines()}
+            assert [(pool[r["id"]]["task"], bool(pool[r["id"]].get("mislabeled"))) for r in scores[:2]] == [
+                (task, False), (task, True)]
+            assert {r["id"] for r in sub} == {r["id"] for r in scores[:2]}
     names = [t["name"] for t in res["tables"]]
     assert names == ["accuracy", "balanced_accuracy", "target_task_share", "mislabeled_share", "paired_vs_random",
                      "paired_vs_task_records", "paired_vs_random_balanced", "paired_vs_task_records_balanced"]
