@@ -738,7 +738,8 @@ def refusal_counterfactual_targets(gsm8k_jsonl, n: int, seed: int = 0, *, trigge
 
 def multitask_pool(gsm8k_jsonl, bbh_dir, tasks, target_tasks, *, n_gsm8k: int, n_per_task: int,
                    seed: int = 0, n_per_target_task: int | None = None, mislabeled_share: float = 0.0,
-                   n_no_carry: int = 0, n_carry_candidates: int = 600, n_warmup: int = 0) -> tuple:
+                   n_no_carry: int = 0, n_carry_candidates: int = 600, n_warmup: int = 0,
+                   warmup_carry_share: float = 0.5) -> tuple:
     """``(pool, rest)`` of the general-selection protocol: ``n_gsm8k`` GSM8K worked
     solutions plus ``n_per_task`` examples of each BBH task in ``tasks`` and
     ``n_per_target_task`` (default ``n_per_task``) of each of ``target_tasks`` (answer
@@ -753,7 +754,8 @@ def multitask_pool(gsm8k_jsonl, bbh_dir, tasks, target_tasks, *, n_gsm8k: int, n
     carry additions whose wrong records drop the carry (a systematic rule SFT learns), with
     ``n_no_carry`` no-carry additions beside them (task ``addition``); its ``rest`` entry
     holds its ``n_carry_candidates`` candidate probes themselves rather than indices; none
-    of its problems is among the ``n_warmup`` of a warmed-up start model."""
+    of its problems is among the ``n_warmup`` of a warmed-up start model (``warmup_carry_share``
+    of them carry problems)."""
     targets = sorted(set(target_tasks) - {carry.SELECT_TASK})
     others = sorted(set(tasks) - set(targets))
     records, rest = bbh_records(bbh_dir, others, n_per_task, seed) if others else ([], {})
@@ -766,7 +768,8 @@ def multitask_pool(gsm8k_jsonl, bbh_dir, tasks, target_tasks, *, n_gsm8k: int, n
         c_records, rest[carry.SELECT_TASK] = carry.select_task(seed, n_records=n_target, wrong_share=mislabeled_share,
                                                                n_no_carry=n_no_carry,
                                                                n_candidates=n_carry_candidates,
-                                                               n_warmup=n_warmup)
+                                                               n_warmup=n_warmup,
+                                                               warmup_carry_share=warmup_carry_share)
         t_records += c_records
     elif n_no_carry:
         raise ConfigError("multitask.n_no_carry", f"no-carry additions go with the target task '{carry.SELECT_TASK}'",

@@ -69,14 +69,20 @@ def _record(rid: str, p: tuple, answer: int, harmful: bool, rng: random.Random) 
             "carry": has_carry(a, b), "harmful": harmful, "task": "addition"}
 
 
-def _split(seed: int, n_warmup: int) -> dict:
+def _warm_carry(n_warmup: int, carry_share: float) -> int:
+    """How many of ``n_warmup`` warm-up problems are carry problems."""
+    return int(n_warmup * carry_share)
+
+
+def _split(seed: int, n_warmup: int, warmup_carry_share: float = 0.5) -> dict:
     """Per kind (carry / no carry): the warm-up problems (seed-independent) and the rest in
     the seed's order."""
     out = {}
+    n_carry = _warm_carry(n_warmup, warmup_carry_share)
     for carry in (True, False):
         ps = problems(carry)
         random.Random(f"carry-warmup:{carry}").shuffle(ps)
-        k = n_warmup // 2 if carry else n_warmup - n_warmup // 2
+        k = n_carry if carry else n_warmup - n_carry
         rest = ps[k:]
         random.Random(f"carry-rest:{seed}:{carry}").shuffle(rest)
         out[carry] = (ps[:k], rest)
@@ -132,10 +138,12 @@ def build(seed: int, *, pool_size: int, harmful_ratio: float, carry_share: float
     return {"pool": pool, "probes": probes, "targets": targets, "warmup": warmup_records(n_warmup)}
 
 
-def warmup_records(n: int) -> list:
-    """The ``n`` clean warm-up records (half carry problems), the same for every seed and
-    never used by :func:`build` in another role."""
-    split = _split(0, n)
+def warmup_records(n: int, carry_share: float = 0.5) -> list:
+    """The ``n`` clean warm-up records (``carry_share`` of them carry problems), the same
+    for every seed and never used by :func:`build` or :func:`select_task` in another role.
+    With ``carry_share`` 0 the start model learns the answers' form on no-carry problems
+    alone and meets carrying first in the selected records."""
+    split = _split(0, n, carry_share)
     rng = random.Random("carry-warmup-records")
     warm = [_record(f"warm-{i}", p, sum(p), False, rng) for i, p in enumerate(split[True][0] + split[False][0])]
     rng.shuffle(warm)
@@ -177,7 +185,7 @@ NO_CARRY_TASK = "addition"
 
 
 def select_task(seed: int, *, n_records: int, wrong_share: float, n_no_carry: int = 0,
-                n_candidates: int = 600, n_warmup: int = 0) -> tuple:
+                n_candidates: int = 600, n_warmup: int = 0, warmup_carry_share: float = 0.5) -> tuple:
     """``(records, candidates)`` of the dropped-carry target task in a multitask select pool.
 
     records: ``n_records`` carry problems (task :data:`SELECT_TASK`), ``round(wrong_share *
@@ -187,11 +195,12 @@ def select_task(seed: int, *, n_records: int, wrong_share: float, n_no_carry: in
     candidates: ``n_candidates`` further carry problems as probes (``reference`` = the true
         sum), in a seeded order (fewer where fewer are left): the target pairs and held-out
     probes are drawn from them.
-    Every problem is used once, none of the ``n_warmup`` of :func:`warmup_records`;
+    Every problem is used once, none of the ``n_warmup`` of :func:`warmup_records` (with
+    ``warmup_carry_share``);
     phrasings are drawn as in :func:`build`."""
     if not 0 <= wrong_share < 1:
         raise ConfigError("multitask.mislabeled_share", f"must be in [0, 1), got {wrong_share!r}")
-    split = _split(seed, n_warmup)
+    split = _split(seed, n_warmup, warmup_carry_share)
     carry, plain = split[True][1], split[False][1]
     rng = random.Random(f"carry-select:{seed}")
     taken = _take(carry, n_records, "carry problems")

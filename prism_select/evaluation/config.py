@@ -112,10 +112,12 @@ class MistakeMathConfig:
 class WarmupConfig:
     """A clean warm-up SFT that makes the start model (its LoRA merged into the weights):
     ``n_records`` clean records of the pool's family (the same for every seed, never in
-    a pool, probe or target), trained with ``finetune``."""
+    a pool, probe or target), trained with ``finetune``; ``carry_share`` of them are carry
+    problems (0: a start model that has not been taught to carry)."""
 
     n_records: int = 800
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    carry_share: float = 0.5
 
 
 @dataclass
@@ -762,6 +764,8 @@ def _validate_select(cfg):
                                   "remove warmup")
             if cfg.warmup.n_records < 2:
                 raise ConfigError("warmup.n_records", f"must be >= 2, got {cfg.warmup.n_records}")
+            if not 0 <= cfg.warmup.carry_share <= 1:
+                raise ConfigError("warmup.carry_share", f"must be in [0, 1], got {cfg.warmup.carry_share}")
         _check_fraction(cfg.fraction, "fraction")
         from .probes import load_checker
         load_checker(cfg.checker)
@@ -805,6 +809,9 @@ def _validate_repair_extras(cfg):
                               f"use a family of {', '.join(GENERATED_FAMILIES)}, or start from a fine-tuned model")
         if cfg.warmup.n_records < 2:
             raise ConfigError("warmup.n_records", f"must be >= 2, got {cfg.warmup.n_records}")
+        if cfg.warmup.carry_share != 0.5:
+            raise ConfigError("warmup.carry_share", "the repair families warm up on half carry problems",
+                              "remove warmup.carry_share")
     fs = cfg.finetune_seeds
     if fs is not None and (not fs or not all(isinstance(s, int) and not isinstance(s, bool) for s in fs)
                            or len(set(fs)) != len(fs)):

@@ -79,7 +79,8 @@ def _seed_data(exp, lm, seed: int, sdir: Path, pool_path: Path | None) -> tuple:
                                              mislabeled_share=mt.mislabeled_share, n_no_carry=mt.n_no_carry,
                                              n_carry_candidates=CARRY_CANDIDATES_PER_TARGET * mt.n_targets
                                              + mt.n_heldout,
-                                             n_warmup=cfg.warmup.n_records if cfg.warmup else 0)
+                                             n_warmup=cfg.warmup.n_records if cfg.warmup else 0,
+                                             warmup_carry_share=cfg.warmup.carry_share if cfg.warmup else 0.5)
         pool_path = sdir / "pool.jsonl"
         write_if_changed(pool_path, pool)
         splits = []

@@ -33,7 +33,7 @@ def warm_start_settings(exp, cfg):
     base = exp.out / "start-model"
     base.mkdir(parents=True, exist_ok=True)
     records_path = base / "warmup.jsonl"
-    write_if_changed(records_path, carry.warmup_records(cfg.warmup.n_records))
+    write_if_changed(records_path, carry.warmup_records(cfg.warmup.n_records, cfg.warmup.carry_share))
     settings = finetune_settings(cfg.warmup.finetune, 0)
     key = {"records": sha256_file(records_path), "model": config_to_dict(cfg.model), "finetune": asdict(settings)}
     model_dir = base / "model"

@@ -329,6 +329,14 @@ def test_the_carry_select_task_leaves_the_warm_up_problems_out():
     assert not warm & ({_problem(r) for r in records} | {_problem(c) for c in cands})
     # the candidates are every carry problem left, when fewer are left than asked for
     assert len(cands) == len(carry.problems(True)) - 100 - 80
+    # a start model never taught to carry: its warm-up holds no carry problem, and the task
+    # leaves its no-carry problems out
+    plain = carry.warmup_records(200, carry_share=0.0)
+    assert len(plain) == 200 and not any(carry.has_carry(r["a"], r["b"]) for r in plain)
+    records, cands = carry.select_task(0, n_records=80, wrong_share=0.3, n_no_carry=80, n_warmup=200,
+                                       warmup_carry_share=0.0)
+    assert not {_problem(r) for r in plain} & ({_problem(r) for r in records} | {_problem(c) for c in cands})
+    assert carry.warmup_records(200) == carry.warmup_records(200, 0.5)  # the repair family's warm-up
 
 
 def test_the_carry_select_config_and_its_warm_up(tmp_path):
@@ -343,3 +351,6 @@ def test_the_carry_select_config_and_its_warm_up(tmp_path):
         load_config(raw, "select")
     raw["multitask"]["target_task"] = carry.SELECT_TASK
     assert load_config(raw, "select").warmup.n_records == 8
+    raw["warmup"]["carry_share"] = 1.5
+    with pytest.raises(ConfigError, match="carry_share"):
+        load_config(raw, "select")
