@@ -345,6 +345,13 @@ def test_the_carry_select_config_and_its_warm_up(tmp_path):
     assert cfg.multitask.target_tasks == [carry.SELECT_TASK] and cfg.multitask.n_no_carry == 80
     assert cfg.warmup.n_records == 800 and cfg.checker == "numeric_final_answer" and cfg.multitask.n_heldout >= 256
     assert load_config(root / "carry_select.yaml", "select", smoke=True, data_root=str(tmp_path)).warmup.n_records == 40
+    assert cfg.warmup.carry_share == 0.0  # a start model that drops the carry: the task's right records teach it
+    cpu = load_config(root / "carry_select_cpu.yaml", "select", data_root=str(tmp_path))
+    assert cpu.warmup == cfg.warmup and cpu.model.device == "cpu" and cpu.checker == cfg.checker
+    for k in ("target_tasks", "n_per_target_task", "n_no_carry", "mislabeled_share", "n_targets", "n_heldout",
+              "rejected"):
+        assert getattr(cpu.multitask, k) == getattr(cfg.multitask, k), k
+    assert cpu.multitask.n_gsm8k == 0 and set(cpu.methods) < {"prism", "equal", "unpaired", "ifguide", "random"}
     raw = {"model": "default", "warmup": {"n_records": 8},
            "multitask": {"gsm8k_train": "g", "bbh_dir": "b", "target_task": "yesno"}}
     with pytest.raises(ConfigError, match="warmup"):
