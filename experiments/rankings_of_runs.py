@@ -94,11 +94,22 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--floors", action="store_true", help="add the floors of every pool and target set")
     ap.add_argument("--family", choices=["dropped_carry"], help="with --floors: that family's knowledge floors too")
+    ap.add_argument("--add", type=Path, nargs="*", default=[], metavar="JSON",
+                    help="the rows of earlier --json files too (runs of the same config in other folders, e.g. "
+                         "other seeds); a (setting, targets, method, seed) this folder also has is refused")
     a = ap.parse_args(argv)
     fractions = [float(x) for x in a.fractions.split(",")]
     rows = rankings(a.run_dir, fractions, a.label)
     if a.floors:
         rows += floor_rows(a.run_dir, a.label, a.family)
+    key = lambda r: (r["setting"], r["targets"], r["method"], r["seed"])  # noqa: E731
+    for path in a.add:
+        earlier = json.loads(path.read_text())["rows"]
+        twice = sorted({key(r) for r in earlier} & {key(r) for r in rows})
+        if twice:
+            print(f"{path}: rows this folder has too: {twice[:3]}", file=sys.stderr)
+            return 1
+        rows += earlier
     if not rows:
         print(f"no scored methods under {a.run_dir}/runs/*/seed*/", file=sys.stderr)
         return 1

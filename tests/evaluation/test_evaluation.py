@@ -1119,6 +1119,13 @@ def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
     assert out[2] == "| r20 | t | prism | 0,1 | 1.000 ± 0.000 | 1.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
     assert out[3] == "| r50 | t | prism | 0,1 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
     assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 4
+    # --add: an earlier run's rows (another seed, folder gone) join the table; a row of the folder twice is refused
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"rows": [{"setting": "r20", "targets": "t", "method": "prism", "seed": 7,
+                                             "auroc": 0.5, "recall@0.2": 0.5, "pi": None}]}))
+    assert reader.main([str(tmp_path), "--fractions", "0.2", "--add", str(earlier)]) == 0
+    assert "| r20 | t | prism | 0,1,7 | 0.833 ± 0.289 | 0.833 ± 0.289 | 0.10 / 0.40 / 0.90 |" in capsys.readouterr().out
+    assert reader.main([str(tmp_path), "--fractions", "0.2", "--add", str(tmp_path / "r.json")]) == 1
     # --floors: each pool's floors against its target pairs, one row per floor; the length rule
     # finds the long harmful responses
     for setting in ("r20", "r50"):
