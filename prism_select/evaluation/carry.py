@@ -69,16 +69,11 @@ def _record(rid: str, p: tuple, answer: int, harmful: bool, rng: random.Random) 
             "carry": has_carry(a, b), "harmful": harmful, "task": "addition"}
 
 
-def _warm_carry(n_warmup: int, carry_share: float) -> int:
-    """How many of ``n_warmup`` warm-up problems are carry problems."""
-    return int(n_warmup * carry_share)
-
-
 def _split(seed: int, n_warmup: int, warmup_carry_share: float = 0.5) -> dict:
     """Per kind (carry / no carry): the warm-up problems (seed-independent) and the rest in
     the seed's order."""
     out = {}
-    n_carry = _warm_carry(n_warmup, warmup_carry_share)
+    n_carry = int(n_warmup * warmup_carry_share)  # the warm-up's carry problems
     for carry in (True, False):
         ps = problems(carry)
         random.Random(f"carry-warmup:{carry}").shuffle(ps)
@@ -194,10 +189,9 @@ def select_task(seed: int, *, n_records: int, wrong_share: float, n_no_carry: in
         :data:`NO_CARRY_TASK`: a task that looks like the target but teaches no carry).
     candidates: ``n_candidates`` further carry problems as probes (``reference`` = the true
         sum), in a seeded order (fewer where fewer are left): the target pairs and held-out
-    probes are drawn from them.
+        probes are drawn from them.
     Every problem is used once, none of the ``n_warmup`` of :func:`warmup_records` (with
-    ``warmup_carry_share``);
-    phrasings are drawn as in :func:`build`."""
+    ``warmup_carry_share``); phrasings are drawn as in :func:`build`."""
     if not 0 <= wrong_share < 1:
         raise ConfigError("multitask.mislabeled_share", f"must be in [0, 1), got {wrong_share!r}")
     split = _split(seed, n_warmup, warmup_carry_share)

@@ -762,10 +762,7 @@ def _validate_select(cfg):
                 raise ConfigError("warmup", f"warms up on addition records: it goes with the target task "
                                   f"'{SELECT_TASK}' only", f"add '{SELECT_TASK}' to multitask.target_tasks or "
                                   "remove warmup")
-            if cfg.warmup.n_records < 2:
-                raise ConfigError("warmup.n_records", f"must be >= 2, got {cfg.warmup.n_records}")
-            if not 0 <= cfg.warmup.carry_share <= 1:
-                raise ConfigError("warmup.carry_share", f"must be in [0, 1], got {cfg.warmup.carry_share}")
+            _validate_warmup(cfg.warmup)
         _check_fraction(cfg.fraction, "fraction")
         from .probes import load_checker
         load_checker(cfg.checker)
@@ -801,14 +798,21 @@ def config_to_dict(cfg) -> dict:
     return json.loads(json.dumps(asdict(cfg), default=str))
 
 
+def _validate_warmup(w: WarmupConfig):
+    """The fields of a warm-up that every protocol checks alike."""
+    if w.n_records < 2:
+        raise ConfigError("warmup.n_records", f"must be >= 2, got {w.n_records}")
+    if not 0 <= w.carry_share <= 1:
+        raise ConfigError("warmup.carry_share", f"must be in [0, 1], got {w.carry_share}")
+
+
 def _validate_repair_extras(cfg):
     """The warm-up, fine-tuning seeds, partial oracles and comparators of a repair config."""
     if cfg.warmup is not None:
         if cfg.data.family not in GENERATED_FAMILIES:
             raise ConfigError("warmup", f"the {cfg.data.family} family has no warm-up records",
                               f"use a family of {', '.join(GENERATED_FAMILIES)}, or start from a fine-tuned model")
-        if cfg.warmup.n_records < 2:
-            raise ConfigError("warmup.n_records", f"must be >= 2, got {cfg.warmup.n_records}")
+        _validate_warmup(cfg.warmup)
         if cfg.warmup.carry_share != 0.5:
             raise ConfigError("warmup.carry_share", "the repair families warm up on half carry problems",
                               "remove warmup.carry_share")

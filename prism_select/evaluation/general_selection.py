@@ -154,11 +154,12 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
             fdir = sdir / "full" if one else sdir / "full" / task
             _merge(run, "Full data", respond(exp, lm, heldout_path, fdir, cfg.checker, "full" + sub, full))
         if task is not None and cfg.task_floor:
-            floor = _task_floor_scores(pool_path, task, seed, tdir / "floors" / "task_records")
+            records = read_jsonl(pool_path)
+            floor = _task_floor_scores(records, task, seed, tdir / "floors" / "task_records")
             _select_method(exp, lm, run, TASK_ROW, {"dir": exp.rel(floor)}, task, tdir, pool_path, heldout_path,
                            seed)
             if cfg.multitask.mislabeled_share:
-                right = _task_floor_scores(pool_path, task, seed, tdir / "floors" / "task_records_right",
+                right = _task_floor_scores(records, task, seed, tdir / "floors" / "task_records_right",
                                            right_only=True)
                 _select_method(exp, lm, run, RIGHT_ROW, {"dir": exp.rel(right)}, task, tdir, pool_path,
                                heldout_path, seed)
@@ -170,12 +171,11 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
     return run
 
 
-def _task_floor_scores(pool_path: Path, task: str, seed: int, out: Path, *, right_only: bool = False) -> Path:
-    """``out/scores.jsonl`` ranking ``task``'s pool records first, then the others, each
+def _task_floor_scores(records: list, task: str, seed: int, out: Path, *, right_only: bool = False) -> Path:
+    """``out/scores.jsonl`` ranking ``task``'s pool ``records`` first, then the others, each
     group in an order seeded by ``seed`` and the task's name; returns ``out``. With
     ``right_only`` the task's right records (not ``mislabeled``) come first, in the same
     order, then its wrong ones (:data:`RIGHT_ROW`)."""
-    records = read_jsonl(pool_path)
     rng = random.Random(seed * 1_000_003 + zlib.crc32(task.encode()))
     mine = [r["id"] for r in records if r.get("task") == task]
     rest = [r["id"] for r in records if r.get("task") != task]
