@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prism_select.evaluation import builders  # noqa: E402
+from prism_select.evaluation.experiment import read_jsonl  # noqa: E402
 from prism_select.evaluation_metrics import auroc, spearman  # noqa: E402
 from prism_select.selection import read_scores  # noqa: E402
 
@@ -95,7 +96,8 @@ def _top(scores: dict, k: int) -> set:
 
 
 def report(out: Path) -> dict:
-    pool = {r["id"]: r for r in map(json.loads, (out / "pool.jsonl").read_text().splitlines())}
+    # read by lines: str.splitlines() would also split inside records holding U+2028 and kin
+    pool = {r["id"]: r for r in read_jsonl(out / "pool.jsonl")}
     runs = {}
     for d in sorted((out / "runs").iterdir()):
         if (d / "run.json").is_file():

@@ -337,7 +337,9 @@ class SelectConfig(CommonConfig):
     the target task has wrong records (``mislabeled_share``), also the row "Task records,
     right only" (its right records alone: a perfect selector within the task); warmup: a
     clean warm-up SFT whose merged result is the start model (addition records; with the
-    target task ``carry`` only, whose problems it never shares)."""
+    target task ``carry`` only, whose problems it never shares); finetune_seeds: fine-tune
+    every selection once per fine-tuning seed (each row's accuracy: their mean, each SFT's
+    under ``by_finetune_seed``; default: one SFT seeded with the data seed)."""
 
     pool: str = ""
     multitask: MultitaskConfig | None = None
@@ -352,6 +354,7 @@ class SelectConfig(CommonConfig):
     start_row: bool = True
     task_floor: bool = True
     warmup: WarmupConfig | None = None
+    finetune_seeds: list | None = None
 
 
 CONFIG_CLASSES = {"ranking": RankingConfig, "repair": RepairConfig, "select": SelectConfig}
@@ -766,6 +769,7 @@ def _validate_select(cfg):
         _check_fraction(cfg.fraction, "fraction")
         from .probes import load_checker
         load_checker(cfg.checker)
+        _validate_finetune_seeds(cfg.finetune_seeds)
     else:
         if not cfg.pool:
             raise ConfigError("pool", "is required", "the candidate pool file")
@@ -776,6 +780,7 @@ def _validate_select(cfg):
             raise ConfigError("bbh", "give either bbh or targets + heldout, not both")
         from .probes import load_checker
         load_checker(cfg.checker)
+        _validate_finetune_seeds(cfg.finetune_seeds)
 
 
 def _validate_generation_finetune(cfg):
@@ -806,6 +811,15 @@ def _validate_warmup(w: WarmupConfig):
         raise ConfigError("warmup.carry_share", f"must be in [0, 1], got {w.carry_share}")
 
 
+def _validate_finetune_seeds(fs):
+    """``finetune_seeds``: None, or a non-empty list of distinct integers."""
+    if fs is not None and (not isinstance(fs, list) or not fs
+                           or not all(isinstance(s, int) and not isinstance(s, bool) for s in fs)
+                           or len(set(fs)) != len(fs)):
+        raise ConfigError("finetune_seeds", f"must be a non-empty list of distinct integers, got {fs!r}",
+                          "e.g. finetune_seeds: [0, 1]")
+
+
 def _validate_repair_extras(cfg):
     """The warm-up, fine-tuning seeds, partial oracles and comparators of a repair config."""
     if cfg.warmup is not None:
@@ -816,10 +830,7 @@ def _validate_repair_extras(cfg):
         if cfg.warmup.carry_share != 0.5:
             raise ConfigError("warmup.carry_share", "the repair families warm up on half carry problems",
                               "remove warmup.carry_share")
-    fs = cfg.finetune_seeds
-    if fs is not None and (not fs or not all(isinstance(s, int) and not isinstance(s, bool) for s in fs)
-                           or len(set(fs)) != len(fs)):
-        raise ConfigError("finetune_seeds", f"must be a non-empty list of distinct integers, got {fs!r}")
+    _validate_finetune_seeds(cfg.finetune_seeds)
     for i, q in enumerate(cfg.partial_oracles):
         _check_fraction(q, f"partial_oracles[{i}]")
         if q >= 1:

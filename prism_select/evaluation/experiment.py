@@ -98,6 +98,32 @@ def pi_summary(pairs_path, targets_path=None) -> dict | None:
     return out
 
 
+def with_defaults(recorded: dict, cfg) -> dict:
+    """A recorded config (experiment.json's, JSON values) with the fields it lacks, at any
+    depth, filled with their defaults in ``cfg``'s config classes: a folder written before
+    a field existed then equals a config that leaves the field at its default."""
+    if isinstance(recorded, list) and isinstance(cfg, list) and len(recorded) == len(cfg):
+        return [with_defaults(r, c) for r, c in zip(recorded, cfg)]
+    if not dataclasses.is_dataclass(cfg) or not isinstance(recorded, dict):
+        return recorded
+    out = dict(recorded)
+    for f in dataclasses.fields(cfg):
+        if f.name in out:
+            out[f.name] = with_defaults(out[f.name], getattr(cfg, f.name))
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = _as_json(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = _as_json(f.default_factory())
+    return out
+
+
+def _as_json(value):
+    """A config value as experiment.json records it."""
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    return json.loads(json.dumps(value, default=str))
+
+
 class Experiment:
     """An experiment directory: reuse of finished steps, timings, relative paths."""
 
@@ -121,7 +147,9 @@ class Experiment:
             if not marker.is_file():
                 raise OutputError(f"{self.out} exists and is not an experiment directory; choose another --out")
             old = json.loads(marker.read_text())
-            old_conf = {k: v for k, v in (old.get("config") or {}).items() if k != "harmful_ratios"}
+            # a field added to the config classes after the folder was written reads as its default
+            old_conf = {k: v for k, v in with_defaults(old.get("config") or {}, cfg).items()
+                        if k not in ("harmful_ratios", "report", "seeds")}
             if old.get("protocol") != protocol or old_conf != meta["config"]:
                 if not overwrite:
                     raise OutputError(f"{self.out} holds an experiment with another protocol or config; "

@@ -250,9 +250,22 @@ def _select_method(exp, lm, run: dict, m: str, scored: dict, task, tdir: Path, p
         _share(run, "target_task_share", task, m, [r.get("task") == task for r in chosen])
         if cfg.multitask.mislabeled_share:
             _share(run, "mislabeled_share", task, m, [bool(r.get("mislabeled")) for r in chosen])
-    adapter = train_adapter(exp, lm, subset, mdir, seed, f"select:{m}" + ("" if task is None else f"/{task}"))
-    resp = respond(exp, lm, heldout_path, mdir, cfg.checker, f"select:{m}", adapter)
-    _merge(run, m, resp)
+    tag = f"select:{m}" + ("" if task is None else f"/{task}")
+    if not cfg.finetune_seeds:
+        adapter = train_adapter(exp, lm, subset, mdir, seed, tag)
+        _merge(run, m, respond(exp, lm, heldout_path, mdir, cfg.checker, tag, adapter))
+        return
+    # one SFT per fine-tuning seed, each in ft<seed>/; the row is their mean per task
+    each = []
+    for s in cfg.finetune_seeds:
+        fdir = mdir / f"ft{s}"
+        adapter = train_adapter(exp, lm, subset, fdir, s, f"{tag}/ft{s}")
+        resp = respond(exp, lm, heldout_path, fdir, cfg.checker, f"{tag}/ft{s}", adapter)
+        _merge(run.setdefault("by_finetune_seed", {}).setdefault(str(s), {}), m, resp)
+        each.append((accuracy_by_task(resp), balanced_accuracy_by_task(resp)))
+    for i, key in enumerate(METRICS):
+        if all(e[i] for e in each):
+            _merge_values(run, key, m, {t: sum(e[i][t] for e in each) / len(each) for t in each[0][i] if t != "mean"})
 
 
 def select_tables(runs: list, methods: list, fraction: float, target_tasks: list | None = None) -> list:
@@ -288,6 +301,9 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
     if any(r.get("mislabeled_share") for r in runs):
         tables.append(_share_table(runs, methods, "mislabeled_share", "Share of the selected records that answer "
                                    "wrong (mislabeled target-task records; lower is better)", True))
+    spread = _finetune_spread_table(runs, ordered, columns)
+    if spread is not None:
+        tables.append(spread)
     for metric in metrics:
         acc = value(metric)
         suffix = "" if metric == "accuracy" else "_balanced"
@@ -302,6 +318,26 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
                                     if acc(r, k, c) is not None and acc(r, comp, c) is not None]) for c in columns]}
                                         for k in ordered if k != comp]})
     return tables
+
+
+def _finetune_spread_table(runs: list, rows: list, columns: list) -> dict | None:
+    """Where the selections were fine-tuned under several seeds (``finetune_seeds``): per row
+    and task, the range (max - min) of held-out accuracy over the fine-tuning seeds of one
+    selection, :func:`.mean_std` over the data seeds: the noise one SFT adds to a row."""
+    if not any(r.get("by_finetune_seed") for r in runs):
+        return None
+
+    def spread(run, row, task):
+        vals = [((by.get("accuracy") or {}).get(row) or {}).get(task)
+                for by in (run.get("by_finetune_seed") or {}).values()]
+        vals = [v for v in vals if v is not None]
+        return max(vals) - min(vals) if len(vals) > 1 else None
+
+    return {"name": "finetune_spread", "title": "Held-out accuracy's range over the fine-tuning seeds of one "
+            "selection (max - min; mean over the data seeds)", "columns": columns, "lower_is_better": True,
+            "note": "rows without several fine-tunings (Start, Full data, Majority answer) are empty",
+            "rows": [{"label": k, "cells": [mean_std([spread(r, k, c) for r in runs]) for c in columns]}
+                     for k in rows]}
 
 
 def _share_table(runs: list, methods: list, name: str, title: str, lower_is_better: bool, note: str = "") -> dict:
@@ -427,6 +463,11 @@ def merge_task_runs(parts: list, target_tasks: list) -> dict:
         for metric in METRICS:
             for row, values in (p.get(metric) or {}).items():
                 _merge_values(run, metric, row, values)
+        for ft, by in (p.get("by_finetune_seed") or {}).items():
+            into = run.setdefault("by_finetune_seed", {}).setdefault(ft, {})
+            for metric in METRICS:
+                for row, values in (by.get(metric) or {}).items():
+                    _merge_values(into, metric, row, values)
         for name in ("target_task_share", "mislabeled_share"):
             for task, shares in (p.get(f"{name}_by_task") or {}).items():
                 for m, value in shares.items():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prism_select.errors import ConfigError, InputError
+from prism_select.errors import ConfigError, InputError, OutputError
 from prism_select.evaluation import builders, probes
 from prism_select.evaluation.config import load_config
 from prism_select.evaluation.experiment import mean_std
@@ -680,6 +680,50 @@ def test_select_protocol_on_a_multitask_pool(tmp_path, tiny_dir, gsm8k, bbh_dir)
     assert [r["label"] for r in share["rows"]] == ["Task records", "prism", "random"]
     assert [r["label"] for r in res["tables"][0]["rows"]][:4] == ["Start", "Majority answer", "Full data",
                                                                   "Task records"]
+
+
+def test_select_fine_tunes_each_selection_once_per_finetune_seed(tmp_path, tiny_dir, gsm8k, bbh_dir):
+    """With ``finetune_seeds`` each selection is fine-tuned once per seed (its own folder and
+    responses), a row's accuracy is their mean per task, and the spread table holds each
+    selection's range over the seeds, recomputed here from the responses."""
+    raw = _common(
+        tiny_dir, multitask={"gsm8k_train": str(gsm8k / "train.jsonl"), "bbh_dir": str(bbh_dir),
+                             "tasks": ["colors", "counting"], "target_task": "yesno", "n_gsm8k": 4,
+                             "n_per_task": 2, "n_targets": 1, "n_heldout": 3},
+        fraction=0.2, seeds=[0], methods=["random"], checker="leading_answer", report=False, full_data=False,
+        finetune={"preset": "general", "overrides": FAST_FT}, generation={"max_new_tokens": 4, "batch_size": 8},
+        finetune_seeds=[3, 4])
+    out = tmp_path / "exp"
+    res = select(load_config(raw, "select"), out)
+    run = res["runs"][0]
+    sdir = out / run["dir"]
+    spread = next(t for t in res["tables"] if t["name"] == "finetune_spread")
+    for m in ("random", "Task records"):
+        each = []
+        for s in (3, 4):
+            rows = [json.loads(x) for x in (sdir / "selected" / m / f"ft{s}" / "responses.jsonl").read_text()
+                    .splitlines()]
+            each.append(sum(r["correct"] for r in rows) / len(rows))
+            assert run["by_finetune_seed"][str(s)]["accuracy"][m]["yesno"] == pytest.approx(each[-1])
+            settings = json.loads((sdir / "selected" / m / f"ft{s}" / ".finetune-step.json").read_text())
+            assert settings["settings"]["seed"] == s
+        assert run["accuracy"][m]["yesno"] == pytest.approx(sum(each) / 2)
+        cell = next(r for r in spread["rows"] if r["label"] == m)["cells"][0]
+        assert cell["mean"] == pytest.approx(max(each) - min(each))
+        assert not (sdir / "selected" / m / "responses.jsonl").exists()
+    assert next(r for r in spread["rows"] if r["label"] == "Start")["cells"][0]["n"] == 0
+    # a rerun resumes every fine-tuning; a folder written before a field existed reads it as its default
+    marker = out / "experiment.json"
+    meta = json.loads(marker.read_text())
+    del meta["config"]["task_floor"], meta["config"]["multitask"]["n_no_carry"]
+    marker.write_text(json.dumps(meta))
+    again = select(load_config(raw, "select"), out)
+    assert again["runs"][0]["accuracy"] == run["accuracy"]
+    with pytest.raises(OutputError, match="another protocol or config"):
+        select(load_config({**raw, "finetune_seeds": [3]}, "select"), out)
+    for bad in ([], [1, 1], [0.5], "0"):
+        with pytest.raises(ConfigError, match="finetune_seeds"):
+            load_config({**raw, "finetune_seeds": bad}, "select")
 
 
 def test_targets_from_the_start_models_wrong_responses():
