@@ -153,6 +153,7 @@ class GraphedScorer:
 
     def _capture(self, batch: dict, length: int):
         static = pad_batch(batch, self.rows, length, self.pad_id)
+        warm = graph = out = None
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -161,20 +162,37 @@ class GraphedScorer:
                 for _ in range(2 if not self.graphs else 1):  # warm-up: kernel choice, lazy init
                     self.inner.score(warm)
             torch.cuda.current_stream().wait_stream(side)
+            # hand the warm-up's cached blocks back first: no block can be freed while a capture
+            # runs, so under a memory cap (max_gpu_memory) the capture would otherwise need the
+            # step's memory a second time
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.inner.score(static)
         except Exception as exc:  # capture is an optimisation: fall back, keep the run going
-            first = exc
-            while first.__context__ is not None:  # a failed capture reports the error that broke it last
-                first = first.__context__
-            self.failed = f"{type(first).__name__}: {first}"
-            self.graphs.clear()
-            torch.cuda.synchronize()
-            log.warning("CUDA graph capture failed (%s); scoring continues without graphs", self.failed)
-            return None
-        self.captures += 1
-        self.graphs[length] = (graph, static, out)
-        return self.graphs[length]
+            self.failed = _first_error(exc)
+        else:
+            self.captures += 1
+            self.graphs[length] = (graph, static, out)
+            return self.graphs[length]
+        # the failed capture's graph, inputs and memory pool are unreachable now (the exception,
+        # whose traceback held this frame, is gone): free the pool before the eager steps need it
+        static = warm = graph = out = None
+        self.graphs.clear()
+        self.pool = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        log.warning("CUDA graph capture failed (%s); scoring continues without graphs", self.failed)
+        return None
+
+
+def _first_error(exc: BaseException) -> str:
+    """``Type: message`` of the error that broke a capture: the last of ``exc``'s chain of
+    contexts (a failed capture raises again when its capture context closes)."""
+    first = exc
+    while first.__context__ is not None:
+        first = first.__context__
+    return f"{type(first).__name__}: {first}"

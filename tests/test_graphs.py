@@ -203,6 +203,60 @@ def test_failed_capture_falls_back_to_eager(gpu_model, tok, encoded_pool):
     assert rel_err(got, ref) <= GPU_F32_RTOL
 
 
+def test_a_failed_capture_frees_its_memory_before_the_eager_steps(monkeypatch):
+    """A capture that fails mid-graph leaves nothing of it alive (its inputs, graph and
+    pool are unreachable at once, not at the next garbage collection), and the cached
+    blocks are handed back before the capture and after the failure, so that under a
+    memory cap the eager fallback finds the memory the capture held. Driven on the CPU
+    with the CUDA calls stood in for."""
+    import contextlib
+    import gc
+    import weakref
+
+    calls = []
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    state = {"capturing": False}
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        state["capturing"] = True
+        try:
+            yield
+        finally:
+            state["capturing"] = False
+
+    for name, value in {"Stream": Stream, "current_stream": Stream, "stream": lambda s: contextlib.nullcontext(),
+                        "synchronize": lambda: None, "empty_cache": lambda: calls.append("empty_cache"),
+                        "graph_pool_handle": object, "CUDAGraph": object, "graph": graph}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    seen = []
+
+    class Scorer:
+        def score(self, batch):
+            if state["capturing"]:
+                seen.append(weakref.ref(batch["input_ids"]))
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return batch["input_ids"].sum(1).float()
+
+    sc = GraphedScorer(Scorer(), batch_size=4, pad_id=0)
+    ids = torch.arange(1, 7).reshape(2, 3)
+    b = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    gc.disable()
+    try:
+        got = sc.score(b)
+        assert seen and seen[0]() is None  # the padded capture input died with the failure
+    finally:
+        gc.enable()
+    assert sc.failed.startswith("RuntimeError: operation not permitted")
+    assert sc.pool is None and not sc.graphs and sc.captures == 0
+    assert calls == ["empty_cache", "empty_cache"]  # before the capture, and after its failure
+    assert torch.equal(got, ids.sum(1).float())
+
+
 # ----------------------------------------------------------------------------- curvature fit
 
 def test_fit_through_padded_graph_path_equals_plain_fit(monkeypatch, model, modules, tok, encoded_pool):
