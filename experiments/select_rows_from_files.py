@@ -79,14 +79,7 @@ def seed_run(sdir: Path, cfg, methods: list, task: str | None) -> dict:
         if not ft_seeds:
             gs._merge(run, m, files[0])
             continue
-        each = []
-        for s, f in zip(ft_seeds, files):
-            gs._merge(run.setdefault("by_finetune_seed", {}).setdefault(str(s), {}), m, f)
-            each.append((gs.accuracy_by_task(f), gs.balanced_accuracy_by_task(f)))
-        for i, key in enumerate(gs.METRICS):
-            if all(e[i] for e in each):
-                gs._merge_values(run, key, m, {t: sum(e[i][t] for e in each) / len(each)
-                                               for t in each[0][i] if t != "mean"})
+        gs.merge_finetunes(run, m, dict(zip(ft_seeds, files)))
     return run
 
 

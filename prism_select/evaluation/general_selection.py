@@ -255,17 +255,26 @@ def _select_method(exp, lm, run: dict, m: str, scored: dict, task, tdir: Path, p
         adapter = train_adapter(exp, lm, subset, mdir, seed, tag)
         _merge(run, m, respond(exp, lm, heldout_path, mdir, cfg.checker, tag, adapter))
         return
-    # one SFT per fine-tuning seed, each in ft<seed>/; the row is their mean per task
-    each = []
+    # one SFT per fine-tuning seed, each in ft<seed>/
+    responses = {}
     for s in cfg.finetune_seeds:
         fdir = mdir / f"ft{s}"
         adapter = train_adapter(exp, lm, subset, fdir, s, f"{tag}/ft{s}")
-        resp = respond(exp, lm, heldout_path, fdir, cfg.checker, f"{tag}/ft{s}", adapter)
-        _merge(run.setdefault("by_finetune_seed", {}).setdefault(str(s), {}), m, resp)
+        responses[s] = respond(exp, lm, heldout_path, fdir, cfg.checker, f"{tag}/ft{s}", adapter)
+    merge_finetunes(run, m, responses)
+
+
+def merge_finetunes(run: dict, row: str, responses: dict):
+    """Add ``row``'s fine-tunings (fine-tuning seed -> judged responses file) to ``run``:
+    each under ``run["by_finetune_seed"][seed]``, and per task their mean as the row."""
+    each = []
+    for s, resp in responses.items():
+        _merge(run.setdefault("by_finetune_seed", {}).setdefault(str(s), {}), row, resp)
         each.append((accuracy_by_task(resp), balanced_accuracy_by_task(resp)))
     for i, key in enumerate(METRICS):
         if all(e[i] for e in each):
-            _merge_values(run, key, m, {t: sum(e[i][t] for e in each) / len(each) for t in each[0][i] if t != "mean"})
+            _merge_values(run, key, row, {t: sum(e[i][t] for e in each) / len(each) for t in each[0][i]
+                                          if t != "mean"})
 
 
 def select_tables(runs: list, methods: list, fraction: float, target_tasks: list | None = None) -> list:

@@ -712,6 +712,12 @@ def test_select_fine_tunes_each_selection_once_per_finetune_seed(tmp_path, tiny_
         assert cell["mean"] == pytest.approx(max(each) - min(each))
         assert not (sdir / "selected" / m / "responses.jsonl").exists()
     assert next(r for r in spread["rows"] if r["label"] == "Start")["cells"][0]["n"] == 0
+    # experiments/select_rows_from_files.py rebuilds the same tables from the folder's files
+    spec = importlib.util.spec_from_file_location(
+        "select_rows_from_files", Path(__file__).resolve().parents[2] / "experiments" / "select_rows_from_files.py")
+    reader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reader)
+    assert reader.rows_from_files(out, load_config(raw, "select"))["tables"] == res["tables"]
     # a rerun resumes every fine-tuning; a folder written before a field existed reads it as its default
     marker = out / "experiment.json"
     meta = json.loads(marker.read_text())
