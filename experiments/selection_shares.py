@@ -11,8 +11,9 @@ pairs and writes every row as JSON.
 
     python experiments/selection_shares.py RUN_DIR [RUN_DIR ...] --fraction 0.05 --json out.json
 
-RUN_DIR: an experiment folder (``runs/seed<k>/<task>/scores/<method>/``); a seed, task
-and method found in several folders is read from the first.
+RUN_DIR: an experiment folder (``runs/seed<k>/<task>/scores/<method>/``, or
+``runs/seed<k>/scores/<method>/`` for a run of one target task); a seed, task and method
+found in several folders is read from the first.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
+from prism_select.evaluation.experiment import read_jsonl
 from prism_select.evaluation_metrics import auroc
 
 
@@ -56,30 +58,38 @@ def _first_word(text: str) -> str:
     return words[0].strip(".,:;!").lower() if words else ""
 
 
-def heldout_answers(path: Path) -> dict | None:
-    """A fine-tuned model's held-out responses (``responses.jsonl``): its accuracy and how
-    often each first word opens a response (None without the file)."""
-    if not path.is_file():
+def heldout_answers(mdir: Path) -> dict | None:
+    """A selection's fine-tuned models' held-out responses (``responses.jsonl``, or one per
+    fine-tuning seed under ``ft<seed>/``, pooled): their accuracy and how often each first
+    word opens a response (None before any fine-tuning finished)."""
+    files = [mdir / "responses.jsonl"] if (mdir / "responses.jsonl").is_file() else sorted(mdir.glob("ft*/responses.jsonl"))
+    if not files:
         return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for f in files for r in read_jsonl(f)]
     return {"accuracy": sum(bool(r.get("correct")) for r in rows) / len(rows) if rows else None,
             "first_words": dict(Counter(_first_word(r.get("response", "")) for r in rows).most_common())}
+
+
+def _score_dirs(sdir: Path) -> list:
+    """A seed's method folders: ``<task>/scores/<method>`` per target task, or
+    ``scores/<method>`` where the run selected for one task (its seed folder holds it)."""
+    return sorted(sdir.glob("scores/*")) if (sdir / "scores").is_dir() else sorted(sdir.glob("*/scores/*"))
 
 
 def rows_of(run_dirs: list, fraction: float) -> list:
     rows, seen = [], set()
     for d in run_dirs:
         for sdir in sorted(Path(d).glob("runs/seed*")):
-            pool = {r["id"]: r for r in map(json.loads, (sdir / "pool.jsonl").read_text().splitlines())}
+            pool = {r["id"]: r for r in read_jsonl(sdir / "pool.jsonl")}
             k = round(fraction * len(pool))
-            for mdir in sorted(sdir.glob("*/scores/*")):
-                task, method = mdir.parent.parent.name, mdir.name
+            for mdir in _score_dirs(sdir):
+                tdir, method = mdir.parent.parent, mdir.name
+                task = tdir.name if tdir != sdir else read_jsonl(sdir / "targets.jsonl")[0]["task"]
                 key = (int(sdir.name[4:]), task, method)
                 if key in seen or not (mdir / "scores.jsonl").is_file():
                     continue
                 seen.add(key)
-                ranked = sorted(map(json.loads, (mdir / "scores.jsonl").read_text().splitlines()),
-                                key=lambda r: r["rank"])
+                ranked = sorted(read_jsonl(mdir / "scores.jsonl"), key=lambda r: r["rank"])
                 score = {r["id"]: r["score"] for r in ranked}
                 right = [score[i] for i, r in pool.items() if r.get("task") == task and not r.get("mislabeled")]
                 wrong = [score[i] for i, r in pool.items() if r.get("task") == task and r.get("mislabeled")]
@@ -99,7 +109,7 @@ def rows_of(run_dirs: list, fraction: float) -> list:
                              "pool_wrong_among_target_task": _wrong_among(list(pool.values()), task),
                              "split_half": check,
                              # what the model fine-tuned on the selection answers the task's held-out probes
-                             "heldout": heldout_answers(sdir / task / "selected" / method / "responses.jsonl"),
+                             "heldout": heldout_answers(tdir / "selected" / method),
                              "timings_s": {n: round(v, 1) for n, v in (run.get("timings") or {}).items()
                                            if isinstance(v, (int, float))}})
     return sorted(rows, key=lambda r: (r["seed"], r["task"], r["method"]))

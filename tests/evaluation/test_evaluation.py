@@ -718,6 +718,14 @@ def test_select_fine_tunes_each_selection_once_per_finetune_seed(tmp_path, tiny_
     reader = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(reader)
     assert reader.rows_from_files(out, load_config(raw, "select"))["tables"] == res["tables"]
+    # experiments/selection_shares.py reads a one-task run's layout and pools the fine-tunings
+    spec = importlib.util.spec_from_file_location(
+        "selection_shares", Path(__file__).resolve().parents[2] / "experiments" / "selection_shares.py")
+    shares = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shares)
+    (row,) = shares.rows_of([out], 0.2)
+    assert (row["task"], row["method"], row["selected"]) == ("yesno", "random", 2)
+    assert row["heldout"]["accuracy"] == pytest.approx(run["accuracy"]["random"]["yesno"])
     # a rerun resumes every fine-tuning; a folder written before a field existed reads it as its default
     marker = out / "experiment.json"
     meta = json.loads(marker.read_text())
