@@ -31,7 +31,7 @@ TASK_ROW = "Task records"
 #: how far it stands above ``Task records`` is what picking right records can gain
 RIGHT_ROW = "Task records, right only"
 #: the rows every other row is compared with, paired by seed (row -> table name part)
-COMPARATORS = {"random": "random", "less": "less", TASK_ROW: "task_records"}
+COMPARATORS = {"random": "random", "less": "less", TASK_ROW: "task_records", RIGHT_ROW: "right_only"}
 #: the carry target task's candidate problems per target pair wanted (then the held-out
 #: probes; fewer where the family has fewer left): a warmed-up start model answers about
 #: one carry problem in 14 wrong, and must answer ``n_targets`` wrong among them
@@ -281,7 +281,7 @@ def select_tables(runs: list, methods: list, fraction: float, target_tasks: list
     """results.json's tables from the runs (seeds) of a select experiment: held-out
     accuracy per row and task; with ``target_tasks`` (a multitask pool) the share of each
     method's selection from its target task; and each row's accuracy minus random's,
-    LESS's and the task-records floor's (:data:`COMPARATORS`), paired by seed with a 95% t
+    LESS's and the task-records floors' (:data:`COMPARATORS`), paired by seed with a 95% t
     interval. Cells are :func:`.mean_std` over the runs."""
     tasks = list(dict.fromkeys(t for r in runs for acc in r["accuracy"].values() for t in acc if t != "mean"))
     columns = tasks + ["mean"]

@@ -825,7 +825,8 @@ def test_select_with_two_target_tasks_and_the_start_models_own_rejections(tmp_pa
             assert {r["id"] for r in sub} == {r["id"] for r in scores[:2]}
     names = [t["name"] for t in res["tables"]]
     assert names == ["accuracy", "balanced_accuracy", "target_task_share", "mislabeled_share", "paired_vs_random",
-                     "paired_vs_task_records", "paired_vs_random_balanced", "paired_vs_task_records_balanced"]
+                     "paired_vs_task_records", "paired_vs_right_only", "paired_vs_random_balanced",
+                     "paired_vs_task_records_balanced", "paired_vs_right_only_balanced"]
     assert res["tables"][0]["columns"] == ["yesno", "counting", "mean"]  # the config's order
 
     # the same seed split over two runs, one target task each (--target-tasks), then merged
