@@ -27,7 +27,13 @@ fit additionally needs enough batches per shape (``curvature.fit.FIT_GRAPH_MIN_R
 
 If a capture fails (a model whose forward needs the host mid-step, e.g. reading a
 tensor's value), the scorer logs why and falls back to eager execution for the rest
-of the run; results are unaffected.
+of the run; results are unaffected. A capture that could run out of memory is not
+tried: a capture stopped by the allocator leaves its memory pool held for the rest of
+the process (one H200, torch 2.11, a 30 GiB cap: every eager step after such a failure
+ran out of memory too), so a shape whose warm-up step reserved more than
+1 / :data:`CAPTURE_HEADROOM` of what the process may still reserve
+(:func:`prism_select.plan.device_headroom`) runs eagerly, and the shapes captured
+before keep their graphs.
 """
 
 from __future__ import annotations
@@ -44,6 +50,10 @@ log = logging.getLogger(__name__)
 MIN_BUCKET = 16
 #: extra length allowed by bucketing: ``1 / BUCKET_FRACTION`` of the next power of two
 BUCKET_FRACTION = 8
+#: a shape is captured only where the process may still reserve this many times what its
+#: eager warm-up step reserved (a capture's pool holds the step's intermediates apart from
+#: the general cache, and cannot give back the memory of a capture that failed)
+CAPTURE_HEADROOM = 2.0
 
 
 def bucket_length(t: int) -> int:
@@ -119,6 +129,7 @@ class GraphedScorer:
         self.pool = None
         self.captures = 0
         self.failed: str | None = None
+        self.eager: set = set()  # padded lengths whose capture would not fit in memory
 
     def __enter__(self):
         if hasattr(self.inner, "__enter__"):
@@ -139,7 +150,7 @@ class GraphedScorer:
         if b > self.rows:
             raise ValueError(f"batch of {b} rows exceeds the graphed batch size {self.rows}")
         length = bucket_length(t)
-        if not self.capture or self.failed:
+        if not self.capture or self.failed or length in self.eager:
             return self.inner.score(pad_batch(batch, self.rows, length, self.pad_id))[:b]
         entry = self.graphs.get(length)
         if entry is None:
@@ -152,21 +163,36 @@ class GraphedScorer:
         return out[:b].clone()
 
     def _capture(self, batch: dict, length: int):
+        from .plan import device_headroom
+
         static = pad_batch(batch, self.rows, length, self.pad_id)
         warm = graph = out = None
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             warm = self.inner.neutral(static) if hasattr(self.inner, "neutral") else static
+            # the warm-up starts from an empty cache, so what it reserves is its step's memory
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            device = static["input_ids"].device
+            before = torch.cuda.memory_reserved(device)
             with torch.cuda.stream(side):
                 for _ in range(2 if not self.graphs else 1):  # warm-up: kernel choice, lazy init
                     self.inner.score(warm)
             torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            step = torch.cuda.memory_reserved(device) - before
             # hand the warm-up's cached blocks back first: no block can be freed while a capture
             # runs, so under a memory cap (max_gpu_memory) the capture would otherwise need the
             # step's memory a second time
-            torch.cuda.synchronize()
             torch.cuda.empty_cache()
+            room = device_headroom(device)
+            if room < CAPTURE_HEADROOM * step:
+                self.eager.add(length)
+                log.info("length %d runs without a CUDA graph: its step reserved %.2f GiB, the process "
+                         "may reserve %.2f GiB more (a capture needs %.1fx)", length, step / 2**30,
+                         room / 2**30, CAPTURE_HEADROOM)
+                return None
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()

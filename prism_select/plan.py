@@ -222,6 +222,10 @@ def make_groups(names: list, cost: dict, budget: int, cost2: dict | None = None,
 
 # ----------------------------------------------------------------------------- probe
 
+#: ``{device: bytes}``: the caps :func:`cap_device_memory` set in this process
+_CAPS: dict = {}
+
+
 def cap_device_memory(device, max_bytes: int | None) -> None:
     """Enforce ``max_gpu_memory`` on this process (the caching allocator refuses more),
     not only plan for it."""
@@ -229,6 +233,22 @@ def cap_device_memory(device, max_bytes: int | None) -> None:
     if max_bytes and dev.type == "cuda":
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, max_bytes / total), dev)
+        _CAPS[_device_key(dev)] = min(int(max_bytes), total)
+
+
+def _device_key(dev: torch.device) -> str:
+    dev = torch.device(dev)
+    return f"cuda:{torch.cuda.current_device() if dev.index is None else dev.index}"
+
+
+def device_headroom(device) -> int:
+    """Bytes this process can still reserve on CUDA ``device``: below its cap
+    (:func:`cap_device_memory`, else the device's size) less what it reserves now, and no
+    more than the device has free (other processes' memory counted)."""
+    dev = torch.device(device)
+    limit = _CAPS.get(_device_key(dev)) or torch.cuda.get_device_properties(dev).total_memory
+    free, _ = torch.cuda.mem_get_info(dev)
+    return max(0, min(limit - torch.cuda.memory_reserved(dev), free))
 
 
 def measure_example_bytes(model, example, pad_id: int, device, copies: int = 1) -> int:

@@ -231,8 +231,10 @@ def test_a_failed_capture_frees_its_memory_before_the_eager_steps(monkeypatch):
 
     for name, value in {"Stream": Stream, "current_stream": Stream, "stream": lambda s: contextlib.nullcontext(),
                         "synchronize": lambda: None, "empty_cache": lambda: calls.append("empty_cache"),
-                        "graph_pool_handle": object, "CUDAGraph": object, "graph": graph}.items():
+                        "graph_pool_handle": object, "CUDAGraph": object, "graph": graph,
+                        "memory_reserved": lambda device=None: 0}.items():
         monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr("prism_select.plan.device_headroom", lambda device: 2**40)
     seen = []
 
     class Scorer:
@@ -253,8 +255,73 @@ def test_a_failed_capture_frees_its_memory_before_the_eager_steps(monkeypatch):
         gc.enable()
     assert sc.failed.startswith("RuntimeError: operation not permitted")
     assert sc.pool is None and not sc.graphs and sc.captures == 0
-    assert calls == ["empty_cache", "empty_cache"]  # before the capture, and after its failure
+    # before the warm-up, before the capture, and after its failure
+    assert calls == ["empty_cache", "empty_cache", "empty_cache"]
     assert torch.equal(got, ids.sum(1).float())
+
+
+def test_a_shape_whose_capture_may_not_fit_runs_eagerly_and_the_others_keep_their_graphs(monkeypatch):
+    """A capture is tried only where the process may still reserve CAPTURE_HEADROOM times
+    what the shape's eager warm-up reserved: a longer shape that would not fit runs eagerly
+    (no capture tried, now or later), and the shorter shape captured before keeps its
+    graph. Driven on the CPU with the CUDA calls stood in for (memory counted by the stub)."""
+    import contextlib
+
+    from prism_select.graphs import CAPTURE_HEADROOM
+
+    state = {"reserved": 0, "capturing": False}
+    per_token = 1000  # bytes a warm-up step reserves per padded token
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        state["capturing"] = True
+        try:
+            yield
+        finally:
+            state["capturing"] = False
+
+    class Graph:
+        def replay(self):
+            pass
+
+    def empty_cache():
+        state["reserved"] = 0
+
+    for name, value in {"Stream": Stream, "current_stream": Stream, "stream": lambda s: contextlib.nullcontext(),
+                        "synchronize": lambda: None, "empty_cache": empty_cache, "graph_pool_handle": object,
+                        "CUDAGraph": Graph, "graph": graph,
+                        "memory_reserved": lambda device=None: state["reserved"]}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    # room for a 16-token shape's capture (4 x 16 tokens), not for a 64-token one's
+    room = int(CAPTURE_HEADROOM * per_token * 4 * 40)
+    monkeypatch.setattr("prism_select.plan.device_headroom", lambda device: room)
+    captured = []
+
+    class Scorer:
+        def score(self, batch):
+            ids = batch["input_ids"]
+            if state["capturing"]:
+                captured.append(ids.shape[1])
+            else:
+                state["reserved"] += per_token * ids.numel()
+            return ids.sum(1).float()
+
+    sc = GraphedScorer(Scorer(), batch_size=4, pad_id=0)
+
+    def batch(t):
+        ids = torch.arange(1, 2 * t + 1).reshape(2, t)
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+    short, long_ = batch(5), batch(60)
+    assert torch.equal(sc.score(short), short["input_ids"].sum(1).float())
+    assert torch.equal(sc.score(long_), long_["input_ids"].sum(1).float())
+    assert torch.equal(sc.score(long_), long_["input_ids"].sum(1).float())
+    assert captured == [16]  # the short shape only, once
+    assert set(sc.graphs) == {16} and sc.eager == {64} and sc.captures == 1 and sc.failed is None
 
 
 # ----------------------------------------------------------------------------- curvature fit

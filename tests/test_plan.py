@@ -48,3 +48,30 @@ def test_the_plan_gets_the_memory_left_and_its_error_names_what_others_hold(monk
     with pytest.raises(plan.PlanError) as e:
         pipeline.plan_run(_fake_cuda_lm(), {}, _no_examples(), ScoreSettings(), CurvatureSettings())
     assert str(e.value) == "the target direction does not fit on cuda:0"
+
+
+def test_device_headroom_counts_the_cap_what_is_reserved_and_what_is_free(monkeypatch):
+    """What the process may still reserve: below the cap set by cap_device_memory (else the
+    device's size) less its reservations, and never more than the device has free (other
+    processes' memory). CUDA calls stood in for on the CPU."""
+    import types
+
+    from prism_select import plan
+
+    gib = 2**30
+    mem = {"reserved": 10 * gib, "free": 100 * gib, "fraction": None}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=140 * gib))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: mem.update(fraction=f))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (mem["free"], 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: mem["reserved"])
+    monkeypatch.setattr(plan, "_CAPS", {})
+    dev = torch.device("cuda:0")
+    assert plan.device_headroom(dev) == 100 * gib  # no cap: the device's free memory bounds it
+    plan.cap_device_memory(dev, 30 * gib)
+    assert mem["fraction"] == pytest.approx(30 / 140)
+    assert plan.device_headroom(dev) == 20 * gib  # the cap less what is reserved
+    mem["free"] = 5 * gib  # other processes took the rest
+    assert plan.device_headroom(dev) == 5 * gib
+    mem["reserved"] = 31 * gib
+    mem["free"] = 100 * gib
+    assert plan.device_headroom(dev) == 0
