@@ -150,7 +150,8 @@ class Experiment:
             # a field added to the config classes after the folder was written reads as its default
             old_conf = {k: v for k, v in with_defaults(old.get("config") or {}, cfg).items()
                         if k not in ("harmful_ratios", "report", "seeds")}
-            if old.get("protocol") != protocol or old_conf != meta["config"]:
+            # settings that change no number (a memory cap, a batch size) may differ
+            if old.get("protocol") != protocol or result_config(old_conf) != result_config(meta["config"]):
                 if not overwrite:
                     raise OutputError(f"{self.out} holds an experiment with another protocol or config; "
                                       "pass --overwrite to replace it, or choose another --out")
@@ -173,14 +174,19 @@ class Experiment:
         return os.path.relpath(Path(p), self.out)
 
     @staticmethod
-    def done(step_dir: Path, key: dict, files: list, step: str = "step") -> bool:
+    def done(step_dir: Path, key: dict, files: list, step: str = "step", normalize=None) -> bool:
+        """Whether ``step_dir`` holds ``files`` and a finished ``step`` recorded with ``key``
+        (both keys passed through ``normalize`` first, where given)."""
         f = Path(step_dir) / f".{step}.json"
         if not f.is_file() or not all((Path(step_dir) / x).exists() for x in files):
             return False
         try:
-            return json.loads(f.read_text()) == json.loads(json.dumps(key, default=str))
+            stored, wanted = json.loads(f.read_text()), json.loads(json.dumps(key, default=str))
         except ValueError:
             return False
+        if normalize is not None:
+            stored, wanted = normalize(stored), normalize(wanted)
+        return stored == wanted
 
     @staticmethod
     def finish(step_dir: Path, key: dict, step: str = "step"):
@@ -188,6 +194,43 @@ class Experiment:
 
     def time(self, name: str, seconds: float):
         self.timings[name] = self.timings.get(name, 0.0) + seconds
+
+
+def _unkeyed(cls) -> set:
+    """The fields of settings class ``cls`` that determine no artifact (``key=False``)."""
+    return {f.name for f in dataclasses.fields(cls) if not f.metadata.get("key", True)}
+
+
+def result_config(conf: dict) -> dict:
+    """An experiment config (experiment.json's form) without the score and curvature
+    settings that change no result (``key=False``: memory caps, batch sizes, progress):
+    two configs equal here compute the same numbers."""
+    from ..curvature import CurvatureSettings
+    from ..settings import ScoreSettings
+
+    out = json.loads(json.dumps(conf, default=str))
+    score, curv = out.get("score"), out.get("curvature")
+    if isinstance(score, dict):
+        for k in _unkeyed(ScoreSettings):
+            score.pop(k, None)
+        if isinstance(score.get("extra"), dict):
+            score["extra"] = {k: v for k, v in score["extra"].items() if k not in _unkeyed(ScoreSettings)}
+    if isinstance(curv, dict):
+        for k in _unkeyed(CurvatureSettings):
+            curv.pop(k, None)
+    return out
+
+
+def _score_step_key(key: dict) -> dict:
+    """A score step's key without the settings that change no score (``key=False``)."""
+    from ..curvature import CurvatureSettings
+    from ..settings import ScoreSettings
+
+    out = dict(key)
+    for part, cls in (("settings", ScoreSettings), ("curvature", CurvatureSettings)):
+        if isinstance(out.get(part), dict):
+            out[part] = {k: v for k, v in out[part].items() if k not in _unkeyed(cls)}
+    return out
 
 
 def available_methods() -> list:
@@ -223,7 +266,7 @@ def score_methods(exp: Experiment, lm, pool_path: Path, targets_path: Path | Non
         rec: dict = {"dir": exp.rel(mdir)}
         t = time.perf_counter()
         try:
-            if not exp.done(mdir, key, ["scores.jsonl", "run.json"], "score-step"):
+            if not exp.done(mdir, key, ["scores.jsonl", "run.json"], "score-step", normalize=_score_step_key):
                 log.info("scoring %s with %s", pool_path, m)
                 # a finished run with other inputs is replaced; an interrupted one resumes
                 settings.overwrite = (mdir / "run.json").exists()
@@ -256,7 +299,7 @@ def train_adapter(exp: Experiment, lm, pool_path: Path, out_dir: Path, seed: int
     """LoRA SFT of the start model on ``pool_path`` (reused when unchanged); the adapter dir."""
     from .finetune import finetune
     settings = finetune_settings(exp.cfg.finetune, seed)
-    key = {"pool": sha256_file(pool_path), "model": lm.fingerprint, "settings": asdict(settings)}
+    key = _finetune_key(lm, pool_path, settings)
     if not exp.done(out_dir, key, ["adapter/adapter_config.json", "finetune.json"], "finetune-step"):
         t = time.perf_counter()
         log.info("fine-tuning on %s (%s)", pool_path, tag)
@@ -268,6 +311,43 @@ def train_adapter(exp: Experiment, lm, pool_path: Path, out_dir: Path, seed: int
     return out_dir / "adapter"
 
 
+def _finetune_key(lm, pool_path: Path, settings) -> dict:
+    return {"pool": sha256_file(pool_path), "model": lm.fingerprint, "settings": asdict(settings)}
+
+
+def _responses_key(exp: Experiment, probes_path: Path, checker_spec, model: str) -> dict:
+    return {"probes": sha256_file(probes_path), "generation": asdict(exp.cfg.generation), "checker": checker_spec,
+            "model": model}
+
+
+def finetuned_responses(exp: Experiment, lm, pool_path: Path, adapter_dir: Path, probes_path: Path,
+                        resp_dir: Path, seed: int, tag: str) -> Path:
+    """:func:`respond` of the start model ``lm`` after :func:`train_adapter` on
+    ``pool_path`` (its adapter in ``adapter_dir``, its responses in ``resp_dir``).
+
+    A copy of the folder without its adapters (they are the bulk of a run: about 60 MB
+    each at the embedded model's LoRA rank 128) resumes without training again: where the
+    adapter is gone, the fine-tuning step's record matches (same pool, start model and
+    settings) and the responses step's record matches in all but the adapter's hash (same
+    probes, generation and checker, made with an adapter, not the start model), the kept
+    responses are those of the adapter that step made."""
+    ft_key = _finetune_key(lm, pool_path, finetune_settings(exp.cfg.finetune, seed))
+    checker = exp.cfg.checker
+    if not (Path(adapter_dir) / "adapter" / "adapter_config.json").is_file() \
+            and exp.done(adapter_dir, ft_key, ["finetune.json"], "finetune-step"):
+        made = Path(resp_dir) / ".responses-step.json"
+        try:
+            model = json.loads(made.read_text()).get("model") if made.is_file() else None
+        except ValueError:
+            model = None
+        if model not in (None, lm.fingerprint) and \
+                exp.done(resp_dir, _responses_key(exp, probes_path, checker, model), ["responses.jsonl"],
+                         "responses-step"):
+            return Path(resp_dir) / "responses.jsonl"
+    adapter = train_adapter(exp, lm, pool_path, adapter_dir, seed, tag)
+    return respond(exp, lm, probes_path, resp_dir, checker, tag, adapter)
+
+
 def respond(exp: Experiment, lm, probes_path: Path, out_dir: Path, checker_spec, tag: str,
             adapter: Path | None = None) -> Path:
     """Greedy responses to the probes of the start model ``lm``, or of ``lm`` with the
@@ -277,10 +357,10 @@ def respond(exp: Experiment, lm, probes_path: Path, out_dir: Path, checker_spec,
     from .probes import generate, load_checker, reference_of
     g = exp.cfg.generation
     adapter = None if adapter is None else Path(adapter)
-    key = {"probes": sha256_file(probes_path), "generation": asdict(g), "checker": checker_spec,
-           "model": (lm.fingerprint if adapter is None
-                     else sha256_file(adapter / "adapter_model.safetensors")
-                     if (adapter / "adapter_model.safetensors").is_file() else str(adapter))}
+    key = _responses_key(exp, probes_path, checker_spec,
+                         lm.fingerprint if adapter is None
+                         else sha256_file(adapter / "adapter_model.safetensors")
+                         if (adapter / "adapter_model.safetensors").is_file() else str(adapter))
     path = out_dir / "responses.jsonl"
     if exp.done(out_dir, key, ["responses.jsonl"], "responses-step"):
         return path

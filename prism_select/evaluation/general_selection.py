@@ -16,9 +16,9 @@ from pathlib import Path
 from ..errors import InputError
 from . import builders, carry
 from .config import SelectConfig, config_to_dict
-from .experiment import (Experiment, accuracy_by_task, balanced_accuracy_by_task, finish_experiment, load_start,
-                         majority_answer_floor, mean_std, paired_interval, pct, read_jsonl, resolve_methods, respond,
-                         score_methods, train_adapter, write_if_changed)
+from .experiment import (Experiment, accuracy_by_task, balanced_accuracy_by_task, finetuned_responses,
+                         finish_experiment, load_start, majority_answer_floor, mean_std, paired_interval, pct,
+                         read_jsonl, resolve_methods, respond, score_methods, write_if_changed)
 
 #: the row of the floor a model reaches by giving every held-out probe its task's most
 #: common reference answer (:func:`.experiment.majority_answer_floor`)
@@ -136,7 +136,6 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
     if not one:
         run["tasks"] = {task: {"dir": exp.rel(tdir), "targets": rel(tp), "heldout": rel(hp)}
                         for task, tdir, tp, hp in splits}
-    full = train_adapter(exp, lm, pool_path, sdir / "full", seed, "full") if cfg.full_data else None
     for task, tdir, targets_path, heldout_path in splits:
         scored = score_methods(exp, lm, pool_path, targets_path, tdir, methods, seed, label=None)
         if one:
@@ -150,9 +149,10 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
         if probes and all(p.get("reference") is not None for p in probes):
             for key, values in zip(METRICS, majority_answer_floor(probes)):
                 _merge_values(run, key, MAJORITY_ROW, values)
-        if full is not None:
+        if cfg.full_data:
             fdir = sdir / "full" if one else sdir / "full" / task
-            _merge(run, "Full data", respond(exp, lm, heldout_path, fdir, cfg.checker, "full" + sub, full))
+            _merge(run, "Full data", finetuned_responses(exp, lm, pool_path, sdir / "full", heldout_path, fdir,
+                                                         seed, "full" + sub))
         if task is not None and cfg.task_floor:
             records = read_jsonl(pool_path)
             floor = _task_floor_scores(records, task, seed, tdir / "floors" / "task_records")
@@ -252,15 +252,13 @@ def _select_method(exp, lm, run: dict, m: str, scored: dict, task, tdir: Path, p
             _share(run, "mislabeled_share", task, m, [bool(r.get("mislabeled")) for r in chosen])
     tag = f"select:{m}" + ("" if task is None else f"/{task}")
     if not cfg.finetune_seeds:
-        adapter = train_adapter(exp, lm, subset, mdir, seed, tag)
-        _merge(run, m, respond(exp, lm, heldout_path, mdir, cfg.checker, tag, adapter))
+        _merge(run, m, finetuned_responses(exp, lm, subset, mdir, heldout_path, mdir, seed, tag))
         return
     # one SFT per fine-tuning seed, each in ft<seed>/
     responses = {}
     for s in cfg.finetune_seeds:
         fdir = mdir / f"ft{s}"
-        adapter = train_adapter(exp, lm, subset, fdir, s, f"{tag}/ft{s}")
-        responses[s] = respond(exp, lm, heldout_path, fdir, cfg.checker, f"{tag}/ft{s}", adapter)
+        responses[s] = finetuned_responses(exp, lm, subset, fdir, heldout_path, fdir, s, f"{tag}/ft{s}")
     merge_finetunes(run, m, responses)
 
 

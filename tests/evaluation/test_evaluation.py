@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import shutil
 import random
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -733,6 +734,20 @@ def test_select_fine_tunes_each_selection_once_per_finetune_seed(tmp_path, tiny_
     marker.write_text(json.dumps(meta))
     again = select(load_config(raw, "select"), out)
     assert again["runs"][0]["accuracy"] == run["accuracy"]
+    # settings that change no number (a memory cap, a batch size) may differ: no step reruns
+    step = sdir / "scores" / "random" / ".score-step.json"
+    stamp = step.stat().st_mtime_ns
+    other = {**raw, "score": {**raw.get("score", {}), "batch_size": 3, "max_gpu_memory": "1GiB"}}
+    again = select(load_config(other, "select"), out)
+    assert again["runs"][0]["accuracy"] == run["accuracy"] and step.stat().st_mtime_ns == stamp
+    # a copy of the folder without its adapters resumes without fine-tuning again
+    for adapter in list(sdir.rglob("adapter")):
+        shutil.rmtree(adapter)
+    ft = sdir / "selected" / "random" / "ft3" / "finetune.json"
+    stamp = ft.stat().st_mtime_ns
+    again = select(load_config(raw, "select"), out)
+    assert again["runs"][0]["accuracy"] == run["accuracy"] and ft.stat().st_mtime_ns == stamp
+    assert not any(sdir.rglob("adapter"))
     with pytest.raises(OutputError, match="another protocol or config"):
         select(load_config({**raw, "finetune_seeds": [3]}, "select"), out)
     for bad in ([], [1, 1], [0.5], "0"):
