@@ -27,13 +27,16 @@ fit additionally needs enough batches per shape (``curvature.fit.FIT_GRAPH_MIN_R
 
 If a capture fails (a model whose forward needs the host mid-step, e.g. reading a
 tensor's value), the scorer logs why and falls back to eager execution for the rest
-of the run; results are unaffected. A capture that could run out of memory is not
-tried: a capture stopped by the allocator leaves its memory pool held for the rest of
-the process (one H200, torch 2.11, a 30 GiB cap: every eager step after such a failure
-ran out of memory too), so a shape whose warm-up step reserved more than
+of the run; results are unaffected. A shape whose warm-up step reserved more than
 1 / :data:`CAPTURE_HEADROOM` of what the process may still reserve
-(:func:`prism_select.plan.device_headroom`) runs eagerly, and the shapes captured
-before keep their graphs.
+(:func:`prism_select.plan.device_headroom`) runs eagerly, and the shapes captured before
+keep their graphs. That check does not make a capture under a tight memory cap safe: on
+one H200 (torch 2.11, 2026-11-29) the embedded model's scoring at batch 32 x 400 tokens
+under a 30 GiB cap (``max_gpu_memory``, four processes on the GPU) passed it, its capture
+still ran out of the cap with 5.5 GiB in the graphs' pool, and every eager step after it
+ran out too (a capture stopped by the allocator keeps its pool for the rest of the
+process). The plan does not count the graphs' pool; where a cap is tight, leave the
+graphs' room above the plan's peak (65 GiB ran there) or pass ``--cuda-graphs off``.
 """
 
 from __future__ import annotations
