@@ -203,23 +203,18 @@ def test_failed_capture_falls_back_to_eager(gpu_model, tok, encoded_pool):
     assert rel_err(got, ref) <= GPU_F32_RTOL
 
 
-def test_a_failed_capture_frees_its_memory_before_the_eager_steps(monkeypatch):
-    """A capture that fails mid-graph leaves nothing of it alive (its inputs, graph and
-    pool are unreachable at once, not at the next garbage collection), and the cached
-    blocks are handed back before the capture and after the failure, so that under a
-    memory cap the eager fallback finds the memory the capture held. Driven on the CPU
-    with the CUDA calls stood in for."""
+def _stand_in_cuda(monkeypatch, state: dict, **calls) -> None:
+    """torch.cuda's stream, graph and cache calls stood in for on the CPU: ``state["capturing"]``
+    is True inside a capture; ``calls`` replaces any of them (e.g. ``empty_cache``)."""
     import contextlib
-    import gc
-    import weakref
-
-    calls = []
 
     class Stream:
         def wait_stream(self, other):
             pass
 
-    state = {"capturing": False}
+    class Graph:
+        def replay(self):
+            pass
 
     @contextlib.contextmanager
     def graph(g, pool=None):
@@ -229,11 +224,25 @@ def test_a_failed_capture_frees_its_memory_before_the_eager_steps(monkeypatch):
         finally:
             state["capturing"] = False
 
-    for name, value in {"Stream": Stream, "current_stream": Stream, "stream": lambda s: contextlib.nullcontext(),
-                        "synchronize": lambda: None, "empty_cache": lambda: calls.append("empty_cache"),
-                        "graph_pool_handle": object, "CUDAGraph": object, "graph": graph,
-                        "memory_reserved": lambda device=None: 0}.items():
+    stand_ins = {"Stream": Stream, "current_stream": Stream, "stream": lambda s: contextlib.nullcontext(),
+                 "synchronize": lambda: None, "empty_cache": lambda: None, "graph_pool_handle": object,
+                 "CUDAGraph": Graph, "graph": graph, "memory_reserved": lambda device=None: 0}
+    for name, value in {**stand_ins, **calls}.items():
         monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_a_failed_capture_frees_its_memory_before_the_eager_steps(monkeypatch):
+    """A capture that fails mid-graph leaves nothing of it alive (its inputs, graph and
+    pool are unreachable at once, not at the next garbage collection), and the cached
+    blocks are handed back before the capture and after the failure, so that under a
+    memory cap the eager fallback finds the memory the capture held. Driven on the CPU
+    with the CUDA calls stood in for."""
+    import gc
+    import weakref
+
+    calls = []
+    state = {"capturing": False}
+    _stand_in_cuda(monkeypatch, state, empty_cache=lambda: calls.append("empty_cache"))
     monkeypatch.setattr("prism_select.plan.device_headroom", lambda device: 2**40)
     seen = []
 
@@ -265,37 +274,12 @@ def test_a_shape_whose_capture_may_not_fit_runs_eagerly_and_the_others_keep_thei
     what the shape's eager warm-up reserved: a longer shape that would not fit runs eagerly
     (no capture tried, now or later), and the shorter shape captured before keeps its
     graph. Driven on the CPU with the CUDA calls stood in for (memory counted by the stub)."""
-    import contextlib
-
     from prism_select.graphs import CAPTURE_HEADROOM
 
     state = {"reserved": 0, "capturing": False}
     per_token = 1000  # bytes a warm-up step reserves per padded token
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    @contextlib.contextmanager
-    def graph(g, pool=None):
-        state["capturing"] = True
-        try:
-            yield
-        finally:
-            state["capturing"] = False
-
-    class Graph:
-        def replay(self):
-            pass
-
-    def empty_cache():
-        state["reserved"] = 0
-
-    for name, value in {"Stream": Stream, "current_stream": Stream, "stream": lambda s: contextlib.nullcontext(),
-                        "synchronize": lambda: None, "empty_cache": empty_cache, "graph_pool_handle": object,
-                        "CUDAGraph": Graph, "graph": graph,
-                        "memory_reserved": lambda device=None: state["reserved"]}.items():
-        monkeypatch.setattr(torch.cuda, name, value)
+    _stand_in_cuda(monkeypatch, state, empty_cache=lambda: state.update(reserved=0),
+                   memory_reserved=lambda device=None: state["reserved"])
     # room for a 16-token shape's capture (4 x 16 tokens), not for a 64-token one's
     room = int(CAPTURE_HEADROOM * per_token * 4 * 40)
     monkeypatch.setattr("prism_select.plan.device_headroom", lambda device: room)
