@@ -7,6 +7,9 @@
 #                                               # the device calls send (e.g. .cache/bundle)
 # Gives DEST/part1/ (first 48 MiB of the GGUF, carried by a first call) and DEST/run/
 # (everything else, carried by the calls that run experiments/device_experiment.sh).
+# PRIOR=runs/x/NAME packs an earlier experiment folder (adapters and weights left out) as
+# DEST/run/prior.tar.gz: device_experiment.sh unpacks it into /tmp/prism-runs/NAME, so a
+# fresh machine resumes that run (finished steps, judged responses) instead of starting over.
 set -euo pipefail
 DEST="${1:?usage: device_bundle.sh DEST}"
 SRC="$(cd "$(dirname "$0")/.." && pwd)"
@@ -26,4 +29,8 @@ mv "$DEST/part.0" "$DEST/part1/part.0"
 mv "$DEST/part.1" "$DEST/run/part2/part.1"
 if ls "$DEST"/part.* >/dev/null 2>&1; then echo "the GGUF file needs more than two parts" >&2; exit 1; fi
 sha256sum "$GGUF" | cut -d' ' -f1 > "$DEST/run/part2/sha256"
+if [ -n "${PRIOR:-}" ]; then
+  tar --exclude=adapter --exclude=.partial --exclude=checkpoints --exclude='*.safetensors' \
+      -czf "$DEST/run/prior.tar.gz" -C "$(dirname "$PRIOR")" "$(basename "$PRIOR")"
+fi
 du -sh "$DEST"/part1 "$DEST"/run

@@ -33,6 +33,10 @@ GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" != "$(cat "$B/run/part2/sha256")" ]; then
   rm -f "$GGUF"; echo "the joined GGUF does not match its checksum: carry part1 in an earlier call" >&2; exit 4
 fi
+# an earlier run folder packed by device_bundle.sh (PRIOR=...): unpacked once per machine
+if [ -f "$B/run/prior.tar.gz" ] && [ ! -f /tmp/prism-runs/.prior-unpacked ]; then
+  tar xzf "$B/run/prior.tar.gz" -C /tmp/prism-runs && touch /tmp/prism-runs/.prior-unpacked || exit 3
+fi
 DATA=/tmp/prism-data  # the bundle's GSM8K and BBH, unpacked once per machine
 [ -f "$DATA/.unpacked" ] || { mkdir -p "$DATA" && tar xzf "$B/run/data.tar.gz" -C "$DATA" && touch "$DATA/.unpacked"; } || exit 3
 export PRISM_SELECT_DEFAULT_GGUF="$GGUF" PRISM_DATA_ROOT="$DATA" PRISM_SELECT_CACHE=/tmp/prism-cache \
