@@ -126,8 +126,13 @@ def resource_error(exc: BaseException, out_dir, curvature=None) -> OutOfResource
     text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
     oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
     if isinstance(exc, oom) or isinstance(exc, RuntimeError) and "out of memory" in str(exc):
-        return OutOfResourceError("GPU memory", text, "lower --batch-size, or cap the memory plan with "
-                                  "--max-gpu-memory", _kept(out_dir, curvature))
+        from .graphs import capture_out_of_memory
+        fix = "lower --batch-size, or cap the memory plan with --max-gpu-memory"
+        if capture_out_of_memory():  # a lower cap would not help: the failed capture's pool is held
+            fix = ("a CUDA-graph capture ran out of memory earlier in this process and its memory pool stays "
+                   "held: rerun with --cuda-graphs off, or with a --max-gpu-memory that leaves the graphs room "
+                   "above the plan's peak")
+        return OutOfResourceError("GPU memory", text, fix, _kept(out_dir, curvature))
     if isinstance(exc, MemoryError):
         return OutOfResourceError("host memory", text or "MemoryError", "lower --batch-size, close other programs, "
                                   "or score with --stream", _kept(out_dir, curvature))

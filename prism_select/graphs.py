@@ -36,7 +36,9 @@ under a 30 GiB cap (``max_gpu_memory``, four processes on the GPU) passed it, it
 still ran out of the cap with 5.5 GiB in the graphs' pool, and every eager step after it
 ran out too (a capture stopped by the allocator keeps its pool for the rest of the
 process). The plan does not count the graphs' pool; where a cap is tight, leave the
-graphs' room above the plan's peak (65 GiB ran there) or pass ``--cuda-graphs off``.
+graphs' room above the plan's peak (65 GiB ran there) or pass ``--cuda-graphs off``. After
+a capture ran out of memory, the process's later scorers capture nothing, and an
+out-of-memory error names that fix (:func:`capture_out_of_memory`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ log = logging.getLogger(__name__)
 MIN_BUCKET = 16
 #: extra length allowed by bucketing: ``1 / BUCKET_FRACTION`` of the next power of two
 BUCKET_FRACTION = 8
+#: why a capture in this process ran out of memory, if one did: the pool of a capture the
+#: allocator stopped stays held, so later scorers of the process run eagerly
+#: (:func:`capture_out_of_memory`) and an out-of-memory error says what to change
+_CAPTURE_OOM: list = []
+
+
+def capture_out_of_memory() -> str | None:
+    """The error of a CUDA-graph capture that ran out of memory earlier in this process."""
+    return _CAPTURE_OOM[0] if _CAPTURE_OOM else None
+
+
 #: a shape is captured only where the process may still reserve this many times what its
 #: eager warm-up step reserved (a capture's pool holds the step's intermediates apart from
 #: the general cache, and cannot give back the memory of a capture that failed)
@@ -153,7 +166,7 @@ class GraphedScorer:
         if b > self.rows:
             raise ValueError(f"batch of {b} rows exceeds the graphed batch size {self.rows}")
         length = bucket_length(t)
-        if not self.capture or self.failed or length in self.eager:
+        if not self.capture or self.failed or length in self.eager or _CAPTURE_OOM:
             return self.inner.score(pad_batch(batch, self.rows, length, self.pad_id))[:b]
         entry = self.graphs.get(length)
         if entry is None:
@@ -203,6 +216,8 @@ class GraphedScorer:
                 out = self.inner.score(static)
         except Exception as exc:  # capture is an optimisation: fall back, keep the run going
             self.failed = _first_error(exc)
+            if "out of memory" in self.failed.lower() and not _CAPTURE_OOM:
+                _CAPTURE_OOM.append(self.failed)
         else:
             self.captures += 1
             self.graphs[length] = (graph, static, out)

@@ -404,3 +404,37 @@ def test_fit_graphs_pay_off_needs_replays_per_shape(tok, encoded_pool):
     varied = [[i] for i in range(len(encoded_pool))] * FIT_GRAPH_MIN_REPLAYS
     assert fit_graphs_pay_off(encoded_pool, varied) == (len(varied) >= FIT_GRAPH_MIN_REPLAYS * len(lengths))
     assert not fit_graphs_pay_off(encoded_pool, [[i] for i in range(len(encoded_pool))])
+
+
+def test_a_capture_out_of_memory_turns_later_captures_off_and_names_the_fix(monkeypatch, tmp_path):
+    """After a capture ran out of memory, the process's later scorers run eagerly (no new
+    capture, whose pool could not be given back either), and an out-of-memory error names
+    --cuda-graphs off instead of a lower cap. CUDA calls stood in for on the CPU."""
+    from prism_select import graphs
+    from prism_select.errors import resource_error
+
+    monkeypatch.setattr(graphs, "_CAPTURE_OOM", [])
+    state = {"capturing": False}
+    _stand_in_cuda(monkeypatch, state)
+    monkeypatch.setattr("prism_select.plan.device_headroom", lambda device: 2**40)
+    tries = []
+
+    class Scorer:
+        def score(self, batch):
+            if state["capturing"]:
+                tries.append(1)
+                raise RuntimeError("CUDA out of memory. Tried to allocate 1.31 GiB")
+            return batch["input_ids"].sum(1).float()
+
+    ids = torch.arange(1, 7).reshape(2, 3)
+    b = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    plain = resource_error(RuntimeError("CUDA out of memory. Tried to allocate 2 MiB"), tmp_path)
+    assert "--max-gpu-memory" in str(plain) and "--cuda-graphs off" not in str(plain)
+    first = GraphedScorer(Scorer(), batch_size=4, pad_id=0)
+    assert torch.equal(first.score(b), ids.sum(1).float())
+    assert graphs.capture_out_of_memory().startswith("RuntimeError: CUDA out of memory")
+    later = GraphedScorer(Scorer(), batch_size=4, pad_id=0)
+    assert torch.equal(later.score(b), ids.sum(1).float())
+    assert tries == [1] and later.captures == 0  # the later scorer tried no capture
+    err = resource_error(RuntimeError("CUDA out of memory. Tried to allocate 2 MiB"), tmp_path)
+    assert "--cuda-graphs off" in str(err)
