@@ -196,9 +196,13 @@ class Experiment:
         self.timings[name] = self.timings.get(name, 0.0) + seconds
 
 
-def _unkeyed(cls) -> set:
-    """The fields of settings class ``cls`` that determine no artifact (``key=False``)."""
-    return {f.name for f in dataclasses.fields(cls) if not f.metadata.get("key", True)}
+def _keyed_only(d, cls):
+    """``d`` (a dict of settings class ``cls``'s fields) without the fields that determine no
+    artifact (``key=False``); anything else as it is."""
+    if not isinstance(d, dict):
+        return d
+    unkeyed = {f.name for f in dataclasses.fields(cls) if not f.metadata.get("key", True)}
+    return {k: v for k, v in d.items() if k not in unkeyed}
 
 
 def result_config(conf: dict) -> dict:
@@ -209,15 +213,12 @@ def result_config(conf: dict) -> dict:
     from ..settings import ScoreSettings
 
     out = json.loads(json.dumps(conf, default=str))
-    score, curv = out.get("score"), out.get("curvature")
-    if isinstance(score, dict):
-        for k in _unkeyed(ScoreSettings):
-            score.pop(k, None)
-        if isinstance(score.get("extra"), dict):
-            score["extra"] = {k: v for k, v in score["extra"].items() if k not in _unkeyed(ScoreSettings)}
-    if isinstance(curv, dict):
-        for k in _unkeyed(CurvatureSettings):
-            curv.pop(k, None)
+    if isinstance(out.get("score"), dict):
+        out["score"] = _keyed_only(out["score"], ScoreSettings)
+        if "extra" in out["score"]:
+            out["score"]["extra"] = _keyed_only(out["score"]["extra"], ScoreSettings)
+    if "curvature" in out:
+        out["curvature"] = _keyed_only(out["curvature"], CurvatureSettings)
     return out
 
 
@@ -226,11 +227,8 @@ def _score_step_key(key: dict) -> dict:
     from ..curvature import CurvatureSettings
     from ..settings import ScoreSettings
 
-    out = dict(key)
-    for part, cls in (("settings", ScoreSettings), ("curvature", CurvatureSettings)):
-        if isinstance(out.get(part), dict):
-            out[part] = {k: v for k, v in out[part].items() if k not in _unkeyed(cls)}
-    return out
+    return {**key, "settings": _keyed_only(key.get("settings"), ScoreSettings),
+            "curvature": _keyed_only(key.get("curvature"), CurvatureSettings)}
 
 
 def available_methods() -> list:
