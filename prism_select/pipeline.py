@@ -504,14 +504,14 @@ class RunContext:
             # the walk then reads the rungs it would have scored one by one
             vs = [v_at(h, f) for f in ladder for h in halves]
             scores = score_directions(self.lm.model, self.modules, scored, vs, pad_id=self.pad_id,
-                                      batch_size=self._scoring_batch(), execution=quiet)
+                                      batch_size=self.scoring_batch(), execution=quiet)
             del vs
             at = {f: support.spearman(scores[:, 2 * i], scores[:, 2 * i + 1]) for i, f in enumerate(ladder)}
             agreement_at = at.__getitem__
         else:
             def agreement_at(factor):
                 a, b = (score_encoded(self.lm.model, self.modules, scored, v_at(h, factor), pad_id=self.pad_id,
-                                      batch_size=self._scoring_batch(), execution=quiet) for h in halves)
+                                      batch_size=self.scoring_batch(), execution=quiet) for h in halves)
                 return support.spearman(a, b)
 
         check = support.split_half(len(fit), support.walk_ladder(agreement_at))
@@ -530,10 +530,17 @@ class RunContext:
                         + " (" + ", ".join(f"{f:g}: {a:.3f}" for f, a in check.agreement.items()) + ")",
                         self.settings.progress)
 
-    def _scoring_batch(self) -> int:
-        """The scoring batch: the memory plan's (it may have lowered the settings')."""
+    def scoring_batch(self) -> int:
+        """The scoring batch: the memory plan's (it may have lowered the settings'). A
+        method whose passes over the pool hold what a scoring step holds (one batch's
+        activations and logits, V beside the weights; IF-Guide's token scores) uses it too."""
         plan = self.plan
         return plan.scoring["batch_size"] if plan is not None and plan.scoring else self.settings.batch_size
+
+    def direction_batch(self) -> int:
+        """The target pairs' batch: the memory plan's (it may have lowered the settings')."""
+        plan = self.plan
+        return plan.direction["batch_size"] if plan is not None and plan.direction else self.settings.batch_size
 
     def _half_fit_layout(self) -> FitLayout:
         """Where the split-half check keeps its two half fits: in host memory under a
@@ -728,7 +735,7 @@ class RunContext:
         formed from the fit's spill, or the model's pass over the encoded pool."""
         st, partial = self.settings, self.out_dir / ".partial"
         stats: dict = {}
-        common = {"batch_size": self._scoring_batch(), "execution": self.execution,
+        common = {"batch_size": self.scoring_batch(), "execution": self.execution,
                   "chunking": Chunking(st.chunk_size, partial / tag, self.info.get("run_key"))}
         if st.stream:
             out = partial / f"{tag}.jsonl"
@@ -835,7 +842,7 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     with direction_policy(ctx.lm.model, ex):
         pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
                                   method=ctx.settings.method, pad_id=ctx.pad_id,
-                                  batch_size=d.get("batch_size", ctx.settings.batch_size),
+                                  batch_size=ctx.direction_batch(),
                                   ids=[p.id for p in ctx.inputs.pairs], accumulate=accumulate,
                                   store=d.get("store", "device"), one_graph=one_graph,
                                   execution=replace(ex, kernels=direction_kernels(ex.kernels)))

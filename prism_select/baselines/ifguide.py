@@ -275,7 +275,7 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     lm, st = ctx.lm, ctx.settings
     t = time.perf_counter()
     g, lc, lr = contrastive_target(lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
-                                   pad_id=ctx.pad_id, batch_size=st.batch_size, progress=st.progress)
+                                   pad_id=ctx.pad_id, batch_size=ctx.direction_batch(), progress=st.progress)
     ctx.end_stage("target", t)
     pairs = [{"id": p.id, "loss_chosen": float(lc[i]), "loss_rejected": float(lr[i]),
               **({"task": p.task} if p.task else {})} for i, p in enumerate(ctx.inputs.pairs)]
@@ -291,7 +291,7 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     release_host_memory()
     t = time.perf_counter()
     ts = token_scores(lm.model, ctx.modules, ctx.inputs.encoded, V, pad_id=ctx.pad_id,
-                      attribution=opts["token_attribution"], batch_size=st.batch_size, token_chunk=tc,
+                      attribution=opts["token_attribution"], batch_size=ctx.scoring_batch(), token_chunk=tc,
                       progress=st.progress, ids=[e.id for e in ctx.inputs.pool])
     ctx.end_stage("token_scores", t)
     tau = ifguide_threshold(ts, q)

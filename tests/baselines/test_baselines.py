@@ -247,6 +247,33 @@ def test_ifguide_method_rankings(model, modules, tok, make_ctx):
         REGISTRY["ifguide"](make_ctx("ifguide", {"ranking": "mean"}))
 
 
+def test_ifguide_passes_run_at_the_memory_plans_batches(model, modules, tok, make_ctx, monkeypatch):
+    """IF-Guide's target pairs and token scores run at the memory plan's batches, not the
+    settings': under a capped plan (many runs sharing one GPU) the settings' batch of
+    token scores (every position's logits, their softmax and gradient) ran out of the cap
+    while PRISM's scoring, at the plan's batch, fitted. The scores do not depend on it."""
+    from prism_select.baselines import ifguide as ifguide_mod
+    from prism_select.plan import HEADROOM_BYTES, ExampleSize, make_plan
+    example = 1 << 26  # per example; the settings' batch of 3 does not fit, 1 does
+    plan = make_plan(model, modules, kind="identity", device="cuda", batch_size=3, fit_batch_size=3,
+                     example=ExampleSize(example, 64, 100), gpu_total=HEADROOM_BYTES + int(1.5 * example * 1.25),
+                     weights=0, host_available=1 << 40)
+    assert plan.scoring["batch_size"] == 1 and plan.direction["batch_size"] == 1
+    seen = {}
+    target, scores_of = ifguide_mod.contrastive_target, ifguide_mod.token_scores
+    monkeypatch.setattr(ifguide_mod, "contrastive_target",
+                        lambda *a, **k: seen.setdefault("target", k["batch_size"]) and target(*a, **k))
+    monkeypatch.setattr(ifguide_mod, "token_scores",
+                        lambda *a, **k: seen.setdefault("tokens", k["batch_size"]) and scores_of(*a, **k))
+    unplanned, _ = REGISTRY["ifguide"](make_ctx("ifguide"))
+    assert seen == {"target": 3, "tokens": 3}
+    seen.clear()
+    monkeypatch.setattr(RunContext, "plan", property(lambda self: plan))
+    planned, _ = REGISTRY["ifguide"](make_ctx("ifguide"))
+    assert seen == {"target": 1, "tokens": 1}
+    assert torch.allclose(planned, unplanned, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("disk", ["writable", "full"])
 def test_last_use_fits_with_the_direction_on_disk_and_frees_the_curvature(modules, make_ctx, monkeypatch, disk):
     """``RunContext.last_use``: the caller's direction is out of memory while the curvature
