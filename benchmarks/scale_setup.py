@@ -70,10 +70,14 @@ def build_adapter(model, preset: str, out: Path):
 def write_data(gsm8k: Path, out: Path, pool: int, targets: int, max_chars: int):
     rows = [json.loads(line) for line in open(gsm8k / "train.jsonl")]
     # the tokenizer is character-level: keep records of at most max_chars characters
-    rows = [r for r in rows if len(r["question"]) + len(r["answer"]) <= max_chars][:pool]
+    rows = [r for r in rows if len(r["question"]) + len(r["answer"]) <= max_chars]
+    # a pool larger than GSM8K's training set (the paper's 270K records) repeats its records
+    # in order under new ids: GSM8K-length records, for timing (repeats score alike)
     with open(out / "pool.jsonl", "w") as f:
-        for i, r in enumerate(rows):
+        for i in range(pool):
+            r = rows[i % len(rows)]
             f.write(json.dumps({"id": f"gsm8k-{i}", "prompt": r["question"], "response": r["answer"]}) + "\n")
+    n_pool = pool
     rng = random.Random(0)
     test = [json.loads(line) for line in open(gsm8k / "test.jsonl")]
     test = [r for r in test if len(r["question"]) + len(r["answer"]) <= max_chars][:targets]
@@ -83,7 +87,7 @@ def write_data(gsm8k: Path, out: Path, pool: int, targets: int, max_chars: int):
             wrong = f"{body}#### {int(final.strip().replace(',', '')) + rng.randint(1, 9)}"
             f.write(json.dumps({"id": f"t{i}", "prompt": r["question"], "chosen": wrong,
                                 "rejected": r["answer"]}) + "\n")
-    print(f"wrote {out}/pool.jsonl ({len(rows)}), targets.jsonl ({len(test)})")
+    print(f"wrote {out}/pool.jsonl ({n_pool}: {min(pool, len(rows))} distinct), targets.jsonl ({len(test)})")
 
 
 def main():
@@ -91,7 +95,8 @@ def main():
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--gsm8k", default=None, help="folder with train.jsonl and test.jsonl (GSM8K)")
-    ap.add_argument("--pool", type=int, default=2000)
+    ap.add_argument("--pool", type=int, default=2000,
+                    help="pool records (beyond GSM8K's training set its records repeat under new ids)")
     ap.add_argument("--targets", type=int, default=64)
     ap.add_argument("--adapter", choices=sorted(ADAPTERS), nargs="*", default=[])
     ap.add_argument("--no-model", action="store_true", help="reuse the model folder already there")

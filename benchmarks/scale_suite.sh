@@ -7,6 +7,11 @@
 #     setup-llama8b | setup-llama8b-4l | setup-qwen14b   model + adapters (8B) + data into $S
 #     full | lora-qkvo128 | lora-all32         score with every decoder linear layer / an adapter
 #     report                                   table + JSON of the finished runs into $OUT
+#     stream                                   the whole job on a large pool (set up with, e.g.,
+#                                              POOL=20000): score --stream (every decoder linear
+#                                              layer, the fit on FIT sampled records, default the
+#                                              library's), then select the top 5%; then
+#                                              `scale_report.py $S/run-stream --project 270000`
 #     shard                                    the same run on 1 GPU (kept if already there), then
 #                                              on K GPUs for each K in KS (default: all) with
 #                                              --shard fsdp and data-parallel: dist_report table
@@ -108,6 +113,11 @@ for step in "$@"; do
             cp "$r/run.json" "$r/scores.jsonl" "$OUT/runs/${r##*/}/" 2>/dev/null; done ;;
     lora-qkvo128|lora-all32) score "$step" --adapter "$S/$step" ;;
     report) python3 benchmarks/scale_report.py "$S"/run-* --json "$OUT/scale.json" ;;
+    stream) score stream --stream ${FIT:+--fit-examples $FIT}
+      t0=$(date +%s)
+      python3 -m prism_select.cli select --run "$S/run-stream" --pool "$S/pool.jsonl" --keep 5% \
+        --out "$S/selected.jsonl" --overwrite 2>&1 | tail -2 | tee -a "$OUT/log-stream.txt"
+      echo "step stream: select took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/log-stream.txt" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
