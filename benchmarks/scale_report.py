@@ -33,7 +33,8 @@ def row(d: Path) -> dict:
         "plan_peak_gib": plan.get("peak", 0) / GiB, "gpu_peak_gib": r.get("gpu_peak_bytes", 0) / GiB,
         "load_s": t.get("load_model_s"), "direction_s": t.get("preference_s"),
         "fit_factors_s": ph.get("factors_s"), "eigh_s": ph.get("eigh_s"), "fit_lambda_s": ph.get("lambda_s"),
-        "curvature_s": t.get("curvature_s"), "split_half_s": t.get("split_half_s"), "scores_s": t.get("scores_s"), "total_s": t.get("total_s"),
+        "curvature_s": t.get("curvature_s"), "split_half_s": t.get("split_half_s"),
+        "scores_s": t.get("scores_s"), "total_s": t.get("total_s"),
         "scoring_batch": plan.get("scoring", {}).get("batch_size"), "notes": plan.get("notes", []),
     }
 

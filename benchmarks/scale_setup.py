@@ -77,7 +77,6 @@ def write_data(gsm8k: Path, out: Path, pool: int, targets: int, max_chars: int):
         for i in range(pool):
             r = rows[i % len(rows)]
             f.write(json.dumps({"id": f"gsm8k-{i}", "prompt": r["question"], "response": r["answer"]}) + "\n")
-    n_pool = pool
     rng = random.Random(0)
     test = [json.loads(line) for line in open(gsm8k / "test.jsonl")]
     test = [r for r in test if len(r["question"]) + len(r["answer"]) <= max_chars][:targets]
@@ -87,7 +86,7 @@ def write_data(gsm8k: Path, out: Path, pool: int, targets: int, max_chars: int):
             wrong = f"{body}#### {int(final.strip().replace(',', '')) + rng.randint(1, 9)}"
             f.write(json.dumps({"id": f"t{i}", "prompt": r["question"], "chosen": wrong,
                                 "rejected": r["answer"]}) + "\n")
-    print(f"wrote {out}/pool.jsonl ({n_pool}: {min(pool, len(rows))} distinct), targets.jsonl ({len(test)})")
+    print(f"wrote {out}/pool.jsonl ({pool}: {min(pool, len(rows))} distinct), targets.jsonl ({len(test)})")
 
 
 def main():
