@@ -12,6 +12,9 @@ only): the keyword, length and TF-IDF neighbour rules (:mod:`prism_select.evalua
 and, with ``--family dropped_carry``, that family's knowledge floors (the arithmetic checker,
 "the prompt is a carry problem").
 
+A scores file's extra columns (IF-Guide's ``token_sum``, its document sums) rank as rows
+``METHOD:COLUMN``.
+
 RUN_DIR is an experiment's ``--out`` folder (``runs/<setting>/seed<k>/<targets>/scores/<method>/``).
 """
 
@@ -38,16 +41,20 @@ def rankings(run_dir: Path, fractions: list, label: str = "harmful") -> list:
             if not (method_dir / "scores.jsonl").exists():
                 continue
             scores = read_scores(method_dir / "scores.jsonl")
-            order = sorted(scores, key=lambda r: -r["score"])
-            row = {"setting": seed_dir.parent.name, "seed": int(seed_dir.name[4:]),
-                   "targets": method_dir.parent.parent.name, "method": method_dir.name,
-                   "auroc": auroc([r["score"] for r in scores], [labels[r["id"]] for r in scores])}
-            for f in fractions:
-                top = order[:round(f * len(order))]
-                row[f"recall@{f:g}"] = sum(labels[r["id"]] for r in top) / n_harm if n_harm else float("nan")
             run = json.loads((method_dir / "run.json").read_text()) if (method_dir / "run.json").exists() else {}
-            row["pi"] = run.get("pi")
-            rows.append(row)
+            # a method's extra columns (IF-Guide's token_sum) rank as rows "method:column"
+            columns = [k for k in scores[0] if k not in ("id", "score", "rank")] if scores else []
+            for column in ["score", *columns]:
+                order = sorted(scores, key=lambda r: (-r[column], r["rank"]))
+                row = {"setting": seed_dir.parent.name, "seed": int(seed_dir.name[4:]),
+                       "targets": method_dir.parent.parent.name,
+                       "method": method_dir.name if column == "score" else f"{method_dir.name}:{column}",
+                       "auroc": auroc([r[column] for r in scores], [labels[r["id"]] for r in scores])}
+                for f in fractions:
+                    top = order[:round(f * len(order))]
+                    row[f"recall@{f:g}"] = sum(labels[r["id"]] for r in top) / n_harm if n_harm else float("nan")
+                row["pi"] = run.get("pi")
+                rows.append(row)
     return rows
 
 

@@ -2,7 +2,8 @@
 
 ``score_pool`` is what ``prism-select score`` runs. A run directory holds:
 
-``scores.jsonl``  ``id``, ``score``, ``rank`` (1 = highest score), one line a candidate;
+``scores.jsonl``  ``id``, ``score``, ``rank`` (1 = highest score), one line a candidate,
+                  and any per-candidate column a method adds (``RunContext.columns``);
 ``pairs.jsonl``   ``id``, ``pi``, ``margin``, ``weight``, ``loss_chosen``, ``loss_rejected``;
 ``run.json``      settings, versions, fingerprints, timings, counts, skipped records.
 
@@ -224,6 +225,9 @@ class RunContext:
     timings: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     streamed: dict | None = None  # under stream: what score_stream returned, and the file it wrote
+    #: per-candidate numbers a method reports beside its score (name -> one value per pool
+    #: record, in pool order), written as extra fields of ``scores.jsonl``; not under stream
+    columns: dict = field(default_factory=dict)
     #: device, precision, CUDA graphs, process group, memory plan, kernels (resolved once;
     #: from ``settings`` and the model when not given)
     execution: ExecutionContext | None = None
@@ -1146,8 +1150,15 @@ def _write_scores(ctx: RunContext, scores, pairs) -> tuple:
         n_pool, invalid, truncated_pool = len(inputs.pool), [r.to_json() for r in inputs.invalid], inputs.truncated["pool"]
         if main:
             rk = ranks(scores)
-            atomic_write_jsonl(out_dir / "scores.jsonl", ({"id": ex.id, "score": float(scores[i]), "rank": rk[i]}
-                                                          for i, ex in enumerate(inputs.pool)))
+            cols = {}
+            for name, values in ctx.columns.items():
+                if name in ("id", "score", "rank") or len(values) != n_pool:
+                    raise ValueError(f"column {name!r}: a new name and one value per pool record are needed")
+                cols[name] = [float(v) for v in values]
+            atomic_write_jsonl(out_dir / "scores.jsonl",
+                               ({"id": ex.id, "score": float(scores[i]), "rank": rk[i],
+                                 **{name: vals[i] for name, vals in cols.items()}}
+                                for i, ex in enumerate(inputs.pool)))
     else:  # score_stream wrote the ranked file into .partial; the pool's skipped records come from it
         n_pool, truncated_pool = ctx.streamed["count"], ctx.streamed["truncated"]
         invalid = ctx.streamed["invalid"] + [r.to_json() for r in inputs.invalid]

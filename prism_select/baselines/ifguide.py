@@ -258,6 +258,8 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
       token_chunk: token-loss gradients per batched backward in "loss" mode (default 32).
 
     Pair rows: ``id``, ``loss_chosen`` and ``loss_rejected`` (summed response losses).
+    Under "harmonic", each ``scores.jsonl`` row also holds ``token_sum``: the record's token
+    scores summed, the score "sum" would give it (up to rounding), so one run ranks both ways.
     """
     opts = resolve_options(ctx, ifguide_method)
     require_pairs(ctx, "ifguide")
@@ -296,6 +298,7 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     ctx.end_stage("token_scores", t)
     tau = ifguide_threshold(ts, q)
     scores = ifguide_rank(ts, q, "harmonic")
+    ctx.columns["token_sum"] = ifguide_rank(ts, q, "sum")
     record(ctx, "ifguide", opts, tau=tau, tokens=sum(len(x) for x in ts),
            tokens_above_tau=int(sum(int((x > tau).sum()) for x in ts)))
     return scores, pairs

@@ -61,7 +61,8 @@ def read_jsonl(path) -> list:
 
 
 def ranking_metrics(scores_path, pool_path, label: str = "harmful") -> dict:
-    """AUROC, AUPRC and counts of ``label`` from a written scores file and pool file."""
+    """AUROC, AUPRC and counts of ``label`` from a written scores file and pool file; the
+    same for each extra column of the scores file (``columns``: name -> AUROC, AUPRC)."""
     labels = {r["id"]: bool(r[label]) for r in read_jsonl(pool_path)}
     rows = read_jsonl(scores_path)
     missing = [r["id"] for r in rows if r["id"] not in labels]
@@ -69,7 +70,12 @@ def ranking_metrics(scores_path, pool_path, label: str = "harmful") -> dict:
         raise InputError(f"{len(missing)} scored ids are not in the pool (e.g. {missing[0]!r})", path=scores_path)
     s = [float(r["score"]) for r in rows]
     y = [labels[r["id"]] for r in rows]
-    return {"auroc": auroc(s, y), "auprc": auprc(s, y), "n": len(y), "n_positive": sum(y)}
+    out = {"auroc": auroc(s, y), "auprc": auprc(s, y), "n": len(y), "n_positive": sum(y)}
+    extra = [k for k in (rows[0] if rows else {}) if k not in ("id", "score", "rank")]
+    if extra:
+        out["columns"] = {k: {"auroc": auroc([float(r[k]) for r in rows], y),
+                              "auprc": auprc([float(r[k]) for r in rows], y)} for k in extra}
+    return out
 
 
 def pi_summary(pairs_path, targets_path=None) -> dict | None:

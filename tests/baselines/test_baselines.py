@@ -23,6 +23,7 @@ from prism_select.data.tokenize import Encoded, encode
 from prism_select.errors import ConfigError, InputError, OutputError
 from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
 from prism_select.pipeline import Inputs, RunContext, ScoreSettings, score_pool
+from prism_select.selection import read_scores
 
 from reference import example_loss, flat_grad, flatten, per_example_grads
 
@@ -243,6 +244,9 @@ def test_ifguide_method_rankings(model, modules, tok, make_ctx):
     s2, _ = REGISTRY["ifguide"](ctx2)
     ref = per_example_grads(model, modules, ctx.inputs.encoded) @ _ifguide_reference_target(model, modules, ctx)
     assert rel_err(s2, ref) <= REL_TOL
+    # the harmonic run's token_sum column is the score "sum" gives, from the token scores
+    assert "token_sum" not in ctx2.columns
+    assert rel_err(ctx.columns["token_sum"], ref) <= REL_TOL
     with pytest.raises(ConfigError):
         REGISTRY["ifguide"](make_ctx("ifguide", {"ranking": "mean"}))
 
@@ -627,6 +631,13 @@ def test_every_baseline_runs_through_score_pool(lm, tmp_path, pool_examples, pai
     rows = [json.loads(x) for x in (tmp_path / "run" / "scores.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"p{i}" for i in range(8)]
     assert all(math.isfinite(r["score"]) for r in rows)
+    # IF-Guide's harmonic rank writes its document sums beside the scores; the others nothing
+    extra = {k for r in rows for k in r} - {"id", "score", "rank"}
+    assert extra == ({"token_sum"} if name == "ifguide" else set())
+    if name == "ifguide":
+        assert all(math.isfinite(r["token_sum"]) for r in rows)
+        assert [r["id"] for r in read_scores(tmp_path / "run" / "scores.jsonl")] == \
+            [r["id"] for r in sorted(rows, key=lambda r: r["rank"])]
 
 
 def test_options_for_splits_per_method_options():

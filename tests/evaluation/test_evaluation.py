@@ -1184,15 +1184,19 @@ def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
             m = d / "t" / "scores" / "prism"
             m.mkdir(parents=True)
             order = sorted(range(10), key=lambda i: -good[i])
+            # at r20 the scores file has an extra column (as IF-Guide's token_sum), ranking the other way
+            extra = (lambda i: {"token_sum": float(-good[i])}) if setting == "r20" else (lambda i: {})
             m.joinpath("scores.jsonl").write_text("".join(
-                json.dumps({"id": f"x{i}", "score": float(good[i]), "rank": r + 1}) + "\n" for r, i in enumerate(order)))
+                json.dumps({"id": f"x{i}", "score": float(good[i]), "rank": r + 1, **extra(i)}) + "\n"
+                for r, i in enumerate(order)))
             m.joinpath("run.json").write_text(json.dumps({"pi": pi}))
     assert reader.main([str(tmp_path), "--fractions", "0.2", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("| setting | targets | method | seeds | auroc | recall@0.2 | pi")
     assert out[2] == "| r20 | t | prism | 0,1 | 1.000 ± 0.000 | 1.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
-    assert out[3] == "| r50 | t | prism | 0,1 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
-    assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 4
+    assert out[3] == "| r20 | t | prism:token_sum | 0,1 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
+    assert out[4] == "| r50 | t | prism | 0,1 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
+    assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 6
     # --add: an earlier run's rows (another seed, folder gone) join the table; a row of the folder twice is refused
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"rows": [{"setting": "r20", "targets": "t", "method": "prism", "seed": 7,
@@ -1213,3 +1217,21 @@ def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
     assert reader.main([str(tmp_path), "--fractions", "0.2", "--floors"]) == 0
     out = capsys.readouterr().out
     assert "| r20 | t | floor: length | 0,1 | 1.000 ± 0.000 |  | - |" in out and "floor: neighbour" in out
+
+
+def test_ranking_metrics_rank_a_scores_files_extra_columns(tmp_path):
+    """A scores file's extra columns (IF-Guide's token_sum) get their own AUROC and AUPRC."""
+    from prism_select.evaluation.experiment import ranking_metrics
+    harmful = [True, False, False, True]
+    (tmp_path / "pool.jsonl").write_text("".join(json.dumps({"id": f"x{i}", "harmful": h}) + "\n"
+                                                 for i, h in enumerate(harmful)))
+    score, token_sum = [4.0, 3.0, 2.0, 1.0], [3.0, 1.0, 2.0, 4.0]
+    (tmp_path / "scores.jsonl").write_text("".join(
+        json.dumps({"id": f"x{i}", "score": score[i], "rank": i + 1, "token_sum": token_sum[i]}) + "\n"
+        for i in range(4)))
+    m = ranking_metrics(tmp_path / "scores.jsonl", tmp_path / "pool.jsonl")
+    assert m["auroc"] == pytest.approx(0.5) and m["n_positive"] == 2
+    assert m["columns"]["token_sum"]["auroc"] == pytest.approx(1.0)
+    (tmp_path / "plain.jsonl").write_text("".join(
+        json.dumps({"id": f"x{i}", "score": score[i], "rank": i + 1}) + "\n" for i in range(4)))
+    assert "columns" not in ranking_metrics(tmp_path / "plain.jsonl", tmp_path / "pool.jsonl")
