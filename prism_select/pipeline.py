@@ -234,6 +234,7 @@ class RunContext:
     _curvature: Curvature | None = None
     _fit_timings: dict = field(default_factory=dict)  # the fit's running phase totals
     _alloc_retries: int = 0  # the CUDA allocator's retries when the last stage ended (stage_peak)
+    _stages: list = field(default_factory=list)  # the finished stages, in order (stage_peak)
     #: the fit's spill (:meth:`prism_select.curvature.spill._Spill.scores`) when it holds the
     #: scoring loss's gradients of every pool example (:meth:`_spill_scores_pool`)
     _spill: object | None = None
@@ -268,6 +269,7 @@ class RunContext:
         stage's was set by this stage) and, on CUDA, the GPU peak since the last stage under
         ``gpu_peak_bytes_by_stage[stage]`` and the allocator's retries under
         ``gpu_alloc_retries_by_stage[stage]``, starting the next stage's count."""
+        self._stages.append(stage)
         peak = host_peak_mib()
         if peak is not None:
             self.info.setdefault("host_peak_mib_by_stage", {})[stage] = round(peak, 1)
@@ -502,21 +504,25 @@ class RunContext:
         def v_at(h, factor):
             return apply_damping(h, replace(cs, damping_factor=factor)).precondition(direction)
 
-        ladder = support.DAMPING_LADDER
-        if support.stack_ladder(sum(int(d.numel()) for d in direction.values())) and self._ladder_fits(direction):
-            # every rung's two directions scored together, from one forward and backward a batch;
-            # the walk then reads the rungs it would have scored one by one
-            vs = [v_at(h, f) for f in ladder for h in halves]
-            scores = score_directions(self.lm.model, self.modules, scored, vs, pad_id=self.pad_id,
-                                      batch_size=self.scoring_batch(), execution=quiet)
-            del vs
-            at = {f: support.spearman(scores[:, 2 * i], scores[:, 2 * i + 1]) for i, f in enumerate(ladder)}
-            agreement_at = at.__getitem__
-        else:
-            def agreement_at(factor):
-                a, b = (score_encoded(self.lm.model, self.modules, scored, v_at(h, factor), pad_id=self.pad_id,
-                                      batch_size=self.scoring_batch(), execution=quiet) for h in halves)
-                return support.spearman(a, b)
+        # the walk's rungs are scored k at a time (their 2k directions stacked, one forward and
+        # backward a batch for all of them), as many as fit; k = 0: one direction at a time
+        walk, k, agreement = sorted(support.DAMPING_LADDER, reverse=True), self._ladder_rungs(direction), {}
+
+        def agreement_at(factor):
+            if factor not in agreement:
+                if k:
+                    rungs = walk[walk.index(factor):walk.index(factor) + k]
+                    vs = [v_at(h, f) for f in rungs for h in halves]
+                    scores = score_directions(self.lm.model, self.modules, scored, vs, pad_id=self.pad_id,
+                                              batch_size=self.scoring_batch(), execution=quiet)
+                    del vs
+                    agreement.update({f: support.spearman(scores[:, 2 * i], scores[:, 2 * i + 1])
+                                      for i, f in enumerate(rungs)})
+                else:
+                    a, b = (score_encoded(self.lm.model, self.modules, scored, v_at(h, factor), pad_id=self.pad_id,
+                                          batch_size=self.scoring_batch(), execution=quiet) for h in halves)
+                    agreement[factor] = support.spearman(a, b)
+            return agreement[factor]
 
         check = support.split_half(len(fit), support.walk_ladder(agreement_at))
         if check.factor is None:
@@ -556,21 +562,30 @@ class RunContext:
             return FitLayout(store="host")
         return FitLayout()
 
-    def _ladder_fits(self, direction: dict) -> bool:
-        """Whether the split-half check's stacked directions
-        (:func:`~prism_select.curvature.support.stacked_ladder_bytes`) fit beside what this
-        process holds now, within a bounded memory plan's usable bytes (unbounded: yes).
-        Where they do not, the walk scores one rung at a time."""
+    def _ladder_rungs(self, direction: dict) -> int:
+        """How many rungs of the damping ladder the split-half check scores together: their
+        stacked directions (:func:`~prism_select.curvature.support.stacked_ladder_bytes`,
+        at most :data:`~prism_select.curvature.support.STACKED_LADDER_MAX_ELEMENTS` numbers)
+        beside what this process holds now and one scoring batch's activations (the plan's
+        scoring peak less the weights and its one ``v``), within a bounded memory plan's
+        usable bytes; unbounded: every rung. 0: each direction is scored on its own."""
+        rungs = len(support.DAMPING_LADDER)
+        per_rung = support.stacked_ladder_bytes(direction) // rungs
+        numel = sum(int(d.numel()) for d in direction.values())
+        fit_elements = support.STACKED_LADDER_MAX_ELEMENTS // max(1, 2 * numel)
         plan = self.plan
         if plan is None or not plan.bounded or plan.usable is None or self.lm.device.type != "cuda":
-            return True
-        need = support.stacked_ladder_bytes(direction)
+            return min(rungs, fit_elements)
+        scoring = plan.scoring or {}
+        activations = max(0, int(scoring.get("peak", 0)) - int(plan.weights) - int(scoring.get("v_bytes", 0)))
         held = torch.cuda.memory_allocated(self.lm.device)
-        if held + need <= plan.usable:
-            return True
-        log.info("split-half check: the stacked ladder's directions (%s) do not fit beside the %s held within the "
-                 "plan's %s; each rung is scored on its own", gib(need), gib(held), gib(plan.usable))
-        return False
+        fit_memory = max(0, plan.usable - held - activations) // max(1, per_rung)
+        k = int(min(rungs, fit_elements, fit_memory))
+        if k < rungs:
+            log.info("split-half check: %d of the ladder's %d rungs scored together (each rung's directions %s, "
+                     "a scoring batch's activations %s, %s held, the plan's %s usable)", k, rungs, gib(per_rung),
+                     gib(activations), gib(held), gib(plan.usable))
+        return k
 
     def _transient(self) -> bool:
         """The memory plan keeps no curvature: each fit group preconditions its layers and
@@ -1248,7 +1263,7 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
         if distributed.is_main():
             _drop_partial_without_chunks(out_dir)
         # out of memory or disk: say what is kept and what to do
-        named = resource_error(exc, out_dir, (ctx.info.get("curvature") or {}).get("path"))
+        named = resource_error(exc, out_dir, (ctx.info.get("curvature") or {}).get("path"), ctx._stages)
         if named is not None:
             raise named from exc
         raise

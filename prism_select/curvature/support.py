@@ -54,16 +54,10 @@ class SplitHalf:
 AGREEMENT_EXAMPLES = 256
 
 
-#: the check scores every rung's two directions together (one forward and backward a
-#: batch for all of them) while they hold at most this many numbers in all; beyond it
-#: (large tracked layers) each rung is scored on its own, as the walk reaches it
+#: the check scores rungs' two directions together (one forward and backward a batch for
+#: all of them) while they hold at most this many numbers in all; beyond it (large
+#: tracked layers) fewer rungs a pass, down to each direction on its own
 STACKED_LADDER_MAX_ELEMENTS = 1 << 30
-
-
-def stack_ladder(direction_elements: int) -> bool:
-    """Whether the ladder's ``2 x len(DAMPING_LADDER)`` directions, ``direction_elements``
-    numbers each, are scored together (:data:`STACKED_LADDER_MAX_ELEMENTS`)."""
-    return 2 * len(DAMPING_LADDER) * direction_elements <= STACKED_LADDER_MAX_ELEMENTS
 
 
 #: the stacked directions are held twice while scored: the list of ``v`` and their

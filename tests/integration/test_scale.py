@@ -642,6 +642,17 @@ def test_split_half_scores_a_bounded_sample_and_reuses_the_half_fits(run_files, 
     for f, x in walked["agreement"].items():
         assert x == pytest.approx(s1["curvature"]["split_half"]["agreement"][f], abs=SPLIT_HALF_AGREEMENT_ATOL)
     assert torch.equal(a, c)
+    # k rungs a pass (what a bounded plan has room for): the walk's rungs in chunks of k, the same check
+    monkeypatch.setattr(support, "STACKED_LADDER_MAX_ELEMENTS", 1 << 30)
+    for k in (1, 3):
+        monkeypatch.setattr(pipeline.RunContext, "_ladder_rungs", lambda self, direction, k=k: k)
+        scored.clear()
+        stacked.clear()
+        s4, d = _score(run_files, f"sh-k{k}", damping_rule="split-half")
+        chunked = s4["curvature"]["split_half"]
+        n = len(chunked["agreement"])
+        assert stacked == [(10, 2 * min(k, len(support.DAMPING_LADDER) - i)) for i in range(0, n, k)]
+        assert scored == [24] and chunked == s1["curvature"]["split_half"] and torch.equal(a, d)
 
 
 @pytest.mark.parametrize("stage", ["fit", "scoring"])
@@ -707,23 +718,37 @@ def test_split_half_keeps_its_halves_in_host_memory_under_a_bounded_gpu_plan():
     assert pipeline.RunContext._half_fit_layout(ctx).store == "device"
 
 
-def test_stacked_ladder_only_where_it_fits_the_bounded_plan(monkeypatch):
-    """Under a bounded plan the check stacks its ladder only when the stacked directions
-    (held twice while scored) fit beside what the process holds; unbounded: always."""
+def test_ladder_rungs_stacked_as_many_as_fit_beside_a_scoring_batch(monkeypatch):
+    """Under a bounded plan the check stacks as many rungs as fit: their directions (held
+    twice while scored) beside what the process holds and one scoring batch's activations
+    (the plan's scoring peak less the weights and one v). Counting the directions alone,
+    an H200 run under an 11 GiB cap peaked at 9.9 GiB in the check against the plan's 6.8."""
     from types import SimpleNamespace
     from prism_select import pipeline
     from prism_select.curvature import support
-    gib = 1 << 30
+    mib = 1 << 20
     direction = {"a": torch.zeros(1024, 1024), "b": torch.zeros(1024, 1024)}  # 8 MiB
-    need = support.STACKED_LADDER_COPIES * 2 * len(support.DAMPING_LADDER) * 8 * (1 << 20)
+    per_rung = support.STACKED_LADDER_COPIES * 2 * 8 * mib
+    assert support.stacked_ladder_bytes(direction) == per_rung * len(support.DAMPING_LADDER)
+    usable, weights, v, activations = 1024 * mib, 100 * mib, 8 * mib, 200 * mib
     ctx = SimpleNamespace(lm=SimpleNamespace(device=torch.device("cuda", 0)),
-                          plan=SimpleNamespace(bounded=True, usable=gib))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: gib - need)
-    assert pipeline.RunContext._ladder_fits(ctx, direction)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: gib - need + 1)
-    assert not pipeline.RunContext._ladder_fits(ctx, direction)
+                          plan=SimpleNamespace(bounded=True, usable=usable, weights=weights,
+                                               scoring={"peak": weights + v + activations, "v_bytes": v}))
+    rungs = pipeline.RunContext._ladder_rungs
+    for held, k in ((usable - activations - 4 * per_rung, 4), (usable - activations - 2 * per_rung, 2),
+                    (usable - activations - 2 * per_rung + 1, 1), (usable - activations - per_rung + 1, 0),
+                    # the directions alone fit beside what is held, not with the activations
+                    (usable - 4 * per_rung, 0)):
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None, held=held: held)
+        assert rungs(ctx, direction) == k, held
+    # unbounded: every rung, as far as STACKED_LADDER_MAX_ELEMENTS allows
     ctx.plan = SimpleNamespace(bounded=False, usable=None)
-    assert pipeline.RunContext._ladder_fits(ctx, direction)
+    assert rungs(ctx, direction) == len(support.DAMPING_LADDER)
+    monkeypatch.setattr(support, "STACKED_LADDER_MAX_ELEMENTS", 2 * 2 * (1 << 20) * 2)  # two rungs' numbers
+    assert rungs(ctx, direction) == 2
+    ctx.lm = SimpleNamespace(device=torch.device("cpu"))
+    monkeypatch.setattr(support, "STACKED_LADDER_MAX_ELEMENTS", 0)
+    assert rungs(ctx, direction) == 0
 
 
 def test_split_half_refuses_an_explicit_damping():
