@@ -8,6 +8,8 @@ data-curation run never ends on a bare traceback.
 
 from __future__ import annotations
 
+import re
+
 
 class PrismError(Exception):
     """Base class of every error prism-select raises on purpose."""
@@ -116,16 +118,35 @@ def _kept(out_dir, curvature=None) -> str:
     return "; ".join(parts) or "nothing had finished yet"
 
 
-def resource_error(exc: BaseException, out_dir, curvature=None) -> OutOfResourceError | None:
+def _oom_text(text: str) -> str:
+    """The parts of a CUDA out-of-memory message that say what ran out: its first
+    sentence (what it tried to allocate), this process's use and the cap it ran under
+    (``set_per_process_memory_fraction``'s "allowed"); the other processes' use, which
+    the caching allocator lists between them, is left out."""
+    first = re.match(r"CUDA out of memory\.?(?:\s*Tried to allocate [\d.]+ \w+)?", text)
+    parts = [(first.group(0) if first else text.splitlines()[0][:200]).rstrip(". ")]
+    own = re.search(r"this process has ([\d.]+ \w+) memory in use", text)
+    if own:
+        parts.append(f"this process had {own.group(1)} in use")
+    cap = re.search(r"with ([\d.]+ \w+) allowed", text)
+    if cap:
+        parts.append(f"{cap.group(1)} allowed")
+    return "; ".join(parts)
+
+
+def resource_error(exc: BaseException, out_dir, curvature=None, stages=()) -> OutOfResourceError | None:
     """``exc`` as an :class:`OutOfResourceError` when it is an out-of-memory error (CUDA,
     MPS, or the host's ``MemoryError``) or a write that found the disk full; else None.
     ``out_dir``: the run's output directory (what is kept is read from its ``.partial``);
-    ``curvature``: where the run's fitted curvature was saved, if it was."""
+    ``curvature``: where the run's fitted curvature was saved, if it was; ``stages``: the
+    run's finished stages, in order (the message names the stage it ran out after)."""
     import torch
 
-    text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    after = f" (after the stage {list(stages)[-1]!r} had finished)" if stages else ""
+    text = (str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__) + after
     oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
     if isinstance(exc, oom) or isinstance(exc, RuntimeError) and "out of memory" in str(exc):
+        text = _oom_text(str(exc)) + after
         from .graphs import capture_out_of_memory
         fix = "lower --batch-size, or cap the memory plan with --max-gpu-memory"
         if capture_out_of_memory():  # a lower cap would not help: the failed capture's pool is held

@@ -51,8 +51,12 @@ def _scores(out):
     return [json.loads(line) for line in (Path(out) / "scores.jsonl").read_text().splitlines()]
 
 
-def _gpu_oom():
-    return torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+def _gpu_oom():  # the caching allocator's message under a per-process cap, other processes listed
+    return torch.cuda.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.80 GiB of which 70.10 "
+        "GiB is free. Process 896 has 7.14 GiB memory in use. Process 928 has 5.79 GiB memory in use. Including "
+        "non-PyTorch memory, this process has 16.40 GiB memory in use. Of the allocated memory 15.10 GiB is "
+        "allocated by PyTorch, with 16.00 GiB allowed; and 300.00 MiB is reserved by PyTorch but unallocated.")
 
 
 class _SafetensorError(Exception):  # the shape of safetensors' own error for a full disk
@@ -100,6 +104,10 @@ def test_fault_while_scoring_keeps_the_work_and_the_same_command_resumes(files, 
         _run(files, out, cache)
     msg = str(info.value)
     assert named in msg and fix in msg and "run the same command again" in msg
+    assert "(after the stage 'fit' had finished)" in msg  # the scoring comes after it
+    if fault == "gpu memory":  # what it tried, this process's use and its cap; not the other processes
+        assert ("CUDA out of memory. Tried to allocate 2.00 GiB; this process had 16.40 GiB in use; "
+                "16.00 GiB allowed (after") in msg and "Process 896" not in msg
     assert "2 finished score chunk(s)" in msg and str(out / ".partial") in msg
     assert "preconditioned direction" in msg and "fitted curvature in" in msg
     assert len(list((out / ".partial").rglob("chunk_*.safetensors"))) == 2
