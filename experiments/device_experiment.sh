@@ -17,7 +17,9 @@
 # run different seeds of one config (runs/<setting>/seed<k>/ are separate); a last
 # sequential call with every seed then reuses all finished steps and writes the
 # aggregated results.json and report. OUTNAME=DIR puts every job's output in
-# /tmp/prism-runs/DIR (default: each job in its own, named after the job). JOBS=N runs a
+# /tmp/prism-runs/DIR (default: each job in its own, named after the job); OUTNAME=@config
+# puts each config's jobs in one folder named after the config (two configs side by side in
+# one call: dropped_carry_k20.yaml's jobs in /tmp/prism-runs/dropped_carry_k20). JOBS=N runs a
 # repair job's retrainings in N worker processes (prism-select experiment --jobs).
 # GPUS=0,1,2 (with PARALLEL=1) puts job i on GPU i (cycling through the list) on a
 # machine with several GPUs (CUDA_VISIBLE_DEVICES per job).
@@ -59,10 +61,11 @@ run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG TASKS: one experiment co
       --out "/tmp/prism-runs/$outname" "${seedargs[@]}" 2>&1; echo "$?" >"/tmp/prism-runs/.rc-$name") >>"$log"
   s=$(cat "/tmp/prism-runs/.rc-$name"); echo "== $name: exit $s after $(( $(date +%s) - t0 )) s" | tee -a "$log"
 }
-names=(); IFS=, read -r -a gpus <<<"${GPUS:-}"; i=0
+names=(); outs=(); IFS=, read -r -a gpus <<<"${GPUS:-}"; i=0
 for job in "$@"; do
   IFS=: read -r name proto cfg seeds tasks <<<"$job"
-  outname="${OUTNAME:-$name}"; names+=("$name")
+  outname="${OUTNAME:-$name}"; [ "$outname" = @config ] && outname="${cfg%.yaml}"
+  names+=("$name"); outs+=("$outname")
   if [ -n "${PARALLEL:-}" ]; then
     if [ "${#gpus[@]}" -gt 0 ]; then
       CUDA_VISIBLE_DEVICES="${gpus[$(( i % ${#gpus[@]} ))]}" run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log-$name.txt" "${tasks:-}" &
@@ -81,8 +84,7 @@ for name in "${names[@]}"; do
   s=$(cat "/tmp/prism-runs/.rc-$name" 2>/dev/null || echo 124); [ "$s" = 0 ] || status=$s
   [ -n "${PARALLEL:-}" ] && tail -n 20 "$OUTDIR/log-$name.txt"
 done
-dirs=("${names[@]}"); [ -n "${OUTNAME:-}" ] && dirs=("$OUTNAME")
-for d in "${dirs[@]}"; do
+for d in $(printf '%s\n' "${outs[@]}" | sort -u); do
   tar --exclude=adapter --exclude=.partial --exclude=checkpoints --exclude='*.safetensors' \
       -czf "$OUTDIR/$d.tar.gz" -C /tmp/prism-runs "$d" 2>/dev/null
 done
