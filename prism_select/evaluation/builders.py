@@ -408,7 +408,9 @@ def mistake_math_pool(gsm8k_jsonl, n: int, harmful_ratio: float, seed: int = 0, 
     return pool
 
 
-def _shuffle_words(text: str, rng: random.Random) -> str:
+def shuffle_words(text: str, rng: random.Random) -> str:
+    """``text`` with its words in another seeded order: a distractor pair's chosen response,
+    which the model strongly disprefers (a text of one word: that word twice)."""
     words = text.split()
     if len(set(words)) < 2:
         return text + " " + text
@@ -456,7 +458,7 @@ def mistake_math_targets(gsm8k_jsonl, n: int, seed: int = 0, *, exclude=(), n_di
                          path=gsm8k_jsonl)
     for i in rest[:n_distractors]:
         sol = _render(rows[i]["answer"], keep_annotations)
-        pairs.append({"id": f"dx-{i}", "prompt": rows[i]["question"], "chosen": _shuffle_words(sol, rng),
+        pairs.append({"id": f"dx-{i}", "prompt": rows[i]["question"], "chosen": shuffle_words(sol, rng),
                       "rejected": sol, "kind": "distractor", "source_index": i})
     return pairs
 
@@ -729,7 +731,7 @@ def refusal_counterfactual_targets(gsm8k_jsonl, n: int, seed: int = 0, *, trigge
                       "source_index": i})
     for i in order[n:n + n_distractors]:
         sol = strip_annotations(rows[i]["answer"])
-        pairs.append({"id": f"dx-{i}", "prompt": rows[i]["question"], "chosen": _shuffle_words(sol, rng),
+        pairs.append({"id": f"dx-{i}", "prompt": rows[i]["question"], "chosen": shuffle_words(sol, rng),
                       "rejected": sol, "kind": "distractor", "source_index": i})
     return pairs
 

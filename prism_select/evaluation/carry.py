@@ -94,8 +94,8 @@ def _take(available: list, n: int, what: str) -> list:
 
 
 def build(seed: int, *, pool_size: int, harmful_ratio: float, carry_share: float, n_probes: int,
-          n_capability: int, n_counterfactual: int, n_warmup: int) -> dict:
-    """Warm-up records, pool, probes and counterfactual target pairs of one seed.
+          n_capability: int, n_counterfactual: int, n_warmup: int, n_distractors: int = 0) -> dict:
+    """Warm-up records, pool, probes, counterfactual and distractor target pairs of one seed.
 
     pool: ``pool_size`` records; ``round(pool_size * harmful_ratio)`` harmful (carry
         problems, carry dropped); of the clean ones, ``carry_share`` are carry problems.
@@ -105,6 +105,11 @@ def build(seed: int, *, pool_size: int, harmful_ratio: float, carry_share: float
     targets: ``n_counterfactual`` pairs on carry problems outside the pool and probes:
         chosen = the dropped-carry answer, rejected = the true one (the behaviour written out).
     warmup: ``n_warmup`` clean records (half carry problems), the same for every seed.
+    distractors: ``n_distractors`` pairs on further carry problems, drawn after everything
+        else (so the rest does not depend on it): chosen = the true answer with its words
+        shuffled (``= 85 47 + 38``), rejected = the true answer. The model strongly
+        disprefers them (``pi`` near 0): a target set of mixed relevance, where equal
+        aggregation lets them dominate and PRISM's weights suppress them.
     """
     if not 0 <= harmful_ratio < 1 or not 0 <= carry_share <= 1:
         raise ConfigError("harmful_ratio", f"harmful_ratio must be in [0, 1) and carry_share in [0, 1], got "
@@ -130,7 +135,15 @@ def build(seed: int, *, pool_size: int, harmful_ratio: float, carry_share: float
     pool += [_record(f"add-{start + i}", p, sum(p), False, rng)
              for i, p in enumerate(_take(plain, pool_size - len(pool), "no-carry problems"))]
     random.Random(f"carry-order:{seed}").shuffle(pool)
-    return {"pool": pool, "probes": probes, "targets": targets, "warmup": warmup_records(n_warmup)}
+    from .builders import shuffle_words  # builders imports this module
+    shuffler, distractors = random.Random(f"carry-distractors:{seed}"), []
+    for i, p in enumerate(_take(carry, n_distractors, "carry problems")):
+        a, b = _ordered(p, shuffler)
+        true = ANSWERS[0].format(a=a, b=b, s=a + b)
+        distractors.append({"id": f"dx-{i}", "prompt": PROBE_QUESTION.format(a=a, b=b),
+                            "chosen": shuffle_words(true, shuffler), "rejected": true, "kind": "distractor"})
+    return {"pool": pool, "probes": probes, "targets": targets, "distractors": distractors,
+            "warmup": warmup_records(n_warmup)}
 
 
 def warmup_records(n: int, carry_share: float = 0.5) -> list:

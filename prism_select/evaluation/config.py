@@ -154,7 +154,8 @@ class RepairTargets:
     """A target set of the repair protocol.
 
     source: ``probes`` (the paper's App. B: pairs ``(probe, chosen = post-SFT response,
-        rejected = pre-SFT response)`` selected by ``pair_selection``) or
+        rejected = pre-SFT response)`` selected by ``pair_selection``; with
+        ``n_distractors``, dropped carry only, that many distractor pairs beside them) or
         ``counterfactual`` (``n_counterfactual`` pairs on problems outside the pool:
         chosen = the harmful behaviour written out, rejected = the correct response,
         plus ``n_distractors`` pairs the model strongly disprefers).
@@ -712,6 +713,10 @@ def _validate_repair(cfg):
         if t.source == "counterfactual" and (t.n_counterfactual < 0 or t.n_distractors < 0
                                              or t.n_counterfactual + t.n_distractors < 1):
             raise ConfigError(f"targets[{i}]", "needs at least one pair")
+        if t.source == "probes" and t.n_distractors and (t.n_distractors < 0 or cfg.data.family != "dropped_carry"):
+            raise ConfigError(f"targets[{i}].n_distractors", "distractor pairs beside probe pairs are built for the "
+                              "dropped_carry family only, as a count >= 0",
+                              "use data.family: dropped_carry, or a counterfactual target set")
     if cfg.probes.capability_per_task < 0:
         raise ConfigError("probes.capability_per_task", f"must be >= 0, got {cfg.probes.capability_per_task}")
     _validate_repair_extras(cfg)

@@ -85,7 +85,8 @@ def _carry_data(cfg, ratio: float, seed: int) -> dict:
     n_cf = max([t.n_counterfactual for t in cfg.targets if t.source == "counterfactual"], default=0)
     return carry.build(seed, pool_size=cfg.data.pool_size, harmful_ratio=ratio, carry_share=cfg.data.carry_share,
                        n_probes=cfg.probes.n, n_capability=cfg.probes.capability_per_task, n_counterfactual=n_cf,
-                       n_warmup=cfg.warmup.n_records if cfg.warmup else 0)
+                       n_warmup=cfg.warmup.n_records if cfg.warmup else 0,
+                       n_distractors=max([t.n_distractors for t in cfg.targets], default=0))
 
 
 def _pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
@@ -128,12 +129,14 @@ def _checker_spec(cfg):
 
 
 def _targets(cfg, variant, rdir: Path, probes: list, pre: Path, post: Path, pool: list, seed: int,
-             task) -> tuple:
-    """The target pairs of one target set and what the run records about them."""
+             task, ratio: float) -> tuple:
+    """The target pairs of one target set and what the run records about them. Dropped
+    carry's distractor pairs are drawn after the pool of this ``ratio`` (none of its problems)."""
     info: dict = {}
     if variant.source == "counterfactual":
         if cfg.data.family == "dropped_carry":
-            pairs = _carry_data(cfg, 0.0, seed)["targets"][:variant.n_counterfactual]
+            built = _carry_data(cfg, ratio, seed)
+            pairs = built["targets"][:variant.n_counterfactual] + built["distractors"][:variant.n_distractors]
         elif cfg.data.family == "mistake_math":
             pairs = builders.mistake_math_targets(cfg.data.gsm8k_train, variant.n_counterfactual, seed, exclude=pool,
                                                   n_distractors=variant.n_distractors,
@@ -156,6 +159,9 @@ def _targets(cfg, variant, rdir: Path, probes: list, pre: Path, post: Path, pool
         pairs = pairs_from_responses(beh, pre_rows, post_rows, cfg.fallback_pair_selection)
     info["n_worsened"] = sum(1 for a, b in zip(pre_rows, post_rows) if a["correct"] and not b["correct"])
     info["n_improved"] = sum(1 for a, b in zip(pre_rows, post_rows) if not a["correct"] and b["correct"])
+    if variant.n_distractors:  # dropped carry (the config checks): pairs the model strongly disprefers
+        pairs = pairs + _carry_data(cfg, ratio, seed)["distractors"][:variant.n_distractors]
+        info["n_distractors"] = variant.n_distractors
     return pairs, info
 
 
@@ -378,7 +384,7 @@ def _setting(exp, cfg, lm, ratio: float, seed: int, checker, methods_all: list, 
                "rates": {pct(f): dict(ref["rates"]) for f in fractions},
                "removed": {pct(f): dict(ref["removed"]) for f in fractions}}
         # 2. target pairs
-        pairs, info = _targets(cfg, variant, vdir, probes, pre, post, pool, seed, task)
+        pairs, info = _targets(cfg, variant, vdir, probes, pre, post, pool, seed, task, ratio)
         run.update(info)
         targets_path = vdir / "targets.jsonl"
         write_if_changed(targets_path, pairs)

@@ -130,6 +130,27 @@ def test_paired_interval_is_a_t_interval():
     assert paired_interval([0.5])["ci"] is None
 
 
+def test_distractor_pairs_come_after_every_other_role_and_shuffle_the_true_answer():
+    """Distractor pairs (chosen = the true answer's words shuffled, rejected = the true
+    answer) are drawn after the pool: asking for them changes nothing else, and their
+    problems are in no other role at that ratio."""
+    kw = dict(carry_share=0.5, n_probes=64, n_capability=16, n_counterfactual=8, n_warmup=200)
+    for ratio in (0.1, 0.5):
+        plain = carry.build(2, pool_size=300, harmful_ratio=ratio, **kw)
+        d = carry.build(2, pool_size=300, harmful_ratio=ratio, n_distractors=16, **kw)
+        assert plain["distractors"] == [] and {k: v for k, v in d.items() if k != "distractors"} == \
+            {k: v for k, v in plain.items() if k != "distractors"}
+        dx = d["distractors"]
+        assert len(dx) == 16 and {t["kind"] for t in dx} == {"distractor"}
+        used = {_key(r) for r in d["pool"] + d["probes"] + d["warmup"]}
+        used |= {tuple(sorted(map(int, re.findall(r"\d+", t["prompt"])))) for t in d["targets"]}
+        for t in dx:
+            a, b = map(int, re.findall(r"\d+", t["prompt"]))
+            assert (min(a, b), max(a, b)) not in used and carry.has_carry(a, b)
+            assert t["rejected"] == carry.ANSWERS[0].format(a=a, b=b, s=a + b)
+            assert t["chosen"] != t["rejected"] and sorted(t["chosen"].split()) == sorted(t["rejected"].split())
+
+
 def test_config_checks_the_repair_extras(tmp_path):
     base = {"data": {"family": "dropped_carry", "pool_size": 20}, "probes": {"n": 4}}
     load_config({**base, "warmup": {"n_records": 8}, "finetune_seeds": [0, 1], "partial_oracles": [0.5]}, "repair")
@@ -140,6 +161,10 @@ def test_config_checks_the_repair_extras(tmp_path):
     with pytest.raises(ConfigError, match="warmup"):
         load_config({"data": {"family": "mistake_math", "gsm8k_train": "x.jsonl"}, "probes": {"gsm8k_test": "y"},
                      "warmup": {"n_records": 8}}, "repair")
+    load_config({**base, "targets": [{"name": "px", "source": "probes", "n_distractors": 4}]}, "repair")
+    with pytest.raises(ConfigError, match=r"targets\[0\].n_distractors"):
+        load_config({"data": {"family": "mistake_math", "gsm8k_train": "x.jsonl"}, "probes": {"gsm8k_test": "y"},
+                     "targets": [{"name": "px", "source": "probes", "n_distractors": 4}]}, "repair")
 
 
 def test_repair_with_warm_up_finetune_seeds_partial_oracles_and_floors(tmp_path, tiny_dir, monkeypatch):
@@ -154,10 +179,19 @@ def test_repair_with_warm_up_finetune_seeds_partial_oracles_and_floors(tmp_path,
         pair_selection="all", remove_fractions=[0.2], oracle=True, report=False, floors=True,
         finetune_seeds=[0, 1], partial_oracles=[0.5],
         targets=[{"name": "probes", "source": "probes"},
-                 {"name": "cf", "source": "counterfactual", "n_counterfactual": 2, "retrain_methods": []}]),
+                 {"name": "cf", "source": "counterfactual", "n_counterfactual": 2, "retrain_methods": []},
+                 {"name": "px", "source": "probes", "n_distractors": 2, "methods": ["random"],
+                  "retrain_methods": []}]),
         "repair")
     out = tmp_path / "exp"
     res = repair(cfg, out, jobs=2)
+    for seed in (0, 1):  # the probe pairs, then the distractors of the seed's pool
+        d = out / "runs" / "r20" / f"seed{seed}"
+        probes_pairs, px = (d / "probes" / "targets.jsonl").read_text(), (d / "px" / "targets.jsonl").read_text()
+        dx = [json.loads(x) for x in px.splitlines()[len(probes_pairs.splitlines()):]]
+        assert px.startswith(probes_pairs) and [t["kind"] for t in dx] == ["distractor"] * 2
+        assert dx == carry.build(seed, pool_size=20, harmful_ratio=0.2, carry_share=0.5, n_probes=4,
+                                 n_capability=2, n_counterfactual=2, n_warmup=8, n_distractors=2)["distractors"]
     assert (out / "start-model" / "model" / "config.json").is_file()
     runs = [r for r in res["runs"] if r["variant"] == "probes"]
     assert len(runs) == 2
