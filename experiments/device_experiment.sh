@@ -23,6 +23,8 @@
 # repair job's retrainings in N worker processes (prism-select experiment --jobs).
 # GPUS=0,1,2 (with PARALLEL=1) puts job i on GPU i (cycling through the list) on a
 # machine with several GPUs (CUDA_VISIBLE_DEVICES per job).
+# Every 30 s the GPUs' use, host memory and /tmp's disk go to $OUT/usage.txt. PACK_LOGS=1
+# packs the logs into $OUT/logs.tar.gz at the end (a call brings back a few files only).
 set -uo pipefail
 B="$(cd "${1:?bundle}" && pwd)"; BUDGET="${2:?budget in seconds}"; shift 2
 OUTDIR="${OUT:-/tmp/prism-out}"; mkdir -p "$OUTDIR" /tmp/prism-runs
@@ -46,6 +48,9 @@ export PRISM_SELECT_DEFAULT_GGUF="$GGUF" PRISM_DATA_ROOT="$DATA" PRISM_SELECT_CA
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
 end=$(( $(date +%s) + BUDGET )); status=0
+( while :; do date +%T; nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
+    free -g | sed -n 2p; df -h /tmp | tail -1; sleep 30; done ) >>"$OUTDIR/usage.txt" 2>&1 &
+monitor=$!
 run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG TASKS: one experiment command, its exit status in /tmp/prism-runs/.rc-NAME
   local name="$1" proto="$2" cfg="$3" seeds="$4" outname="$5" log="$6" tasks="${7:-}" left seedargs=() t0 s
   [ -n "$seeds" ] && seedargs=(--seeds ${seeds//,/ })
@@ -61,7 +66,7 @@ run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG TASKS: one experiment co
       --out "/tmp/prism-runs/$outname" "${seedargs[@]}" 2>&1; echo "$?" >"/tmp/prism-runs/.rc-$name") >>"$log"
   s=$(cat "/tmp/prism-runs/.rc-$name"); echo "== $name: exit $s after $(( $(date +%s) - t0 )) s" | tee -a "$log"
 }
-names=(); outs=(); IFS=, read -r -a gpus <<<"${GPUS:-}"; i=0
+names=(); outs=(); pids=(); IFS=, read -r -a gpus <<<"${GPUS:-}"; i=0
 for job in "$@"; do
   IFS=: read -r name proto cfg seeds tasks <<<"$job"
   outname="${OUTNAME:-$name}"; [ "$outname" = @config ] && outname="${cfg%.yaml}"
@@ -69,8 +74,10 @@ for job in "$@"; do
   if [ -n "${PARALLEL:-}" ]; then
     if [ "${#gpus[@]}" -gt 0 ]; then
       CUDA_VISIBLE_DEVICES="${gpus[$(( i % ${#gpus[@]} ))]}" run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log-$name.txt" "${tasks:-}" &
+      pids+=($!)
     else
       run_job "$name" "$proto" "$cfg" "${seeds:-}" "$outname" "$OUTDIR/log-$name.txt" "${tasks:-}" &
+      pids+=($!)
     fi
     i=$(( i + 1 ))
   else
@@ -79,7 +86,7 @@ for job in "$@"; do
     s=$(cat "/tmp/prism-runs/.rc-$name"); [ "$s" = 0 ] || { status=$s; [ "$s" = 124 ] && break; }
   fi
 done
-wait
+[ "${#pids[@]}" -gt 0 ] && wait "${pids[@]}"  # the jobs, not the usage monitor
 for name in "${names[@]}"; do
   s=$(cat "/tmp/prism-runs/.rc-$name" 2>/dev/null || echo 124); [ "$s" = 0 ] || status=$s
   [ -n "${PARALLEL:-}" ] && tail -n 20 "$OUTDIR/log-$name.txt"
@@ -88,4 +95,8 @@ for d in $(printf '%s\n' "${outs[@]}" | sort -u); do
   tar --exclude=adapter --exclude=.partial --exclude=checkpoints --exclude='*.safetensors' \
       -czf "$OUTDIR/$d.tar.gz" -C /tmp/prism-runs "$d" 2>/dev/null
 done
+kill "$monitor" 2>/dev/null
+if [ -n "${PACK_LOGS:-}" ]; then
+  (cd "$OUTDIR" && tar czf logs.tar.gz log*.txt usage.txt && rm -f log*.txt usage.txt)
+fi
 ls -la "$OUTDIR"; exit "$status"
