@@ -50,7 +50,7 @@ python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, 
 end=$(( $(date +%s) + BUDGET )); status=0
 ( while :; do date +%T; nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
     free -g | sed -n 2p; df -h /tmp | tail -1; sleep 30; done ) >>"$OUTDIR/usage.txt" 2>&1 &
-monitor=$!
+monitor=$!; trap 'kill "$monitor" 2>/dev/null' EXIT
 run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG TASKS: one experiment command, its exit status in /tmp/prism-runs/.rc-NAME
   local name="$1" proto="$2" cfg="$3" seeds="$4" outname="$5" log="$6" tasks="${7:-}" left seedargs=() t0 s
   [ -n "$seeds" ] && seedargs=(--seeds ${seeds//,/ })
@@ -69,7 +69,7 @@ run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG TASKS: one experiment co
 names=(); outs=(); pids=(); IFS=, read -r -a gpus <<<"${GPUS:-}"; i=0
 for job in "$@"; do
   IFS=: read -r name proto cfg seeds tasks <<<"$job"
-  outname="${OUTNAME:-$name}"; [ "$outname" = @config ] && outname="${cfg%.yaml}"
+  outname="${OUTNAME:-$name}"; [ "$outname" = @config ] && outname="$(basename "${cfg%.y*ml}")"
   names+=("$name"); outs+=("$outname")
   if [ -n "${PARALLEL:-}" ]; then
     if [ "${#gpus[@]}" -gt 0 ]; then

@@ -43,7 +43,8 @@ def rankings(run_dir: Path, fractions: list, label: str = "harmful") -> list:
             scores = read_scores(method_dir / "scores.jsonl")
             run = json.loads((method_dir / "run.json").read_text()) if (method_dir / "run.json").exists() else {}
             # a method's extra columns (IF-Guide's token_sum) rank as rows "method:column"
-            columns = [k for k in scores[0] if k not in ("id", "score", "rank")] if scores else []
+            columns = [k for k in scores[0] if k not in ("id", "score", "rank") and all(
+                isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) for r in scores)] if scores else []
             for column in ["score", *columns]:
                 order = sorted(scores, key=lambda r: (-r[column], r["rank"]))
                 row = {"setting": seed_dir.parent.name, "seed": int(seed_dir.name[4:]),

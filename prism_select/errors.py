@@ -124,7 +124,7 @@ def _oom_text(text: str) -> str:
     (``set_per_process_memory_fraction``'s "allowed"); the other processes' use, which
     the caching allocator lists between them, is left out."""
     first = re.match(r"CUDA out of memory\.?(?:\s*Tried to allocate [\d.]+ \w+)?", text)
-    parts = [(first.group(0) if first else text.splitlines()[0][:200]).rstrip(". ")]
+    parts = [(first.group(0) if first else (text.splitlines() or ["out of memory"])[0][:200]).rstrip(". ")]
     own = re.search(r"this process has ([\d.]+ \w+) memory in use", text)
     if own:
         parts.append(f"this process had {own.group(1)} in use")

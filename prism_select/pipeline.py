@@ -568,7 +568,9 @@ class RunContext:
         at most :data:`~prism_select.curvature.support.STACKED_LADDER_MAX_ELEMENTS` numbers)
         beside what this process holds now and one scoring batch's activations (the plan's
         scoring peak less the weights and its one ``v``), within a bounded memory plan's
-        usable bytes; unbounded: every rung. 0: each direction is scored on its own."""
+        usable bytes; unbounded: every rung. 0: each direction is scored on its own. Each
+        stacked direction also forms, in a layer's backward, one ``tokens x in`` product
+        (and its float32 copy) for the scoring batch's tokens and the widest layer input."""
         rungs = len(support.DAMPING_LADDER)
         per_rung = support.stacked_ladder_bytes(direction) // rungs
         numel = sum(int(d.numel()) for d in direction.values())
@@ -576,6 +578,9 @@ class RunContext:
         plan = self.plan
         if plan is None or not plan.bounded or plan.usable is None or self.lm.device.type != "cuda":
             return min(rungs, fit_elements)
+        widest = max((int(m.weight.shape[-1]) for m in self.modules.values()), default=0)
+        tokens = self.scoring_batch() * int(self.settings.max_length)
+        per_rung += 2 * tokens * widest * (self.lm.model.dtype.itemsize + 4)
         scoring = plan.scoring or {}
         activations = max(0, int(scoring.get("peak", 0)) - int(plan.weights) - int(scoring.get("v_bytes", 0)))
         held = torch.cuda.memory_allocated(self.lm.device)
@@ -1169,7 +1174,7 @@ def _write_scores(ctx: RunContext, scores, pairs) -> tuple:
             for name, values in ctx.columns.items():
                 if name in ("id", "score", "rank") or len(values) != n_pool:
                     raise ValueError(f"column {name!r}: a new name and one value per pool record are needed")
-                cols[name] = [float(v) for v in values]
+                cols[name] = [float(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
             atomic_write_jsonl(out_dir / "scores.jsonl",
                                ({"id": ex.id, "score": float(scores[i]), "rank": rk[i],
                                  **{name: vals[i] for name, vals in cols.items()}}

@@ -60,9 +60,10 @@ AGREEMENT_EXAMPLES = 256
 STACKED_LADDER_MAX_ELEMENTS = 1 << 30
 
 
-#: the stacked directions are held twice while scored: the list of ``v`` and their
-#: per-layer stack (:func:`prism_select.scoring.score_directions`)
-STACKED_LADDER_COPIES = 2
+#: the stacked directions are held three times while the scorer is built: the list of
+#: ``v``, their per-layer stack and each layer's ``out x (K in)`` layout
+#: (:func:`prism_select.scoring.score_directions`, :class:`prism_select.engine.linear`)
+STACKED_LADDER_COPIES = 3
 
 
 def stacked_ladder_bytes(direction: dict) -> int:

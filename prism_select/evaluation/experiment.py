@@ -71,7 +71,8 @@ def ranking_metrics(scores_path, pool_path, label: str = "harmful") -> dict:
     s = [float(r["score"]) for r in rows]
     y = [labels[r["id"]] for r in rows]
     out = {"auroc": auroc(s, y), "auprc": auprc(s, y), "n": len(y), "n_positive": sum(y)}
-    extra = [k for k in (rows[0] if rows else {}) if k not in ("id", "score", "rank")]
+    extra = [k for k in (rows[0] if rows else {}) if k not in ("id", "score", "rank")
+             and all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) for r in rows)]
     if extra:
         out["columns"] = {k: {"auroc": auroc([float(r[k]) for r in rows], y),
                               "auprc": auprc([float(r[k]) for r in rows], y)} for k in extra}
@@ -156,8 +157,10 @@ class Experiment:
             # a field added to the config classes after the folder was written reads as its default
             old_conf = {k: v for k, v in with_defaults(old.get("config") or {}, cfg).items()
                         if k not in ("harmful_ratios", "report", "seeds")}
-            # settings that change no number (a memory cap, a batch size) may differ
-            if old.get("protocol") != protocol or result_config(old_conf) != result_config(meta["config"]):
+            # settings that change no number (a memory cap, a batch size) may differ, and a
+            # config may add methods or target sets: every step is keyed by its own inputs
+            if old.get("protocol") != protocol or not config_extends(result_config(old_conf),
+                                                                     result_config(meta["config"])):
                 if not overwrite:
                     raise OutputError(f"{self.out} holds an experiment with another protocol or config; "
                                       "pass --overwrite to replace it, or choose another --out")
@@ -226,6 +229,25 @@ def result_config(conf: dict) -> dict:
     if "curvature" in out:
         out["curvature"] = _keyed_only(out["curvature"], CurvatureSettings)
     return out
+
+
+def config_extends(old: dict, new: dict) -> bool:
+    """Whether experiment config ``new`` (experiment.json's form, :func:`result_config`)
+    is ``old`` with methods or target sets added: every other field equal, ``old``'s
+    methods among ``new``'s (or both ``all``), each of ``old``'s target sets in ``new``
+    unchanged, ``old``'s method options kept. The finished steps of ``old`` are then
+    ``new``'s own (each is keyed by its inputs)."""
+    grows = ("methods", "targets", "method_options")
+    if {k: v for k, v in old.items() if k not in grows} != {k: v for k, v in new.items() if k not in grows}:
+        return False
+    m_old, m_new = old.get("methods"), new.get("methods")
+    if m_old != m_new and not (isinstance(m_old, list) and isinstance(m_new, list) and set(m_old) <= set(m_new)):
+        return False
+    t_new = new.get("targets") or []
+    if any(t not in t_new for t in old.get("targets") or []):
+        return False
+    o_old, o_new = old.get("method_options") or {}, new.get("method_options") or {}
+    return all(o_new.get(k) == v for k, v in o_old.items())
 
 
 def _score_step_key(key: dict) -> dict:

@@ -1235,3 +1235,31 @@ def test_ranking_metrics_rank_a_scores_files_extra_columns(tmp_path):
     (tmp_path / "plain.jsonl").write_text("".join(
         json.dumps({"id": f"x{i}", "score": score[i], "rank": i + 1}) + "\n" for i in range(4)))
     assert "columns" not in ranking_metrics(tmp_path / "plain.jsonl", tmp_path / "pool.jsonl")
+
+
+def test_an_experiment_folder_takes_a_config_that_adds_methods_or_target_sets(tmp_path):
+    """A config that adds methods or target sets to a folder's recorded one runs there (its
+    steps are keyed by their own inputs, so the finished ones are reused); any other change
+    is refused without --overwrite."""
+    from prism_select.errors import OutputError
+    from prism_select.evaluation.config import load_config
+    from prism_select.evaluation.experiment import Experiment, config_extends
+    base = {"data": {"family": "dropped_carry", "pool_size": 20}, "probes": {"n": 4}, "methods": ["prism", "random"],
+            "targets": [{"name": "probes", "source": "probes"}]}
+    out = tmp_path / "exp"
+    Experiment(out, "repair", load_config(base, "repair"), overwrite=False)
+    (out / "runs").mkdir()
+    grown = {**base, "methods": ["prism", "random", "equal"],
+             "targets": base["targets"] + [{"name": "px", "source": "probes", "n_distractors": 4,
+                                            "methods": ["prism", "equal"]}]}
+    Experiment(out, "repair", load_config(grown, "repair"), overwrite=False)
+    assert json.loads((out / "experiment.json").read_text())["config"]["targets"][1]["name"] == "px"
+    assert (out / "runs").is_dir()  # nothing removed
+    for changed in ({**grown, "data": {"family": "dropped_carry", "pool_size": 30}},  # another pool
+                    {**grown, "methods": ["prism", "equal"]},  # a method left out
+                    {**grown, "targets": [{"name": "probes", "source": "probes", "n_distractors": 2}]}):
+        with pytest.raises(OutputError, match="another protocol or config"):
+            Experiment(out, "repair", load_config(changed, "repair"), overwrite=False)
+    assert config_extends({"methods": "all", "x": 1}, {"methods": "all", "x": 1})
+    assert not config_extends({"methods": "all"}, {"methods": ["prism"]})
+    assert not config_extends({"method_options": {"less": {"proj_dim": 8}}}, {"method_options": {}})

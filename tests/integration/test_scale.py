@@ -720,7 +720,7 @@ def test_split_half_keeps_its_halves_in_host_memory_under_a_bounded_gpu_plan():
 
 def test_ladder_rungs_stacked_as_many_as_fit_beside_a_scoring_batch(monkeypatch):
     """Under a bounded plan the check stacks as many rungs as fit: their directions (held
-    twice while scored) beside what the process holds and one scoring batch's activations
+    three times while the scorer is built) beside what the process holds and one scoring batch's activations
     (the plan's scoring peak less the weights and one v). Counting the directions alone,
     an H200 run under an 11 GiB cap peaked at 9.9 GiB in the check against the plan's 6.8."""
     from types import SimpleNamespace
@@ -731,9 +731,10 @@ def test_ladder_rungs_stacked_as_many_as_fit_beside_a_scoring_batch(monkeypatch)
     per_rung = support.STACKED_LADDER_COPIES * 2 * 8 * mib
     assert support.stacked_ladder_bytes(direction) == per_rung * len(support.DAMPING_LADDER)
     usable, weights, v, activations = 1024 * mib, 100 * mib, 8 * mib, 200 * mib
-    ctx = SimpleNamespace(lm=SimpleNamespace(device=torch.device("cuda", 0)),
+    ctx = SimpleNamespace(lm=SimpleNamespace(device=torch.device("cuda", 0), model=SimpleNamespace(dtype=torch.float32)),
                           plan=SimpleNamespace(bounded=True, usable=usable, weights=weights,
-                                               scoring={"peak": weights + v + activations, "v_bytes": v}))
+                                               scoring={"peak": weights + v + activations, "v_bytes": v}),
+                          modules={}, settings=SimpleNamespace(max_length=64), scoring_batch=lambda: 8)
     rungs = pipeline.RunContext._ladder_rungs
     for held, k in ((usable - activations - 4 * per_rung, 4), (usable - activations - 2 * per_rung, 2),
                     (usable - activations - 2 * per_rung + 1, 1), (usable - activations - per_rung + 1, 0),
@@ -741,6 +742,16 @@ def test_ladder_rungs_stacked_as_many_as_fit_beside_a_scoring_batch(monkeypatch)
                     (usable - 4 * per_rung, 0)):
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None, held=held: held)
         assert rungs(ctx, direction) == k, held
+    # each stacked direction's backward product (scoring batch tokens x widest input, and its
+    # float32 copy) counts too: with a 1024-wide layer, 8 x 64 tokens, 4 MiB a direction
+    ctx.modules = {"a": torch.nn.Linear(1024, 16)}
+    extra = 2 * 8 * 64 * 1024 * (4 + 4)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: usable - activations - 2 * per_rung)
+    assert rungs(ctx, direction) == 1
+    monkeypatch.setattr(torch.cuda, "memory_allocated",
+                        lambda d=None: usable - activations - 2 * (per_rung + extra))
+    assert rungs(ctx, direction) == 2
+    ctx.modules = {}
     # unbounded: every rung, as far as STACKED_LADDER_MAX_ELEMENTS allows
     ctx.plan = SimpleNamespace(bounded=False, usable=None)
     assert rungs(ctx, direction) == len(support.DAMPING_LADDER)
