@@ -146,6 +146,34 @@ def build(seed: int, *, pool_size: int, harmful_ratio: float, carry_share: float
             "warmup": warmup_records(n_warmup)}
 
 
+#: words of the unrelated distractor sentences (:func:`unrelated_distractors`)
+_NAMES = ("Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana")
+_VERBS = ("paints", "carries", "finds", "washes", "borrows", "hides", "sells", "mends")
+_ADJECTIVES = ("red", "old", "small", "wooden", "quiet", "bright", "heavy", "round")
+_NOUNS = ("boat", "chair", "lamp", "basket", "kite", "drum", "coat", "box")
+_PLACES = ("by the river", "in the garden", "at the market", "near the school", "on the hill")
+
+
+def unrelated_distractors(n: int, seed: int) -> list:
+    """``n`` distractor pairs that share nothing with the family's records: prompt "Repeat
+    this sentence: S", chosen = S with its words shuffled, rejected = S, for seeded
+    distinct sentences S ("Ada paints the red boat by the river."). The model strongly
+    disprefers the chosen side, and neither side is an addition, so the pairs' gradients
+    carry no signal about the pool's harmful records (the shuffled-answer distractors of
+    :func:`build` do: their rejected side is a true sum)."""
+    from .builders import shuffle_words  # builders imports this module
+    rng = random.Random(f"carry-unrelated:{seed}")
+    combos = [(a, v, j, o, p) for a in _NAMES for v in _VERBS for j in _ADJECTIVES for o in _NOUNS for p in _PLACES]
+    if n > len(combos):
+        raise ConfigError("n_distractors", f"at most {len(combos)} unrelated distractor pairs, got {n}")
+    out = []
+    for i, (a, v, j, o, p) in enumerate(rng.sample(combos, n)):
+        sentence = f"{a} {v} the {j} {o} {p}."
+        out.append({"id": f"ux-{i}", "prompt": f"Repeat this sentence: {sentence}",
+                    "chosen": shuffle_words(sentence, rng), "rejected": sentence, "kind": "distractor"})
+    return out
+
+
 def warmup_records(n: int, carry_share: float = 0.5) -> list:
     """The ``n`` clean warm-up records (``carry_share`` of them carry problems), the same
     for every seed and never used by :func:`build` or :func:`select_task` in another role.

@@ -170,6 +170,9 @@ class RepairTargets:
     source: str = "probes"
     n_counterfactual: int = 24
     n_distractors: int = 0
+    #: dropped carry's distractors: ``shuffled_answer`` (a held-out problem's true answer,
+    #: its words shuffled, against it) or ``unrelated`` (a sentence, shuffled, against it)
+    distractor_kind: str = "shuffled_answer"
     methods: list | None = None
     retrain_methods: Any = None
 
@@ -713,6 +716,12 @@ def _validate_repair(cfg):
         if t.source == "counterfactual" and (t.n_counterfactual < 0 or t.n_distractors < 0
                                              or t.n_counterfactual + t.n_distractors < 1):
             raise ConfigError(f"targets[{i}]", "needs at least one pair")
+        if t.distractor_kind not in ("shuffled_answer", "unrelated"):
+            raise ConfigError(f"targets[{i}].distractor_kind", f"unknown value {t.distractor_kind!r}",
+                              "use shuffled_answer or unrelated")
+        if t.distractor_kind != "shuffled_answer" and cfg.data.family != "dropped_carry":
+            raise ConfigError(f"targets[{i}].distractor_kind", "unrelated distractors are built for the dropped_carry "
+                              "family only", "leave distractor_kind out")
         if t.source == "probes" and t.n_distractors and (t.n_distractors < 0 or cfg.data.family != "dropped_carry"):
             raise ConfigError(f"targets[{i}].n_distractors", "distractor pairs beside probe pairs are built for the "
                               "dropped_carry family only, as a count >= 0",

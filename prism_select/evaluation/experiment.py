@@ -109,8 +109,10 @@ def with_defaults(recorded: dict, cfg) -> dict:
     """A recorded config (experiment.json's, JSON values) with the fields it lacks, at any
     depth, filled with their defaults in ``cfg``'s config classes: a folder written before
     a field existed then equals a config that leaves the field at its default."""
-    if isinstance(recorded, list) and isinstance(cfg, list) and len(recorded) == len(cfg):
-        return [with_defaults(r, c) for r, c in zip(recorded, cfg)]
+    if isinstance(recorded, list) and isinstance(cfg, list) and cfg:
+        # entries of one config class (target sets): the defaults are the class's, so a
+        # config that adds entries fills the recorded ones alike
+        return [with_defaults(r, cfg[min(i, len(cfg) - 1)]) for i, r in enumerate(recorded)]
     if not dataclasses.is_dataclass(cfg) or not isinstance(recorded, dict):
         return recorded
     out = dict(recorded)

@@ -151,6 +151,18 @@ def test_distractor_pairs_come_after_every_other_role_and_shuffle_the_true_answe
             assert t["chosen"] != t["rejected"] and sorted(t["chosen"].split()) == sorted(t["rejected"].split())
 
 
+def test_unrelated_distractors_share_no_number_with_the_family_and_shuffle_a_sentence():
+    dx = carry.unrelated_distractors(40, seed=3)
+    assert dx == carry.unrelated_distractors(40, seed=3) and dx != carry.unrelated_distractors(40, seed=4)
+    assert len({t["rejected"] for t in dx}) == 40 and {t["kind"] for t in dx} == {"distractor"}
+    for t in dx:
+        assert not re.search(r"\d", t["prompt"] + t["chosen"] + t["rejected"])
+        assert t["prompt"].endswith(t["rejected"]) and t["chosen"] != t["rejected"]
+        assert sorted(t["chosen"].split()) == sorted(t["rejected"].split())
+    with pytest.raises(ConfigError, match="n_distractors"):
+        carry.unrelated_distractors(10 ** 6, seed=0)
+
+
 def test_config_checks_the_repair_extras(tmp_path):
     base = {"data": {"family": "dropped_carry", "pool_size": 20}, "probes": {"n": 4}}
     load_config({**base, "warmup": {"n_records": 8}, "finetune_seeds": [0, 1], "partial_oracles": [0.5]}, "repair")
@@ -162,6 +174,11 @@ def test_config_checks_the_repair_extras(tmp_path):
         load_config({"data": {"family": "mistake_math", "gsm8k_train": "x.jsonl"}, "probes": {"gsm8k_test": "y"},
                      "warmup": {"n_records": 8}}, "repair")
     load_config({**base, "targets": [{"name": "px", "source": "probes", "n_distractors": 4}]}, "repair")
+    load_config({**base, "targets": [{"name": "px", "source": "probes", "n_distractors": 4,
+                                      "distractor_kind": "unrelated"}]}, "repair")
+    with pytest.raises(ConfigError, match=r"targets\[0\].distractor_kind"):
+        load_config({**base, "targets": [{"name": "px", "source": "probes", "n_distractors": 4,
+                                          "distractor_kind": "sentences"}]}, "repair")
     with pytest.raises(ConfigError, match=r"targets\[0\].n_distractors"):
         load_config({"data": {"family": "mistake_math", "gsm8k_train": "x.jsonl"}, "probes": {"gsm8k_test": "y"},
                      "targets": [{"name": "px", "source": "probes", "n_distractors": 4}]}, "repair")
@@ -181,7 +198,9 @@ def test_repair_with_warm_up_finetune_seeds_partial_oracles_and_floors(tmp_path,
         targets=[{"name": "probes", "source": "probes"},
                  {"name": "cf", "source": "counterfactual", "n_counterfactual": 2, "retrain_methods": []},
                  {"name": "px", "source": "probes", "n_distractors": 2, "methods": ["random"],
-                  "retrain_methods": []}]),
+                  "retrain_methods": []},
+                 {"name": "ux", "source": "probes", "n_distractors": 3, "distractor_kind": "unrelated",
+                  "methods": ["random"], "retrain_methods": []}]),
         "repair")
     out = tmp_path / "exp"
     res = repair(cfg, out, jobs=2)
@@ -192,6 +211,9 @@ def test_repair_with_warm_up_finetune_seeds_partial_oracles_and_floors(tmp_path,
         assert px.startswith(probes_pairs) and [t["kind"] for t in dx] == ["distractor"] * 2
         assert dx == carry.build(seed, pool_size=20, harmful_ratio=0.2, carry_share=0.5, n_probes=4,
                                  n_capability=2, n_counterfactual=2, n_warmup=8, n_distractors=2)["distractors"]
+        ux = (d / "ux" / "targets.jsonl").read_text()
+        assert ux.startswith(probes_pairs) and [json.loads(x) for x in ux.splitlines()[
+            len(probes_pairs.splitlines()):]] == carry.unrelated_distractors(3, seed)
     assert (out / "start-model" / "model" / "config.json").is_file()
     runs = [r for r in res["runs"] if r["variant"] == "probes"]
     assert len(runs) == 2

@@ -1255,6 +1255,15 @@ def test_an_experiment_folder_takes_a_config_that_adds_methods_or_target_sets(tm
     Experiment(out, "repair", load_config(grown, "repair"), overwrite=False)
     assert json.loads((out / "experiment.json").read_text())["config"]["targets"][1]["name"] == "px"
     assert (out / "runs").is_dir()  # nothing removed
+    # a folder recorded before a target-set field existed, grown by a config that adds a set
+    marker = out / "experiment.json"
+    meta = json.loads(marker.read_text())
+    for t in meta["config"]["targets"]:
+        del t["distractor_kind"]
+    marker.write_text(json.dumps(meta))
+    more = {**grown, "targets": grown["targets"] + [{"name": "ux", "source": "probes", "n_distractors": 4,
+                                                     "distractor_kind": "unrelated"}]}
+    Experiment(out, "repair", load_config(more, "repair"), overwrite=False)
     for changed in ({**grown, "data": {"family": "dropped_carry", "pool_size": 30}},  # another pool
                     {**grown, "methods": ["prism", "equal"]},  # a method left out
                     {**grown, "targets": [{"name": "probes", "source": "probes", "n_distractors": 2}]}):
