@@ -1112,15 +1112,22 @@ def test_shipped_experiment_config_is_valid(tmp_path):
 
 def test_the_cpu_ranking_config_builds_the_gpu_configs_testbed(tmp_path):
     """dropped_carry_ranking_cpu.yaml: the GPU ranking config's pools, start model, probes,
-    SFT and target pairs, a subset of its methods, on the CPU."""
+    SFT and target pairs, a subset of its methods, on the CPU; beside the probe pairs, the
+    distractor config's target sets (the same pools: distractors do not change them)."""
     import dataclasses
     from prism_select.evaluation.config import load_config
     root = Path(__file__).resolve().parents[2] / "experiments"
     gpu = load_config(root / "dropped_carry_ranking.yaml", "repair", data_root=str(tmp_path))
     cpu = load_config(root / "dropped_carry_ranking_cpu.yaml", "repair", data_root=str(tmp_path))
     for f in ("data", "warmup", "probes", "finetune", "pair_selection", "min_pairs", "fallback_pair_selection",
-              "score_at", "retrain", "floors", "targets", "curvature"):
+              "score_at", "retrain", "floors", "curvature"):
         assert getattr(cpu, f) == getattr(gpu, f), f
+    dx = load_config(root / "dropped_carry_distractors.yaml", "repair", data_root=str(tmp_path))
+    assert cpu.targets[:len(gpu.targets)] == gpu.targets
+    extra = {t.name: dataclasses.replace(t, methods=None) for t in cpu.targets[len(gpu.targets):]}
+    assert extra and extra == {t.name: dataclasses.replace(t, methods=None) for t in dx.targets if t.n_distractors}
+    for f in ("data", "warmup", "probes", "finetune", "pair_selection", "min_pairs", "score_at", "retrain"):
+        assert getattr(dx, f) == getattr(gpu, f), f
     assert dataclasses.replace(cpu.generation, batch_size=gpu.generation.batch_size) == gpu.generation
     from prism_select.evaluation.experiment import available_methods
     assert gpu.methods == "all" and set(cpu.methods) < set(available_methods())
