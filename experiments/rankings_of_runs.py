@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prism_select.evaluation.experiment import mean_std  # noqa: E402
+from prism_select.evaluation.experiment import mean_std, score_columns  # noqa: E402
 from prism_select.evaluation_metrics import auroc, labels_by_id  # noqa: E402
 from prism_select.selection import read_scores  # noqa: E402
 
@@ -43,9 +43,7 @@ def rankings(run_dir: Path, fractions: list, label: str = "harmful") -> list:
             scores = read_scores(method_dir / "scores.jsonl")
             run = json.loads((method_dir / "run.json").read_text()) if (method_dir / "run.json").exists() else {}
             # a method's extra columns (IF-Guide's token_sum) rank as rows "method:column"
-            columns = [k for k in scores[0] if k not in ("id", "score", "rank") and all(
-                isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) for r in scores)] if scores else []
-            for column in ["score", *columns]:
+            for column in ["score", *score_columns(scores)]:
                 order = sorted(scores, key=lambda r: (-r[column], r["rank"]))
                 row = {"setting": seed_dir.parent.name, "seed": int(seed_dir.name[4:]),
                        "targets": method_dir.parent.parent.name,

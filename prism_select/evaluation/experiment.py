@@ -60,6 +60,13 @@ def read_jsonl(path) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def score_columns(rows: list) -> list:
+    """The extra numeric columns of ``scores.jsonl`` rows (beside ``id``, ``score`` and
+    ``rank``; IF-Guide's ``token_sum``): the names that hold a number in every row."""
+    return [k for k in (rows[0] if rows else {}) if k not in ("id", "score", "rank")
+            and all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) for r in rows)]
+
+
 def ranking_metrics(scores_path, pool_path, label: str = "harmful") -> dict:
     """AUROC, AUPRC and counts of ``label`` from a written scores file and pool file; the
     same for each extra column of the scores file (``columns``: name -> AUROC, AUPRC)."""
@@ -71,8 +78,7 @@ def ranking_metrics(scores_path, pool_path, label: str = "harmful") -> dict:
     s = [float(r["score"]) for r in rows]
     y = [labels[r["id"]] for r in rows]
     out = {"auroc": auroc(s, y), "auprc": auprc(s, y), "n": len(y), "n_positive": sum(y)}
-    extra = [k for k in (rows[0] if rows else {}) if k not in ("id", "score", "rank")
-             and all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) for r in rows)]
+    extra = score_columns(rows)
     if extra:
         out["columns"] = {k: {"auroc": auroc([float(r[k]) for r in rows], y),
                               "auprc": auprc([float(r[k]) for r in rows], y)} for k in extra}
