@@ -35,6 +35,9 @@ MARKERS = {"curvature": "curvature.json", "models": "prism_cache.json", "less": 
            "generations": "generations.json"}
 #: free disk space kept after a write, so the cache never fills the disk to the last byte
 DISK_RESERVE_BYTES = 1 << 30
+#: an entry evicted within this many seconds of its last use is named in a warning: the
+#: bound is too small for the runs that share the cache, which will compute it again
+RECENT_USE_S = 3600
 
 
 @dataclass
@@ -151,19 +154,39 @@ def clear(root, kind: str | None = None) -> list:
 def make_room(root, need: int, max_bytes: int | None = None, keep=()) -> bool:
     """Evict least recently used entries so that ``need`` more bytes fit under ``max_bytes``
     and on the disk (keeping DISK_RESERVE_BYTES free). False if that is impossible (the
-    entry is larger than the bound, or the disk is too small even with the cache empty)."""
+    entry is larger than the bound, or the disk is too small even with the cache empty).
+    Entries evicted within :data:`RECENT_USE_S` of their last use are named in a warning."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     if max_bytes is not None:
         if need > max_bytes:
             return False
-        prune(root, max_bytes - need, keep=keep)
-    for e in entries(root):
-        if shutil.disk_usage(root).free - DISK_RESERVE_BYTES >= need:
-            return True
-        if e.complete and e.path.resolve() not in {Path(k).resolve() for k in keep}:
-            remove(e.path)
-    return shutil.disk_usage(root).free - DISK_RESERVE_BYTES >= need
+        _warn_recent(prune(root, max_bytes - need, keep=keep), root, f"--cache-max-gb {max_bytes / (1 << 30):.3g}")
+    evicted = []
+    try:
+        for e in entries(root):
+            if shutil.disk_usage(root).free - DISK_RESERVE_BYTES >= need:
+                return True
+            if e.complete and e.path.resolve() not in {Path(k).resolve() for k in keep}:
+                remove(e.path)
+                evicted.append(e)
+        return shutil.disk_usage(root).free - DISK_RESERVE_BYTES >= need
+    finally:
+        _warn_recent(evicted, root, "the free disk space")
+
+
+def _warn_recent(evicted: list, root: Path, bound: str) -> None:
+    """Warn when eviction removed complete entries used within :data:`RECENT_USE_S`: runs
+    that share this cache (other methods or target sets on the same pool, the split-half
+    check's half fits, runs side by side) will compute them again."""
+    recent = [e for e in evicted if e.complete and time.time() - e.last_used <= RECENT_USE_S]
+    if recent:
+        log.warning("the cache under %s evicted %d entr%s used in the last %d minutes (%s) to stay within %s: "
+                    "runs that share it will compute them again. Fix: raise --cache-max-gb to what the runs "
+                    "sharing this cache hold together (a fitted curvature and the split-half check's two half "
+                    "fits per pool and curvature setting), run fewer of them at once, or give each its own "
+                    "--cache-dir", root, len(recent), "y" if len(recent) == 1 else "ies", RECENT_USE_S // 60,
+                    format_size(sum(e.size for e in recent)), bound)
 
 
 def guarded_write(entry_dir, write, what: str) -> bool:

@@ -352,6 +352,24 @@ def test_make_room_refuses_an_entry_larger_than_the_bound(tmp_path):
     assert cache.entries(tmp_path) == []  # evicted to make room
 
 
+def test_make_room_warns_when_it_evicts_entries_used_recently(tmp_path, caplog):
+    """Evicting an entry used within RECENT_USE_S means the runs sharing the cache will
+    compute it again: the warning names the bound and the fix; evicting old entries is
+    silent."""
+    _entry(tmp_path, "curvature", "old", 1000, age=cache.RECENT_USE_S + 600)
+    with caplog.at_level("WARNING", logger="prism_select.cache"):
+        assert cache.make_room(tmp_path, 1500, max_bytes=2000)
+    assert caplog.records == []
+    _entry(tmp_path, "curvature", "a", 1000, age=120)
+    _entry(tmp_path, "curvature", "b", 1000, age=60)
+    with caplog.at_level("WARNING", logger="prism_select.cache"):
+        assert cache.make_room(tmp_path, 1500, max_bytes=2600)
+    [rec] = caplog.records
+    assert "evicted 1 entry used in the last 60 minutes" in rec.getMessage()
+    assert "--cache-max-gb" in rec.getMessage() and "--cache-dir" in rec.getMessage()
+    assert [e.path.name for e in cache.entries(tmp_path)] == ["b"]
+
+
 def test_failed_cache_write_warns_and_keeps_the_run_going(tmp_path, caplog):
     d = tmp_path / "curvature" / "k"
 
