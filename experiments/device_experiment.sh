@@ -23,7 +23,8 @@
 # repair job's retrainings in N worker processes (prism-select experiment --jobs).
 # GPUS=0,1,2 (with PARALLEL=1) puts job i on GPU i (cycling through the list) on a
 # machine with several GPUs (CUDA_VISIBLE_DEVICES per job).
-# Every 30 s the GPUs' use, host memory and /tmp's disk go to $OUT/usage.txt. PACK_LOGS=1
+# Each output folder has its own cache (/tmp/prism-cache/OUTNAME): a config's cache_max_gb
+# bounds its own jobs' fits only. Every 30 s the GPUs' use, host memory and /tmp's disk go to $OUT/usage.txt. PACK_LOGS=1
 # packs the logs into $OUT/logs.tar.gz at the end (a call brings back a few files only).
 set -uo pipefail
 B="$(cd "${1:?bundle}" && pwd)"; BUDGET="${2:?budget in seconds}"; shift 2
@@ -62,7 +63,8 @@ run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG TASKS: one experiment co
   echo "== $name: prism-select experiment $proto --config $cfg ($left s left)" | tee -a "$log"
   t0=$(date +%s)
   # from the bundle's tree: `python3 -m` puts the current folder first on the path
-  (cd "$B/run/tree" && timeout "$left" python3 -m prism_select.cli experiment "$proto" --config "$B/run/tree/experiments/$cfg" \
+  # each output folder its own cache, so one config's --cache-max-gb never evicts another's fits
+  (cd "$B/run/tree" && PRISM_SELECT_CACHE="/tmp/prism-cache/$outname" timeout "$left" python3 -m prism_select.cli experiment "$proto" --config "$B/run/tree/experiments/$cfg" \
       --out "/tmp/prism-runs/$outname" "${seedargs[@]}" 2>&1; echo "$?" >"/tmp/prism-runs/.rc-$name") >>"$log"
   s=$(cat "/tmp/prism-runs/.rc-$name"); echo "== $name: exit $s after $(( $(date +%s) - t0 )) s" | tee -a "$log"
 }
