@@ -703,21 +703,30 @@ def test_split_half_runs_at_the_plans_batches(run_files, monkeypatch, stage):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_split_half_on_a_capped_gpu_fits_its_halves_into_host_memory(run_files, monkeypatch):
     """End to end on a GPU under --max-gpu-memory: the half fits come back in host memory,
-    the run's own curvature stays on the device, and run.json records the check's GPU peak."""
+    the run's own curvature waits in host memory while they are fitted and is back on the
+    device after the check, and run.json records the check's GPU peak."""
     from prism_select import pipeline
     from prism_select.curvature import CurvatureSettings
     from prism_select.model import ModelSettings
     from prism_select.pipeline import ScoreSettings, score_pool
-    real_fit, fitted = pipeline.load_or_fit_curvature, []
-    monkeypatch.setattr(pipeline, "load_or_fit_curvature", lambda *a, **kw: (
-        fitted.append(r := real_fit(*a, **kw)), r)[1])
+    real_fit, fitted, run_curvature_at = pipeline.load_or_fit_curvature, [], []
+
+    def fit(*a, **kw):
+        if fitted:  # a half: where the run's curvature (the first fit) waits meanwhile
+            run_curvature_at.append({t.device.type for t in fitted[0][0].tensors.values()})
+        fitted.append(r := real_fit(*a, **kw))
+        return r
+
+    monkeypatch.setattr(pipeline, "load_or_fit_curvature", fit)
     ms = ModelSettings(model=str(run_files / "model"), dtype="float32", device="cuda",
                        cache_dir=str(run_files / "cache"))
     summary = score_pool(ms, run_files / "pool.jsonl", run_files / "targets.jsonl", run_files / "sh-gpu",
                          ScoreSettings(progress=False, batch_size=4, max_gpu_memory=8 << 30),
                          CurvatureSettings(damping_rule="split-half"))
     devices = [{t.device.type for t in cur.tensors.values()} for cur, _, _ in fitted]
-    assert devices == [{"cuda"}, {"cpu"}, {"cpu"}]  # the run's fit, then its two halves
+    # the run's fit back on the device after the check, its two halves in host memory
+    assert devices == [{"cuda"}, {"cpu"}, {"cpu"}]
+    assert run_curvature_at == [{"cpu"}, {"cpu"}]  # in host memory while the halves were fitted
     assert summary["gpu_peak_bytes_by_stage"]["split_half"] > 0
 
 
