@@ -24,8 +24,10 @@
 # GPUS=0,1,2 (with PARALLEL=1) puts job i on GPU i (cycling through the list) on a
 # machine with several GPUs (CUDA_VISIBLE_DEVICES per job).
 # Each output folder has its own cache (/tmp/prism-cache/OUTNAME): a config's cache_max_gb
-# bounds its own jobs' fits only. Every 30 s the GPUs' use, host memory and /tmp's disk go to $OUT/usage.txt. PACK_LOGS=1
-# packs the logs into $OUT/logs.tar.gz at the end (a call brings back a few files only).
+# bounds its own jobs' fits only. With PARALLEL=1 each process's OMP_NUM_THREADS is the cores
+# over (jobs x JOBS), at least 1, unless given. Every 30 s the GPUs' use, host memory, /tmp's
+# disk and the load average go to $OUT/usage.txt. PACK_LOGS=1 packs the logs into
+# $OUT/logs.tar.gz at the end (a call brings back a few files only).
 set -uo pipefail
 B="$(cd "${1:?bundle}" && pwd)"; BUDGET="${2:?budget in seconds}"; shift 2
 OUTDIR="${OUT:-/tmp/prism-out}"; mkdir -p "$OUTDIR" /tmp/prism-runs
@@ -50,7 +52,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'
 end=$(( $(date +%s) + BUDGET )); status=0
 ( while :; do date +%T; nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
-    free -g | sed -n 2p; df -h /tmp | tail -1; sleep 30; done ) >>"$OUTDIR/usage.txt" 2>&1 &
+    free -g | sed -n 2p; df -h /tmp | tail -1; cat /proc/loadavg; sleep 30; done ) >>"$OUTDIR/usage.txt" 2>&1 &
 monitor=$!; trap 'kill "$monitor" 2>/dev/null' EXIT
 run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG TASKS: one experiment command, its exit status in /tmp/prism-runs/.rc-NAME
   local name="$1" proto="$2" cfg="$3" seeds="$4" outname="$5" log="$6" tasks="${7:-}" left seedargs=() t0 s
@@ -69,6 +71,12 @@ run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG TASKS: one experiment co
   s=$(cat "/tmp/prism-runs/.rc-$name"); echo "== $name: exit $s after $(( $(date +%s) - t0 )) s" | tee -a "$log"
 }
 names=(); outs=(); pids=(); IFS=, read -r -a gpus <<<"${GPUS:-}"; i=0
+# side by side, each process (and each of its --jobs retraining workers) gets its share of the
+# cores for its CPU threads, as torchrun sets OMP_NUM_THREADS; else each would start one
+# thread per core (25 processes on 16 cores in one call). OMP_NUM_THREADS given: kept.
+if [ -n "${PARALLEL:-}" ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
+  per=$(( $(nproc) / ($# * ${JOBS:-1}) )); export OMP_NUM_THREADS=$(( per > 0 ? per : 1 ))
+fi
 for job in "$@"; do
   IFS=: read -r name proto cfg seeds tasks <<<"$job"
   outname="${OUTNAME:-$name}"; [ "$outname" = @config ] && outname="$(basename "${cfg%.y*ml}")"
