@@ -15,6 +15,10 @@ and, with ``--family dropped_carry``, that family's knowledge floors (the arithm
 A scores file's extra columns (IF-Guide's ``token_sum``, its document sums) rank as rows
 ``METHOD:COLUMN``.
 
+``--paired prism`` adds, per setting and target set, that method minus every other row
+(methods, columns and floors) over the seeds both have: the mean with a 95% t interval for
+the AUROC and each recall (``paired`` in the JSON).
+
 RUN_DIR is an experiment's ``--out`` folder (``runs/<setting>/seed<k>/<targets>/scores/<method>/``).
 """
 
@@ -27,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prism_select.evaluation.experiment import mean_std, score_columns  # noqa: E402
+from prism_select.evaluation.experiment import mean_std, paired_interval, score_columns  # noqa: E402
 from prism_select.evaluation_metrics import auroc, labels_by_id  # noqa: E402
 from prism_select.selection import read_scores  # noqa: E402
 
@@ -92,6 +96,38 @@ def summary(rows: list, fractions: list) -> list:
     return out
 
 
+def paired(rows: list, fractions: list, method: str) -> list:
+    """``method`` minus every other row of its (setting, targets), paired by seed: for the
+    AUROC and each recall, the mean difference with its 95% t interval over the shared seeds."""
+    keys = ["auroc"] + [f"recall@{f:g}" for f in fractions]
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["setting"], r["targets"]), {}).setdefault(r["method"], {})[r["seed"]] = r
+    out = []
+    for (setting, targets), methods in sorted(by.items()):
+        base = methods.get(method)
+        if base is None:
+            continue
+        for other, runs in sorted(methods.items()):
+            seeds = sorted(set(base) & set(runs))
+            if other == method or not seeds:
+                continue
+            row = {"setting": setting, "targets": targets, "minus": other, "seeds": seeds}
+            for k in keys:
+                diffs = [base[s][k] - runs[s][k] for s in seeds if base[s].get(k) is not None
+                         and runs[s].get(k) is not None]
+                row[k] = paired_interval(diffs) if diffs else None
+            out.append(row)
+    return out
+
+
+def _interval_cell(d) -> str:
+    if d is None:
+        return ""
+    ci = f" [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]" if d["ci"] is not None else ""
+    return f"{d['mean']:+.3f}{ci}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path)
@@ -103,6 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--add", type=Path, nargs="*", default=[], metavar="JSON",
                     help="the rows of earlier --json files too (runs of the same config in other folders, e.g. "
                          "other seeds); a (setting, targets, method, seed) this folder also has is refused")
+    ap.add_argument("--paired", metavar="METHOD",
+                    help="that method minus every other row, paired by seed, with 95%% t intervals")
     a = ap.parse_args(argv)
     fractions = [float(x) for x in a.fractions.split(",")]
     rows = rankings(a.run_dir, fractions, a.label)
@@ -129,8 +167,17 @@ def main(argv=None) -> int:
         pi_cell = f"{pi['min']:.2f} / {pi['mean']:.2f} / {pi['max']:.2f}" if pi else "-"
         print(f"| {s['setting']} | {s['targets']} | {s['method']} | {','.join(map(str, s['seeds']))} | "
               + " | ".join(cells) + f" | {pi_cell} |")
+    diffs = paired(rows, fractions, a.paired) if a.paired else []
+    if a.paired:
+        print(f"\n{a.paired} minus each row, paired by seed (mean, 95% t interval):\n")
+        print("| setting | targets | minus | seeds | " + " | ".join(cols) + " |")
+        print("|---|---|---|---|" + "---|" * len(cols))
+        for d in diffs:
+            print(f"| {d['setting']} | {d['targets']} | {d['minus']} | {','.join(map(str, d['seeds']))} | "
+                  + " | ".join(_interval_cell(d[c]) for c in cols) + " |")
     if a.json:
-        a.json.write_text(json.dumps({"rows": rows, "summary": summ}, indent=1) + "\n")
+        out = {"rows": rows, "summary": summ, **({"paired": diffs} if a.paired else {})}
+        a.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

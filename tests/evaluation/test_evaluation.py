@@ -1204,6 +1204,14 @@ def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
     assert out[3] == "| r20 | t | prism:token_sum | 0,1 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
     assert out[4] == "| r50 | t | prism | 0,1 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
     assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 6
+    # --paired: the method minus every other row of its setting and target set, by seed
+    assert reader.main([str(tmp_path), "--fractions", "0.2", "--paired", "prism",
+                        "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| r20 | t | prism:token_sum | 0,1 | +1.000 [+1.000, +1.000] | +1.000 [+1.000, +1.000] |" in out
+    diffs = json.loads((tmp_path / "p.json").read_text())["paired"]
+    assert [(d["setting"], d["minus"], d["auroc"]["values"]) for d in diffs] == \
+        [("r20", "prism:token_sum", [1.0, 1.0])]
     # --add: an earlier run's rows (another seed, folder gone) join the table; a row of the folder twice is refused
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"rows": [{"setting": "r20", "targets": "t", "method": "prism", "seed": 7,
