@@ -66,7 +66,7 @@ run_job() {  # run_job NAME PROTO CFG SEEDS OUTNAME LOG TASKS: one experiment co
   t0=$(date +%s)
   # from the bundle's tree: `python3 -m` puts the current folder first on the path
   # each output folder its own cache, so one config's --cache-max-gb never evicts another's fits
-  (cd "$B/run/tree" && PRISM_SELECT_CACHE="/tmp/prism-cache/$outname" timeout "$left" python3 -m prism_select.cli experiment "$proto" --config "$B/run/tree/experiments/$cfg" \
+  (cd "$B/run/tree" && PRISM_SELECT_CACHE="/tmp/prism-cache/$outname" timeout "$left" python3 -m prism_select.cli -v experiment "$proto" --config "$B/run/tree/experiments/$cfg" \
       --out "/tmp/prism-runs/$outname" "${seedargs[@]}" 2>&1; echo "$?" >"/tmp/prism-runs/.rc-$name") >>"$log"
   s=$(cat "/tmp/prism-runs/.rc-$name"); echo "== $name: exit $s after $(( $(date +%s) - t0 )) s" | tee -a "$log"
 }

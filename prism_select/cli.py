@@ -413,7 +413,7 @@ def _add_evaluation_parsers(sub):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prism-select", description=__doc__, formatter_class=_HelpFormatter,
                                 epilog="start with: prism-select demo   (then: prism-select <command> --help)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log what each step does")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what each step does, each line with the time of day")
     sub = p.add_subparsers(dest="command", required=True)
 
     sc = _parser(sub, "score", help="score a pool against target pairs")
@@ -511,8 +511,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     p = build_parser()
     a = p.parse_args(argv)
+    # --verbose logs each step with the time of day, so a long run's log shows where its time went
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+                        format=("%(asctime)s " if a.verbose else "") + "%(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     try:
         a.func(a)
     except PrismError as exc:
