@@ -305,9 +305,13 @@ def _retrain_in_processes(exp, cfg, requests: list, jobs: int):
     with ProcessPoolExecutor(max_workers=min(jobs, len(unique)), mp_context=ctx, initializer=_worker_start,
                              initargs=(exp.out, cfg, gpus, ctx.Value("i", 0))) as pool:
         futures = [pool.submit(_worker_retrain, j) for j in unique]
-        for f in tqdm(as_completed(futures), total=len(futures), desc="retraining", unit="SFT", leave=False):
-            for name, seconds in f.result().items():
+        done = tqdm(as_completed(futures), total=len(futures), desc="retraining", unit="SFT", leave=False)
+        for i, f in enumerate(done, 1):
+            times = f.result()
+            for name, seconds in times.items():
                 exp.time(name, seconds)
+            log.info("retraining: %d of %d SFTs done (%s)", i, len(futures),
+                     ", ".join(f"{name} {seconds:.0f} s" for name, seconds in times.items()))
 
 
 def repair(config: RepairConfig, out_dir, *, overwrite: bool = False, jobs: int = 1) -> dict:

@@ -515,7 +515,7 @@ class _InProcess(ThreadPoolExecutor):
 
 @pytest.mark.parametrize("processes", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_path, tiny_dir, gsm8k, bbh_dir,
-                                                                           monkeypatch, processes):
+                                                                           monkeypatch, processes, caplog):
     from prism_select.evaluation import repair as repair_mod
     if not processes:
         monkeypatch.setattr(repair_mod, "ProcessPoolExecutor", _InProcess)
@@ -533,7 +533,11 @@ def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_pa
                  {"name": "cf", "source": "counterfactual", "n_counterfactual": 2, "n_distractors": 1,
                   "retrain_methods": {"50": []}}]), "repair")
     out = tmp_path / "exp"
-    res = repair(cfg, out, jobs=2)  # the retrainings in worker processes, after the scoring
+    with caplog.at_level("INFO", logger="prism_select.evaluation.repair"):
+        res = repair(cfg, out, jobs=2)  # the retrainings in worker processes, after the scoring
+    done = [r.getMessage() for r in caplog.records if "SFTs done" in r.getMessage()]
+    n = int(done[0].split(" of ")[1].split()[0])  # each finished SFT logged with its time
+    assert len(done) == n and done[-1].startswith(f"retraining: {n} of {n} SFTs done (finetune:retrain:")
     assert [r["setting"] for r in res["runs"]] == ["probes @ 25%", "cf @ 25%"]
     for r in res["runs"]:  # every deferred row filled from its worker's files
         for k, rows in r["rates"].items():
