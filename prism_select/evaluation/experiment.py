@@ -239,20 +239,31 @@ def result_config(conf: dict) -> dict:
     return out
 
 
+#: a repair config's retraining plan: which removals are retrained and compared. Each
+#: retraining is keyed by its kept set and its fine-tuning, so another plan leaves every
+#: finished step valid
+RETRAIN_PLAN = ("remove_fraction", "remove_fractions", "comparators")
+
+
 def config_extends(old: dict, new: dict) -> bool:
     """Whether experiment config ``new`` (experiment.json's form, :func:`result_config`)
-    is ``old`` with methods or target sets added: every other field equal, ``old``'s
-    methods among ``new``'s (or both ``all``), each of ``old``'s target sets in ``new``
-    unchanged, ``old``'s method options kept. The finished steps of ``old`` are then
-    ``new``'s own (each is keyed by its inputs)."""
-    grows = ("methods", "targets", "method_options")
+    is ``old`` with methods or target sets added, or with another retraining plan
+    (:data:`RETRAIN_PLAN`, a target set's ``retrain_methods``): every other field equal,
+    ``old``'s methods among ``new``'s (or both ``all``), each of ``old``'s target sets in
+    ``new`` unchanged but for its ``retrain_methods``, ``old``'s method options kept. The
+    finished steps of ``old`` are then ``new``'s own (each is keyed by its inputs)."""
+    grows = ("methods", "targets", "method_options") + RETRAIN_PLAN
     if {k: v for k, v in old.items() if k not in grows} != {k: v for k, v in new.items() if k not in grows}:
         return False
     m_old, m_new = old.get("methods"), new.get("methods")
     if m_old != m_new and not (isinstance(m_old, list) and isinstance(m_new, list) and set(m_old) <= set(m_new)):
         return False
-    t_new = new.get("targets") or []
-    if any(t not in t_new for t in old.get("targets") or []):
+
+    def scored(t):  # what a target set's scores depend on
+        return {k: v for k, v in t.items() if k != "retrain_methods"} if isinstance(t, dict) else t
+
+    t_new = [scored(t) for t in new.get("targets") or []]
+    if any(scored(t) not in t_new for t in old.get("targets") or []):
         return False
     o_old, o_new = old.get("method_options") or {}, new.get("method_options") or {}
     return all(o_new.get(k) == v for k, v in o_old.items())

@@ -1283,11 +1283,17 @@ def test_an_experiment_folder_takes_a_config_that_adds_methods_or_target_sets(tm
     more = {**grown, "targets": grown["targets"] + [{"name": "ux", "source": "probes", "n_distractors": 4,
                                                      "distractor_kind": "unrelated"}]}
     Experiment(out, "repair", load_config(more, "repair"), overwrite=False)
+    # another retraining plan: other removal budgets, comparators, methods retrained
+    replanned = {**more, "remove_fractions": [0.3], "comparators": ["random"],
+                 "targets": [{**more["targets"][0], "retrain_methods": ["prism"]}] + more["targets"][1:]}
+    Experiment(out, "repair", load_config(replanned, "repair"), overwrite=False)
     for changed in ({**grown, "data": {"family": "dropped_carry", "pool_size": 30}},  # another pool
                     {**grown, "methods": ["prism", "equal"]},  # a method left out
                     {**grown, "targets": [{"name": "probes", "source": "probes", "n_distractors": 2}]}):
         with pytest.raises(OutputError, match="another protocol or config"):
             Experiment(out, "repair", load_config(changed, "repair"), overwrite=False)
     assert config_extends({"methods": "all", "x": 1}, {"methods": "all", "x": 1})
+    assert config_extends({"methods": "all", "remove_fractions": [0.2]}, {"methods": "all", "remove_fractions": [0.3]})
+    assert not config_extends({"methods": "all", "finetune_seeds": [0]}, {"methods": "all", "finetune_seeds": [1]})
     assert not config_extends({"methods": "all"}, {"methods": ["prism"]})
     assert not config_extends({"method_options": {"less": {"proj_dim": 8}}}, {"method_options": {}})
