@@ -7,9 +7,11 @@
 #                                               # the device calls send (e.g. .cache/bundle)
 # Gives DEST/part1/ (first 48 MiB of the GGUF, carried by a first call) and DEST/run/
 # (everything else, carried by the calls that run experiments/device_experiment.sh).
-# PRIOR=runs/x/NAME packs an earlier experiment folder (adapters and weights left out) as
-# DEST/run/prior.tar.gz: device_experiment.sh unpacks it into /tmp/prism-runs/NAME, so a
-# fresh machine resumes that run (finished steps, judged responses) instead of starting over.
+# PRIOR="runs/x/NAME [runs/y/OTHER ...]" packs earlier experiment folders (adapters and weights
+# left out) as DEST/run/prior.tar.gz: device_experiment.sh unpacks them into
+# /tmp/prism-runs/NAME ..., so a fresh machine resumes those runs (finished steps, judged
+# responses) instead of starting over; a start model is trained again (on the same GPU kind,
+# to the same weights: two H200 runs of one recipe gave one fingerprint), its scores are reused.
 set -euo pipefail
 DEST="${1:?usage: device_bundle.sh DEST}"
 SRC="$(cd "$(dirname "$0")/.." && pwd)"
@@ -30,7 +32,9 @@ mv "$DEST/part.1" "$DEST/run/part2/part.1"
 if ls "$DEST"/part.* >/dev/null 2>&1; then echo "the GGUF file needs more than two parts" >&2; exit 1; fi
 sha256sum "$GGUF" | cut -d' ' -f1 > "$DEST/run/part2/sha256"
 if [ -n "${PRIOR:-}" ]; then
+  args=()
+  for p in $PRIOR; do args+=(-C "$(cd "$(dirname "$p")" && pwd)" "$(basename "$p")"); done
   tar --exclude=adapter --exclude=.partial --exclude=checkpoints --exclude='*.safetensors' \
-      -czf "$DEST/run/prior.tar.gz" -C "$(dirname "$PRIOR")" "$(basename "$PRIOR")"
+      -czf "$DEST/run/prior.tar.gz" "${args[@]}"
 fi
 du -sh "$DEST"/part1 "$DEST"/run
