@@ -161,7 +161,8 @@ def make_room(root, need: int, max_bytes: int | None = None, keep=()) -> bool:
     if max_bytes is not None:
         if need > max_bytes:
             return False
-        _warn_recent(prune(root, max_bytes - need, keep=keep), root, f"--cache-max-gb {max_bytes / (1 << 30):.3g}")
+        _warn_recent(prune(root, max_bytes - need, keep=keep), root,
+                     f"--cache-max-gb {max_bytes / (1 << 30):.3g}")
     evicted = []
     try:
         for e in entries(root):

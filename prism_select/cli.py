@@ -413,7 +413,8 @@ def _add_evaluation_parsers(sub):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prism-select", description=__doc__, formatter_class=_HelpFormatter,
                                 epilog="start with: prism-select demo   (then: prism-select <command> --help)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log what each step does, each line with the time of day")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log what each step does, each line with the time of day")
     sub = p.add_subparsers(dest="command", required=True)
 
     sc = _parser(sub, "score", help="score a pool against target pairs")
