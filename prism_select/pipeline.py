@@ -511,9 +511,9 @@ class RunContext:
         """Under a bounded memory plan on a GPU, move the run's curvature (its tensors held on
         the device) to host memory while the split-half check fits and scores its halves,
         and return the keys moved. The plan's fit and scoring figures count one curvature on
-        the device. With the run's curvature left there, a check that fitted its halves
+        the device. With the run's curvature left there, the check of a pool's first run
         peaked 2 GB past the plan's usable memory (10.6 against 8.6 GB, an 11 GiB cap, the
-        embedded model, a 600-record pool; one that loaded them, 6.9 GB)."""
+        embedded model, a 600-record pool)."""
         plan = self.plan
         if plan is None or not plan.bounded or self.lm.device.type != "cuda" or not isinstance(cur.tensors, dict):
             return []
