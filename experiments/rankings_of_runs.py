@@ -167,8 +167,9 @@ def main(argv=None) -> int:
         pi_cell = f"{pi['min']:.2f} / {pi['mean']:.2f} / {pi['max']:.2f}" if pi else "-"
         print(f"| {s['setting']} | {s['targets']} | {s['method']} | {','.join(map(str, s['seeds']))} | "
               + " | ".join(cells) + f" | {pi_cell} |")
-    diffs = paired(rows, fractions, a.paired) if a.paired else []
+    extra = {}
     if a.paired:
+        extra["paired"] = diffs = paired(rows, fractions, a.paired)
         print(f"\n{a.paired} minus each row, paired by seed (mean, 95% t interval):\n")
         print("| setting | targets | minus | seeds | " + " | ".join(cols) + " |")
         print("|---|---|---|---|" + "---|" * len(cols))
@@ -176,8 +177,7 @@ def main(argv=None) -> int:
             print(f"| {d['setting']} | {d['targets']} | {d['minus']} | {','.join(map(str, d['seeds']))} | "
                   + " | ".join(_interval_cell(d[c]) for c in cols) + " |")
     if a.json:
-        out = {"rows": rows, "summary": summ, **({"paired": diffs} if a.paired else {})}
-        a.json.write_text(json.dumps(out, indent=1) + "\n")
+        a.json.write_text(json.dumps({"rows": rows, "summary": summ, **extra}, indent=1) + "\n")
     return 0
 
 

@@ -18,6 +18,7 @@ and draws the curvature's fit sample (:func:`prepare_stream_inputs`), and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -487,12 +488,8 @@ class RunContext:
                               "or --damping-rule heuristic")
         cur = self.curvature()
         t = time.perf_counter()
-        aside = self._curvature_aside(cur)
-        try:
+        with self._curvature_aside(cur):
             check = self._split_half_walk(direction)
-        finally:
-            for k in aside:  # back where the plan keeps it
-                cur.tensors[k] = cur.tensors[k].to(self.lm.device)
         if check.factor is None:
             cur = Curvature("identity", cur.layers, {}, {n: 0.0 for n in cur.layers})
         else:
@@ -507,20 +504,26 @@ class RunContext:
                         + " (" + ", ".join(f"{f:g}: {a:.3f}" for f, a in check.agreement.items()) + ")",
                         self.settings.progress)
 
-    def _curvature_aside(self, cur: Curvature) -> list:
-        """Under a bounded memory plan on a GPU, move the run's curvature (its tensors held on
-        the device) to host memory while the split-half check fits and scores its halves,
-        and return the keys moved. The plan's fit and scoring figures count one curvature on
-        the device. With the run's curvature left there, the check of a pool's first run
-        peaked 2 GB past the plan's usable memory (10.6 against 8.6 GB, an 11 GiB cap, the
-        embedded model, a 600-record pool)."""
+    @contextlib.contextmanager
+    def _curvature_aside(self, cur: Curvature):
+        """Under a bounded memory plan on a GPU, the run's curvature (its tensors held on the
+        device) waits in host memory for the ``with`` block (the split-half check fitting and
+        scoring its halves), then goes back to the device. The plan's fit and scoring
+        figures count one curvature on the device. With the run's curvature left there, the
+        check of a pool's first run peaked 2 GB past the plan's usable memory (10.6 against
+        8.6 GB, an 11 GiB cap, the embedded model, a 600-record pool)."""
         plan = self.plan
-        if plan is None or not plan.bounded or self.lm.device.type != "cuda" or not isinstance(cur.tensors, dict):
-            return []
-        keys = [k for k, t in cur.tensors.items() if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
+        aside = (plan is not None and plan.bounded and self.lm.device.type == "cuda"
+                 and isinstance(cur.tensors, dict))
+        keys = [k for k, t in cur.tensors.items()
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda"] if aside else []
         for k in keys:
             cur.tensors[k] = cur.tensors[k].to("cpu")  # each device copy let go as its host copy is made
-        return keys
+        try:
+            yield
+        finally:
+            for k in keys:
+                cur.tensors[k] = cur.tensors[k].to(self.lm.device)
 
     def _split_half_walk(self, direction: dict) -> support.SplitHalf:
         """The split-half check's halves, fitted (or loaded from the cache), scored down the

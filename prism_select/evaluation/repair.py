@@ -90,12 +90,13 @@ def _carry_data(cfg, ratio: float, seed: int) -> dict:
                                           if t.distractor_kind == "shuffled_answer"], default=0))
 
 
-def _carry_distractors(variant, built: dict, seed: int) -> list:
-    """A dropped-carry target set's ``n_distractors`` pairs of its ``distractor_kind``
-    (``built``: the seed's :func:`_carry_data` at the setting's ratio)."""
+def _carry_distractors(cfg, variant, ratio: float, seed: int, built: dict | None = None) -> list:
+    """A dropped-carry target set's ``n_distractors`` pairs of its ``distractor_kind``; the
+    shuffled-answer ones from ``built`` (the seed's :func:`_carry_data` at ``ratio``, made
+    here when not given), the unrelated ones without it."""
     if variant.distractor_kind == "unrelated":
         return carry.unrelated_distractors(variant.n_distractors, seed)
-    return built["distractors"][:variant.n_distractors]
+    return (built or _carry_data(cfg, ratio, seed))["distractors"][:variant.n_distractors]
 
 
 def _pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
@@ -145,7 +146,7 @@ def _targets(cfg, variant, rdir: Path, probes: list, pre: Path, post: Path, pool
     if variant.source == "counterfactual":
         if cfg.data.family == "dropped_carry":
             built = _carry_data(cfg, ratio, seed)
-            pairs = built["targets"][:variant.n_counterfactual] + _carry_distractors(variant, built, seed)
+            pairs = built["targets"][:variant.n_counterfactual] + _carry_distractors(cfg, variant, ratio, seed, built)
         elif cfg.data.family == "mistake_math":
             pairs = builders.mistake_math_targets(cfg.data.gsm8k_train, variant.n_counterfactual, seed, exclude=pool,
                                                   n_distractors=variant.n_distractors,
@@ -169,7 +170,7 @@ def _targets(cfg, variant, rdir: Path, probes: list, pre: Path, post: Path, pool
     info["n_worsened"] = sum(1 for a, b in zip(pre_rows, post_rows) if a["correct"] and not b["correct"])
     info["n_improved"] = sum(1 for a, b in zip(pre_rows, post_rows) if not a["correct"] and b["correct"])
     if variant.n_distractors:  # dropped carry (the config checks): pairs the model strongly disprefers
-        pairs = pairs + _carry_distractors(variant, _carry_data(cfg, ratio, seed), seed)
+        pairs = pairs + _carry_distractors(cfg, variant, ratio, seed)
         info["n_distractors"] = variant.n_distractors
     return pairs, info
 
