@@ -11,7 +11,8 @@
 #                                              POOL=20000): score --stream (every decoder linear
 #                                              layer, the fit on FIT sampled records, default the
 #                                              library's), then select the top 5%; then
-#                                              `scale_report.py $S/run-stream --project 270000`
+#                                              `scale_report.py $S/run-stream --project 270000`;
+#                                              STREAM_GPUS=K: on K GPUs, the model sharded
 #     shard                                    the same run on 1 GPU (kept if already there), then
 #                                              on K GPUs for each K in KS (default: all) with
 #                                              --shard fsdp and data-parallel: dist_report table
@@ -113,7 +114,14 @@ for step in "$@"; do
             cp "$r/run.json" "$r/scores.jsonl" "$OUT/runs/${r##*/}/" 2>/dev/null; done ;;
     lora-qkvo128|lora-all32) score "$step" --adapter "$S/$step" ;;
     report) python3 benchmarks/scale_report.py "$S"/run-* --json "$OUT/scale.json" ;;
-    stream) score stream --stream ${FIT:+--fit-examples $FIT}
+    stream)  # STREAM_GPUS=K > 1: torchrun on K GPUs with the model sharded (--shard fsdp)
+      if [ "${STREAM_GPUS:-1}" -gt 1 ]; then
+        export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+        LAUNCH="python3 -m torch.distributed.run --standalone --nproc-per-node $STREAM_GPUS"
+        score stream --stream ${FIT:+--fit-examples $FIT} --shard fsdp; LAUNCH="python3"
+      else
+        score stream --stream ${FIT:+--fit-examples $FIT}
+      fi
       t0=$(date +%s)
       python3 -m prism_select.cli select --run "$S/run-stream" --pool "$S/pool.jsonl" --keep 5% \
         --out "$S/selected.jsonl" --overwrite 2>&1 | tail -2 | tee -a "$OUT/log-stream.txt"
