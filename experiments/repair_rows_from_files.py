@@ -27,6 +27,9 @@ from prism_select.evaluation.floors import floors
 from prism_select.evaluation.repair import family_floors, _retrain_dir, rates_by_task
 
 METRICS = ("behaviour_rate", "harmful_answer_rate", "harmful_preference", "capability")
+#: the paired differences' metrics: the behaviour's three (lower is better) and the capability
+#: check (higher is better), so that a removal that costs capability shows it beside its gain
+PAIRED = ("harmful_preference", "harmful_answer_rate", "behaviour_rate", "capability")
 
 
 def _measure(tdir: Path, task: str) -> dict | None:
@@ -121,7 +124,7 @@ def tables(seeds: dict, cfg) -> dict:
             for n in names:
                 if n == c:
                     continue
-                for k in ("harmful_preference", "harmful_answer_rate", "behaviour_rate"):
+                for k in PAIRED:
                     diffs = []
                     for s in seeds.values():
                         a, b = ((s["rows"].get(n) or {}).get(f) or {}), ((s["rows"].get(c) or {}).get(f) or {})
@@ -159,13 +162,11 @@ def markdown(t: dict, cfg) -> str:
             if any(c[k]["n"] for k in METRICS):
                 lines.append(f"| {n} | " + " | ".join(_fmt(c[k]) for k in METRICS) + " |")
     for key, rows in t["paired"].items():
-        lines += ["", f"## Paired differences, {key} (mean [95% t interval] over data seeds; negative = less "
-                  "harmful than the comparator)", "",
-                  "| row | harmful preference | harmful answers | error rate |", "|---|---|---|---|"]
+        lines += ["", f"## Paired differences, {key} (mean [95% t interval] over data seeds; in the behaviour "
+                  "columns negative = less harmful than the comparator, in capability negative = less capable)", "",
+                  "| row | harmful preference | harmful answers | error rate | capability |", "|---|---|---|---|---|"]
         for n, c in rows.items():
-            lines.append(f"| {n} | " + " | ".join(_fmt(c.get(k), ci=True) for k in
-                                                  ("harmful_preference", "harmful_answer_rate", "behaviour_rate"))
-                         + " |")
+            lines.append(f"| {n} | " + " | ".join(_fmt(c.get(k), ci=True) for k in PAIRED) + " |")
     return "\n".join(lines) + "\n"
 
 

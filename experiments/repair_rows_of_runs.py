@@ -13,7 +13,9 @@ responses live in ``retrain/<hash of the kept ids>/``, shared by every removal t
 the same records (a method whose top k% is exactly the harmful set shares the Oracle's).
 A removal whose retraining has not finished is left out of its cell; the cell says how many
 seeds it holds. ``--with-rows`` adds the rows of another run of the same experiment (an earlier
-``--json``), for seeds that RUN_DIR does not hold.
+``--json``), for seeds that RUN_DIR does not hold. A config with ``finetune_seeds`` (its
+retrainings in ``retrain/<hash>-ft<seed>/``, its Mixed row retrained too) is read by
+``experiments/repair_rows_from_files.py`` instead; this script refuses such a folder.
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ def main(argv=None) -> int:
     ap.add_argument("--with-rows", type=Path, metavar="OLD.json",
                     help="an earlier --json of the same experiment: its rows of seeds RUN_DIR lacks are added")
     a = ap.parse_args(argv)
+    if any(a.run_dir.glob("runs/*/seed*/retrain/*-ft*")):
+        print(f"{a.run_dir} holds retrainings under several fine-tuning seeds (retrain/<hash>-ft<seed>), which "
+              "this script does not read: use experiments/repair_rows_from_files.py RUN_DIR --config CONFIG",
+              file=sys.stderr)
+        return 2
     rows = repair_rows(a.run_dir, a.task)
     if a.with_rows:
         have = {r["seed"] for r in rows}
