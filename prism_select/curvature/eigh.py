@@ -96,12 +96,23 @@ def _eigh_many(factor, indices: list):
 #: INFO, 2026-11-28), torch's one-time set-up of its CUDA linear algebra racing between the
 #: threads. The caller now runs that set-up before the threads start
 #: (:func:`_init_cuda_linalg`), and tests/curvature/test_eigh.py's side-by-side test (float32
-#: results equal to one after another's) passed on an H200 (torch 2.11, 2026-11-28); the
-#: side-by-side route has not been timed inside a fit since, so it stays off: 1 (one after
-#: another).
+#: results equal to one after another's) passed on an H200 (torch 2.11, 2026-11-28). Timed
+#: inside the 8B fit again with that set-up (H200, 2026-11-29): 202.2 s with 4 against 204.1
+#: s with 1, no float64 fallback logged. That run bounded the window by the driver's free
+#: memory alone, which after the fit's passes excludes the allocator's cache; the bound now
+#: counts the cache too (:func:`cuda_free_bytes`), not yet timed inside a fit, so the route
+#: stays off: 1 (one after another).
 CUDA_EIGH_STREAMS = 1
 #: the share of the device's free memory the side-by-side solvers' workspaces may take
 CUDA_EIGH_FREE_SHARE = 0.5
+
+
+def cuda_free_bytes(device) -> int:
+    """Bytes a new allocation on ``device`` can take: the driver's free memory plus the
+    blocks PyTorch's caching allocator holds reserved but unused (after a fit's passes the
+    cache keeps most of their peak, which the driver does not count as free)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def cuda_side_by_side(n: int, itemsize: int, free_bytes: int) -> int:
@@ -151,13 +162,14 @@ def _eigh_cuda_side_by_side(factor, indices: list):
     k = 0
     while k < len(order):
         M = factor(order[k])
-        free, _ = torch.cuda.mem_get_info(M.device)
-        width = cuda_side_by_side(M.shape[0], M.element_size(), free)
+        width = cuda_side_by_side(M.shape[0], M.element_size(), cuda_free_bytes(M.device))
         window = [order[k]]
         while len(window) < width and k + len(window) < len(order) \
                 and factor(order[k + len(window)]).shape[0] == M.shape[0]:
             window.append(order[k + len(window)])
         k += len(window)
+        if CUDA_EIGH_STREAMS > 1:
+            log.debug("%d factor(s) %d wide decomposed side by side", len(window), M.shape[0])
         if len(window) == 1:
             yield window[0], _eigh(M)
             continue

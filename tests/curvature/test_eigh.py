@@ -121,6 +121,20 @@ def test_cuda_factors_side_by_side_are_bounded_by_the_streams_and_the_free_memor
     assert eigh_mod.cuda_side_by_side(n, 4, 1 << 20) == 1  # never fewer than one
 
 
+def test_cuda_free_memory_counts_the_allocators_unused_cache(monkeypatch):
+    """After a fit's passes PyTorch's cache holds most of their peak: the driver calls it
+    used, yet the side-by-side solvers' workspaces can take it."""
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 120 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 70 * gib)
+    assert eigh_mod.cuda_free_bytes("cuda:0") == (2 + 120 - 70) * gib
+    monkeypatch.setattr(eigh_mod, "CUDA_EIGH_STREAMS", 4)
+    # with the driver's 2 GiB alone one 14336-wide factor at a time; with the cache, four
+    assert eigh_mod.cuda_side_by_side(14336, 4, 2 * gib) == 1
+    assert eigh_mod.cuda_side_by_side(14336, 4, eigh_mod.cuda_free_bytes("cuda:0")) == 4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_factors_side_by_side_equal_one_by_one(monkeypatch):
     """Every CUDA factor yielded once, each equal to its own `_eigh` (the same solver on
