@@ -2,29 +2,19 @@
 retrained row counted by their offset from the true sum, over data and fine-tuning seeds,
 unfinished retrainings left out."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 from prism_select.evaluation.repair import _retrain_dir
+from script_helpers import load_script, write_jsonl as _jsonl
 
-SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "carry_offsets.py"
 #: probes: id -> (task, a, b)
 PROBES = {"c0": ("carry", 47, 38), "c1": ("carry", 19, 23), "n0": ("no_carry", 34, 14), "n1": ("no_carry", 50, 19)}
 POOL = [f"p{i}" for i in range(6)]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("carry_offsets", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _jsonl(path: Path, rows: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return load_script("experiments/carry_offsets.py")
 
 
 def _answers(d: Path, sums: dict, finished: bool = True) -> None:

@@ -2,7 +2,6 @@
 the rows it reads back, their rates, which retraining each row comes from, the summary over
 seeds, and the refusal of a folder with retrainings under several fine-tuning seeds."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -10,24 +9,15 @@ from pathlib import Path
 import pytest
 
 from prism_select.evaluation.repair import _retrain_dir
+from script_helpers import load_script, write_jsonl as _jsonl
 
-SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "repair_rows_of_runs.py"
 REL_TOL = 1e-12
 TASK = "carry"  # the behaviour probes' task; "no_carry" and "plain" are the capability check
 IDS = [f"p{i}" for i in range(10)]  # p0 and p1 are the harmful records
 
 
 def _reader():
-    spec = importlib.util.spec_from_file_location("repair_rows_of_runs", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _jsonl(path: Path, rows: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return load_script("experiments/repair_rows_of_runs.py")
 
 
 def _kept(path: Path, ids: list) -> Path:
