@@ -2,8 +2,10 @@
 (Mixed, Oracle, each method's removal at each fraction), the wrong answers on the carry
 probes and on the no-carry probes, counted by how far the stated sum is from the true one:
 -10 (a carry dropped: the harmful behaviour), +10 (a carry added where none is due) or
-another offset. Read from the run folder's finished retrainings (every data seed and
-fine-tuning seed pooled); nothing is trained or scored.
+another offset. The stated sum is read as the probes' checker reads it
+(``extract_final_number``). Read from the run folder's finished retrainings that started
+from the seed's own start model (every data seed and fine-tuning seed pooled; as
+``repair_rows_from_files.py`` counts them); nothing is trained or scored.
 
     python experiments/carry_offsets.py RUN_DIR [--targets probes] [--json OUT.json]
 
@@ -15,25 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prism_select.evaluation.experiment import read_jsonl  # noqa: E402
+from prism_select.evaluation.probes import extract_final_number  # noqa: E402
 from prism_select.evaluation.repair import _retrain_dir  # noqa: E402
+from repair_rows_from_files import start_model, started_from  # noqa: E402
 
 #: the offsets named in the table; any other wrong sum (or none) counts as "other"
 OFFSETS = {-10: "-10", 10: "+10"}
-
-
-def stated_sum(response: str) -> int | None:
-    """The first number after the last ``=`` of a response (the whole response without one)."""
-    tail = response.rsplit("=", 1)[-1]
-    m = re.search(r"-?\d+", tail)
-    return int(m.group()) if m else None
 
 
 def offsets(responses: Path, probes: dict) -> dict:
@@ -45,14 +42,15 @@ def offsets(responses: Path, probes: dict) -> dict:
         if r["correct"]:
             c["right"] += 1
             continue
-        got = stated_sum(r["response"])
+        got = extract_final_number(r["response"])
         c["other" if got is None else OFFSETS.get(got - (p["a"] + p["b"]), "other")] += 1
     return out
 
 
-def _finished(d: Path) -> Path | None:
+def _finished(d: Path, model: str | None) -> Path | None:
+    """``d``'s judged responses when its retraining finished and started from ``model``."""
     f = d / "responses.jsonl"
-    return f if f.is_file() and (d / ".responses-step.json").is_file() else None
+    return f if f.is_file() and (d / ".responses-step.json").is_file() and started_from(d, model) else None
 
 
 def rows(run_dir: Path, targets: str = "probes") -> dict:
@@ -60,6 +58,7 @@ def rows(run_dir: Path, targets: str = "probes") -> dict:
     table: dict = {}
     for seed_dir in sorted(run_dir.glob("runs/*/seed*")):
         probes = {p["id"]: p for p in read_jsonl(seed_dir / "probes.jsonl")}
+        model = start_model(seed_dir)
         kept = {"Mixed": seed_dir / "pool.jsonl", "Oracle": seed_dir / "oracle" / "kept.jsonl"}
         for kdir in sorted((seed_dir / targets / "removal").glob("k*")):
             for mdir in sorted(p for p in kdir.iterdir() if (p / "kept.jsonl").is_file()):
@@ -69,7 +68,7 @@ def rows(run_dir: Path, targets: str = "probes") -> dict:
                 continue
             base = _retrain_dir(seed_dir, path)
             for d in [base, *sorted(base.parent.glob(base.name + "-ft*"))]:
-                resp = _finished(d)
+                resp = _finished(d, model)
                 if resp is None:
                     continue
                 for task, c in offsets(resp, probes).items():

@@ -45,7 +45,7 @@ def start_model(rdir: Path) -> str | None:
     return json.loads(step.read_text()).get("model") if step.is_file() else None
 
 
-def _current(tdir: Path, model: str | None) -> bool:
+def started_from(tdir: Path, model: str | None) -> bool:
     """Whether a retraining started from ``model``: a folder copied from an earlier run
     whose start model differed holds results of another model under the same records."""
     step = tdir / ".retrain-step.json"
@@ -55,7 +55,7 @@ def _current(tdir: Path, model: str | None) -> bool:
 def _kept_row(rdir: Path, kept: Path, ft_seeds: list, task: str) -> dict | None:
     model = start_model(rdir)
     dirs = [_retrain_dir(rdir, kept, s) for s in ft_seeds]
-    rows = [_measure(d, task) if _current(d, model) else None for d in dirs]
+    rows = [_measure(d, task) if started_from(d, model) else None for d in dirs]
     if any(r is None for r in rows):
         return None
     return {k: sum(r[k] for r in rows) / len(rows) for k in METRICS if all(r.get(k) is not None for r in rows)}

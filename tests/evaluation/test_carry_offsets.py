@@ -67,11 +67,3 @@ def test_main_writes_the_table(tmp_path, capsys):
     assert json.loads(out.read_text()) == {"Oracle": {"carry": {"right": 2}, "no_carry": {"right": 1, "other": 1}}}
     assert "| Oracle | 2 | 0 | 0 | 0 | 1 | 0 | 0 | 1 |" in capsys.readouterr().out
     assert _script().main([str(tmp_path / "empty")]) == 1
-
-
-def test_stated_sum_reads_the_number_after_the_last_equals_sign():
-    stated = _script().stated_sum
-    assert stated("47 + 38 = 75.") == 75
-    assert stated("So 2 = 2 and 47 + 38 = 85") == 85
-    assert stated("The sum is 85") == 85
-    assert stated("no idea") is None
