@@ -84,24 +84,12 @@ def _eigh_many(factor, indices: list):
 
 
 #: CUDA factors decomposed side by side at most, each from its own thread on its own stream
-#: (cuSOLVER's divide and conquer leaves much of a large GPU idle). One H200, 4 float32
-#: factors alone, torch.linalg.eigh called from 4 threads: 14336 wide 1.128 s each side by
-#: side, 1.668 s one after another; 4096 wide 0.091 against 0.113 s; every thread's result
-#: float32 with relative residual 4e-6 (benchmarks/eigh_routes.py,
-#: benchmarks/results/eigh_routes_h200.json, 2026-11-28). Inside a fit it does not gain: at
-#: the 8B shape on an H200 the eigendecomposition phase took 202.0 s with 4 against 203.0 s
-#: with 1 (benchmarks/eigh_streams_suite.sh, 2026-11-28), and
-#: in that run the side threads' float32 solves fell back to float64: all but one thread of a
-#: window raised "lazy wrapper should be called at most once" (H200, torch 2.11, logged at
-#: INFO, 2026-11-28), torch's one-time set-up of its CUDA linear algebra racing between the
-#: threads. The caller now runs that set-up before the threads start
-#: (:func:`_init_cuda_linalg`), and tests/curvature/test_eigh.py's side-by-side test (float32
-#: results equal to one after another's) passed on an H200 (torch 2.11, 2026-11-28). Timed
-#: inside the 8B fit again with that set-up (H200, 2026-11-29): 202.2 s with 4 against 204.1
-#: s with 1, no float64 fallback logged. That run bounded the window by the driver's free
-#: memory alone, which after the fit's passes excludes the allocator's cache; the bound now
-#: counts the cache too (:func:`cuda_free_bytes`), not yet timed inside a fit, so the route
-#: stays off: 1 (one after another).
+#: (cuSOLVER's divide and conquer leaves much of a large GPU idle). Alone, 4 float32 factors
+#: 14336 wide take 1.128 s each side by side against 1.668 s one after another (one H200,
+#: 2026-11-28, benchmarks/results/eigh_routes_h200.json); inside the 8B fit the phase took
+#: 202.2 s with 4 against 204.1 s with 1 (H200, 2026-11-29), its window then sized by the
+#: driver's free memory alone (now :func:`cuda_free_bytes`). Not timed inside a fit since, so
+#: off: 1, one after another (docs/scale.md, "Eigendecompositions").
 CUDA_EIGH_STREAMS = 1
 #: the share of the device's free memory the side-by-side solvers' workspaces may take
 CUDA_EIGH_FREE_SHARE = 0.5
