@@ -47,7 +47,8 @@ similarity to the target examples, summed over warm-up checkpoints.
      matrix (``n_lora_params x proj_dim`` draws) is generated once per chunk of
      ``proj_chunk`` examples, so larger chunks amortise it, at ``proj_chunk x
      n_lora_params`` floats of gradient memory (bounded by :func:`chunk_bytes`:
-     :data:`GRAD_CHUNK_BYTES`, on a GPU a quarter of its free memory).
+     :data:`GRAD_CHUNK_BYTES`, on a GPU a quarter of what the process can still
+     allocate there, within its ``max_gpu_memory`` cap).
      For the default adapter of the embedded 135M model (14.7M parameters) that is
      3,600 tiles of 4096 x 8192 per chunk: about 2 hours per chunk of 18 examples on a
      2-core CPU.
@@ -93,6 +94,7 @@ from ..data.tokenize import collate, encoded_fingerprint, token_losses
 from ..errors import CacheError, ConfigError, InputError
 from ..gradients import Taps, activation_grad_mode, check_finite, release_host_memory
 from ..io import atomic_write_json, sha256_json
+from ..plan import device_headroom
 from ..settings import key_of
 from .common import compute_dtype, method, record, require_pairs, resolve_options
 
@@ -105,7 +107,8 @@ TILE_ROWS = 4096
 #: host memory on the CPU; 1 GiB holds 18 (computed from the sizes). A smaller chunk regenerates the
 #: projection more often (more time, same features).
 GRAD_CHUNK_BYTES = 1 << 30
-#: on a CUDA device the chunk may take this share of the free memory instead, when more
+#: on a CUDA device the chunk may take this share of the memory the process can still
+#: allocate there instead (within its ``max_gpu_memory`` cap), when more
 CUDA_FREE_SHARE = 0.25
 #: the same bound for the sparse (``sjlt``) projection, which costs little to regenerate
 #: (4 draws per parameter, about 0.5 s for the 14.7M-parameter adapter on one CPU core):
@@ -248,19 +251,29 @@ def adam_precondition(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torc
     return m2 / torch.sqrt(v2 + ADAM_EPS)
 
 
+def cuda_available_bytes(device: torch.device) -> int:
+    """Bytes this process can still allocate on CUDA ``device``: what it may still reserve
+    under its ``max_gpu_memory`` cap and the device's free memory
+    (:func:`prism_select.plan.device_headroom`), plus the blocks its caching allocator
+    holds reserved but unused."""
+    return int(device_headroom(device) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def chunk_bytes(device: torch.device, projection: str) -> tuple[int, str]:
     """The bound on one chunk's per-example gradients and its name: ``SJLT_CHUNK_BYTES``
     for ``sjlt``; for ``rademacher`` ``GRAD_CHUNK_BYTES``, or on a CUDA device a quarter
-    of its free memory when that is more (:data:`CUDA_FREE_SHARE`). Each chunk
+    of the memory this process can still allocate there (:func:`cuda_available_bytes`:
+    within its ``max_gpu_memory`` cap, so that processes sharing a GPU under caps do not
+    size their chunks by the whole device) when that is more (:data:`CUDA_FREE_SHARE`). Each chunk
     regenerates the dense matrix, so on a GPU a larger chunk is the difference between a
     launch-bound and a compute-bound projection (with 18-example chunks about half of
     LESS's gradient time on one H200 went to drawing tiles, 2026-11-28)."""
     if projection != "rademacher":
         return SJLT_CHUNK_BYTES, "SJLT_CHUNK_BYTES"
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+        free = cuda_available_bytes(device)
         if int(free * CUDA_FREE_SHARE) > GRAD_CHUNK_BYTES:
-            return int(free * CUDA_FREE_SHARE), f"{CUDA_FREE_SHARE:g} of the free device memory"
+            return int(free * CUDA_FREE_SHARE), f"{CUDA_FREE_SHARE:g} of the device memory this process can allocate"
     return GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES"
 
 

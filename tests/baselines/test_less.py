@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from prism_select import plan as plan_mod
 from prism_select.curvature import CurvatureSettings
 from prism_select.data.records import PoolExample, TargetPair
 from prism_select.data.tokenize import encode
@@ -192,15 +193,45 @@ def test_gradient_chunk_is_bounded_in_bytes(tmp_path, two_checkpoints, monkeypat
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
 
 
+def _fake_cuda(monkeypatch, free_gib: int, reserved_gib: int = 0, allocated_gib: int = 0, total_gib: int = 140):
+    """The CUDA memory queries of one 140 GiB device, faked so the test runs without one."""
+    class Props:
+        total_memory = total_gib << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gib << 30, total_gib << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved_gib << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated_gib << 30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: Props())
+
+
 def test_chunk_bound_grows_with_the_free_gpu_memory(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert less_mod.chunk_bytes(torch.device("cpu"), "rademacher") == (less_mod.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
     assert less_mod.chunk_bytes(cuda, "sjlt")[0] == less_mod.SJLT_CHUNK_BYTES
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 140 << 30))
+    monkeypatch.setattr(plan_mod, "_CAPS", {})
+    _fake_cuda(monkeypatch, free_gib=100)
     cap, name = less_mod.chunk_bytes(cuda, "rademacher")
-    assert cap == 25 << 30 and "free device memory" in name
+    assert cap == 25 << 30 and "memory this process can allocate" in name
+    # the allocator's own unused cache counts as room
+    _fake_cuda(monkeypatch, free_gib=96, reserved_gib=6, allocated_gib=2)
+    assert less_mod.chunk_bytes(cuda, "rademacher")[0] == 25 << 30
     # a busy GPU keeps the fixed bound
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 << 30, 140 << 30))
+    _fake_cuda(monkeypatch, free_gib=2)
+    assert less_mod.chunk_bytes(cuda, "rademacher") == (less_mod.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
+
+
+def test_chunk_bound_stays_within_the_processs_gpu_memory_cap(monkeypatch):
+    """Processes sharing one GPU under ``max_gpu_memory`` caps: a chunk sized by the
+    device's free memory (100 GiB free: 25 GiB) would overrun an 8 GiB cap; it is sized by
+    what the cap leaves (8 GiB less 3 GiB in use: a quarter of 5 GiB)."""
+    cuda = torch.device("cuda", 0)
+    _fake_cuda(monkeypatch, free_gib=100, reserved_gib=3, allocated_gib=3)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, device=None: None)
+    monkeypatch.setattr(plan_mod, "_CAPS", {})
+    plan_mod.cap_device_memory(cuda, 8 << 30)
+    cap, _ = less_mod.chunk_bytes(cuda, "rademacher")
+    assert cap == (5 << 30) // 4
+    # a cap that leaves less than a quarter of the fixed bound's worth keeps the fixed bound
+    plan_mod.cap_device_memory(cuda, 4 << 30)
     assert less_mod.chunk_bytes(cuda, "rademacher") == (less_mod.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
 
 
