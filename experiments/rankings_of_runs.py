@@ -15,6 +15,9 @@ and, with ``--family dropped_carry``, that family's knowledge floors (the arithm
 A scores file's extra columns (IF-Guide's ``token_sum``, its document sums) rank as rows
 ``METHOD:COLUMN``.
 
+``--add`` joins the rows of earlier ``--json`` files (runs of the same config in other
+folders); ``--add-methods judge less`` keeps only those methods' rows of them.
+
 ``--paired prism`` adds, per setting and target set, that method minus every other row
 (methods, columns and floors) over the seeds both have: the mean with a 95% t interval for
 the AUROC and each recall (``paired`` in the JSON).
@@ -139,6 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--add", type=Path, nargs="*", default=[], metavar="JSON",
                     help="the rows of earlier --json files too (runs of the same config in other folders, e.g. "
                          "other seeds); a (setting, targets, method, seed) this folder also has is refused")
+    ap.add_argument("--add-methods", nargs="+", metavar="METHOD",
+                    help="with --add: only these methods' rows of the added files (a run that re-scored some "
+                         "methods on the same pools also holds random's and the floors' rows)")
     ap.add_argument("--paired", metavar="METHOD",
                     help="that method minus every other row, paired by seed, with 95%% t intervals")
     a = ap.parse_args(argv)
@@ -148,7 +154,8 @@ def main(argv=None) -> int:
         rows += floor_rows(a.run_dir, a.label, a.family)
     key = lambda r: (r["setting"], r["targets"], r["method"], r["seed"])  # noqa: E731
     for path in a.add:
-        earlier = json.loads(path.read_text())["rows"]
+        earlier = [r for r in json.loads(path.read_text())["rows"]
+                   if not a.add_methods or r["method"] in a.add_methods]
         twice = sorted({key(r) for r in earlier} & {key(r) for r in rows})
         if twice:
             print(f"{path}: rows this folder has too: {twice[:3]}", file=sys.stderr)

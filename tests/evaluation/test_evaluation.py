@@ -1223,6 +1223,12 @@ def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
     assert reader.main([str(tmp_path), "--fractions", "0.2", "--add", str(earlier)]) == 0
     assert "| r20 | t | prism | 0,1,7 | 0.833 ± 0.289 | 0.833 ± 0.289 | 0.10 / 0.40 / 0.90 |" in capsys.readouterr().out
     assert reader.main([str(tmp_path), "--fractions", "0.2", "--add", str(tmp_path / "r.json")]) == 1
+    # --add-methods: of the added files only those methods' rows (here none of the folder's twice)
+    assert reader.main([str(tmp_path), "--fractions", "0.2", "--add", str(tmp_path / "r.json"), str(earlier),
+                        "--add-methods", "judge"]) == 0
+    assert "| r20 | t | prism | 0,1 | 1.000 ± 0.000 |" in capsys.readouterr().out
+    assert reader.main([str(tmp_path), "--fractions", "0.2", "--add", str(earlier), "--add-methods", "prism"]) == 0
+    assert "| r20 | t | prism | 0,1,7 |" in capsys.readouterr().out
     # --floors: each pool's floors against its target pairs, one row per floor; the length rule
     # finds the long harmful responses
     for setting in ("r20", "r50"):
