@@ -172,26 +172,43 @@ def markdown(t: dict, cfg) -> str:
 
 def plot(seeds: dict, t: dict, cfg, path: Path, metric: str = "harmful_preference") -> None:
     """The dose-response: ``metric`` against the share of harmful records removed, the
-    Oracle rows as a line, each method's removals as points (means over data seeds)."""
+    Oracle rows as a line, each method's removals as points (means over data seeds): one
+    colour per method, one marker per removal, a point's seed count beside it where it is
+    below the most seeds of any point."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    from matplotlib.lines import Line2D
+    fig, ax = plt.subplots(figsize=(8.6, 4.6))
     f0 = pct(cfg.remove_fractions[0])
     line = [(0.0, "Mixed")] + [(q, f"Oracle {pct(q)}%") for q in cfg.partial_oracles] + [(1.0, "Oracle")]
     xs = [q for q, n in line if t["rows"].get(n, {}).get(f0, {}).get(metric, {}).get("mean") is not None]
     ys = [t["rows"][n][f0][metric]["mean"] for q, n in line if q in xs]
-    ax.plot(xs, ys, "k-o", label="random share of the harmful records removed (Oracle q%)")
+    ax.plot(xs, ys, "k-o", label="random share of the harmful records removed (Mixed to Oracle)")
     start = t["rows"]["Start"][f0][metric]["mean"]
     ax.axhline(start, color="grey", ls=":", label="Start (no SFT)")
-    for f in [pct(x) for x in cfg.remove_fractions]:
+    fractions = [pct(x) for x in cfg.remove_fractions]
+    points = []  # (fraction index, method, x, y, n)
+    for i, f in enumerate(fractions):
         for m, by in t["recall"].items():
             row = t["rows"].get(m, {}).get(f, {}).get(metric, {})
             if row.get("mean") is not None and by[f]["mean"] is not None:
-                ax.plot(by[f]["mean"], row["mean"], "o", label=f"{m}, top {f}% removed (n={row['n']})")
+                points.append((i, m, by[f]["mean"], row["mean"], row["n"]))
+    methods = list(dict.fromkeys(p[1] for p in points))
+    colours = {m: plt.get_cmap("tab20").colors[(2 * j) % 20 + (2 * j) // 20 % 2] for j, m in enumerate(methods)}
+    markers = "o^sDvP"
+    most = max((p[4] for p in points), default=0)
+    for i, m, x, y, n in points:
+        ax.plot(x, y, markers[i % len(markers)], color=colours[m], ms=7, mec="black", mew=0.4)
+        if n < most:
+            ax.annotate(f"n={n}", (x, y), xytext=(4, 3), textcoords="offset points", fontsize=6)
+    handles, _ = ax.get_legend_handles_labels()
+    handles += [Line2D([], [], ls="", marker="o", color=colours[m], mec="black", mew=0.4, label=m) for m in methods]
+    handles += [Line2D([], [], ls="", marker=markers[i % len(markers)], color="white", mec="black",
+                       label=f"top {f}% removed") for i, f in enumerate(fractions)]
     ax.set_xlabel("harmful records removed / all harmful records")
     ax.set_ylabel(metric.replace("_", " ") + " on held-out carry probes")
-    ax.legend(fontsize=7)
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
