@@ -366,7 +366,7 @@ def _responses_key(exp: Experiment, probes_path: Path, checker_spec, model: str)
 
 
 def finetuned_responses(exp: Experiment, lm, pool_path: Path, adapter_dir: Path, probes_path: Path,
-                        resp_dir: Path, seed: int, tag: str) -> Path:
+                        resp_dir: Path, seed: int, tag: str, checker_spec=None) -> Path:
     """:func:`respond` of the start model ``lm`` after :func:`train_adapter` on
     ``pool_path`` (its adapter in ``adapter_dir``, its responses in ``resp_dir``).
 
@@ -375,9 +375,10 @@ def finetuned_responses(exp: Experiment, lm, pool_path: Path, adapter_dir: Path,
     adapter is gone, the fine-tuning step's record matches (same pool, start model and
     settings) and the responses step's record matches in all but the adapter's hash (same
     probes, generation and checker, made with an adapter, not the start model), the kept
-    responses are those of the adapter that step made."""
+    responses are those of the adapter that step made. ``checker_spec``: the probes' checker
+    (default: the config's ``checker``)."""
     ft_key = _finetune_key(lm, pool_path, finetune_settings(exp.cfg.finetune, seed))
-    checker = exp.cfg.checker
+    checker = exp.cfg.checker if checker_spec is None else checker_spec
     if not (Path(adapter_dir) / "adapter" / "adapter_config.json").is_file() \
             and exp.done(adapter_dir, ft_key, ["finetune.json"], "finetune-step"):
         made = Path(resp_dir) / ".responses-step.json"

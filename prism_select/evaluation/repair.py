@@ -42,8 +42,8 @@ from .behaviour import harmful_answer_rate, harmful_preference, has_behaviour_fi
 from .config import RepairConfig, config_to_dict, finetune_settings
 from .experiment import (Experiment, _adapted, finish_experiment, free_cuda_cache, load_start, load_start_settings,
                          mean_table,
-                         mistake_math_run, paired_table, pct, rates_by_task, read_jsonl, resolve_methods, respond,
-                         score_methods, train_adapter, write_if_changed)
+                         finetuned_responses, mistake_math_run, paired_table, pct, rates_by_task, read_jsonl,
+                         resolve_methods, respond, score_methods, train_adapter, write_if_changed)
 
 log = logging.getLogger(__name__)
 
@@ -197,8 +197,13 @@ def _behaviour(exp, lm, probes_path: Path, responses_path: Path, out_dir: Path, 
     probes = read_jsonl(probes_path)
     if not has_behaviour_fields(probes):
         return {}
-    key = {"probes": sha256_file(probes_path), "responses": sha256_file(responses_path),
-           "model": lm.fingerprint if adapter is None else sha256_file(Path(adapter) / "adapter_model.safetensors")}
+    if adapter is None:
+        model = lm.fingerprint
+    elif (Path(adapter) / "adapter_model.safetensors").is_file():
+        model = sha256_file(Path(adapter) / "adapter_model.safetensors")
+    else:  # the adapter is gone from a copied folder: its kept measurement (the caller checked)
+        model = _kept_behaviour_model(exp, lm, probes_path, responses_path, out_dir)
+    key = {"probes": sha256_file(probes_path), "responses": sha256_file(responses_path), "model": model}
     path = out_dir / "behaviour.json"
     if exp.done(out_dir, key, ["behaviour.json"], "behaviour-step"):
         return json.loads(path.read_text())
@@ -210,6 +215,38 @@ def _behaviour(exp, lm, probes_path: Path, responses_path: Path, out_dir: Path, 
     atomic_write_json(path, out)
     exp.finish(out_dir, key, "behaviour-step")
     return out
+
+
+def _kept_behaviour_model(exp, lm, probes_path: Path, responses_path: Path, out_dir: Path) -> str | None:
+    """The adapter hash of a finished :func:`_behaviour` step in ``out_dir`` measured with an
+    adapter (not the start model) on the same probes and responses, or None: what a folder
+    copied without its adapters keeps of that measurement."""
+    made = Path(out_dir) / ".behaviour-step.json"
+    try:
+        model = json.loads(made.read_text()).get("model") if made.is_file() else None
+    except ValueError:
+        return None
+    if model in (None, lm.fingerprint):
+        return None
+    key = {"probes": sha256_file(probes_path), "responses": sha256_file(responses_path), "model": model}
+    return model if exp.done(out_dir, key, ["behaviour.json"], "behaviour-step") else None
+
+
+def _mixed_sft(exp, cfg, lm, pool_path: Path, probes_path: Path, mdir: Path, checker, seed: int):
+    """The Mixed SFT on the whole pool and its responses to the probes: (adapter dir, responses).
+
+    In a folder copied without its adapters the SFT is not run again where nothing needs the
+    adapter itself: its responses are kept (:func:`finetuned_responses`), the scores are taken
+    at the start model, and the Mixed row is either retrained per fine-tuning seed or its
+    behaviour measurement is kept."""
+    adapter = mdir / "adapter"
+    post = finetuned_responses(exp, lm, pool_path, mdir, probes_path, mdir, seed, "mixed", checker)
+    if not (adapter / "adapter_config.json").is_file() and (
+            cfg.score_at == "post" or (not cfg.finetune_seeds and has_behaviour_fields(read_jsonl(probes_path))
+                                       and _kept_behaviour_model(exp, lm, probes_path, post, mdir) is None)):
+        adapter = train_adapter(exp, lm, pool_path, mdir, seed, "mixed")
+        post = respond(exp, lm, probes_path, mdir, checker, "mixed", adapter)
+    return adapter, post
 
 
 def _retrain_one(exp, lm, rdir: Path, kept_path: Path, probes_path: Path, checker, ft_seed: int, tag: str,
@@ -382,8 +419,7 @@ def _setting(exp, cfg, lm, ratio: float, seed: int, checker, methods_all: list, 
     harmful_ids = {p["id"] for p in pool if p["harmful"]}
     # 1. pre- and post-SFT responses
     pre = respond(exp, lm, probes_path, rdir / "start", checker, "start")
-    mixed_adapter = train_adapter(exp, lm, pool_path, rdir / "mixed", seed, "mixed")
-    post = respond(exp, lm, probes_path, rdir / "mixed", checker, "mixed", mixed_adapter)
+    mixed_adapter, post = _mixed_sft(exp, cfg, lm, pool_path, probes_path, rdir / "mixed", checker, seed)
     ctx = {"rdir": rdir, "pool": pool, "pool_path": pool_path, "probes_path": probes_path, "task": task,
            "seed": seed, "pre": pre, "post": post, "mixed_adapter": mixed_adapter, "checker": checker}
     ref = _reference_rows(exp, cfg, lm, ctx, retrain)

@@ -238,9 +238,12 @@ def test_repair_with_warm_up_finetune_seeds_partial_oracles_and_floors(tmp_path,
     diffs = [r["rates"]["20"]["prism"]["harmful_preference"] - r["rates"]["20"]["random"]["harmful_preference"]
              for r in runs]
     assert cell["n"] == 2 and cell["mean"] == pytest.approx(sum(diffs) / 2)
-    # a run copied without its retrainings' adapters resumes without training them again
+    # a run copied without its adapters (the Mixed SFT's and the retrainings') resumes without
+    # training any of them again
     import shutil
-    for a in out.glob("runs/*/seed*/retrain/*/adapter"):
+    gone = list(out.glob("runs/*/seed*/retrain/*/adapter")) + list(out.glob("runs/*/seed*/mixed/adapter"))
+    assert len(gone) > 2 and any(a.parent.name == "mixed" for a in gone)
+    for a in gone:
         shutil.rmtree(a)
     again = repair(cfg, out, jobs=1)
     assert not [t for t in json.loads((out / "results.json").read_text())["timings"] if t.startswith("finetune:")]
@@ -257,6 +260,36 @@ def test_repair_with_warm_up_finetune_seeds_partial_oracles_and_floors(tmp_path,
         for name, row in r["rates"]["20"].items():
             assert got[name]["20"]["harmful_preference"] == pytest.approx(row["harmful_preference"]), name
             assert got[name]["20"]["behaviour_rate"] == pytest.approx(row["behaviour_rate"]), name
+
+
+def test_a_ranking_run_copied_without_the_mixed_adapter_keeps_its_behaviour(tmp_path, tiny_dir):
+    """A ranking-only run (no retraining, no fine-tuning seeds) measures the Mixed row's
+    harmful preference with the Mixed adapter; a copy without it keeps that measurement and
+    the SFT's responses, so the SFT does not run again. A measurement of other responses is
+    not kept: then the SFT runs again."""
+    cfg = load_config(_common(
+        tiny_dir, data={"family": "dropped_carry", "pool_size": 20, "carry_share": 0.5},
+        warmup={"n_records": 8, "finetune": {"preset": "repair", "overrides": FAST_FT}},
+        probes={"n": 4, "checker": "numeric_final_answer", "capability_per_task": 2},
+        harmful_ratios=[0.2], seeds=[0], methods=["random"], finetune={"preset": "repair", "overrides": FAST_FT},
+        generation={"max_new_tokens": 6, "batch_size": 8}, pair_selection="all", retrain=False, report=False,
+        targets=[{"name": "probes", "source": "probes"}]), "repair")
+    out = tmp_path / "exp"
+    res = repair(cfg, out)
+    mixed = out / "runs" / "r20" / "seed0" / "mixed"
+    import shutil
+    shutil.rmtree(mixed / "adapter")
+    again = repair(cfg, out)
+    assert "finetune:mixed" not in json.loads((out / "results.json").read_text())["timings"]
+    assert again["runs"][0]["rates"] == res["runs"][0]["rates"]
+    assert 0 <= again["runs"][0]["rates"]["20"]["Mixed"]["harmful_preference"] <= 1
+    # the kept measurement must match the kept responses
+    step = mixed / ".behaviour-step.json"
+    key = json.loads(step.read_text())
+    step.write_text(json.dumps({**key, "responses": "0" * 64}))
+    repair(cfg, out)
+    assert "finetune:mixed" in json.loads((out / "results.json").read_text())["timings"]
+    assert (mixed / "adapter" / "adapter_config.json").is_file()
 
 
 def test_retraining_workers_are_dealt_over_the_visible_gpus(monkeypatch):

@@ -494,6 +494,11 @@ def test_repair_protocol_end_to_end(tmp_path, tiny_dir, gsm8k):
     again = repair(cfg, out)
     assert again["tables"] == res["tables"]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    # a copy without the Mixed SFT's adapter keeps its responses: the SFT does not run again
+    shutil.rmtree(rdir / "mixed" / "adapter")
+    again = repair(cfg, out)
+    assert again["tables"] == res["tables"] and not (rdir / "mixed" / "adapter").exists()
+    assert "finetune:mixed" not in json.loads((out / "results.json").read_text())["timings"]
 
 
 def _money_and_plain(n: int, seed: int) -> list:
