@@ -17,6 +17,9 @@ DEST="${1:?usage: device_bundle.sh DEST}"
 SRC="$(cd "$(dirname "$0")/.." && pwd)"
 DATA="${PRISM_DATA_ROOT:-$SRC/../shared/data}"
 PY="${PYTHON:-python3}"
+for p in ${PRIOR:-}; do  # the experiment refuses a non-empty --out without its marker
+  [ -f "$p/experiment.json" ] || { echo "PRIOR $p has no experiment.json: copy the whole run folder" >&2; exit 1; }
+done
 rm -rf "$DEST"
 mkdir -p "$DEST/part1" "$DEST/run/part2" "$DEST/run/wheels" "$DEST/run/tree"
 (cd "$SRC" && tar cf - --exclude=__pycache__ prism_select experiments pyproject.toml) | tar xf - -C "$DEST/run/tree"
