@@ -195,7 +195,9 @@ def plot(seeds: dict, t: dict, cfg, path: Path, metric: str = "harmful_preferenc
             if row.get("mean") is not None and by[f]["mean"] is not None:
                 points.append((i, m, by[f]["mean"], row["mean"], row["n"]))
     methods = list(dict.fromkeys(p[1] for p in points))
-    colours = {m: plt.get_cmap("tab20").colors[(2 * j) % 20 + (2 * j) // 20 % 2] for j, m in enumerate(methods)}
+    tab20 = plt.get_cmap("tab20").colors  # the 10 strong colours first, then their light pairs
+    palette = tab20[::2] + tab20[1::2]
+    colours = {m: palette[j % len(palette)] for j, m in enumerate(methods)}
     markers = "o^sDvP"
     most = max((p[4] for p in points), default=0)
     for i, m, x, y, n in points:

@@ -251,6 +251,14 @@ def device_headroom(device) -> int:
     return max(0, min(limit - torch.cuda.memory_reserved(dev), free))
 
 
+def allocatable_bytes(device) -> int:
+    """Bytes a new allocation on CUDA ``device`` can take in this process: what it may still
+    reserve (:func:`device_headroom`: within its cap and the device's free memory) plus the
+    blocks its caching allocator holds reserved but unused (after a fit's passes the cache
+    keeps most of their peak, which the driver does not count as free)."""
+    return int(device_headroom(device) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def measure_example_bytes(model, example, pad_id: int, device, copies: int = 1) -> int:
     """Peak device memory of one forward + activation backward of ``example`` (a batch of
     ``copies`` of it) above what was allocated before, as the fit and the scores run it."""

@@ -94,7 +94,7 @@ from ..data.tokenize import collate, encoded_fingerprint, token_losses
 from ..errors import CacheError, ConfigError, InputError
 from ..gradients import Taps, activation_grad_mode, check_finite, release_host_memory
 from ..io import atomic_write_json, sha256_json
-from ..plan import device_headroom
+from ..plan import allocatable_bytes
 from ..settings import key_of
 from .common import compute_dtype, method, record, require_pairs, resolve_options
 
@@ -251,18 +251,10 @@ def adam_precondition(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torc
     return m2 / torch.sqrt(v2 + ADAM_EPS)
 
 
-def cuda_available_bytes(device: torch.device) -> int:
-    """Bytes this process can still allocate on CUDA ``device``: what it may still reserve
-    under its ``max_gpu_memory`` cap and the device's free memory
-    (:func:`prism_select.plan.device_headroom`), plus the blocks its caching allocator
-    holds reserved but unused."""
-    return int(device_headroom(device) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-
-
 def chunk_bytes(device: torch.device, projection: str) -> tuple[int, str]:
     """The bound on one chunk's per-example gradients and its name: ``SJLT_CHUNK_BYTES``
     for ``sjlt``; for ``rademacher`` ``GRAD_CHUNK_BYTES``, or on a CUDA device a quarter
-    of the memory this process can still allocate there (:func:`cuda_available_bytes`:
+    of the memory this process can still allocate there (:func:`prism_select.plan.allocatable_bytes`:
     within its ``max_gpu_memory`` cap, so that processes sharing a GPU under caps do not
     size their chunks by the whole device) when that is more (:data:`CUDA_FREE_SHARE`). Each chunk
     regenerates the dense matrix, so on a GPU a larger chunk is the difference between a
@@ -271,7 +263,7 @@ def chunk_bytes(device: torch.device, projection: str) -> tuple[int, str]:
     if projection != "rademacher":
         return SJLT_CHUNK_BYTES, "SJLT_CHUNK_BYTES"
     if device.type == "cuda":
-        free = cuda_available_bytes(device)
+        free = allocatable_bytes(device)
         if int(free * CUDA_FREE_SHARE) > GRAD_CHUNK_BYTES:
             return int(free * CUDA_FREE_SHARE), f"{CUDA_FREE_SHARE:g} of the device memory this process can allocate"
     return GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES"

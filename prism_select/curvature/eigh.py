@@ -8,6 +8,8 @@ import logging
 
 import torch
 
+from .. import plan  # (a module: plan imports curvature.stats)
+
 log = logging.getLogger(__name__)
 
 #: CPU eigendecompositions of factors up to this size run on one thread unless OpenMP
@@ -88,19 +90,12 @@ def _eigh_many(factor, indices: list):
 #: 14336 wide take 1.128 s each side by side against 1.668 s one after another (one H200,
 #: 2026-11-28, benchmarks/results/eigh_routes_h200.json); inside the 8B fit the phase took
 #: 202.2 s with 4 against 204.1 s with 1 (H200, 2026-11-29), its window then sized by the
-#: driver's free memory alone (now :func:`cuda_free_bytes`). Not timed inside a fit since, so
-#: off: 1, one after another (docs/scale.md, "Eigendecompositions").
+#: driver's free memory alone (the bound is :func:`prism_select.plan.allocatable_bytes`
+#: since). Not timed inside a fit since, so off: 1, one after another (docs/scale.md,
+#: "Eigendecompositions").
 CUDA_EIGH_STREAMS = 1
 #: the share of the device's free memory the side-by-side solvers' workspaces may take
 CUDA_EIGH_FREE_SHARE = 0.5
-
-
-def cuda_free_bytes(device) -> int:
-    """Bytes a new allocation on ``device`` can take: the driver's free memory plus the
-    blocks PyTorch's caching allocator holds reserved but unused (after a fit's passes the
-    cache keeps most of their peak, which the driver does not count as free)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def cuda_side_by_side(n: int, itemsize: int, free_bytes: int) -> int:
@@ -150,7 +145,7 @@ def _eigh_cuda_side_by_side(factor, indices: list):
     k = 0
     while k < len(order):
         M = factor(order[k])
-        width = cuda_side_by_side(M.shape[0], M.element_size(), cuda_free_bytes(M.device))
+        width = cuda_side_by_side(M.shape[0], M.element_size(), plan.allocatable_bytes(M.device))
         window = [order[k]]
         while len(window) < width and k + len(window) < len(order) \
                 and factor(order[k + len(window)]).shape[0] == M.shape[0]:

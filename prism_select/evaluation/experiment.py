@@ -365,6 +365,20 @@ def _responses_key(exp: Experiment, probes_path: Path, checker_spec, model: str)
             "model": model}
 
 
+def kept_adapter_step(exp: Experiment, lm, step_dir: Path, step: str, files: list, key_of_model) -> str | None:
+    """The adapter hash that a finished ``step`` in ``step_dir`` was made with, where it was
+    made with an adapter (not the start model ``lm``) and its record is ``key_of_model(that
+    hash)``; else None. What a folder copied without its adapters keeps of that step."""
+    made = Path(step_dir) / f".{step}.json"
+    try:
+        model = json.loads(made.read_text()).get("model") if made.is_file() else None
+    except ValueError:
+        return None
+    if model in (None, lm.fingerprint):
+        return None
+    return model if exp.done(step_dir, key_of_model(model), files, step) else None
+
+
 def finetuned_responses(exp: Experiment, lm, pool_path: Path, adapter_dir: Path, probes_path: Path,
                         resp_dir: Path, seed: int, tag: str, checker_spec=None) -> Path:
     """:func:`respond` of the start model ``lm`` after :func:`train_adapter` on
@@ -381,14 +395,8 @@ def finetuned_responses(exp: Experiment, lm, pool_path: Path, adapter_dir: Path,
     checker = exp.cfg.checker if checker_spec is None else checker_spec
     if not (Path(adapter_dir) / "adapter" / "adapter_config.json").is_file() \
             and exp.done(adapter_dir, ft_key, ["finetune.json"], "finetune-step"):
-        made = Path(resp_dir) / ".responses-step.json"
-        try:
-            model = json.loads(made.read_text()).get("model") if made.is_file() else None
-        except ValueError:
-            model = None
-        if model not in (None, lm.fingerprint) and \
-                exp.done(resp_dir, _responses_key(exp, probes_path, checker, model), ["responses.jsonl"],
-                         "responses-step"):
+        if kept_adapter_step(exp, lm, resp_dir, "responses-step", ["responses.jsonl"],
+                             lambda model: _responses_key(exp, probes_path, checker, model)) is not None:
             return Path(resp_dir) / "responses.jsonl"
     adapter = train_adapter(exp, lm, pool_path, adapter_dir, seed, tag)
     return respond(exp, lm, probes_path, resp_dir, checker, tag, adapter)

@@ -42,7 +42,7 @@ from .behaviour import harmful_answer_rate, harmful_preference, has_behaviour_fi
 from .config import RepairConfig, config_to_dict, finetune_settings
 from .experiment import (Experiment, _adapted, finish_experiment, free_cuda_cache, load_start, load_start_settings,
                          mean_table,
-                         finetuned_responses, mistake_math_run, paired_table, pct, rates_by_task, read_jsonl,
+                         finetuned_responses, kept_adapter_step, mistake_math_run, paired_table, pct, rates_by_task, read_jsonl,
                          resolve_methods, respond, score_methods, train_adapter, write_if_changed)
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def _behaviour(exp, lm, probes_path: Path, responses_path: Path, out_dir: Path, 
         model = sha256_file(Path(adapter) / "adapter_model.safetensors")
     else:  # the adapter is gone from a copied folder: its kept measurement (the caller checked)
         model = _kept_behaviour_model(exp, lm, probes_path, responses_path, out_dir)
-    key = {"probes": sha256_file(probes_path), "responses": sha256_file(responses_path), "model": model}
+    key = _behaviour_key(probes_path, responses_path, model)
     path = out_dir / "behaviour.json"
     if exp.done(out_dir, key, ["behaviour.json"], "behaviour-step"):
         return json.loads(path.read_text())
@@ -217,19 +217,15 @@ def _behaviour(exp, lm, probes_path: Path, responses_path: Path, out_dir: Path, 
     return out
 
 
+def _behaviour_key(probes_path: Path, responses_path: Path, model: str) -> dict:
+    return {"probes": sha256_file(probes_path), "responses": sha256_file(responses_path), "model": model}
+
+
 def _kept_behaviour_model(exp, lm, probes_path: Path, responses_path: Path, out_dir: Path) -> str | None:
     """The adapter hash of a finished :func:`_behaviour` step in ``out_dir`` measured with an
-    adapter (not the start model) on the same probes and responses, or None: what a folder
-    copied without its adapters keeps of that measurement."""
-    made = Path(out_dir) / ".behaviour-step.json"
-    try:
-        model = json.loads(made.read_text()).get("model") if made.is_file() else None
-    except ValueError:
-        return None
-    if model in (None, lm.fingerprint):
-        return None
-    key = {"probes": sha256_file(probes_path), "responses": sha256_file(responses_path), "model": model}
-    return model if exp.done(out_dir, key, ["behaviour.json"], "behaviour-step") else None
+    adapter on the same probes and responses, or None (:func:`kept_adapter_step`)."""
+    return kept_adapter_step(exp, lm, out_dir, "behaviour-step", ["behaviour.json"],
+                             lambda model: _behaviour_key(probes_path, responses_path, model))
 
 
 def _mixed_sft(exp, cfg, lm, pool_path: Path, probes_path: Path, mdir: Path, checker, seed: int):

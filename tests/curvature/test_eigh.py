@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from prism_select.curvature import eigh as eigh_mod
+from prism_select.plan import allocatable_bytes
 from prism_select.gradients import side_by_side
 
 EIGH32_RTOL = 1e-4  # float32 eigenvalues of a well-scaled factor, relative to the largest
@@ -128,11 +129,12 @@ def test_cuda_free_memory_counts_the_allocators_unused_cache(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 140 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 120 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 70 * gib)
-    assert eigh_mod.cuda_free_bytes("cuda:0") == (2 + 120 - 70) * gib
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("P", (), {"total_memory": 140 * gib}))
+    assert allocatable_bytes("cuda:0") == (2 + 120 - 70) * gib
     monkeypatch.setattr(eigh_mod, "CUDA_EIGH_STREAMS", 4)
     # with the driver's 2 GiB alone one 14336-wide factor at a time; with the cache, four
     assert eigh_mod.cuda_side_by_side(14336, 4, 2 * gib) == 1
-    assert eigh_mod.cuda_side_by_side(14336, 4, eigh_mod.cuda_free_bytes("cuda:0")) == 4
+    assert eigh_mod.cuda_side_by_side(14336, 4, allocatable_bytes("cuda:0")) == 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
