@@ -49,6 +49,7 @@ import torch
 
 from .errors import ConfigError, ModelError
 from .io import canonical_json
+from .moe import linearize_model
 from .settings import setting
 
 log = logging.getLogger(__name__)
@@ -620,6 +621,16 @@ def check_adapter_dir(adapter: Path) -> None:
         raise ModelError("loading an adapter needs the 'peft' package; install it with: pip install 'peft>=0.13'")
 
 
+def _adapter_targets_parameters(adapter: Path) -> bool:
+    """Whether the adapter's config names ``target_parameters`` (PEFT's LoRA on raw
+    parameters, e.g. fused experts)."""
+    try:
+        cfg = json.loads((adapter / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(cfg.get("target_parameters")) if isinstance(cfg, dict) else False
+
+
 def _load_adapter(base, adapter: Path, base_name: str):
     check_adapter_dir(adapter)
     from peft import PeftModel
@@ -755,8 +766,13 @@ def load_model(settings: ModelSettings, *, host: bool = False) -> LoadedModel:
     model = _from_pretrained(load_dir, settings, dtype, what)
     tokenizer = _prepare_tokenizer(_load_tokenizer(load_dir, settings, what), name)
 
-    if settings.adapter is not None:
-        adapter = Path(settings.adapter).expanduser().resolve()
+    adapter = Path(settings.adapter).expanduser().resolve() if settings.adapter is not None else None
+    if adapter is not None and _adapter_targets_parameters(adapter):
+        # PEFT's LoRA on fused expert parameters addresses them by name: they stay fused
+        source["linearized"] = {"skipped": "the adapter targets parameters (target_parameters)"}
+    else:
+        source["linearized"] = linearize_model(model)
+    if adapter is not None:
         model = _load_adapter(model, adapter, name)
         source["adapter"] = str(adapter)
 
@@ -815,7 +831,8 @@ def tracked_linear_modules(model: torch.nn.Module, patterns: list | None = None)
     """The linear modules whose weights PRISM tracks, in module order.
 
     Default: every ``nn.Linear`` inside the decoder blocks (not ``lm_head``, not the
-    embeddings); with a PEFT model, the active adapter's ``lora_A``/``lora_B`` Linear
+    embeddings; a model loaded by :func:`load_model` has its fused experts and ``Conv1D``
+    modules rewritten as ``nn.Linear`` ones first, :func:`prism_select.moe.linearize_model`); with a PEFT model, the active adapter's ``lora_A``/``lora_B`` Linear
     modules (``...lora_A.default``). ``patterns``: regexes, a module is kept if any
     matches its name (``re.search``); they select among all ``nn.Linear`` modules of a
     plain model (so ``lm_head`` can be asked for) and among the LoRA modules of a PEFT

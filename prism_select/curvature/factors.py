@@ -147,6 +147,7 @@ class _CovTap(Tap):
 
     def on_forward(self, x):
         st = self.stats
+        st.count_routed(self.name, self.module)
         k = _key(x, self.bias)
         hit = st.cache.get(k)
         if hit is None:

@@ -46,6 +46,7 @@ from ..engine import batch_losses, causal_only, collate_to, split_causal_lm, tap
 from ..precision import fit_policy
 from ..graphs import GraphedScorer, bucket_length, graphs_wanted
 from ..gradients import check_finite, layer_shape, release_host_memory
+from ..moe import is_routed
 from .base import Curvature, CurvatureSettings, FitSettings, apply_damping
 from .eigh import _eigh_many
 from .factors import (_CovTap, _DiagTap, _LowerBlocks, _identical, _identical_across_ranks, _mirror, _shared_inputs,
@@ -446,7 +447,7 @@ class _GroupFit:
         # in one accumulator (q/k/v, gate/up: 0.11 GiB of the embedded model's 1.02 GiB).
         t0 = time.perf_counter()
         spill = self._open_spill()
-        taps = {n: _SpillTap(m, n, spill) for n, m in self.modules.items()} if spill is not None \
+        taps = {n: _SpillTap(m, n, spill, self.stats) for n, m in self.modules.items()} if spill is not None \
             else self._factor_taps()
         try:
             self._pass(taps, "curvature factors")
@@ -527,7 +528,8 @@ class _GroupFit:
         S = {n: factor_zeros(layer_shape(modules[n])[0], layer_shape(modules[n])[0]) for n in summing}
         self.A, self.S = A, S
         if self.step_sums:
-            return {n: _ShardedCovTap(m, self.stats, A.get(n), S.get(n), self.owners[n]) for n, m in modules.items()}
+            return {n: _ShardedCovTap(m, self.stats, A.get(n), S.get(n), self.owners[n], n)
+                    for n, m in modules.items()}
         return {n: _CovTap(m, self.stats, A[n], S[n], n, n in shared) for n, m in modules.items()}
 
     def _from_spill(self, spill, n_tok, t0) -> dict:
@@ -540,8 +542,10 @@ class _GroupFit:
         self.timings["factors_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
+            routed = {n: int(round(float(c))) for n, c in self._routed_counts().items()}
             tensors, Lam, M4, secs = _spilled_groups(self.modules, spill, self.compute, n_tokens, self.n_examples,
-                                                     "curvature" + self.tag, self.execution.progress, scores)
+                                                     "curvature" + self.tag, self.execution.progress, scores,
+                                                     routed)
             if scores is not None:
                 scores.finish(self.layers)
         except BaseException:
@@ -558,6 +562,14 @@ class _GroupFit:
         self.timings["eigh_s"] += dt * share
         self.timings["lambda_s"] += dt * (1 - share)
         return tensors
+
+    def _routed_counts(self) -> dict:
+        """Each expert layer's count of routed real tokens (this rank's), in the layers'
+        order (the same on every rank: a layer no batch reached counts zero)."""
+        counts = self.stats.layer_tokens
+        return {n: counts[n].reshape(1) if n in counts else
+                torch.zeros(1, dtype=self.compute, device=self.device)
+                for n in self.layers if is_routed(self.modules[n])}
 
     def _reduce_factors(self, n_tok) -> int:
         """The factor sums as full matrices, summed across ranks (each rank keeping what it
@@ -577,8 +589,10 @@ class _GroupFit:
             self.roots = [n for n in self.roots if first[n] == n]
             A = {n: A[first[n]] for n in summing}
         # sharded factors summed every step were summed on their owners as the pass went
+        routed = self._routed_counts()
         distributed.all_reduce_sum(([] if self.step_sums else [A[n] for n in self.roots] + list(S.values()))
-                                   + [n_tok])
+                                   + [n_tok] + list(routed.values()))
+        self.routed = {n: int(round(float(c))) for n, c in routed.items()}
         if self.local:  # this rank keeps its own layers' sums and the accumulators they read
             self.roots = list(dict.fromkeys(first[n] for n in self.own))
             A, S = {n: A[n] for n in [*self.roots, *self.own]}, {n: S[n] for n in self.own}
@@ -600,8 +614,8 @@ class _GroupFit:
         group_of = {n: reps.index(rep[n]) for n in roots}  # layer -> group id
         for n in own:  # summed in the accumulator of the first layer reading their input
             group_of[n] = group_of[self.first[n]]
-        for n in roots:
-            A[n] /= max(n_tokens, 1)
+        for n in roots:  # an expert's layer: over the tokens routed to it (prism_select.moe)
+            A[n] /= max(self.routed.get(n, n_tokens), 1)
             check_finite(A[n], "the activation covariance", layer=n)
         for n in own:
             S[n] /= self.n_examples

@@ -24,12 +24,13 @@ class _ShardedCovTap(_CovTap):
 
     collective = True
 
-    def __init__(self, module, stats, A, S, owner: int):
-        super().__init__(module, stats, A, S)
+    def __init__(self, module, stats, A, S, owner: int, name=None):
+        super().__init__(module, stats, A, S, name)
         self.owner = owner
 
     def on_forward(self, x):
         st = self.stats
+        st.count_routed(self.name, self.module)
         k = _key(x, self.bias, "owner", self.owner)
         if k in st.cache:
             total = st.cache[k][1]

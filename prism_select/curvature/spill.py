@@ -236,7 +236,8 @@ def _spill_wanted(model, modules, encoded, batches, device, settings, directory)
 
 
 def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_examples: int, desc: str,
-                    progress: bool = True, scores: FitScores | None = None) -> tuple[dict, dict, dict, dict]:
+                    progress: bool = True, scores: FitScores | None = None,
+                    routed: dict | None = None) -> tuple[dict, dict, dict, dict]:
     """EK-FAC from the factor pass's spill, as one task per distinct layer input (the layers
     that read it: q/k/v, gate/up, ...): form the input's ``A`` and each layer's ``S`` from
     the spilled batches (the sums :class:`_CovTap` forms, in the same order), decompose
@@ -249,13 +250,15 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
 
     ``scores`` (:class:`FitScores`): each task also scores the fit examples with its
     layers, if the products it keeps for that fit ``scores.max_bytes`` (else the fit does
-    not score; ``scores.scores`` stays None).
+    not score; ``scores.scores`` stays None). ``routed``: the token count of each expert
+    layer (:mod:`prism_select.moe`), which normalises its ``A`` instead of ``n_tokens``.
 
     Returns ``(tensors, Lam, M4, seconds)``: each layer's ``QA``, ``lamA``, ``QS``, ``lamS``
     (eigenvalues clamped at 0, row-major eigenvectors), the unnormalised sums per layer,
     and the summed task seconds of the two kinds of work (``eigh``: factors and
     eigendecompositions; ``lambda``, scores included)."""
     fit = _SpilledFit(modules, spill, compute, n_tokens, n_examples, scores)
+    fit.routed = routed or {}
     order = sorted(range(len(fit.groups)), key=fit.cost, reverse=True)
     with tqdm(total=len(order), desc=desc, unit="group", leave=False,
               disable=not progress or not distributed.is_main()) as bar:
@@ -274,6 +277,7 @@ class _SpilledFit:
                  scores: FitScores | None):
         self.modules, self.spill, self.compute = modules, spill, compute
         self.n_tokens, self.n_examples = n_tokens, n_examples
+        self.routed: dict = {}  # expert layer -> its routed token count (normalises its A)
         self.entries: dict = {}  # layer -> [(batch number, input entry, gradient entry)]
         for k, rec in enumerate(spill.batches):
             for name, xe, ge in rec:
@@ -396,7 +400,7 @@ class _SpilledFit:
         A, S = self._factors(layers, batches)
         # not mirrored: the eigensolver reads the lower triangle alone (_eigh), which is
         # what _gram_into sums (the upper block triangle stays zero)
-        A = A.div_(max(self.n_tokens, 1))
+        A = A.div_(max(self.routed.get(layers[0], self.n_tokens), 1))
         check_finite(A, "the activation covariance", layer=layers[0])
         out = {}
         lam, Q = _eigh(A)
@@ -449,11 +453,13 @@ class _SpillTap(Tap):
     """Pass 1 when the factors are formed from the spill (:func:`_spilled_groups`): the
     layer's input and output gradient go to the spill file, nothing else."""
 
-    def __init__(self, module, name, spill):
+    def __init__(self, module, name, spill, stats=None):
         super().__init__(module)
-        self.name, self.spill = name, spill
+        self.name, self.spill, self.stats = name, spill, stats
 
     def on_forward(self, x):
+        if self.stats is not None:
+            self.stats.count_routed(self.name, self.module)
         self.spill.input(self.name, x)
 
     def on_backward(self, x, g):

@@ -10,6 +10,7 @@ from collections import OrderedDict, deque
 import torch
 
 from .. import distributed
+from ..moe import routed_tokens
 
 
 class _Recent(OrderedDict):
@@ -71,6 +72,21 @@ class _Stats:
         self._scratch = None
         self.spill = None  # a _Spill the factor pass writes
         self.pending: deque = deque()  # _Sum in flight (sharded factors)
+        #: per expert layer (:mod:`prism_select.moe`): the real tokens routed to it so far
+        self.layer_tokens: dict = {}
+
+    def count_routed(self, name, module):
+        """Add the batch's real tokens routed to ``module`` (an expert's layer) to its
+        count, in place (a CUDA graph replays it); nothing for any other layer."""
+        if self.paused or name is None:
+            return
+        c = routed_tokens(module, self.sel)
+        if c is None:
+            return
+        t = self.layer_tokens.get(name)
+        if t is None:
+            t = self.layer_tokens[name] = torch.zeros((), dtype=self.acc, device=self.sel.device)
+        t += c.to(self.acc)
 
     def summed(self, t: torch.Tensor, owner: int) -> _Sum:
         """``t`` summed onto rank ``owner`` in the background: at most REDUCE_WINDOW sums

@@ -1,0 +1,299 @@
+"""Every weight matrix of a decoder block as an ``nn.Linear``: mixture-of-experts layers
+whose experts are fused 3-D parameters, and GPT-2's ``Conv1D``.
+
+The tracked-layer machinery (hooks capturing ``a_t`` and ``b_t``, the exact scorer, the
+fit taps, the memory plan, FSDP) handles ``nn.Linear`` modules applied to ``(B, T, in)``
+activations. :func:`linearize_model` rewrites, once at load time, the two other kinds of
+weight matrix a decoder block may hold into such modules; the model computes the same
+function afterwards.
+
+**Fused experts** (transformers 5: ``mlp.experts.gate_up_proj`` ``(E, 2I, H)`` and
+``mlp.experts.down_proj`` ``(E, H, I)`` in a ``...Experts`` module, routed by a
+``...TopKRouter``; Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, ...). The experts module is
+replaced by :class:`EagerExperts`: one :class:`ExpertMLP` per expert, holding two
+:class:`RoutedLinear` layers ``gate_up`` (``2I x H``) and ``down`` (``H x I``) whose
+weights are views of the fused parameters' storage (``gate_up_proj[e]``,
+``down_proj[e]``: no copy). Expert ``e`` is applied to the whole ``(B, T, H)`` block
+input with the tokens not routed to it zeroed, and its output is multiplied by its
+routing weight (zero off its tokens) before the experts' outputs are summed, as the
+fused forward does. So for a token not routed to ``e``: ``a_t = 0`` for both of its
+layers (``act(0) * 0 = 0``; no bias) and ``b_t = 0`` (the routing weight 0 multiplies
+the output): the per-example gradient ``G = sum_t b_t a_t^T`` of each expert sums over
+its own tokens only, and ``b_t`` of ``down`` carries the routing weight, which
+multiplies that expert's output in the loss. Every expert is tracked, in float32,
+bfloat16 and float64 (the fused path's ``torch._grouped_mm`` refuses float64).
+The cost: each expert's products run over every token (``E / top_k`` times the fused
+path's expert FLOPs), the price of shapes that every tracked-layer path already
+handles (padding masks, CUDA graphs, FSDP, the CPU fit's spill).
+
+The K-FAC input factor of an expert's layer is normalised by the number of real tokens
+routed to that expert in the fit sample (:func:`routed_tokens`), as kronfluence
+normalises a layer that sees only those tokens; the output-gradient factor and the
+EK-FAC eigenvalues are normalised by the number of fit examples, as for every layer
+(an example that routes nothing to an expert has a zero gradient there, and counts).
+
+**The router** (``...TopKRouter.weight``, ``E x H``) is not tracked: its logits are a
+linear map of the hidden state, but what reaches the loss goes through the top-k
+selection, so its gradient is that of a linear layer only piecewise (constant routing
+within a piece); it is left out by default, and the summary counts it as untracked
+(``E x H`` per block, well under 1% of an MoE model's parameters).
+
+**Conv1D** (GPT-2, GPT-2's descendants): ``y = x W + b`` with ``W`` stored ``(in, out)``
+is the linear map ``W^T``; it is replaced by an ``nn.Linear`` holding ``W^T`` (a
+contiguous copy, exact: the same values), so its gradient is reported ``out x in`` like
+every other layer's.
+
+:func:`tracking_summary` says what is tracked: per kind of module, how many modules and
+parameters, and their share of the model's parameters; with a warning for each decoder
+block most of whose parameters are untracked.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+#: a decoder block whose untracked share of its parameters is above this gets a warning
+UNTRACKED_WARN_SHARE = 0.5
+
+
+class RoutedLinear(nn.Linear):
+    """One linear map of one expert. ``routed``: the ``(B, T)`` bool mask of the tokens
+    routed to this expert in the latest forward (read by the curvature fit to count the
+    expert's tokens)."""
+
+    routed: torch.Tensor | None = None
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``down(act(gate) * up)`` with ``[gate; up] = gate_up(x)``."""
+
+    def __init__(self, hidden: int, intermediate: int, act_fn, gate_up_w: torch.Tensor, down_w: torch.Tensor):
+        super().__init__()
+        self.gate_up = RoutedLinear(hidden, 2 * intermediate, bias=False, device="meta")
+        self.down = RoutedLinear(intermediate, hidden, bias=False, device="meta")
+        self.gate_up.weight = nn.Parameter(gate_up_w.data, requires_grad=gate_up_w.requires_grad)
+        self.down.weight = nn.Parameter(down_w.data, requires_grad=down_w.requires_grad)
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act_fn(gate) * up)
+
+
+class EagerExperts(nn.Module):
+    """The experts of one MoE block as per-expert ``nn.Linear`` layers (children ``"0"``,
+    ``"1"``, ...), called like the fused module it replaces: ``(hidden (N, H), top_k_index
+    (N, k), top_k_weights (N, k)) -> (N, H)`` with ``N = B T`` the block input's tokens
+    (the block's ``(B, T)`` is read by a forward pre-hook on the block)."""
+
+    def __init__(self, fused: nn.Module):
+        super().__init__()
+        gu, dn = fused.gate_up_proj, fused.down_proj
+        E, two_i, H = gu.shape
+        self.num_experts, self.hidden_dim, self.intermediate_dim = E, H, two_i // 2
+        self.act_fn = fused.act_fn
+        for e in range(E):
+            self.add_module(str(e), ExpertMLP(H, two_i // 2, fused.act_fn, gu[e], dn[e]))
+        self._bt: tuple | None = None
+
+    def __len__(self):
+        return self.num_experts
+
+    def __getitem__(self, e: int) -> ExpertMLP:
+        return self._modules[str(e)]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if hidden_states.dim() == 3:
+            B, T, H = hidden_states.shape
+        else:
+            N, H = hidden_states.shape
+            bt = self._bt
+            if bt is None or bt[0] * bt[1] != N:
+                raise RuntimeError(
+                    f"the experts module got {N} tokens but its block's input shape is unknown ({bt}); "
+                    "prism-select tracks experts of blocks that pass their (B, T, H) input's tokens to the "
+                    "experts in order")
+            B, T = bt
+        x = hidden_states.reshape(B, T, H)
+        idx = top_k_index.reshape(B, T, -1)
+        w = top_k_weights.reshape(B, T, -1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            expert = self[e]
+            hit = idx == e  # (B, T, k): each expert at most once among a token's top k
+            routed = hit.any(-1)
+            weight = (w * hit.to(w.dtype)).sum(-1)  # the routing weight, 0 off the expert's tokens
+            expert.gate_up.routed = expert.down.routed = routed
+            y = expert(x * routed[..., None].to(x.dtype))
+            out = out + (y * weight[..., None]).to(x.dtype)
+        return out.reshape(hidden_states.shape)
+
+
+def _block_shape_hook(experts: EagerExperts):
+    def hook(module, args, kwargs):
+        h = args[0] if args else next(iter(kwargs.values()), None)
+        experts._bt = tuple(h.shape[:2]) if isinstance(h, torch.Tensor) and h.dim() == 3 else None
+    return hook
+
+
+def _fused_experts_layout(m: nn.Module):
+    """``(E, I, H)`` if ``m`` is a fused experts module of the layout :class:`EagerExperts`
+    reads (concatenated ``[gate; up]``, not transposed, no biases, gated, no post-expert
+    norm), ``None`` if it is no fused experts module, or a string saying why it is one
+    that is left as it is."""
+    gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    if not (isinstance(gu, nn.Parameter) and isinstance(dn, nn.Parameter) and gu.dim() == 3 and dn.dim() == 3):
+        return None
+    flags = {"is_transposed": False, "is_concatenated": True, "has_bias": False, "has_gate": True,
+             "has_post_expert_norm": False}
+    odd = [f"{k}={getattr(m, k)}" for k, v in flags.items() if getattr(m, k, v) != v]
+    if any(getattr(m, n, None) is not None for n in ("gate_up_proj_bias", "down_proj_bias")):
+        odd.append("expert biases")
+    if not callable(getattr(m, "act_fn", None)):
+        odd.append("no act_fn")
+    E, two_i, H = gu.shape
+    if two_i % 2 or tuple(dn.shape) != (E, H, two_i // 2):
+        odd.append(f"gate_up_proj {tuple(gu.shape)} and down_proj {tuple(dn.shape)} are not (E, 2I, H), (E, H, I)")
+    if odd:
+        return f"{type(m).__name__} ({', '.join(odd)})"
+    return E, two_i // 2, H
+
+
+def linearize_model(model: nn.Module) -> dict:
+    """Rewrite ``model`` in place so that every weight matrix of its decoder blocks is an
+    ``nn.Linear`` (see the module docstring): fused experts modules become
+    :class:`EagerExperts`, ``Conv1D`` modules ``nn.Linear``. Returns what was done:
+    ``{"experts_modules": n, "experts": total experts, "conv1d": n, "left_fused": [...]}``
+    (the fused experts modules of a layout it does not read, left as they are, with a
+    warning)."""
+    done = {"experts_modules": 0, "experts": 0, "conv1d": 0, "left_fused": []}
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers always has it
+        Conv1D = ()
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            if Conv1D and isinstance(child, Conv1D):
+                w = child.weight
+                lin = nn.Linear(w.shape[0], w.shape[1], bias=child.bias is not None, device="meta")
+                lin.weight = nn.Parameter(w.data.t().contiguous(), requires_grad=w.requires_grad)
+                if child.bias is not None:
+                    lin.bias = nn.Parameter(child.bias.data, requires_grad=child.bias.requires_grad)
+                lin.prism_from = "Conv1D"
+                setattr(parent, child_name, lin)
+                done["conv1d"] += 1
+                continue
+            layout = _fused_experts_layout(child)
+            if layout is None:
+                continue
+            if isinstance(layout, str):
+                done["left_fused"].append(f"{full}: {layout}")
+                continue
+            eager = EagerExperts(child)
+            setattr(parent, child_name, eager)
+            parent.register_forward_pre_hook(_block_shape_hook(eager), with_kwargs=True)
+            done["experts_modules"] += 1
+            done["experts"] += eager.num_experts
+    if done["left_fused"]:
+        warnings.warn("fused experts of a layout prism-select does not read are left untracked: "
+                      + "; ".join(done["left_fused"][:3]), stacklevel=2)
+    return done
+
+
+def routed_tokens(module: nn.Module, sel: torch.Tensor) -> torch.Tensor | None:
+    """The number of the tokens marked by ``sel`` (``B x T``) that were routed to the
+    expert owning ``module`` in its latest forward; None for a layer that is no expert's."""
+    routed = getattr(module, "routed", None)
+    if routed is None:
+        return None
+    return (routed & sel.to(torch.bool)).sum()
+
+
+def is_routed(module: nn.Module) -> bool:
+    return isinstance(module, RoutedLinear)
+
+
+# ----------------------------------------------------------------------------- summary
+
+_BLOCK_RE = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks|block)\.\d+)\.")
+
+
+def _kind(module: nn.Module) -> str:
+    if isinstance(module, RoutedLinear):
+        return "expert linear"
+    if getattr(module, "prism_from", None) == "Conv1D":
+        return "linear (Conv1D)"
+    if type(module).__name__ == "Linear" and type(module).__module__.startswith("torch"):
+        return "linear"
+    return type(module).__name__
+
+
+def tracking_summary(model: nn.Module, modules: dict) -> dict:
+    """What the tracked layers cover: ``kinds`` (per kind of tracked module: modules,
+    parameters and their share of the model's parameters), ``tracked_parameters``,
+    ``model_parameters``, ``tracked_share``, ``untracked_in_blocks`` (per kind of
+    untracked parameter inside the decoder blocks: parameters) and ``warnings`` (each
+    decoder block whose untracked share is above :data:`UNTRACKED_WARN_SHARE`)."""
+    from .gradients import layer_shape
+
+    params = OrderedDict((n, p) for n, p in model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    kinds: dict = {}
+    tracked_ids = set()
+    for m in modules.values():
+        k = _kind(m)
+        out, inp = layer_shape(m)
+        entry = kinds.setdefault(k, {"modules": 0, "parameters": 0})
+        entry["modules"] += 1
+        entry["parameters"] += out * inp
+        tracked_ids.add(id(m.weight))
+        if getattr(m, "bias", None) is not None:
+            tracked_ids.add(id(m.bias))
+    tracked = sum(e["parameters"] for e in kinds.values())
+    for e in kinds.values():
+        e["share"] = round(e["parameters"] / max(total, 1), 6)
+    blocks: dict = OrderedDict()
+    untracked_kinds: dict = {}
+    owner = {}
+    for mn, mod in model.named_modules():
+        for pn, p in mod.named_parameters(recurse=False):
+            owner[id(p)] = (mn, type(mod).__name__, pn)
+    for n, p in params.items():
+        match = _BLOCK_RE.match(n)
+        if not match:
+            continue
+        b = blocks.setdefault(match.group(1), {"parameters": 0, "tracked": 0})
+        b["parameters"] += p.numel()
+        if id(p) in tracked_ids:
+            b["tracked"] += p.numel()
+        else:
+            mod_type = owner.get(id(p), ("", "?", ""))[1]
+            key = f"{mod_type}.{n.rsplit('.', 1)[-1]}"
+            untracked_kinds[key] = untracked_kinds.get(key, 0) + p.numel()
+    warn = []
+    for b, e in blocks.items():
+        share = 1 - e["tracked"] / max(e["parameters"], 1)
+        if share > UNTRACKED_WARN_SHARE:
+            warn.append(f"{b}: {share:.0%} of its {e['parameters']:,} parameters are not tracked")
+    if len(warn) > 3:
+        warn = warn[:2] + [f"... and {len(warn) - 2} more decoder blocks alike"]
+    return {"kinds": kinds, "tracked_parameters": tracked, "model_parameters": total,
+            "tracked_share": round(tracked / max(total, 1), 6),
+            "untracked_in_blocks": dict(sorted(untracked_kinds.items(), key=lambda kv: -kv[1])),
+            "warnings": warn}
+
+
+def summary_lines(summary: dict) -> list:
+    """The printed form of :func:`tracking_summary`: one line per kind, then the warnings."""
+    lines = [f"tracked: {summary['tracked_parameters']:,} of {summary['model_parameters']:,} parameters "
+             f"({summary['tracked_share']:.1%})"]
+    for k, e in summary["kinds"].items():
+        lines.append(f"  {k}: {e['modules']} modules, {e['parameters']:,} parameters ({e['share']:.1%})")
+    lines.extend(f"warning: {w}" for w in summary["warnings"])
+    return lines
