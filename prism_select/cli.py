@@ -161,6 +161,9 @@ def _print_summary(summary: dict, out: Path, top: int = 5):
     if summary.get("pi"):
         pi = summary["pi"]
         print(f"pi over target pairs: min {pi['min']:.3f}  mean {pi['mean']:.3f}  max {pi['max']:.3f}")
+    if summary.get("tracking"):
+        from .moe import summary_lines
+        print("\n".join(summary_lines(summary["tracking"])))
     rows = sorted(read_scores(out / "scores.jsonl"), key=lambda r: r["rank"])
     print(f"top {min(top, len(rows))} (rank, id, score):")
     for r in rows[:top]:

@@ -276,8 +276,16 @@ def tracking_summary(model: nn.Module, modules: dict) -> dict:
             mod_type = owner.get(id(p), ("", "?", ""))[1]
             key = f"{mod_type}.{n.rsplit('.', 1)[-1]}"
             untracked_kinds[key] = untracked_kinds.get(key, 0) + p.numel()
+    peft = hasattr(model, "peft_config") and hasattr(model, "active_adapter")
+    note = None
+    if peft:
+        kinds = {("LoRA " + k): e for k, e in kinds.items()}
+        wrapped = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ == "ParamWrapper"})
+        note = ("the adapter's LoRA nn.Linear modules are tracked (the base weights are frozen)" +
+                ("; its LoRA on raw parameters (PEFT target_parameters, e.g. fused experts) is not"
+                 if wrapped else ""))
     warn = []
-    for b, e in blocks.items():
+    for b, e in ({} if peft else blocks).items():
         share = 1 - e["tracked"] / max(e["parameters"], 1)
         if share > UNTRACKED_WARN_SHARE:
             warn.append(f"{b}: {share:.0%} of its {e['parameters']:,} parameters are not tracked")
@@ -286,14 +294,16 @@ def tracking_summary(model: nn.Module, modules: dict) -> dict:
     return {"kinds": kinds, "tracked_parameters": tracked, "model_parameters": total,
             "tracked_share": round(tracked / max(total, 1), 6),
             "untracked_in_blocks": dict(sorted(untracked_kinds.items(), key=lambda kv: -kv[1])),
-            "warnings": warn}
+            "warnings": warn, **({"note": note} if note else {})}
 
 
 def summary_lines(summary: dict) -> list:
-    """The printed form of :func:`tracking_summary`: one line per kind, then the warnings."""
+    """The printed form of :func:`tracking_summary`: one line per kind (its warnings are
+    printed with the run's)."""
     lines = [f"tracked: {summary['tracked_parameters']:,} of {summary['model_parameters']:,} parameters "
              f"({summary['tracked_share']:.1%})"]
     for k, e in summary["kinds"].items():
         lines.append(f"  {k}: {e['modules']} modules, {e['parameters']:,} parameters ({e['share']:.1%})")
-    lines.extend(f"warning: {w}" for w in summary["warnings"])
+    if summary.get("note"):
+        lines.append(f"  ({summary['note']})")
     return lines

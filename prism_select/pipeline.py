@@ -66,6 +66,7 @@ from .io import (
     sha256_file,
     sha256_json,
 )
+from .moe import tracking_summary
 from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
 from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory, device_memory, gib,
                    held_elsewhere_note, host_share_bytes, make_plan, measure_example_bytes, stored_bytes)
@@ -1271,6 +1272,9 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     lm, model_bytes = _load_for_run(model, settings, timings)
     inputs = _read_inputs(lm, pool_path, targets_path, settings, curvature, pool, timings)
     modules = tracked_linear_modules(lm.model, settings.modules)
+    tracking = tracking_summary(lm.model, modules)
+    for w in tracking["warnings"]:
+        log.warning("untracked parameters: %s", w)
     fingerprints = {"model": lm.fingerprint, "pool": inputs.pool_fingerprint,
                     "targets": encoded_fingerprint(inputs.chosen + inputs.rejected)}
     run_key = {"settings": settings.run_key(), "curvature": key_of(curvature), "fingerprints": fingerprints,
@@ -1302,7 +1306,7 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
         raise
     main = distributed.is_main()  # every rank holds the gathered scores; rank 0 writes them
     n_pool, invalid, truncated_pool = _write_scores(ctx, scores, pairs)
-    warnings = _score_warnings(ctx, scores)
+    warnings = _score_warnings(ctx, scores) + [f"untracked parameters: {w}" for w in tracking["warnings"]]
     timings["total_s"] = time.perf_counter() - t0
     info = dict(ctx.info)  # run_key included: a resumed compare reuses a finished run with the same key
     if "method" in info:  # a method's own record of the options it used
@@ -1316,6 +1320,8 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
         "model": {**lm.source, "settings": asdict(lm.settings), "dtype": str(lm.dtype),
                   "device": str(lm.device), "chat_template": has_chat_template(lm.tokenizer)},
         "tracked_modules": list(modules),
+        # per kind of tracked module: modules, parameters, share of the model's parameters
+        "tracking": tracking,
         # absolute: `select` and `report` find the files from any working directory
         "inputs": {"pool": str(Path(inputs.pool_path).absolute()), "pool_format": inputs.pool_format,
                    "targets": str(Path(inputs.targets_path).absolute()) if inputs.targets_path else ""},

@@ -43,6 +43,16 @@ from ..gradients import has_bias
 from .arith import GRAD32, accumulate32, cotangent_mm, mm_acc, rowdot, split_linear, split_mm, split_of
 from .loss import batch_losses, causal_only, split_causal_lm
 
+def _linear(x, W, b=None):
+    """``F.linear``, returning a tensor that is not a view: with a bias and a batched
+    input, ``F.linear``'s result is a view of its 2-D product, and a model that adds to
+    a custom function's output in place (Falcon's parallel attention: ``mlp_output +=
+    attention_output``) is refused by autograd for such a view."""
+    if b is None or x.dim() <= 2:
+        return F.linear(x, W, b)
+    return F.linear(x, W).add_(b)
+
+
 # ----------------------------------------------------------------------------- split precision
 
 class SplitPrecisionLinear(torch.autograd.Function):
@@ -138,7 +148,7 @@ class ScoringLinear(torch.autograd.Function):
             raise ValueError("several stacked directions are scored in the model's own arithmetic only, "
                              "not under precision split32")
         k = layer.state.kernels
-        linear = (lambda a, w, b: split_linear(a, w, b, k)) if ctx.split else F.linear
+        linear = (lambda a, w, b: split_linear(a, w, b, k)) if ctx.split else _linear
         if layer.mode == "u":
             ctx.t = linear(x, layer.Vw, layer.Vb)
         else:
@@ -291,7 +301,7 @@ class FitTapLinear(torch.autograd.Function):
             # dtype; one tensor per input, so layers reading it share their statistics
             x = split_of(x, m.weight.dtype)[:, :x.shape[-1]].unflatten(0, x.shape[:-1])
         else:
-            out = F.linear(x, m.weight, m.bias)
+            out = _linear(x, m.weight, m.bias)
         if not tap.paused or tap.collective:
             tap.on_forward(x)
         if tap.keep_input:

@@ -1,0 +1,267 @@
+"""Tiny random-init models of many Hugging Face architectures, built from their configs,
+against float64 brute force: every weight matrix of the decoder blocks tracked (experts
+and Conv1D included), identity-curvature scores equal to explicit per-example gradient
+dot products, and the EK-FAC / K-FAC factors of one layer equal to their explicit
+construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from prism_select.curvature import CurvatureSettings, fit_curvature
+from prism_select.data.tokenize import encode
+from prism_select.model import tracked_linear_modules
+from prism_select.moe import EagerExperts, RoutedLinear, linearize_model, tracking_summary
+from prism_select.scoring import score_encoded
+
+from reference import example_loss, rel_err
+from tiny import tiny_tokenizer
+
+REL_TOL = 1e-7  # float64 end to end; attention kernels differ between padded and lone examples
+FACTOR_TOL = 1e-9
+
+POOL = [("What is 2+3?", "5."), ("Name a colour.", "Blue!"), ("Say hi.", "Hi there."),
+        ("Spell cat.", "c-a-t")]
+
+H, HEADS, KV, HEAD_DIM = 16, 2, 1, 8
+COMMON = dict(hidden_size=H, num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV,
+              max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def _configs(vocab: int) -> dict:
+    """name -> (config class name, model class name, config kwargs)."""
+    llama_like = dict(COMMON, vocab_size=vocab, intermediate_size=24, head_dim=HEAD_DIM)
+    return {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", llama_like),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", llama_like),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", llama_like),
+        "mistral": ("MistralConfig", "MistralForCausalLM", llama_like),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                      dict(llama_like, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+                           norm_topk_prob=True)),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                    dict(llama_like, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+                   dict(llama_like, query_pre_attn_scalar=HEAD_DIM, sliding_window=64)),
+        "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                        dict(llama_like, query_pre_attn_scalar=HEAD_DIM, sliding_window=64)),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(llama_like, pad_token_id=1)),
+        "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", llama_like),
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+                 dict(vocab_size=vocab, n_embd=H, n_layer=1, n_head=HEADS, n_positions=128,
+                      bos_token_id=2, eos_token_id=2)),
+        "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                     dict(COMMON, vocab_size=vocab, intermediate_size=32, num_key_value_heads=None,
+                          use_parallel_residual=True)),
+        "falcon": ("FalconConfig", "FalconForCausalLM",
+                   dict(vocab_size=vocab, hidden_size=H, num_hidden_layers=1, num_attention_heads=HEADS,
+                        new_decoder_architecture=False, multi_query=True, bias=True, parallel_attn=True,
+                        bos_token_id=2, eos_token_id=2)),
+    }
+
+
+ARCHS = list(_configs(10))
+MOE = {"qwen3_moe", "mixtral"}
+
+
+class _Norm64(torch.nn.Module):
+    """An RMSNorm computed in the model's dtype (HF's compute in float32 whatever the
+    model's dtype; a float64 reference needs the whole function in float64).
+    ``offset``: Gemma's ``(1 + w)`` scale."""
+
+    def __init__(self, weight, eps, offset):
+        super().__init__()
+        self.weight, self.eps, self.offset = weight, eps, offset
+
+    def forward(self, h):
+        return (self.offset + self.weight) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def _norms_in_float64(model):
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            cls = type(child).__name__
+            if cls.endswith("RMSNorm") and getattr(child, "weight", None) is not None:
+                eps = getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6))
+                setattr(mod, name, _Norm64(child.weight, eps, 1.0 if cls.startswith("Gemma") else 0.0))
+
+
+def build(arch: str, vocab: int, seed: int = 0):
+    """A float64 random-init model of ``arch`` (larger-than-default init, so gradients are
+    well away from zero), before :func:`linearize_model`."""
+    cfg_cls, model_cls, kw = _configs(vocab)[arch]
+    cfg = getattr(tf, cfg_cls)(**kw)
+    cfg._attn_implementation = "sdpa" if arch not in ("gemma2", "gemma3_text") else "eager"
+    torch.manual_seed(seed)
+    model = getattr(tf, model_cls)(cfg).to(torch.float64)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    _norms_in_float64(model)
+    if hasattr(model, "set_experts_implementation"):  # the fused reference forward (for the logits test)
+        try:
+            model.set_experts_implementation("eager")
+        except Exception:
+            pass
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def encoded(tok):
+    return [encode(tok, p, r) for p, r in POOL]
+
+
+def _block_weight_matrices(model) -> int:
+    """The number of parameters of the decoder blocks' weight matrices (2-D, and the
+    fused experts' 3-D ones), routers excluded."""
+    total = 0
+    for n, p in model.named_parameters():
+        if ".layers." in n or ".h." in n:
+            if p.dim() >= 2 and "gate.weight" not in n and "router" not in n:
+                total += p.numel()
+    return total
+
+
+def _reference_scores(model, modules, encoded, V):
+    """``sum_layers <G_n, V>`` per example, ``G_n`` by autograd on the example alone."""
+    params, shapes = [], []
+    for m in modules.values():
+        params.append(m.weight)
+        if m.bias is not None:
+            params.append(m.bias)
+    out = []
+    for e in encoded:
+        grads = iter(torch.autograd.grad(example_loss(model, e), params, allow_unused=True))
+        s = 0.0
+        for n, m in modules.items():
+            g = next(grads)
+            g = torch.zeros_like(m.weight) if g is None else g
+            if m.bias is not None:
+                gb = next(grads)
+                g = torch.cat([g, (torch.zeros_like(m.bias) if gb is None else gb)[:, None]], 1)
+            s = s + (g * V[n]).sum()
+        out.append(s)
+    return torch.stack(out)
+
+
+def _random_direction(modules, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    from prism_select.gradients import layer_shape
+    return {n: torch.randn(*layer_shape(m), generator=g, dtype=torch.float64) for n, m in modules.items()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_block_matrix_tracked_and_scores_match_brute_force(arch, tok, encoded):
+    model = build(arch, len(tok))
+    ids = torch.tensor([encoded[0].input_ids, encoded[0].input_ids[::-1]])
+    n_matrices = _block_weight_matrices(model)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    linearize_model(model)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert torch.allclose(after, before, rtol=1e-12, atol=1e-12)  # the same function
+    modules = tracked_linear_modules(model)
+    # every weight matrix of the decoder blocks (each expert's among them) is tracked
+    assert sum(m.weight.numel() for m in modules.values()) == n_matrices
+    if arch in MOE:
+        experts = [m for m in model.modules() if isinstance(m, EagerExperts)]
+        assert experts and sum(isinstance(m, RoutedLinear) for m in modules.values()) == 2 * sum(
+            len(e) for e in experts)
+    summary = tracking_summary(model, modules)
+    assert summary["warnings"] == []
+    V = _random_direction(modules)
+    got = score_encoded(model, modules, encoded, V, pad_id=tok.pad_token_id, batch_size=3)
+    ref = _reference_scores(model, modules, encoded, V)
+    assert rel_err(got, ref) <= REL_TOL
+
+
+def _explicit_pieces(model, module, encoded):
+    """One layer's explicit ``A`` (over the tokens it sees: an expert's routed tokens),
+    ``S`` (over examples) and per-example ``G``, each example alone."""
+    Gs, A, S, T = [], 0, 0, 0
+    for e in encoded:
+        seen = []
+        h = module.register_forward_hook(lambda mod, i, o: seen.append((i[0], o)))
+        loss = example_loss(model, e)
+        h.remove()
+        (a, o), = seen
+        gout, = torch.autograd.grad(loss, o, retain_graph=True)
+        a, g = a[0].detach(), gout[0]
+        if module.bias is not None:  # the bias as an input column of ones
+            a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], 1)
+        A = A + a.T @ a
+        S = S + g.T @ g
+        T += int(module.routed.sum()) if isinstance(module, RoutedLinear) else a.shape[0]
+        grads = torch.autograd.grad(loss, [module.weight] + ([module.bias] if module.bias is not None else []))
+        Gs.append(torch.cat([grads[0]] + [gb[:, None] for gb in grads[1:]], 1))
+    return A / T, S / len(encoded), torch.stack(Gs)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt2", "falcon"])
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_factors_of_one_layer_match_explicit_construction(arch, kind, tok, encoded):
+    """An expert's factors come from its own tokens (A normalised by their count); K-FAC's
+    A and S and EK-FAC's eigenvalues equal the explicit ones."""
+    model = build(arch, len(tok))
+    linearize_model(model)
+    modules = tracked_linear_modules(model)
+    name = next(n for n in modules if n.endswith(("experts.1.down", "mlp.c_fc", "dense_h_to_4h")))
+    cur = fit_curvature(model, modules, encoded, CurvatureSettings(kind=kind, damping=1e-3, batch_size=3),
+                        pad_id=tok.pad_token_id)
+    A, S, G = _explicit_pieces(model, modules[name], encoded)
+    t = cur.tensors
+    A_fit = t[f"{name}::QA"] @ torch.diag(t[f"{name}::lamA"]) @ t[f"{name}::QA"].T
+    S_fit = t[f"{name}::QS"] @ torch.diag(t[f"{name}::lamS"]) @ t[f"{name}::QS"].T
+    assert rel_err(A_fit, A) <= FACTOR_TOL
+    assert rel_err(S_fit, S) <= FACTOR_TOL
+    if kind == "ekfac":
+        QA, QS = t[f"{name}::QA"], t[f"{name}::QS"]
+        Lam = ((QS.T @ G @ QA) ** 2).mean(0)
+        assert rel_err(t[f"{name}::Lambda"], Lam) <= FACTOR_TOL
+
+
+@pytest.mark.parametrize("arch,targets", [("qwen3_moe", ["q_proj", "v_proj", "gate_up", "down"]),
+                                          ("gpt2", ["c_attn", "c_fc"])])
+def test_lora_on_two_architectures_matches_brute_force(arch, targets, tok, encoded):
+    """LoRA on the linearised model (the experts' and Conv1D's linear maps among the
+    targets): the tracked modules are the adapter's, and their scores match."""
+    peft = pytest.importorskip("peft")
+    model = build(arch, len(tok))
+    linearize_model(model)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets,
+                                                    lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.normal_(0.0, 0.3)
+    pm.eval()
+    modules = tracked_linear_modules(pm)
+    assert modules and all(".lora_" in n for n in modules)
+    if arch == "qwen3_moe":
+        assert any(".experts.3.down.lora_B" in n for n in modules)
+    V = _random_direction(modules)
+    got = score_encoded(pm, modules, encoded, V, pad_id=tok.pad_token_id, batch_size=3)
+    ref = _reference_scores(pm, modules, encoded, V)
+    assert rel_err(got, ref) <= REL_TOL
+
+
+def test_summary_warns_when_most_of_a_block_is_untracked(tok):
+    model = build("qwen3_moe", len(tok))
+    linearize_model(model)
+    modules = tracked_linear_modules(model, ["self_attn"])
+    s = tracking_summary(model, modules)
+    assert s["kinds"]["linear"]["modules"] == 4
+    assert s["tracked_share"] < 0.5
+    assert len(s["warnings"]) == 1 and "model.layers.0" in s["warnings"][0]
+    full = tracking_summary(model, tracked_linear_modules(model))
+    assert full["kinds"]["expert linear"]["modules"] == 8
+    assert "Qwen3MoeTopKRouter.weight" in full["untracked_in_blocks"]
