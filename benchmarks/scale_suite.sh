@@ -19,6 +19,10 @@
 #     fsdp-full                                every decoder linear layer, --shard fsdp on FSDP_GPUS
 #                                              GPUs (default all; FSDP_DEVICES: which ones)
 #     keep                                     run.json, scores.jsonl and logs of every run into $OUT/runs
+#     moe                                      a random-init MoE of a real shape (MOE_SHAPE: olmoe |
+#                                              qwen3-30b-a3b, MOE_LAYERS blocks, default olmoe x 2):
+#                                              prism-select score at default flags beside a training
+#                                              step of the same model (benchmarks/moe_scale.py)
 #     step                                     a training step and exact scoring side by side at
 #                                              the 8B shape, batch 8 x 512 tokens (bench_scoring.py)
 #   environment: S (work folder, default /tmp/s), OUT, BUDGET (seconds per score step),
@@ -103,6 +107,8 @@ for step in "$@"; do
       python3 benchmarks/dist_report.py $runs ${K1NOGRAPHS:+--agree-with 1} --json "$OUT/shard${TAG:-}.json" \
         | tee "$OUT/shard${TAG:-}.txt" ;;
     full) score full ;;
+    moe) python3 benchmarks/moe_scale.py --shape "${MOE_SHAPE:-olmoe}" --layers "${MOE_LAYERS:-2}" --out "$S/moe" \
+           --json "$OUT/moe_scale.json" 2>&1 | grep --line-buffered -v "^INFO httpx" | tee -a "$OUT/log-moe.txt" ;;
     step) python3 benchmarks/bench_scoring.py --config llama8b --seq-len 512 --batch 8 --n 128 --fit-n 0 \
             --routes forward,fwd_bwd,exact --json "$OUT/step_llama8b.json" 2>&1 | tail -25 ;;
     fsdp-full)
