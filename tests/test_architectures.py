@@ -265,3 +265,47 @@ def test_summary_warns_when_most_of_a_block_is_untracked(tok):
     full = tracking_summary(model, tracked_linear_modules(model))
     assert full["kinds"]["expert linear"]["modules"] == 8
     assert "Qwen3MoeTopKRouter.weight" in full["untracked_in_blocks"]
+
+
+def test_memory_plan_counts_every_expert(tok):
+    from prism_select.gradients import layer_shape
+    from prism_select.plan import ExampleSize, make_plan, stored_bytes
+
+    model = build("qwen3_moe", len(tok))
+    linearize_model(model)
+    modules = tracked_linear_modules(model)
+    plan = make_plan(model, modules, kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8,
+                     example=ExampleSize(1 << 20, 64, 100), gpu_total=100 << 30, weights=0,
+                     host_available=1000 << 30)
+    experts = [m for m in modules.values() if isinstance(m, RoutedLinear)]
+    assert len(experts) == 2 * 4  # E = 4 experts of 2 linear maps, one block
+    assert plan.fit["stored_bytes"] == sum(stored_bytes("ekfac", *layer_shape(m), 8) for m in modules.values())
+    assert plan.fit["stored_bytes"] > sum(stored_bytes("ekfac", *layer_shape(m), 8) for m in experts) > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt2"])
+def test_score_runs_a_saved_model_with_experts_and_conv1d_in_float64(arch, tok, tmp_path):
+    """Through load_model and score_pool: the saved model's fused experts (whose fused
+    forward refuses float64) and Conv1D layers are tracked, and run.json says so."""
+    from prism_select.examples import make_example
+    from prism_select.model import ModelSettings
+    from prism_select.pipeline import ScoreSettings, score_pool
+
+    model = build(arch, len(tok)).float()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    pool, targets = make_example(tmp_path / "data", n_pool=6, n_pairs=2)
+    ms = ModelSettings(model=str(tmp_path / "model"), dtype="float64", device="cpu",
+                       cache_dir=str(tmp_path / "cache"))
+    run = score_pool(ms, pool, targets, tmp_path / "run", ScoreSettings(max_length=64, batch_size=3, progress=False),
+                     CurvatureSettings(kind="ekfac", damping_rule="heuristic"))
+    kinds = run["tracking"]["kinds"]
+    if arch == "qwen3_moe":
+        assert kinds["expert linear"]["modules"] == 8
+        assert any(".mlp.experts.3.down" in n for n in run["tracked_modules"])
+        assert run["model"]["linearized"]["experts"] == 4
+    else:
+        assert kinds["linear (Conv1D)"]["modules"] == 4
+        assert run["model"]["linearized"]["conv1d"] == 4
+    assert not any("untracked" in w for w in run["warnings"])
+    assert run["counts"]["pool"] == 6
