@@ -119,6 +119,8 @@ class EagerExperts(nn.Module):
                     "prism-select tracks experts of blocks that pass their (B, T, H) input's tokens to the "
                     "experts in order")
             B, T = bt
+        if top_k_index.is_floating_point() and not top_k_weights.is_floating_point():  # (weights, index)
+            top_k_index, top_k_weights = top_k_weights, top_k_index
         x = hidden_states.reshape(B, T, H)
         idx = top_k_index.reshape(B, T, -1)
         w = top_k_weights.reshape(B, T, -1)
@@ -132,6 +134,50 @@ class EagerExperts(nn.Module):
             y = expert(x * routed[..., None].to(x.dtype))
             out = out + (y * weight[..., None]).to(x.dtype)
         return out.reshape(hidden_states.shape)
+
+
+class TokensAsExamples(nn.Module):
+    """A linear layer of an MoE block that the block calls on its tokens flattened to
+    ``(B T, in)`` (Qwen2-MoE's ``shared_expert_gate``), called on them as ``(B, T, in)``
+    (the block's shape, as its experts read it), so that its tokens stay grouped by
+    example for the tracked-layer machinery; the output is flattened back."""
+
+    def __init__(self, linear: nn.Linear, experts: EagerExperts):
+        super().__init__()
+        self.linear = linear
+        self._experts = [experts]  # not a child module
+
+    def forward(self, x):
+        return _as_examples(self.linear, x, self._experts[0]._bt)
+
+
+def _as_examples(fn, x, bt):
+    if x.dim() == 2 and bt is not None and bt[0] * bt[1] == x.shape[0]:
+        y = fn(x.reshape(*bt, x.shape[-1]))
+        return y.reshape(x.shape[0], *y.shape[2:])
+    return fn(x)
+
+
+def _flat_tokens_hooks(module: nn.Module, experts: EagerExperts):
+    """The same for a submodule holding linear layers (Qwen2-MoE's ``shared_expert``):
+    its input is viewed as ``(B, T, in)`` and its output flattened back, by hooks."""
+
+    def pre(mod, args):
+        x = args[0] if args else None
+        bt = experts._bt
+        mod._prism_flat = isinstance(x, torch.Tensor) and x.dim() == 2 and bt is not None and bt[0] * bt[1] == x.shape[0]
+        if mod._prism_flat:
+            return (x.reshape(*bt, x.shape[-1]), *args[1:])
+        return None
+
+    def post(mod, args, out):
+        if getattr(mod, "_prism_flat", False) and isinstance(out, torch.Tensor):
+            mod._prism_flat = False
+            return out.reshape(-1, *out.shape[2:])
+        return None
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
 
 
 def _block_shape_hook(experts: EagerExperts):
@@ -198,6 +244,15 @@ def linearize_model(model: nn.Module) -> dict:
             eager = EagerExperts(child)
             setattr(parent, child_name, eager)
             parent.register_forward_pre_hook(_block_shape_hook(eager), with_kwargs=True)
+            # the block's other linear layers read its tokens flattened too (a shared expert
+            # and its gate): grouped by example again
+            for other_name, other in list(parent.named_children()):
+                if other is eager:
+                    continue
+                if isinstance(other, nn.Linear):
+                    setattr(parent, other_name, TokensAsExamples(other, eager))
+                elif any(isinstance(m, nn.Linear) for m in other.modules()):
+                    _flat_tokens_hooks(other, eager)
             done["experts_modules"] += 1
             done["experts"] += eager.num_experts
     if done["left_fused"]:

@@ -41,6 +41,11 @@ def _configs(vocab: int) -> dict:
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                       dict(llama_like, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
                            norm_topk_prob=True)),
+        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                      dict(llama_like, moe_intermediate_size=8, shared_expert_intermediate_size=12, num_experts=4,
+                           num_experts_per_tok=2, norm_topk_prob=False)),
+        "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+                  dict(llama_like, intermediate_size=8, num_experts=4, num_experts_per_tok=2)),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                     dict(llama_like, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2)),
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
@@ -63,7 +68,7 @@ def _configs(vocab: int) -> dict:
 
 
 ARCHS = list(_configs(10))
-MOE = {"qwen3_moe", "mixtral"}
+MOE = {"qwen3_moe", "qwen2_moe", "olmoe", "mixtral"}
 
 
 class _Norm64(torch.nn.Module):
@@ -125,7 +130,7 @@ def _block_weight_matrices(model) -> int:
     total = 0
     for n, p in model.named_parameters():
         if ".layers." in n or ".h." in n:
-            if p.dim() >= 2 and "gate.weight" not in n and "router" not in n:
+            if p.dim() >= 2 and not n.endswith("mlp.gate.weight") and "router" not in n:
                 total += p.numel()
     return total
 
