@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import NumericalError
+from .moe import layer_mask
 
 #: the attribute holding the float32 gradient accumulator of a half-precision weight under
 #: :func:`prism_select.precision.float32_grads` (read by :func:`weight_grad`)
@@ -76,20 +77,22 @@ class Taps:
             a = inputs[0].detach()
             dt = self.compute_dtype if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
             a = a.to(dt)
-            if self.mask is not None:
-                a = a * self.mask[..., None].to(dt)
+            # an expert's layer sees its own tokens (prism_select.moe): the mask at its slots
+            mask = None if self.mask is None else layer_mask(module, self.mask)
+            if mask is not None:
+                a = a * mask[..., None].to(dt)
             if has_bias(module):
                 ones = torch.ones(*a.shape[:-1], 1, dtype=dt, device=a.device)
-                if self.mask is not None:
-                    ones = ones * self.mask[..., None].to(dt)
+                if mask is not None:
+                    ones = ones * mask[..., None].to(dt)
                 a = torch.cat([a, ones], dim=-1)
             self.a[name] = a
             if output.requires_grad:
                 def grad_hook(g, name=name):
                     gd = self.compute_dtype if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
                     g = g.detach().to(gd)
-                    if self.mask is not None:
-                        g = g * self.mask[..., None].to(gd)
+                    if mask is not None:
+                        g = g * mask[..., None].to(gd)
                     self.b[name] = g
                 output.register_hook(grad_hook)
         return hook

@@ -112,15 +112,24 @@ AUTO_MAX_PARAMS = 1_000_000_000
 
 
 def graphs_wanted(mode: str, device, model=None) -> bool:
-    """``auto``: on for CUDA devices and models below :data:`AUTO_MAX_PARAMS` parameters;
-    ``on`` on a CPU device is an error."""
+    """``auto``: on for CUDA devices and models below :data:`AUTO_MAX_PARAMS` parameters,
+    off for a model with per-expert layers (:mod:`prism_select.moe`: an expert's slots per
+    example change with the batch's routing, a shape a graph cannot replay); ``on`` on a
+    CPU device, or for such a model, is an error."""
     from .errors import ConfigError
+    from .moe import EagerExperts
 
     check_graph_mode(mode)
     is_cuda = torch.device(device).type == "cuda"
     if mode == "on" and not is_cuda:
         raise ConfigError("cuda_graphs", "CUDA graphs need a CUDA device",
                           "pass --cuda-graphs auto (or off) when scoring on the CPU")
+    if model is not None and mode != "off" and any(isinstance(m, EagerExperts) for m in model.modules()):
+        if mode == "on":
+            raise ConfigError("cuda_graphs", "a mixture-of-experts model's expert layers take as many token slots "
+                              "as the batch routes to each expert, a shape that changes from batch to batch "
+                              "(CUDA graphs replay fixed shapes)", "pass --cuda-graphs auto (or off)")
+        return False
     if mode == "auto" and is_cuda and model is not None:
         return sum(p.numel() for p in model.parameters()) < AUTO_MAX_PARAMS
     return is_cuda and mode != "off"

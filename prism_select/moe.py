@@ -13,18 +13,20 @@ function afterwards.
 replaced by :class:`EagerExperts`: one :class:`ExpertMLP` per expert, holding two
 :class:`RoutedLinear` layers ``gate_up`` (``2I x H``) and ``down`` (``H x I``) whose
 weights are views of the fused parameters' storage (``gate_up_proj[e]``,
-``down_proj[e]``: no copy). Expert ``e`` is applied to the whole ``(B, T, H)`` block
-input with the tokens not routed to it zeroed, and its output is multiplied by its
-routing weight (zero off its tokens) before the experts' outputs are summed, as the
-fused forward does. So for a token not routed to ``e``: ``a_t = 0`` for both of its
-layers (``act(0) * 0 = 0``; no bias) and ``b_t = 0`` (the routing weight 0 multiplies
-the output): the per-example gradient ``G = sum_t b_t a_t^T`` of each expert sums over
-its own tokens only, and ``b_t`` of ``down`` carries the routing weight, which
-multiplies that expert's output in the loss. Every expert is tracked, in float32,
-bfloat16 and float64 (the fused path's ``torch._grouped_mm`` refuses float64).
-The cost: each expert's products run over every token (``E / top_k`` times the fused
-path's expert FLOPs), the price of shapes that every tracked-layer path already
-handles (padding masks, CUDA graphs, FSDP, the CPU fit's spill).
+``down_proj[e]``: no copy). Expert ``e`` is applied to its tokens gathered per example:
+``(B, C_e, H)``, example ``b``'s tokens routed to ``e`` first, in order, then zero slots
+up to ``C_e``, the most tokens any example of the batch routes to ``e`` (one host sync
+per block). Its output is multiplied by the routing weight (zero at the empty slots) and
+added back at the tokens' positions, in expert order, as the fused forward does (the
+logits are the same). The per-example structure the tracked-layer machinery needs is
+kept: an example's gradient ``G = sum_t b_t a_t^T`` of each expert sums over its own
+tokens (an empty slot has ``a = 0``: ``act(0) * 0 = 0``, no bias; and ``b = 0``), and
+``b_t`` of ``down`` carries the routing weight that multiplies the expert's output in the
+loss. The batch's token mask (padding, the fit's token selection) reaches an expert's
+layer at its slots (:func:`layer_mask`). Every expert is tracked, in float32, bfloat16
+and float64 (the fused path's ``torch._grouped_mm`` refuses float64). The slots change
+with the batch's routing, so CUDA graphs stay off for such a model
+(:func:`prism_select.graphs.graphs_wanted`).
 
 The K-FAC input factor of an expert's layer is normalised by the number of real tokens
 routed to that expert in the fit sample (:func:`routed_tokens`), as kronfluence
@@ -62,11 +64,13 @@ UNTRACKED_WARN_SHARE = 0.5
 
 
 class RoutedLinear(nn.Linear):
-    """One linear map of one expert. ``routed``: the ``(B, T)`` bool mask of the tokens
-    routed to this expert in the latest forward (read by the curvature fit to count the
-    expert's tokens)."""
+    """One linear map of one expert, applied to its tokens gathered per example,
+    ``(B, C, in)``. ``slots``: ``(index, valid)`` of the latest forward, both ``(B, C)``:
+    the position in the sequence of each of the example's slots, and whether the slot
+    holds a token routed to the expert (the rest are zero padding); see
+    :func:`layer_mask`."""
 
-    routed: torch.Tensor | None = None
+    slots: tuple | None = None
 
 
 class ExpertMLP(nn.Module):
@@ -89,7 +93,8 @@ class EagerExperts(nn.Module):
     """The experts of one MoE block as per-expert ``nn.Linear`` layers (children ``"0"``,
     ``"1"``, ...), called like the fused module it replaces: ``(hidden (N, H), top_k_index
     (N, k), top_k_weights (N, k)) -> (N, H)`` with ``N = B T`` the block input's tokens
-    (the block's ``(B, T)`` is read by a forward pre-hook on the block)."""
+    (the block's ``(B, T)`` is read by a forward pre-hook on the block); each expert runs
+    on its tokens gathered per example (see the module docstring)."""
 
     def __init__(self, fused: nn.Module):
         super().__init__()
@@ -124,15 +129,28 @@ class EagerExperts(nn.Module):
         x = hidden_states.reshape(B, T, H)
         idx = top_k_index.reshape(B, T, -1)
         w = top_k_weights.reshape(B, T, -1)
+        E = self.num_experts
+        hit = idx[..., None] == torch.arange(E, device=idx.device)  # (B, T, k, E); an expert at most once per token
+        routed = hit.any(2)  # (B, T, E)
+        weights = (w[..., None] * hit.to(w.dtype)).sum(2)  # (B, T, E): routing weights, 0 off each expert's tokens
+        counts = routed.sum(1)  # (B, E)
+        # each expert's slots: its tokens of each example first, in order (a stable sort)
+        order = torch.argsort((~routed).to(torch.int8), dim=1, stable=True)
+        # one host sync per block: the slots an expert needs (at least one, so that every
+        # expert runs in every step: sharded fits meet at each layer)
+        caps = counts.amax(0).clamp(min=1).tolist()
         out = torch.zeros_like(x)
-        for e in range(self.num_experts):
+        for e in range(E):
+            C = caps[e]
+            pos = order[:, :C, e]  # (B, C)
+            valid = torch.arange(C, device=x.device) < counts[:, e:e + 1]
             expert = self[e]
-            hit = idx == e  # (B, T, k): each expert at most once among a token's top k
-            routed = hit.any(-1)
-            weight = (w * hit.to(w.dtype)).sum(-1)  # the routing weight, 0 off the expert's tokens
-            expert.gate_up.routed = expert.down.routed = routed
-            y = expert(x * routed[..., None].to(x.dtype))
-            out = out + (y * weight[..., None]).to(x.dtype)
+            expert.gate_up.slots = expert.down.slots = (pos, valid)
+            at = pos[..., None].expand(B, C, H)
+            xe = x.gather(1, at) * valid[..., None].to(x.dtype)
+            we = weights[..., e].gather(1, pos) * valid.to(weights.dtype)
+            y = expert(xe)
+            out = out.scatter_add(1, at, (y * we[..., None]).to(x.dtype))
         return out.reshape(hidden_states.shape)
 
 
@@ -261,13 +279,25 @@ def linearize_model(model: nn.Module) -> dict:
     return done
 
 
+def layer_mask(module: nn.Module, mask: torch.Tensor) -> torch.Tensor:
+    """The batch's token mask ``mask`` (``B x T``, any dtype) as the layer ``module`` sees
+    its tokens: ``mask`` itself for a layer applied to the sequence, and for an expert's
+    layer (``(B, C)`` slots) the mask at each slot's position, zero at the padding
+    slots."""
+    slots = getattr(module, "slots", None) if isinstance(module, RoutedLinear) else None
+    if slots is None:
+        return mask
+    pos, valid = slots
+    m = mask.gather(1, pos)
+    return m & valid if m.dtype == torch.bool else m * valid.to(m.dtype)
+
+
 def routed_tokens(module: nn.Module, sel: torch.Tensor) -> torch.Tensor | None:
     """The number of the tokens marked by ``sel`` (``B x T``) that were routed to the
     expert owning ``module`` in its latest forward; None for a layer that is no expert's."""
-    routed = getattr(module, "routed", None)
-    if routed is None:
+    if not isinstance(module, RoutedLinear) or module.slots is None:
         return None
-    return (routed & sel.to(torch.bool)).sum()
+    return layer_mask(module, sel.to(torch.bool)).sum()
 
 
 def is_routed(module: nn.Module) -> bool:

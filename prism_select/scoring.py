@@ -43,6 +43,7 @@ from .errors import CacheError, ConfigError, InputError
 from .execution import ExecutionContext
 from .engine import ExactScorer, collate_to, cpu_response_split
 from .gradients import activation_grad_mode, check_finite, has_bias
+from .moe import layer_mask
 from .graphs import GraphedScorer, graphs_wanted
 from .io import atomic_open, atomic_write_json, read_saved_state
 from .precision import precision_policy
@@ -81,7 +82,7 @@ class _ScoreHooks:
             u = a @ V[:, : a.shape[-1]].T
             if bias:
                 u = u + V[:, -1]
-            u = u * self.mask[..., None].to(self.dt)
+            u = u * layer_mask(module, self.mask)[..., None].to(self.dt)  # an expert's: at its slots
 
             def grad_hook(g):
                 self.scores += (g.detach().to(self.dt) * u).sum(dim=(1, 2)).to(self.scores.dtype)

@@ -205,7 +205,7 @@ def _explicit_pieces(model, module, encoded):
             a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], 1)
         A = A + a.T @ a
         S = S + g.T @ g
-        T += int(module.routed.sum()) if isinstance(module, RoutedLinear) else a.shape[0]
+        T += int(module.slots[1].sum()) if isinstance(module, RoutedLinear) else a.shape[0]
         grads = torch.autograd.grad(loss, [module.weight] + ([module.bias] if module.bias is not None else []))
         Gs.append(torch.cat([grads[0]] + [gb[:, None] for gb in grads[1:]], 1))
     return A / T, S / len(encoded), torch.stack(Gs)
@@ -314,3 +314,39 @@ def test_score_runs_a_saved_model_with_experts_and_conv1d_in_float64(arch, tok, 
         assert run["model"]["linearized"]["conv1d"] == 4
     assert not any("untracked" in w for w in run["warnings"])
     assert run["counts"]["pool"] == 6
+
+
+def test_expert_layers_in_the_hook_routes(tok, encoded):
+    """The hook-based scorer (``impl="hooks"``) and the per-example gradients of the
+    activation taps (LESS's) see each expert's tokens at its slots, padding masked."""
+    from prism_select.gradients import Taps, activation_grad_mode
+    from prism_select.data.tokenize import collate
+    from prism_select.engine import batch_losses, causal_only
+
+    model = build("qwen3_moe", len(tok))
+    linearize_model(model)
+    modules = tracked_linear_modules(model)
+    V = _random_direction(modules)
+    got = score_encoded(model, modules, encoded, V, pad_id=tok.pad_token_id, batch_size=3, impl="hooks")
+    assert rel_err(got, _reference_scores(model, modules, encoded, V)) <= REL_TOL
+    name = "model.layers.0.mlp.experts.2.down"
+    b = collate(encoded, tok.pad_token_id, torch.device("cpu"))
+    with activation_grad_mode(model), Taps({name: modules[name]}) as taps:
+        taps.mask = b["attention_mask"]
+        losses, _ = batch_losses(model, causal_only(b))
+        losses.sum().backward()
+        G = taps.per_example_grads(name)
+    ref = torch.stack([torch.autograd.grad(example_loss(model, e), modules[name].weight)[0] for e in encoded])
+    assert rel_err(G, ref) <= REL_TOL
+
+
+def test_cuda_graphs_are_off_for_expert_layers(tok):
+    from prism_select.errors import ConfigError
+    from prism_select.graphs import graphs_wanted
+
+    model = build("mixtral", len(tok))
+    assert graphs_wanted("auto", "cuda", model)
+    linearize_model(model)
+    assert not graphs_wanted("auto", "cuda", model)
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        graphs_wanted("on", "cuda", model)

@@ -151,7 +151,7 @@ class _CovTap(Tap):
         k = _key(x, self.bias)
         hit = st.cache.get(k)
         if hit is None:
-            a = (x * st.mask(x.dtype)).reshape(-1, x.shape[-1])  # padding rows zeroed
+            a = (x * st.mask_of(self.module, x.dtype)).reshape(-1, x.shape[-1])  # padding rows zeroed
             C = _input_product(a, st.acc, st.n_batch if self.bias else None)
             st.cache[k] = (x.detach(), C, self.A)  # detached: see _Spill.input
         else:

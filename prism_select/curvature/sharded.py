@@ -39,7 +39,7 @@ class _ShardedCovTap(_CovTap):
             if self.paused:
                 C = torch.zeros(w, w, dtype=st.acc, device=x.device)
             else:
-                m = st.mask(x.dtype)
+                m = st.mask_of(self.module, x.dtype)
                 a = torch.cat([x * m, m], -1) if self.bias else x * m
                 C = _gram(a.reshape(-1, w), st.acc)
             total = st.summed(C, self.owner)

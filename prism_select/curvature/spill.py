@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from .. import distributed, sharding
 from ..engine import Tap, rowdot
 from ..gradients import check_finite, has_bias, layer_shape, release_host_memory
+from ..moe import is_routed
 from ..gradients import side_by_side as _side_by_side
 from .base import Curvature, PreconditionSettings, apply_damping
 from .eigh import _eigh
@@ -379,10 +380,12 @@ class _SpilledFit:
         d_in = layer_shape(modules[layers[0]])[1]
         A = torch.zeros(d_in, d_in, dtype=compute)
         S = {n: torch.zeros(layer_shape(modules[n])[0], layer_shape(modules[n])[0], dtype=compute) for n in layers}
+        routed = is_routed(modules[layers[0]])
         for k, rec in batches:
             sel = spill.masks[k]
             x = spill.read(rec[0][1])
-            a = (x * sel.to(x.dtype)[..., None]).reshape(-1, x.shape[-1])
+            # an expert's inputs were masked at its slots when spilled
+            a = (x if routed else x * sel.to(x.dtype)[..., None]).reshape(-1, x.shape[-1])
             C = _input_product(a, compute, sel.sum().to(compute) if bias else None)
             A += C
             del x, a, C
@@ -460,6 +463,8 @@ class _SpillTap(Tap):
     def on_forward(self, x):
         if self.stats is not None:
             self.stats.count_routed(self.name, self.module)
+        if is_routed(self.module):  # an expert's slots: masked here (the batch's mask is per position)
+            x = x * self.stats.mask_of(self.module, x.dtype)
         self.spill.input(self.name, x)
 
     def on_backward(self, x, g):

@@ -10,7 +10,7 @@ from collections import OrderedDict, deque
 import torch
 
 from .. import distributed
-from ..moe import routed_tokens
+from ..moe import layer_mask, routed_tokens
 
 
 class _Recent(OrderedDict):
@@ -124,6 +124,13 @@ class _Stats:
         if self._scratch is None or self._scratch.numel() < n:
             self._scratch = torch.empty(n, dtype=self.acc)
         return self._scratch[:n].view(*shape)
+
+    def mask_of(self, module, dtype):
+        """:meth:`mask` as ``module`` sees the batch's tokens: an expert's layer at its
+        slots (:func:`prism_select.moe.layer_mask`)."""
+        if getattr(module, "slots", None) is None:
+            return self.mask(dtype)
+        return layer_mask(module, self.sel).to(dtype)[..., None]
 
     def mask(self, dtype):
         m = self._masks.get(dtype)
