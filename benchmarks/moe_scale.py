@@ -120,6 +120,7 @@ def train_step(model_dir: Path, eager: bool, batch: int, length: int, steps: int
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / steps
     out = {"step_s": dt, "ex_per_s": batch / dt, "tokens_per_s": batch * length / dt,
+           "experts_implementation": None if eager else getattr(model.config, "_experts_implementation", None),
            "peak_gib": torch.cuda.max_memory_allocated() / GiB if device == "cuda" else None}
     del model
     if device == "cuda":
