@@ -813,8 +813,12 @@ def _candidates(model) -> tuple[OrderedDict, str]:
         active = model.active_adapter
         active = active if isinstance(active, str) else (list(active)[0] if active else "default")
         rx = re.compile(r"\.lora_[AB]\." + re.escape(active) + r"$")
+        # PEFT's LoRA on raw parameters (target_parameters: ParamWrapper, e.g. on fused
+        # experts) forms a weight delta from its lora_A/lora_B; they never see the tokens
+        wrappers = tuple(n + "." for n, m in model.named_modules() if type(m).__name__ == "ParamWrapper")
         found = OrderedDict((n, m) for n, m in model.named_modules()
-                            if isinstance(m, torch.nn.Linear) and rx.search(n))
+                            if isinstance(m, torch.nn.Linear) and rx.search(n)
+                            and not (wrappers and n.startswith(wrappers)))
         return found, f"the LoRA modules of adapter {active!r}"
     prefixes = _block_prefixes(model)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]

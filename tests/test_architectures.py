@@ -350,3 +350,25 @@ def test_cuda_graphs_are_off_for_expert_layers(tok):
     assert not graphs_wanted("auto", "cuda", model)
     with pytest.raises(ConfigError, match="cuda_graphs"):
         graphs_wanted("on", "cuda", model)
+
+
+def test_an_adapter_on_fused_expert_parameters_keeps_them_fused_and_says_so(tok, tmp_path):
+    """PEFT's LoRA on raw parameters (``target_parameters``) addresses the fused experts by
+    name: they stay fused, its LoRA matrices there (a weight delta, never applied to the
+    tokens) are not tracked, and the summary says so; the LoRA on q_proj is tracked."""
+    peft = pytest.importorskip("peft")
+    from prism_select.model import ModelSettings, load_model
+
+    model = build("qwen3_moe", len(tok)).float()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                    target_parameters=["mlp.experts.gate_up_proj"]))
+    pm.save_pretrained(tmp_path / "adapter")
+    lm = load_model(ModelSettings(model=str(tmp_path / "model"), adapter=str(tmp_path / "adapter"), dtype="float32",
+                                  device="cpu", cache_dir=str(tmp_path / "cache")))
+    modules = tracked_linear_modules(lm.model)
+    assert sorted(n.rsplit(".", 3)[-3] for n in modules) == ["q_proj", "q_proj"]
+    assert "skipped" in lm.source["linearized"]
+    s = tracking_summary(lm.model, modules)
+    assert "target_parameters" in s["note"] and s["warnings"] == []
