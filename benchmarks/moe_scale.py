@@ -79,8 +79,15 @@ def build(shape: str, layers: int, out: Path, device: str) -> int:
 
 
 def score(model_dir: Path, pool: Path, targets: Path, run: Path, max_length: int, device: str) -> float:
+    """``prism-select score`` with a cache of its own, emptied first: the fit is measured
+    every time (a cached curvature of the same model would be reused)."""
+    import shutil
+
+    cache = run.parent / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
     cmd = [sys.executable, "-m", "prism_select.cli", "score", "--model", str(model_dir), "--pool", str(pool),
-           "--targets", str(targets), "--out", str(run), "--max-length", str(max_length), "--overwrite"]
+           "--targets", str(targets), "--out", str(run), "--max-length", str(max_length), "--overwrite",
+           "--cache-dir", str(cache)]
     if device == "cpu":
         cmd += ["--device", "cpu"]
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
