@@ -123,6 +123,10 @@ def launch_two_ranks(d):
     model = tiny_llama(len(tok), dtype=torch.float32)
     model.save_pretrained(d / "model")
     tok.save_pretrained(d / "model")
+    from test_architectures import build  # a mixture-of-experts model for test_sharding.py
+    moe = build("qwen3_moe", len(tok)).float()
+    moe.save_pretrained(d / "moe-model")
+    tok.save_pretrained(d / "moe-model")
     with open(d / "pool.jsonl", "w") as f:
         for i, (p, r) in enumerate(POOL * 3):
             f.write(json.dumps({"id": f"x{i}", "prompt": p, "response": r + " " * (i % 4)}) + "\n")

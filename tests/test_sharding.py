@@ -51,7 +51,18 @@ def sharded_commands(d):
         run = _sharded_dir(d, kind, transfers)
         out.append(_args(d, run, "--curvature", kind, "--shard", "fsdp", *(LEAN if transfers == "lean" else ()),
                          "--cache-dir", str(run.with_name(f"cache-{run.name}")))[2:])
+    out.append(_moe_args(d, d / "fsdp-moe", "--shard", "fsdp", "--cache-dir", str(d / "cache-fsdp-moe")))
     return out
+
+
+def _moe_args(d, out, *extra):
+    """A mixture-of-experts model (tests/test_architectures.py's Qwen3-MoE, saved by
+    :func:`test_distributed.launch_two_ranks`), EK-FAC with the heuristic damping (the rule a
+    sharded run takes; one process would check the small fit by split halves), every expert
+    tracked."""
+    args = _args(d, out, "--curvature", "ekfac", "--damping-rule", "heuristic", *extra)[2:]
+    args[args.index("--model") + 1] = str(d / "moe-model")
+    return args
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +140,20 @@ def counted(*a, **kw):
 fitmod._fit_group = counted
 sys.exit(cli.main(sys.argv[1:]))
 """
+
+
+def test_fsdp_mixture_of_experts_scores_equal_one_process(two_ranks, tmp_path):
+    """Every expert's layers sharded with their block (FSDP2 over the per-expert views of
+    the fused weights), each rank routing its own batches: the one-process scores."""
+    from prism_select.cli import main
+    d = two_ranks
+    assert main(_moe_args(d, tmp_path / "one", "--cache-dir", str(tmp_path / "cache"))) == 0
+    one, two = _scores(tmp_path / "one"), _scores(d / "fsdp-moe")
+    assert list(one) == list(two)
+    for k in one:
+        assert two[k] == pytest.approx(one[k], rel=SHARDED_REL_TOL, abs=1e-12), k
+    run = json.loads((d / "fsdp-moe" / "run.json").read_text())
+    assert run["distributed"]["world_size"] == 2 and run["tracking"]["kinds"]["expert linear"]["modules"] == 8
 
 
 def test_sharded_transient_run_resumes_finished_groups(runs, tmp_path):
