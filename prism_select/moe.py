@@ -23,7 +23,9 @@ kept: an example's gradient ``G = sum_t b_t a_t^T`` of each expert sums over its
 tokens (an empty slot has ``a = 0``: ``act(0) * 0 = 0``, no bias; and ``b = 0``), and
 ``b_t`` of ``down`` carries the routing weight that multiplies the expert's output in the
 loss. The batch's token mask (padding, the fit's token selection) reaches an expert's
-layer at its slots (:func:`layer_mask`). Every expert is tracked, in float32, bfloat16
+layer at its slots (:func:`layer_mask`). The block's other linear layers that it calls
+on its flattened tokens (Qwen2-MoE's shared expert and its gate) are called on them
+grouped by example (:class:`TokensAsExamples`). Every expert is tracked, in float32, bfloat16
 and float64 (the fused path's ``torch._grouped_mm`` refuses float64). The slots change
 with the batch's routing, so CUDA graphs stay off for such a model
 (:func:`prism_select.graphs.graphs_wanted`).
