@@ -180,10 +180,14 @@ def main():
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "versions": r.get("versions"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    res["train_fused"] = train_step(model_dir, False, a.train_batch, mean_len, a.train_steps, device)
-    res["train_eager"] = train_step(model_dir, True, a.train_batch, mean_len, a.train_steps, device)
-    if res["scoring_ex_per_s"]:
-        for k in ("train_fused", "train_eager"):
+    for k, eager in (("train_fused", False), ("train_eager", True)):
+        try:
+            res[k] = train_step(model_dir, eager, a.train_batch, mean_len, a.train_steps, device)
+        except Exception as e:  # e.g. out of memory: the score run's figures still come back
+            res[k] = {"error": f"{type(e).__name__}: {str(e)[:300]}", "ex_per_s": None, "tokens_per_s": None}
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        if res["scoring_ex_per_s"] and res[k]["ex_per_s"]:
             res[f"scoring_over_{k}"] = res["scoring_ex_per_s"] / res[k]["ex_per_s"]
 
     plan = res["memory_plan"] or {}
@@ -203,6 +207,9 @@ def main():
         log(f"| prism-select scoring (exact, per-expert linear) | {res['scoring_ex_per_s']:.1f} | "
             f"{res['scoring_ex_per_s'] * mean_len:.0f} |")
     for k in ("train_fused", "train_eager"):
+        if res[k]["ex_per_s"] is None:
+            log(f"| training step ({k[6:]} experts, fwd+bwd) | {res[k]['error']} | |")
+            continue
         log(f"| training step ({k[6:]} experts, fwd+bwd) | {res[k]['ex_per_s']:.1f} | "
             f"{res[k]['tokens_per_s']:.0f} |")
     if a.json:
