@@ -285,10 +285,20 @@ def token_scores(model, modules: dict, encoded: list, V: dict, *, pad_id: int, a
 
 # --------------------------------------------------------------------------- method
 
+OPTIONS = {"ranking": "sum", "quantile": 0.99, "threshold_tokens": "response", "token_attribution": "position",
+           "token_chunk": 32}
+
+
+@method("ifguide_harmonic", "IF-Guide with its harmonic rule: documents ranked by count and sum of their "
+        "response tokens above the 0.99 quantile (ifguide with ranking=harmonic)", {**OPTIONS, "ranking": "harmonic"})
+def ifguide_harmonic_method(ctx) -> tuple[torch.Tensor, list]:
+    """:func:`ifguide_method` with ``ranking`` "harmonic" by default: its own name, so that
+    one experiment scores, ranks and retrains both document rules side by side."""
+    return _ifguide(ctx, ifguide_harmonic_method)
+
+
 @method("ifguide", "IF-Guide: token-level influence of mean grad l(y+) - mean grad l(y-) (summed losses), "
-        "documents ranked by their summed influence or by count and sum of top response tokens",
-        {"ranking": "sum", "quantile": 0.99, "threshold_tokens": "response", "token_attribution": "position",
-         "token_chunk": 32})
+        "documents ranked by their summed influence or by count and sum of top response tokens", OPTIONS)
 def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     """IF-Guide scores (see the module docstring). Needs target pairs.
 
@@ -316,8 +326,13 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     run ranks both ways; the method's record holds the ties of both (``ties``,
     ``token_sum_ties``).
     """
-    opts = resolve_options(ctx, ifguide_method)
-    require_pairs(ctx, "ifguide")
+    return _ifguide(ctx, ifguide_method)
+
+
+def _ifguide(ctx, fn) -> tuple[torch.Tensor, list]:
+    name = fn.method_name
+    opts = resolve_options(ctx, fn)
+    require_pairs(ctx, name)
     if opts["ranking"] not in RANKINGS:
         raise ConfigError("ranking", f"unknown ranking {opts['ranking']!r}", f"use one of {', '.join(RANKINGS)}")
     if opts["threshold_tokens"] not in THRESHOLD_TOKENS:
@@ -342,7 +357,7 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     if opts["ranking"] == "sum":
         scores = ctx.score_direction(g, tag="ifguide", last=True)
         tied = ties(scores)
-        record(ctx, "ifguide", opts, ties=tied, warnings=_tie_warnings(tied, "sum"))
+        record(ctx, name, opts, ties=tied, warnings=_tie_warnings(tied, "sum"))
         return scores, pairs
     # the target and the curvature are not needed once V is formed: neither is held through
     # the token scores (at 60 records this run peaked at 5158 MiB holding both, 2026-11-26),
@@ -361,7 +376,7 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     scores = ifguide_rank(ranked, q, "harmonic")
     ctx.columns["token_sum"] = ifguide_rank(ts, q, "sum")
     tied = ties(scores)
-    record(ctx, "ifguide", opts, tau=tau, tokens=sum(len(x) for x in ranked),
+    record(ctx, name, opts, tau=tau, tokens=sum(len(x) for x in ranked),
            tokens_above_tau=int(sum(int((x > tau).sum()) for x in ranked)),
            records_above_tau=int(sum(bool((x > tau).any()) for x in ranked)), ties=tied,
            token_sum_ties=ties(ctx.columns["token_sum"]), warnings=_tie_warnings(tied, "harmonic"))

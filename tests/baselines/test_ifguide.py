@@ -109,3 +109,13 @@ def test_default_rule_ties_under_a_tenth_of_a_dropped_carry_pool(tmp_path, tok, 
     assert info["options"]["ranking"] == "sum"
     assert info["ties"] == ties(scores) and info["ties"]["share"] < ifguide_mod.TIE_WARN_SHARE
     assert info["warnings"] == []
+
+
+def test_ifguide_harmonic_is_ifguide_with_the_harmonic_rule(tmp_path, tok, model, modules):
+    from conftest import PAIRS, POOL
+
+    a, _ = IFGUIDE(_ctx(tmp_path, tok, model, modules, POOL, PAIRS, {"ranking": "harmonic"}))
+    ctx = _ctx(tmp_path, tok, model, modules, POOL, PAIRS, {}, out="run2")
+    b, _ = REGISTRY["ifguide_harmonic"](ctx)
+    assert torch.equal(a, b) and ctx.info["method"]["name"] == "ifguide_harmonic"
+    assert ctx.info["method"]["options"]["ranking"] == "harmonic"
