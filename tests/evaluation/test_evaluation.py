@@ -1308,3 +1308,28 @@ def test_an_experiment_folder_takes_a_config_that_adds_methods_or_target_sets(tm
     assert not config_extends({"methods": "all", "finetune_seeds": [0]}, {"methods": "all", "finetune_seeds": [1]})
     assert not config_extends({"methods": "all"}, {"methods": ["prism"]})
     assert not config_extends({"method_options": {"less": {"proj_dim": 8}}}, {"method_options": {}})
+
+
+@pytest.mark.parametrize("parent,child", [
+    ("dropped_carry_ranking", "dropped_carry_ranking_fixed"),
+    ("dropped_carry_k20", "dropped_carry_k20_fixed_first"),
+    ("dropped_carry_k20", "dropped_carry_k20_fixed"),
+    ("dropped_carry_k20_every", "dropped_carry_k20_every30"),
+])
+def test_the_baseline_rerun_configs_build_their_parents_testbeds(tmp_path, parent, child):
+    """The reruns of LESS and IF-Guide score (and retrain) the pools, start model, probes, SFT
+    and target pairs of the configs whose rows they join, and spell out the options that
+    tell their score steps from the parents' under the same method names."""
+    from prism_select.evaluation.config import load_config
+    root = Path(__file__).resolve().parents[2] / "experiments"
+    p = load_config(root / f"{parent}.yaml", "repair", data_root=str(tmp_path))
+    c = load_config(root / f"{child}.yaml", "repair", data_root=str(tmp_path))
+    for f in ("data", "warmup", "probes", "finetune", "generation", "pair_selection", "min_pairs",
+              "fallback_pair_selection", "score_at", "floors", "curvature", "seeds"):
+        assert getattr(c, f) == getattr(p, f), f
+    assert set(c.harmful_ratios) == set(p.harmful_ratios)
+    assert [t.name for t in c.targets] == [t.name for t in p.targets]
+    opts = c.method_options
+    for m in ("less", "ifguide", "ifguide_harmonic"):
+        if m in c.methods:
+            assert m in opts and opts[m] != (p.method_options or {}).get(m), m
