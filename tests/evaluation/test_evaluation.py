@@ -1333,3 +1333,26 @@ def test_the_baseline_rerun_configs_build_their_parents_testbeds(tmp_path, paren
     for m in ("less", "ifguide", "ifguide_harmonic"):
         if m in c.methods:
             assert m in opts and opts[m] != (p.method_options or {}).get(m), m
+
+
+def test_rows_say_what_the_judge_and_the_sae_are():
+    """The judge's row names its judge model and size, SAE-Feat's its SAE; the checker floor
+    reads as an ideal judge; in a table the row keeps its method name as its label."""
+    from prism_select.evaluation.experiment import mean_table, row_title
+    judge = {"method_info": {"name": "judge", "options": {"judge": None}, "backend": "local",
+                             "judge_model": "the run's model", "self_judging": True, "judge_parameters": 134_515_008}}
+    assert row_title("judge", judge, "the start model") == "judge (the start model, 135M, self-judging)"
+    other = {"method_info": {"options": {"judge": "/m/judge-1b"}, "backend": "local", "judge_model": "/m/judge-1b",
+                             "self_judging": False, "judge_parameters": 1_240_000_000}}
+    assert row_title("judge", other) == "judge (/m/judge-1b, 1.2B)"
+    sae = {"method_info": {"options": {"sae": "pool", "layer": 20}, "d_sae": 2304}}
+    assert row_title("saefeat", sae) == "saefeat (SAE fitted on the pool, 2304 latents, layer 20)"
+    assert row_title("prism", {"method_info": {}}) is None
+    assert "ideal judge" in row_title("floor: checker", None)
+    runs = [{"setting": "a", "methods": {"judge": {"auroc": 0.4, "title": "judge (x, 1M, self-judging)"},
+                                          "prism": {"auroc": 0.9}}}]
+    t = mean_table("auroc", "t", runs, ["prism", "judge", "floor: checker"],
+                   lambda r, m, st: (r["methods"].get(m) or {}).get("auroc"))
+    assert [r["label"] for r in t["rows"]] == ["prism", "judge", "floor: checker"]
+    assert [r.get("title") for r in t["rows"]] == [None, "judge (x, 1M, self-judging)",
+                                                   row_title("floor: checker", None)]
