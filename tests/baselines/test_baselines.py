@@ -637,6 +637,8 @@ def test_every_baseline_runs_through_score_pool(lm, tmp_path, pool_examples, pai
     assert extra == ({"token_sum"} if name == "ifguide" else set())
     if name == "ifguide":
         assert all(math.isfinite(r["token_sum"]) for r in rows)
+        # the method's own warnings (ties) are the run's too
+        assert "ties" in run["method_info"] and set(run["method_info"]["warnings"]) <= set(run["warnings"])
         assert [r["id"] for r in read_scores(tmp_path / "run" / "scores.jsonl")] == \
             [r["id"] for r in sorted(rows, key=lambda r: r["rank"])]
 
