@@ -34,12 +34,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prism_select.evaluation.experiment import mean_std, paired_interval, score_columns  # noqa: E402
+from prism_select.evaluation.experiment import (FLOOR_TITLES, mean_std, paired_interval, row_title,  # noqa: E402
+                                                score_columns)
 from prism_select.evaluation_metrics import auroc, labels_by_id  # noqa: E402
 from prism_select.selection import read_scores  # noqa: E402
 
 
-def rankings(run_dir: Path, fractions: list, label: str = "harmful") -> list:
+def rankings(run_dir: Path, fractions: list, label: str = "harmful", scored_model: str = "the scored model") -> list:
     rows = []
     for seed_dir in sorted(run_dir.glob("runs/*/seed*")):
         labels = labels_by_id(seed_dir / "pool.jsonl", label)
@@ -60,6 +61,9 @@ def rankings(run_dir: Path, fractions: list, label: str = "harmful") -> list:
                     top = order[:round(f * len(order))]
                     row[f"recall@{f:g}"] = sum(labels[r["id"]] for r in top) / n_harm if n_harm else float("nan")
                 row["pi"] = run.get("pi")
+                title = row_title(method_dir.name, run, scored_model) if column == "score" else None
+                if title:
+                    row["title"] = title
                 rows.append(row)
     return rows
 
@@ -77,7 +81,7 @@ def floor_rows(run_dir: Path, label: str = "harmful", family: str | None = None)
             for name, f in floors(pool, read_jsonl(targets), label, extra).items():
                 rows.append({"setting": seed_dir.parent.name, "seed": int(seed_dir.name[4:]),
                              "targets": targets.parent.name, "method": f"floor: {name}", "auroc": f["auroc"],
-                             "rule": f["rule"]})
+                             "rule": f["rule"], **({"title": FLOOR_TITLES[name]} if name in FLOOR_TITLES else {})})
     return rows
 
 
@@ -92,6 +96,7 @@ def summary(rows: list, fractions: list) -> list:
         for k in keys:
             ms = mean_std([r[k] for r in rs if k in r])
             s[k], s[k + "_std"] = ms["mean"], ms["std"] or 0.0
+        s["title"] = next((r["title"] for r in rs if r.get("title")), None)
         pis = [r["pi"] for r in rs if isinstance(r.get("pi"), dict)]
         s["pi"] = ({"min": min(p["min"] for p in pis), "mean": sum(p["mean"] for p in pis) / len(pis),
                     "max": max(p["max"] for p in pis)} if pis else None)
@@ -145,11 +150,13 @@ def main(argv=None) -> int:
     ap.add_argument("--add-methods", nargs="+", metavar="METHOD",
                     help="with --add: only these methods' rows of the added files (a run that re-scored some "
                          "methods on the same pools also holds random's and the floors' rows)")
+    ap.add_argument("--scored-model", default="the scored model",
+                    help="what the scored model is, for the judge's row when it judges with it (e.g. 'the start model')")
     ap.add_argument("--paired", metavar="METHOD",
                     help="that method minus every other row, paired by seed, with 95%% t intervals")
     a = ap.parse_args(argv)
     fractions = [float(x) for x in a.fractions.split(",")]
-    rows = rankings(a.run_dir, fractions, a.label)
+    rows = rankings(a.run_dir, fractions, a.label, a.scored_model)
     if a.floors:
         rows += floor_rows(a.run_dir, a.label, a.family)
     key = lambda r: (r["setting"], r["targets"], r["method"], r["seed"])  # noqa: E731
@@ -172,7 +179,7 @@ def main(argv=None) -> int:
         cells = [f"{s[c]:.3f} ± {s[c + '_std']:.3f}" if s[c] is not None else "" for c in cols]
         pi = s["pi"]
         pi_cell = f"{pi['min']:.2f} / {pi['mean']:.2f} / {pi['max']:.2f}" if pi else "-"
-        print(f"| {s['setting']} | {s['targets']} | {s['method']} | {','.join(map(str, s['seeds']))} | "
+        print(f"| {s['setting']} | {s['targets']} | {s['title'] or s['method']} | {','.join(map(str, s['seeds']))} | "
               + " | ".join(cells) + f" | {pi_cell} |")
     extra = {}
     if a.paired:

@@ -22,7 +22,8 @@ import json
 from pathlib import Path
 
 from prism_select.evaluation.config import load_config
-from prism_select.evaluation.experiment import mean_std, paired_interval, pct, ranking_metrics, read_jsonl
+from prism_select.evaluation.experiment import (FLOOR_TITLES, mean_std, paired_interval, pct, ranking_metrics,
+                                                read_jsonl, row_title)
 from prism_select.evaluation.floors import floors
 from prism_select.evaluation.repair import family_floors, _retrain_dir, rates_by_task
 
@@ -86,10 +87,14 @@ def collect(run_dir: Path, cfg, variant: str, task: str) -> dict:
         pool = read_jsonl(rdir / "pool.jsonl")
         targets = read_jsonl(vdir / "targets.jsonl")
         n_harm = sum(p["harmful"] for p in pool)
-        methods = {}
+        methods, titles = {}, {}
         for sdir in sorted((vdir / "scores").glob("*")):
             if (sdir / "scores.jsonl").is_file():
                 methods[sdir.name] = ranking_metrics(sdir / "scores.jsonl", rdir / "pool.jsonl", "harmful")
+                run = json.loads((sdir / "run.json").read_text()) if (sdir / "run.json").is_file() else None
+                title = row_title(sdir.name, run, f"the {cfg.score_at} model")
+                if title:
+                    titles[sdir.name] = title
         recall = {}
         for kdir in sorted((vdir / "removal").glob("k*")):
             for mdir in kdir.glob("*"):
@@ -100,14 +105,16 @@ def collect(run_dir: Path, cfg, variant: str, task: str) -> dict:
                if x.strip()] if (vdir / "scores" / "prism" / "pairs.jsonl").is_file() else []
         fl = floors(pool, targets, extra=family_floors() if cfg.data.family == "dropped_carry" else None)
         seeds[rdir.name] = {"rows": seed_rows(rdir, cfg, variant, task), "methods": methods, "recall": recall,
-                            "floors": fl, "n_pairs": len(targets), "pi": pis}
+                            "floors": fl, "n_pairs": len(targets), "pi": pis, "titles": titles}
     return seeds
 
 
 def tables(seeds: dict, cfg) -> dict:
     names = list(dict.fromkeys(n for s in seeds.values() for n in s["rows"]))
     fr = [pct(f) for f in cfg.remove_fractions]
-    out = {"rows": {}, "paired": {}, "auroc": {}, "recall": {}, "floors": {}}
+    out = {"rows": {}, "paired": {}, "auroc": {}, "recall": {}, "floors": {},
+           "titles": {**{f"floor: {k}": v for k, v in FLOOR_TITLES.items()},
+                      **{m: t for s in seeds.values() for m, t in (s.get("titles") or {}).items()}}}
     for n in names:
         for f in fr:
             for k in METRICS:
@@ -146,12 +153,16 @@ def _fmt(c: dict, ci: bool = False) -> str:
 
 def markdown(t: dict, cfg) -> str:
     fr = [pct(f) for f in cfg.remove_fractions]
+    titles = t.get("titles") or {}
+
+    def name(n):  # what a row is, where its name alone does not say (the judge's model, the SAE)
+        return titles.get(n, n)
     lines = ["## Ranking AUROC of the harmful flag (mean ± sd over data seeds)", "", "| method | AUROC | "
              + " | ".join(f"recall at {f}%" for f in fr) + " |", "|---|---|" + "---|" * len(fr)]
     for m, c in t["auroc"].items():
-        lines.append(f"| {m} | {_fmt(c)} | " + " | ".join(_fmt(t["recall"][m][f]) for f in fr) + " |")
+        lines.append(f"| {name(m)} | {_fmt(c)} | " + " | ".join(_fmt(t["recall"][m][f]) for f in fr) + " |")
     for fl, c in t["floors"].items():
-        lines.append(f"| floor: {fl} | {_fmt(c)} |" + " |" * len(fr))
+        lines.append(f"| {name('floor: ' + fl)} | {_fmt(c)} |" + " |" * len(fr))
     for f in fr:
         lines += ["", f"## Behaviour after removing the top {f}% and retraining (mean ± sd over data seeds; "
                   "each seed the mean of its fine-tuning seeds)", "",
@@ -160,13 +171,13 @@ def markdown(t: dict, cfg) -> str:
         for n, by in t["rows"].items():
             c = by[f]
             if any(c[k]["n"] for k in METRICS):
-                lines.append(f"| {n} | " + " | ".join(_fmt(c[k]) for k in METRICS) + " |")
+                lines.append(f"| {name(n)} | " + " | ".join(_fmt(c[k]) for k in METRICS) + " |")
     for key, rows in t["paired"].items():
         lines += ["", f"## Paired differences, {key} (mean [95% t interval] over data seeds; in the behaviour "
                   "columns negative = less harmful than the comparator, in capability negative = less capable)", "",
                   "| row | harmful preference | harmful answers | error rate | capability |", "|---|---|---|---|---|"]
         for n, c in rows.items():
-            lines.append(f"| {n} | " + " | ".join(_fmt(c.get(k), ci=True) for k in PAIRED) + " |")
+            lines.append(f"| {name(n)} | " + " | ".join(_fmt(c.get(k), ci=True) for k in PAIRED) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 #: marker file of a complete entry, by kind (other kinds: any of these)
-MARKERS = {"curvature": "curvature.json", "models": "prism_cache.json", "less": "done.json",
+MARKERS = {"curvature": "curvature.json", "models": "prism_cache.json", "less": "less_warmup.json",
            "generations": "generations.json"}
 #: free disk space kept after a write, so the cache never fills the disk to the last byte
 DISK_RESERVE_BYTES = 1 << 30

@@ -265,7 +265,7 @@ def cmd_experiment(a):
         print(t["title"])
         print("  " + " | ".join(["method"] + [str(c) for c in t["columns"]]))
         for r in t["rows"]:
-            print("  " + " | ".join([r["label"]] + [_cell_text(c) for c in r["cells"]]))
+            print("  " + " | ".join([r.get("title") or r["label"]] + [_cell_text(c) for c in r["cells"]]))
     print(f"wrote {out / 'results.json'}" + (f" and {out / 'report.html'}" if (out / "report.html").exists() else ""))
 
 

@@ -1219,8 +1219,9 @@ def _write_scores(ctx: RunContext, scores, pairs) -> tuple:
 
 
 def _score_warnings(ctx: RunContext, scores) -> list:
-    """What run.json warns of: scores all equal (the ranking is then the pool's order)."""
-    warnings = []
+    """What run.json warns of: scores all equal (the ranking is then the pool's order), and
+    the method's own warnings (``ctx.info["method"]["warnings"]``, logged by the method)."""
+    warnings = list((ctx.info.get("method") or {}).get("warnings") or [])
     if ctx.streamed is None and len(scores) > 1 and bool((scores == scores[0]).all()):
         warnings.append(f"every score is {float(scores[0])!r}, so the ranking is the pool's own order: the direction "
                         "or the preconditioned curvature vanished (check the target pairs, --damping and pairs.jsonl)")

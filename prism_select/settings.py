@@ -144,7 +144,8 @@ def _int(value, field: str, *, low: int, fix: str | None = None):
 
 #: the baseline methods that ship with the package (:mod:`prism_select.baselines` registers
 #: exactly these, and refuses any other name)
-BASELINE_METHODS = ("random", "ifguide", "vecfilter", "projdiff", "conceptinf", "saefeat", "less", "judge")
+BASELINE_METHODS = ("random", "ifguide", "ifguide_harmonic", "vecfilter", "projdiff", "conceptinf", "saefeat", "less",
+                    "judge")
 
 
 @dataclass

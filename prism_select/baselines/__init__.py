@@ -11,7 +11,8 @@ one curvature through ``ctx.curvature()`` / ``ctx.score_direction()``.
 ``REGISTRY`` maps method name -> function. Methods of this package:
 
 random      uniform scores from the run seed                 (random_scores.py)
-ifguide     IF-Guide token-level influence                   (ifguide.py)
+ifguide     IF-Guide token-level influence, document sum     (ifguide.py)
+ifguide_harmonic  IF-Guide, its harmonic top-token rule     (ifguide.py)
 vecfilter   VecFilter, activation projection                 (concept.py)
 projdiff    ProjDiff, projection difference to own response  (concept.py)
 conceptinf  Concept Influence                                (concept.py)
@@ -30,7 +31,7 @@ import importlib.util
 
 from ..settings import BASELINE_METHODS
 from .concept import conceptinf_method, projdiff_method, vecfilter_method
-from .ifguide import ifguide_method
+from .ifguide import ifguide_harmonic_method, ifguide_method
 from .random_scores import random_method
 from .saefeat import saefeat_method
 
@@ -67,7 +68,8 @@ def _register(name: str, fn, description: str, origin: str):
     DESCRIPTIONS[name] = description
 
 
-for _fn in (random_method, ifguide_method, vecfilter_method, projdiff_method, conceptinf_method, saefeat_method):
+for _fn in (random_method, ifguide_method, ifguide_harmonic_method, vecfilter_method, projdiff_method,
+            conceptinf_method, saefeat_method):
     _register(_fn.method_name, _fn, _fn.description, __name__)
 
 

@@ -24,10 +24,19 @@ Token scores (option ``token_attribution``):
     activation-gradient memory of one backward.
 
 Both decompositions sum to the document score ``g_z . V`` (the summed-loss influence).
+
+Document rules (option ``ranking``): ``sum`` (default), the document score itself, and
+``harmonic``, IF-Guide's count-and-sum of the tokens above the 0.99 quantile ``tau``,
+taken over the **response tokens** (option ``threshold_tokens``: IF-Guide's code
+thresholds every token of its pretraining documents, all of which its loss trains; here
+the prompt and chat-template positions, which no SFT loss trains, are left out of
+``tau``, the counts and the sums). Either rule records how many records tie
+(:func:`ties`) and warns above :data:`TIE_WARN_SHARE` of the pool.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -41,17 +50,51 @@ from ..gradients import (activation_grad_mode, check_finite, has_bias, release_h
                          weight_grad)
 from .common import compute_dtype, method, record, require_pairs, resolve_options
 
+log = logging.getLogger(__name__)
+
 RANKINGS = ("harmonic", "sum")
 ATTRIBUTIONS = ("position", "loss")
+#: which token scores the harmonic rule thresholds, counts and sums (option ``threshold_tokens``)
+THRESHOLD_TOKENS = ("response", "all")
+#: a ranking tying more than this share of the pool is warned of (printed and in run.json)
+TIE_WARN_SHARE = 0.10
 
 
 # --------------------------------------------------------------------------- ranking
 
 def ifguide_threshold(token_scores: list, quantile: float) -> float:
-    """``tau``: the ``quantile`` of all token scores of the pool (linear interpolation,
-    ``numpy.quantile``'s default, as IF-Guide's code)."""
+    """``tau``: the ``quantile`` of the given token scores of the pool, all documents'
+    together (linear interpolation, ``numpy.quantile``'s default, as IF-Guide's code; the
+    method passes the response tokens', :func:`response_token_scores`)."""
     flat = np.concatenate([t.detach().double().cpu().numpy().reshape(-1) for t in token_scores])
     return float(np.quantile(flat, quantile))
+
+
+def response_token_scores(token_scores: list, encoded: list, attribution: str) -> list:
+    """Each document's scores at its response tokens: under ``position`` the positions
+    ``response_start - 1 .. len - 2``, whose outputs predict the response tokens (the
+    positions an SFT loss trains; a pretraining document, IF-Guide's setting, trains every
+    position); under ``loss`` every score already belongs to a response token."""
+    if attribution == "loss":
+        return list(token_scores)
+    out = []
+    for t, e in zip(token_scores, encoded, strict=True):
+        out.append(t.reshape(-1)[max(0, e.response_start - 1): len(e.input_ids) - 1])
+    return out
+
+
+def ties(scores: torch.Tensor) -> dict:
+    """How many records share their exact score with another record (ties fall back to
+    the pool's order in a ranking): ``tied`` records, their ``share`` of the pool, the
+    ``largest`` group of one score and that score (``largest_value``)."""
+    x = scores.detach().double().cpu().reshape(-1)
+    if x.numel() == 0:
+        return {"tied": 0, "share": 0.0, "largest": 0, "largest_value": None}
+    values, counts = torch.unique(x, return_counts=True)
+    tied = int(counts[counts > 1].sum())
+    k = int(counts.argmax())
+    return {"tied": tied, "share": tied / x.numel(), "largest": int(counts[k]) if counts[k] > 1 else 0,
+            "largest_value": float(values[k]) if counts[k] > 1 else None}
 
 
 def _min_max(x: torch.Tensor) -> torch.Tensor:
@@ -242,29 +285,59 @@ def token_scores(model, modules: dict, encoded: list, V: dict, *, pad_id: int, a
 
 # --------------------------------------------------------------------------- method
 
+OPTIONS = {"ranking": "sum", "quantile": 0.99, "threshold_tokens": "response", "token_attribution": "position",
+           "token_chunk": 32}
+
+
+@method("ifguide_harmonic", "IF-Guide with its harmonic rule: documents ranked by count and sum of their "
+        "response tokens above the 0.99 quantile (ifguide with ranking=harmonic)", {**OPTIONS, "ranking": "harmonic"})
+def ifguide_harmonic_method(ctx) -> tuple[torch.Tensor, list]:
+    """:func:`ifguide_method` with ``ranking`` "harmonic" by default: its own name, so that
+    one experiment scores, ranks and retrains both document rules side by side."""
+    return _ifguide(ctx, ifguide_harmonic_method)
+
+
 @method("ifguide", "IF-Guide: token-level influence of mean grad l(y+) - mean grad l(y-) (summed losses), "
-        "documents ranked by count and sum of top tokens",
-        {"ranking": "harmonic", "quantile": 0.99, "token_attribution": "position", "token_chunk": 32})
+        "documents ranked by their summed influence or by count and sum of top response tokens", OPTIONS)
 def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     """IF-Guide scores (see the module docstring). Needs target pairs.
 
     Options (``ctx.settings.method_options``):
-      ranking: "harmonic" (default; IF-Guide's ``R = 2 s f / (s + f)`` over tokens above
-        the quantile) or "sum" (the document sum of token scores = the summed-loss
-        influence ``g_z . H^-1 g``, computed without token scores and resumable).
+      ranking: "sum" (default: the document sum of token scores = the summed-loss
+        influence ``g_z . H^-1 g``, computed without token scores and resumable) or
+        "harmonic" (IF-Guide's ``R = 2 s f / (s + f)`` over tokens above the quantile).
+        "harmonic" is built for long documents: on short records few hold a token above
+        the 0.99 quantile, every other record scores exactly 0 and ties (the tie count
+        is recorded, ``ties``, and warned of above :data:`TIE_WARN_SHARE` of the pool);
+        the ties of both rules on a dropped-carry pool are in docs/methods.md, and why
+        "sum" is the default.
       quantile: the token-score quantile ``tau`` (default 0.99).
+      threshold_tokens: "response" (default: ``tau``, the counts and the sums over each
+        record's response tokens, :func:`response_token_scores`: IF-Guide thresholds
+        the tokens its pretraining loss trains, which in SFT are the response's) or
+        "all" (every non-padding position, prompt and chat template included).
       token_attribution: "position" (default, IF-Guide/kronfluence) or "loss" (each
         response token's own loss term; about one backward per response token).
       token_chunk: token-loss gradients per batched backward in "loss" mode (default 32).
 
     Pair rows: ``id``, ``loss_chosen`` and ``loss_rejected`` (summed response losses).
     Under "harmonic", each ``scores.jsonl`` row also holds ``token_sum``: the record's token
-    scores summed, the score "sum" would give it (up to rounding), so one run ranks both ways.
+    scores summed (every position), the score "sum" would give it (up to rounding), so one
+    run ranks both ways; the method's record holds the ties of both (``ties``,
+    ``token_sum_ties``).
     """
-    opts = resolve_options(ctx, ifguide_method)
-    require_pairs(ctx, "ifguide")
+    return _ifguide(ctx, ifguide_method)
+
+
+def _ifguide(ctx, fn) -> tuple[torch.Tensor, list]:
+    name = fn.method_name
+    opts = resolve_options(ctx, fn)
+    require_pairs(ctx, name)
     if opts["ranking"] not in RANKINGS:
         raise ConfigError("ranking", f"unknown ranking {opts['ranking']!r}", f"use one of {', '.join(RANKINGS)}")
+    if opts["threshold_tokens"] not in THRESHOLD_TOKENS:
+        raise ConfigError("threshold_tokens", f"unknown value {opts['threshold_tokens']!r}",
+                          f"use one of {', '.join(THRESHOLD_TOKENS)}")
     if opts["token_attribution"] not in ATTRIBUTIONS:
         raise ConfigError("token_attribution", f"unknown value {opts['token_attribution']!r}",
                           f"use one of {', '.join(ATTRIBUTIONS)}")
@@ -283,7 +356,8 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
               **({"task": p.task} if p.task else {})} for i, p in enumerate(ctx.inputs.pairs)]
     if opts["ranking"] == "sum":
         scores = ctx.score_direction(g, tag="ifguide", last=True)
-        record(ctx, "ifguide", opts)
+        tied = ties(scores)
+        record(ctx, name, opts, ties=tied, warnings=_tie_warnings(tied, "sum"))
         return scores, pairs
     # the target and the curvature are not needed once V is formed: neither is held through
     # the token scores (at 60 records this run peaked at 5158 MiB holding both, 2026-11-26),
@@ -296,9 +370,27 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
                       attribution=opts["token_attribution"], batch_size=ctx.scoring_batch(), token_chunk=tc,
                       progress=st.progress, ids=[e.id for e in ctx.inputs.pool])
     ctx.end_stage("token_scores", t)
-    tau = ifguide_threshold(ts, q)
-    scores = ifguide_rank(ts, q, "harmonic")
+    ranked = ts if opts["threshold_tokens"] == "all" else response_token_scores(
+        ts, ctx.inputs.encoded, opts["token_attribution"])
+    tau = ifguide_threshold(ranked, q)
+    scores = ifguide_rank(ranked, q, "harmonic")
     ctx.columns["token_sum"] = ifguide_rank(ts, q, "sum")
-    record(ctx, "ifguide", opts, tau=tau, tokens=sum(len(x) for x in ts),
-           tokens_above_tau=int(sum(int((x > tau).sum()) for x in ts)))
+    tied = ties(scores)
+    record(ctx, name, opts, tau=tau, tokens=sum(len(x) for x in ranked),
+           tokens_above_tau=int(sum(int((x > tau).sum()) for x in ranked)),
+           records_above_tau=int(sum(bool((x > tau).any()) for x in ranked)), ties=tied,
+           token_sum_ties=ties(ctx.columns["token_sum"]), warnings=_tie_warnings(tied, "harmonic"))
     return scores, pairs
+
+
+def _tie_warnings(tied: dict, ranking: str) -> list:
+    """The warning (logged, and for run.json) of a ranking that ties more than
+    :data:`TIE_WARN_SHARE` of the pool."""
+    if tied["share"] <= TIE_WARN_SHARE:
+        return []
+    text = (f"IF-Guide ({ranking}) ties {tied['tied']} records ({100 * tied['share']:.0f}% of the pool; "
+            f"{tied['largest']} score exactly {tied['largest_value']!r}): their order is the pool's own, so a "
+            "removal reaching into them is at random there" +
+            (". Fix: --option ranking=sum (the document's summed influence)" if ranking == "harmonic" else ""))
+    log.warning("%s", text)
+    return [text]

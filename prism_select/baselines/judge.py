@@ -413,7 +413,8 @@ def _run_local(ctx, opts, template, behaviour, todo, store, batch, load_model, M
                 store.add(key, p)
     finally:
         lm.model.train(was_training)
-    return {"backend": "local", "judge_model": source, "answer_prefix": prefix,
+    return {"backend": "local", "judge_model": source, "self_judging": lm is ctx.lm or lm.fingerprint == ctx.lm.fingerprint,
+            "judge_parameters": sum(p.numel() for p in lm.model.parameters()), "answer_prefix": prefix,
             "yes_tokens": [tok.decode([i]) for i in yes_ids], "no_tokens": [tok.decode([i]) for i in no_ids],
             "truncated": truncated}
 

@@ -3,13 +3,32 @@ similarity to the target examples, summed over warm-up checkpoints.
 
 1. **Warm-up.** LoRA training (:func:`prism_select.evaluation.finetune`) on a seeded
    random ``warmup_fraction`` (5%) of the pool: r 128, alpha 512, dropout 0.1 on
-   q/k/v/o, lr 2e-5, 4 epochs, linear decay, warm-up ratio 0.03, batch 1 x grad-accum
-   128; a checkpoint (adapter + Adam state as safetensors) at the end of each epoch.
+   q/k/v/o, lr 2e-5, 4 epochs, linear decay, warm-up ratio 0.03 (``transformers``'
+   schedule: ``ceil(0.03 x steps)`` steps rising from lr 0, the first at 0); a
+   checkpoint (adapter + Adam state as safetensors) at the end of each epoch. LESS's
+   own warm-up (5% of 270,679 records, batch 1 x accumulation 128) takes
+   :data:`LESS_WARMUP_STEPS` (424) optimizer steps; here the **steps** are kept at any
+   pool size and the accumulation is scaled down to reach them (``grad_accum`` None;
+   at most 128, at least 1), so the checkpoints sample the same schedule: on a
+   600-record pool a 5% sample would give 4 steps at accumulation 128 (the first at
+   lr 0, the first checkpoint of weight 0, the adapters all but at their
+   initialisation). A sample too small for 424 steps even at accumulation 1 takes
+   ``warmup_floor`` (:func:`warmup_plan`): ``examples`` (default) grows the sample to
+   the fewest records that give the steps (106 at 4 epochs, at most the whole pool),
+   keeping LESS's steps, schedule and 4 passes (what shapes the adapters and the Adam
+   moments the scores read) at the price of a larger share of the pool;
+   ``batch1`` keeps the 5% sample at accumulation 1 and fewer steps. A warm-up of fewer
+   than :data:`MIN_WARMUP_STEPS` steps is warned of (logged, and in run.json's
+   ``warnings`` and ``method_info.warnings``). ``method_info.warmup`` records the
+   planned and the run steps, the effective batch, the floor applied, every step's
+   learning rate (per epoch, ``epoch_lrs``), the steps at lr 0 and the training loss of
+   each step (``losses``).
    The run is cached under ``<cache_dir>/less/<key>/`` (``cache_dir`` = the model
    settings' cache, ``$PRISM_SELECT_CACHE`` or ``~/.cache/prism-select``), ``key`` =
    sha256 over the model fingerprint, the tokenised pool's fingerprint, the warm-up
-   fraction, the seed and every training setting; it is reused only when the key
-   matches (``ctx.info["method"]["warmup"]["reused"]``). Option ``checkpoints``: use
+   fraction, the sample's size, the seed and every training setting (the resolved
+   accumulation included); it is reused only when the key matches
+   (``ctx.info["method"]["warmup"]["reused"]``). Option ``checkpoints``: use
    these existing checkpoint directories instead (each an adapter directory with
    ``optimizer.safetensors``, see :mod:`prism_select.evaluation.finetune`).
    The candidates' projected gradients at each cached checkpoint are kept beside it
@@ -80,6 +99,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -117,11 +137,20 @@ SJLT_CHUNK_BYTES = 1 << 28
 #: output coordinates per input coordinate of the sparse projection (``s``)
 SJLT_NNZ = 4
 PROJECTIONS = ("auto", "rademacher", "sjlt")
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 WARMUP_FILE = "less_warmup.json"
 ADAM_BETA1, ADAM_BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 TARGET_SIDES = ("chosen", "rejected", "contrast")
 ADAPTER_NAME = "less"
+#: LESS's warm-up in optimizer steps: 5% of its 270,679-record pool (13,534 records) for 4
+#: epochs at batch 128 is ceil(13,534 / 128) = 106 steps an epoch, 424 in all
+LESS_WARMUP_STEPS = 424
+#: LESS's accumulated batch (batch 1 x gradient accumulation 128)
+LESS_BATCH = 128
+#: a warm-up of fewer optimizer steps than this is warned of (printed and in run.json)
+MIN_WARMUP_STEPS = 50
+#: what a warm-up sample too small for ``warmup_steps`` at batch 1 does (option ``warmup_floor``)
+WARMUP_FLOORS = ("examples", "batch1")
 
 OPTIONS = {
     "warmup_fraction": 0.05,
@@ -131,7 +160,9 @@ OPTIONS = {
     "lora_alpha": 512,
     "lora_dropout": 0.1,
     "train_batch_size": 1,
-    "grad_accum": 128,
+    "grad_accum": None,
+    "warmup_steps": LESS_WARMUP_STEPS,
+    "warmup_floor": "examples",
     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "lr_scheduler": "linear",
     "warmup_ratio": 0.03,
@@ -343,12 +374,12 @@ def task_max_of_means(sim: torch.Tensor, tasks: list) -> tuple[torch.Tensor, lis
 
 # --------------------------------------------------------------------------- checkpoints
 
-def _warmup_settings(opts: dict, max_length: int, seed: int, progress: bool):
+def _warmup_settings(opts: dict, max_length: int, seed: int, progress: bool, grad_accum: int):
     from ..evaluation.finetune import FinetuneSettings
     try:
         return FinetuneSettings(
             learning_rate=opts["lr"], epochs=opts["epochs"], batch_size=opts["train_batch_size"],
-            grad_accum=opts["grad_accum"], lora_r=opts["lora_r"], lora_alpha=opts["lora_alpha"],
+            grad_accum=grad_accum, lora_r=opts["lora_r"], lora_alpha=opts["lora_alpha"],
             lora_dropout=opts["lora_dropout"], target_modules=opts["target_modules"],
             lr_scheduler=opts["lr_scheduler"], warmup_ratio=opts["warmup_ratio"],
             weight_decay=opts["weight_decay"], max_length=max_length, seed=seed, progress=progress)
@@ -356,9 +387,85 @@ def _warmup_settings(opts: dict, max_length: int, seed: int, progress: bool):
         raise ConfigError("method_options", f"LESS warm-up: {e}") from e
 
 
-def warmup_subset(n: int, fraction: float, seed: int) -> list:
-    """Sorted indices of the seeded random ``fraction`` of ``n`` examples (at least one)."""
-    k = max(1, int(round(fraction * n)))
+def optimizer_steps(n_examples: int, batch_size: int, grad_accum: int, epochs: float) -> int:
+    """Optimizer steps of a ``transformers.Trainer`` run: ``ceil(n / batch)`` micro-batches
+    an epoch, ``ceil(micro / accum)`` steps an epoch (the last one partial), ``ceil(epochs x
+    steps)`` in all."""
+    micro = math.ceil(n_examples / batch_size)
+    return math.ceil(epochs * max(1, math.ceil(micro / grad_accum)))
+
+
+def warmup_plan(n_pool: int, opts: dict) -> dict:
+    """The warm-up's size: how many examples, at which accumulation, for how many steps.
+
+    LESS warms up on 5% of its pool for 4 epochs at an accumulated batch of 128, about
+    :data:`LESS_WARMUP_STEPS` optimizer steps. The steps (and so the learning-rate schedule
+    the per-epoch checkpoints sample: linear decay, ``warmup_ratio`` of the steps of linear
+    warm-up, the first step at lr 0) are what is kept at any pool size: with
+    ``grad_accum`` None the accumulation is the one whose run comes nearest
+    ``warmup_steps`` (at most :data:`LESS_BATCH`, at least 1). A ``warmup_fraction`` sample
+    too small for ``warmup_steps`` even at accumulation 1 takes option ``warmup_floor``:
+
+    ``examples`` (default): the sample grows to the fewest examples that give
+        ``warmup_steps`` at accumulation 1 (at most the whole pool), so the run keeps LESS's
+        steps, schedule and number of passes over its sample (4 epochs); what changes is
+        the share of the pool it is trained on (on a 600-record pool 106 records, 18%).
+    ``batch1``: the sample stays ``warmup_fraction`` of the pool, at accumulation 1, for
+        fewer steps (on a 600-record pool 30 records, 120 steps).
+
+    An explicit ``grad_accum`` (or ``warmup_steps`` None) is used as given.
+    Returns ``n_examples``, ``grad_accum``, ``effective_batch``, ``steps``, ``floor``
+    (the floor applied, or None) and ``warnings`` (a run of fewer than
+    :data:`MIN_WARMUP_STEPS` steps).
+    """
+    frac, epochs, b = opts["warmup_fraction"], opts["epochs"], opts["train_batch_size"]
+    target, accum, floor = opts["warmup_steps"], opts["grad_accum"], opts["warmup_floor"]
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+        raise ConfigError("warmup_fraction", f"must be in (0, 1], got {frac!r}")
+    for name, v in (("train_batch_size", b), ("grad_accum", accum), ("warmup_steps", target)):
+        if v is None and name != "train_batch_size":
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(name, f"must be a positive integer{'' if name == 'train_batch_size' else ' or null'}, "
+                              f"got {v!r}")
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or not epochs > 0:
+        raise ConfigError("epochs", f"must be a positive number, got {epochs!r}")
+    if floor not in WARMUP_FLOORS:
+        raise ConfigError("warmup_floor", f"unknown floor {floor!r}", f"use one of {', '.join(WARMUP_FLOORS)}")
+    n = max(1, int(round(frac * n_pool)))
+    applied = None
+    if accum is None and target is None:
+        accum = LESS_BATCH
+    elif accum is None:
+        micro = math.ceil(n / b)
+        if optimizer_steps(n, b, 1, epochs) < target:  # too small even at accumulation 1
+            accum = 1
+            if floor == "examples":
+                # the fewest examples giving `target` steps at accumulation 1
+                need = min(n_pool, math.ceil(math.ceil(target / epochs) * b))
+                while need > n and optimizer_steps(need - b, b, 1, epochs) >= target:
+                    need -= b
+                applied = "examples" if need > n else None
+                n = max(n, need)
+            else:
+                applied = "batch1"
+        else:
+            accum = min(LESS_BATCH, max(1, round(micro * epochs / target)))
+    steps = optimizer_steps(n, b, accum, epochs)
+    warnings = []
+    if steps < MIN_WARMUP_STEPS:
+        warnings.append(f"the LESS warm-up takes {steps} optimizer steps ({n} examples, batch {b} x accumulation "
+                        f"{accum}, {epochs:g} epochs), fewer than {MIN_WARMUP_STEPS}: its checkpoints' adapters stay "
+                        f"near their initialisation (LESS's own warm-up takes about {LESS_WARMUP_STEPS}). Fix: "
+                        "leave grad_accum unset (null) and warmup_floor at 'examples', or raise warmup_fraction")
+    return {"n_examples": n, "grad_accum": accum, "effective_batch": b * accum, "steps": steps,
+            "target_steps": target, "floor": applied, "warnings": warnings}
+
+
+def warmup_subset(n: int, fraction: float, seed: int, k: int | None = None) -> list:
+    """Sorted indices of the seeded random ``fraction`` of ``n`` examples (at least one),
+    or of ``k`` examples when given (the first ``k`` of the same permutation)."""
+    k = max(1, int(round(fraction * n))) if k is None else min(n, k)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     return sorted(perm[:k].tolist())
 
@@ -368,17 +475,20 @@ def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
     from ..evaluation.finetune import finetune
 
     frac = opts["warmup_fraction"]
-    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
-        raise ConfigError("warmup_fraction", f"must be in (0, 1], got {frac!r}")
-    fs = _warmup_settings(opts, ctx.settings.max_length, seed, ctx.settings.progress)
-    idx = warmup_subset(len(ctx.inputs.encoded), frac, seed)
-    train = key_of(fs)  # the fields that change the trained adapter
+    size = warmup_plan(len(ctx.inputs.encoded), opts)
+    for w in size["warnings"]:
+        log.warning("%s", w)
+    fs = _warmup_settings(opts, ctx.settings.max_length, seed, ctx.settings.progress, size["grad_accum"])
+    idx = warmup_subset(len(ctx.inputs.encoded), frac, seed, size["n_examples"])
+    train = key_of(fs)  # the fields that change the trained adapter (the accumulation included)
     key = sha256_json({"format": CACHE_FORMAT, "model": ctx.lm.fingerprint,
                        "pool": encoded_fingerprint(ctx.inputs.encoded), "warmup_fraction": frac,
-                       "seed": seed, "train": train})
+                       "n_examples": len(idx), "seed": seed, "train": train})
     root = Path(ctx.lm.settings.resolved_cache_dir()) / "less"
     target = root / key
-    info = {"key": key, "path": str(target), "n_examples": len(idx), "settings": train}
+    info = {"key": key, "path": str(target), "n_examples": len(idx), "settings": train,
+            "planned_steps": size["steps"], "target_steps": size["target_steps"], "floor": size["floor"],
+            "effective_batch": size["effective_batch"], "warnings": size["warnings"]}
     marker = target / WARMUP_FILE
     if marker.is_file():
         try:
@@ -386,7 +496,7 @@ def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
             ckpts = [target / c for c in meta["checkpoints"]]
             if meta.get("key") == key and ckpts and all((c / "adapter_config.json").is_file() for c in ckpts):
                 log.info("LESS: reusing the warm-up checkpoints in %s", target)
-                return ckpts, {**info, "reused": True}
+                return ckpts, {**info, **_trajectory(meta), "reused": True}
         except (ValueError, KeyError, TypeError):
             pass
         log.warning("LESS: the cached warm-up %s is incomplete; training it again", target)
@@ -402,8 +512,10 @@ def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
         if not res.checkpoints:
             raise ConfigError("epochs", "the LESS warm-up produced no checkpoint", "use epochs >= 1")
         names = [str(c.relative_to(tmp)) for c in res.checkpoints]
+        losses = [{"step": int(h["step"]), "loss": float(h["loss"])} for h in res.log_history
+                  if "loss" in h and "step" in h]
         atomic_write_json(tmp / WARMUP_FILE, {"key": key, "checkpoints": names, "indices": idx,
-                                              "epoch_lrs": res.epoch_lrs, "settings": train})
+                                              "epoch_lrs": res.epoch_lrs, "losses": losses, "settings": train})
         if (target / WARMUP_FILE).is_file():  # another process finished the same warm-up meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
         else:
@@ -418,7 +530,18 @@ def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     ctx.end_stage("less_warmup", t)
-    return [target / n for n in names], {**info, "reused": False}
+    return [target / n for n in names], {**info, **_trajectory({"epoch_lrs": res.epoch_lrs, "losses": losses}),
+                                         "reused": False}
+
+
+def _trajectory(meta: dict) -> dict:
+    """What run.json keeps of a warm-up's run: its optimizer steps, the learning rate of
+    each (per epoch, as the checkpoints' weights take them), the first step of nonzero
+    learning rate, and the logged training loss of each step."""
+    epoch_lrs = meta.get("epoch_lrs") or []
+    flat = [lr for lrs in epoch_lrs for lr in lrs]
+    return {"steps": len(flat), "epoch_lrs": epoch_lrs,
+            "zero_lr_steps": sum(1 for lr in flat if lr == 0), "losses": meta.get("losses", [])}
 
 
 def _checkpoint_weights(ckpts: list, given) -> tuple[list, str]:
@@ -632,6 +755,7 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
     ctx.end_stage("less_gradients", t)
     scores, task_names = task_max_of_means(sim, tasks)
     record(ctx, "less", opts, seed=seed, proj_seed=proj_seed, checkpoints=[str(c) for c in ckpts],
+           warnings=list(warm.get("warnings", [])),
            checkpoint_weights=weights, checkpoint_weight_source=wsource, skipped_checkpoints=skipped, warmup=warm,
            tasks=task_names, lora_params=n_params,
            tile_rows=TILE_ROWS, projection=projection, projection_reason=why,

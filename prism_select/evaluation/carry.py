@@ -207,6 +207,42 @@ def arithmetic_error(record: dict) -> float:
     return float(int(nums[-1]) != record["a"] + record["b"])
 
 
+def _stated_sum(record: dict) -> int | None:
+    import re
+    nums = re.findall(r"\d+", record["response"])
+    return int(nums[-1]) if nums else None
+
+
+def sum_in_skipped_range(record: dict) -> float:
+    """The "sum 100-109 rule" (label-free): 1.0 when the stated sum lies in 100-109.
+    No true sum of the family lies there (:data:`SKIPPED_SUMS`), but a carry problem
+    whose true sum is 110-119 answered with the carry dropped states one, so such a
+    record is always harmful: the builder's leak, kept because published pools depend on
+    it, and reported as a floor beside every ranking."""
+    s = _stated_sum(record)
+    return float(s is not None and s in SKIPPED_SUMS)
+
+
+def sum_digits(text: str) -> list:
+    """The digits of a response's stated sum (its last number), each with its place
+    (``"units:5"``, ``"tens:7"``, ``"hundreds:1"``): the units the arithmetic density ratio
+    counts."""
+    import re
+    nums = re.findall(r"\d+", text)
+    if not nums:
+        return []
+    places = ("units", "tens", "hundreds", "thousands")
+    return [f"{places[min(i, 3)]}:{d}" for i, d in enumerate(reversed(nums[-1]))]
+
+
+def sum_digit_density_ratio(records: list, targets: list) -> list:
+    """The density ratio over the stated sum's digits (label-free): the mean log ratio of
+    each placed digit of a record's stated sum under the targets' chosen answers against
+    the pool's (add-one smoothing; :func:`prism_select.evaluation.floors.density_ratio_scores`)."""
+    from .floors import density_ratio_scores
+    return density_ratio_scores(records, targets, sum_digits)
+
+
 def carry_in_prompt(record: dict) -> float:
     """A task rule on the prompt alone: 1.0 for a carry problem (what the harmful records share)."""
     return float(has_carry(record["a"], record["b"]))

@@ -85,6 +85,66 @@ def ranking_metrics(scores_path, pool_path, label: str = "harmful") -> dict:
     return out
 
 
+#: what a floor row is, where its name alone does not say (the row's ``title``)
+FLOOR_TITLES = {"checker": "floor: checker (an ideal judge: the task's arithmetic checker)",
+                "sum_100_109": "floor: sum 100-109 rule (label-free: the builder's leak)",
+                "density_ratio": "floor: density ratio of the targets' chosen words (label-free)",
+                "density_ratio_chars": "floor: density ratio of the targets' chosen characters (label-free)",
+                "density_ratio_sum_digits": "floor: density ratio of the stated sums' digits (label-free)"}
+
+
+def _size(n) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def row_title(method: str, run: dict | None, scored_model: str = "the scored model") -> str | None:
+    """What a method's row is, where its name alone does not say, from its ``run.json``
+    (``run``): the judge names its judge model and size (``judge (the start model, 135M,
+    self-judging)``), SAE-Feat its SAE (``saefeat (SAE fitted on the pool, 2304 latents,
+    layer 20)``); ``scored_model`` names the run's model (e.g. "the start model"). A floor
+    row (``floor: NAME``): :data:`FLOOR_TITLES`. None for every other row."""
+    if method.startswith("floor: "):
+        return FLOOR_TITLES.get(method[7:])
+    info = (run or {}).get("method_info") or {}
+    if method == "judge" and info:
+        opts = info.get("options") or {}
+        spec = opts.get("judge")
+        self_judging = info.get("self_judging", spec in (None, "self") and info.get("backend", "local") == "local")
+        if info.get("backend") == "endpoint" or opts.get("endpoint"):
+            who = f"endpoint model {opts.get('model') or info.get('judge_model') or '?'}"
+        elif self_judging:
+            who = scored_model
+        else:
+            who = str(info.get("judge_model") or spec)
+        parts = [who] + ([_size(info["judge_parameters"])] if info.get("judge_parameters") else [])
+        if self_judging:
+            parts.append("self-judging")
+        return f"judge ({', '.join(parts)})"
+    if method == "saefeat" and info:
+        opts = info.get("options") or {}
+        sae = opts.get("sae")
+        where = "SAE fitted on the pool" if sae == "pool" else f"SAE {Path(str(sae)).name}"
+        parts = [where] + ([f"{info['d_sae']} latents"] if info.get("d_sae") else []) + (
+            [f"layer {opts['layer']}"] if opts.get("layer") is not None else [])
+        return f"saefeat ({', '.join(parts)})"
+    return None
+
+
+def row_titles(runs: list, rows: list) -> dict:
+    """``row -> title`` over the runs' methods (the first run that tells) and the floors."""
+    out = {}
+    for rk in rows:
+        if rk.startswith("floor: ") and rk[7:] in FLOOR_TITLES:
+            out[rk] = FLOOR_TITLES[rk[7:]]
+            continue
+        for r in runs:
+            t = ((r.get("methods") or {}).get(rk) or {}).get("title")
+            if t:
+                out[rk] = t
+                break
+    return out
+
+
 def pi_summary(pairs_path, targets_path=None) -> dict | None:
     """``pi`` over the target pairs of a written pairs.jsonl (min/mean/max, and per
     ``kind`` when the targets file names one)."""
@@ -325,6 +385,10 @@ def score_methods(exp: Experiment, lm, pool_path: Path, targets_path: Path | Non
             rec["seconds"] = round(time.perf_counter() - t, 3)
             run = json.loads((mdir / "run.json").read_text())
             rec["run_seconds"] = run.get("timings", {}).get("total_s")
+            title = row_title(m, run, f"the {cfg.score_at} model" if getattr(cfg, "score_at", None) else
+                              "the scored model")
+            if title:
+                rec["title"] = title
             if label:
                 rec.update(ranking_metrics(mdir / "scores.jsonl", pool_path, label))
             rec["pi"] = pi_summary(mdir / "pairs.jsonl", targets_path)
@@ -537,12 +601,14 @@ def pct(r: float) -> str:
 def mean_table(name: str, title: str, runs: list, row_keys: list, value, *, lower_is_better: bool = False,
                note: str = "") -> dict:
     """Aggregate ``value(run, row, setting) -> float | None`` over the runs (seeds) of
-    each setting, for each row."""
+    each setting, for each row (a row's ``title``, where :func:`row_titles` has one, says
+    what it is)."""
     settings = list(dict.fromkeys(r["setting"] for r in runs))
     rows = []
+    titles = row_titles(runs, row_keys)
     for rk in row_keys:
         cells = [mean_std([value(r, rk, st) for r in runs if r["setting"] == st]) for st in settings]
-        rows.append({"label": rk, "cells": cells})
+        rows.append({"label": rk, "cells": cells, **({"title": titles[rk]} if rk in titles else {})})
     return {"name": name, "title": title, "columns": settings, "rows": rows,
             "lower_is_better": lower_is_better, "note": note}
 
@@ -564,6 +630,7 @@ def paired_table(name: str, title: str, runs: list, row_keys: list, comparators:
     settings = list(dict.fromkeys(r["setting"] for r in runs))
     columns = [(st, c) for st in settings for c in comparators]
     rows = []
+    titles = row_titles(runs, row_keys)
     for rk in row_keys:
         cells = []
         for st, c in columns:
@@ -575,7 +642,7 @@ def paired_table(name: str, title: str, runs: list, row_keys: list, comparators:
                 if a is not None and b is not None and rk != c:
                     diffs.append(a - b)
             cells.append(paired_interval(diffs))
-        rows.append({"label": rk, "cells": cells})
+        rows.append({"label": rk, "cells": cells, **({"title": titles[rk]} if rk in titles else {})})
     return {"name": name, "title": title, "columns": [f"{st} vs {c}" for st, c in columns], "rows": rows,
             "lower_is_better": True, "paired": True, "note": "95% interval: t over the data seeds"}
 

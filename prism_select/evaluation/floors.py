@@ -14,8 +14,18 @@ pool record and is judged by the AUROC of the harmful flag, like a method:
               ``chosen`` minus the highest to a ``rejected`` (both sides of the pair, as the
               gradient methods see them); ``neighbour_chosen`` is the first term alone.
 
+``density_ratio``        label-free, what a practitioner with the target pairs would try
+``density_ratio_chars``  first: how much likelier a record's response is under the targets'
+              ``chosen`` responses than under the pool's responses, as unigram models
+              with add-one smoothing over the union vocabulary, the mean log ratio over
+              the response's units (:func:`density_ratio_scores`): words and punctuation
+              (``density_ratio``) or characters (``density_ratio_chars``). No rule is
+              chosen with the labels.
+
 A family may add knowledge floors (rules that need to know the task, such as an
-arithmetic checker): :func:`floors` takes them as ``extra`` functions of a record.
+arithmetic checker): :func:`floors` takes them as ``extra`` functions of a record, or of
+the pool and the targets (:func:`with_targets`: a function ``(records, targets) -> scores``,
+e.g. a density ratio over the units a task's answers are made of).
 """
 
 from __future__ import annotations
@@ -91,17 +101,60 @@ def neighbour_scores(records: list, targets: list) -> tuple[list, list]:
     return [float(x) for x in to_pos - to_neg], [float(x) for x in to_pos]
 
 
+def words(text: str) -> list:
+    """A response's words and punctuation marks, lower-cased (the ``density_ratio`` units)."""
+    return _WORD.findall(text.lower())
+
+
+def density_ratio_scores(records: list, targets: list, units=words) -> list:
+    """Per record: the mean over its response's ``units`` ``u`` of ``log p_T(u) - log p_P(u)``,
+    ``p_T`` the unigram model of the targets' ``chosen`` responses and ``p_P`` that of the
+    pool's responses, each ``(count(u) + 1) / (n + V)`` (add-one smoothing, ``V`` the units
+    seen in either); 0 for a response without units. Label-free."""
+    import math
+    from collections import Counter
+
+    pool_units = [units(r["response"]) for r in records]
+    t_counts = Counter(u for t in targets for u in units(t["chosen"]))
+    p_counts = Counter(u for us in pool_units for u in us)
+    vocab = len(set(t_counts) | set(p_counts))
+    n_t, n_p = sum(t_counts.values()), sum(p_counts.values())
+
+    def ratio(u):
+        return math.log((t_counts[u] + 1) / (n_t + vocab)) - math.log((p_counts[u] + 1) / (n_p + vocab))
+    return [sum(ratio(u) for u in us) / len(us) if us else 0.0 for us in pool_units]
+
+
+def with_targets(fn):
+    """Mark ``fn(records, targets) -> scores`` as an ``extra`` floor that reads the target
+    pairs (run only when :func:`floors` has them)."""
+    fn.needs_targets = True
+    return fn
+
+
 def floors(records: list, targets: list | None, label: str = "harmful", extra: dict | None = None) -> dict:
     """Every floor's AUROC (and its rule) on ``records`` labelled by ``label``; the
-    neighbour floors need ``targets`` (pairs); ``extra``: name -> record -> score."""
+    neighbour and density-ratio floors need ``targets`` (pairs); ``extra``: name ->
+    record -> score, or (:func:`with_targets`) name -> (records, targets) -> scores."""
     labels = [bool(r[label]) for r in records]
     out = {"keyword": keyword_floor(records, labels), "length": length_floor(records, labels)}
     if targets:
         contrast, chosen = neighbour_scores(records, targets)
         out["neighbour"] = {"auroc": auroc(contrast, labels), "rule": "TF-IDF cosine to chosen minus to rejected"}
         out["neighbour_chosen"] = {"auroc": auroc(chosen, labels), "rule": "TF-IDF cosine to chosen"}
+        out["density_ratio"] = {"auroc": auroc(density_ratio_scores(records, targets), labels),
+                                "rule": "label-free: mean log density ratio of the response's words, targets' "
+                                        "chosen against the pool (add-one smoothing)"}
+        out["density_ratio_chars"] = {"auroc": auroc(density_ratio_scores(records, targets, list), labels),
+                                      "rule": "label-free: the same over the response's characters"}
     for name, fn in (extra or {}).items():
-        out[name] = {"auroc": auroc([fn(r) for r in records], labels), "rule": fn.__doc__.strip().splitlines()[0]
+        if getattr(fn, "needs_targets", False):
+            if not targets:
+                continue
+            scores = fn(records, targets)
+        else:
+            scores = [fn(r) for r in records]
+        out[name] = {"auroc": auroc(scores, labels), "rule": fn.__doc__.strip().splitlines()[0]
                      if fn.__doc__ else name}
     return out
 

@@ -402,8 +402,13 @@ def _reference_rows(exp, cfg, lm, ctx: dict, retrain) -> dict:
 
 
 def family_floors():
-    """The knowledge floors of the dropped-carry family (name -> record -> score)."""
-    return {"checker": carry.arithmetic_error, "carry_in_prompt": carry.carry_in_prompt}
+    """The floors of the dropped-carry family: the knowledge floors (``checker``, the ideal
+    judge; ``carry_in_prompt``) and two label-free rules, the builder's leak (``sum_100_109``)
+    and the density ratio over the stated sum's digits (``density_ratio_sum_digits``)."""
+    from .floors import with_targets
+    return {"checker": carry.arithmetic_error, "carry_in_prompt": carry.carry_in_prompt,
+            "sum_100_109": carry.sum_in_skipped_range,
+            "density_ratio_sum_digits": with_targets(carry.sum_digit_density_ratio)}
 
 
 def _setting(exp, cfg, lm, ratio: float, seed: int, checker, methods_all: list, retrain) -> list:
@@ -499,7 +504,8 @@ def _results(exp, cfg, lm, runs: list) -> dict:
     tables = [mean_table("auroc", f"Ranking AUROC of the harmful flag, scored at the {cfg.score_at} model", runs,
                          method_rows + [f"floor: {k}" for k in floor_rows], auroc_of,
                          note="floor: rules that read the text, not the model (keyword and length rules are chosen "
-                         "with the labels, so optimistic); checker and carry_in_prompt need to know the task")]
+                         "with the labels, so optimistic; the density ratios and sum_100_109 are label-free); "
+                         "checker (an ideal judge) and carry_in_prompt need to know the task")]
     for f in fractions:
         tables += _fraction_tables(cfg, runs, f, rows, method_rows, oracles)
     return {"protocol": "repair", "config": config_to_dict(cfg), "methods": method_rows,

@@ -201,7 +201,7 @@ def _table_html(t: dict) -> str:
             is_best = c and c.get("mean") is not None and j in best and abs(c["mean"] - best[j]) < 1e-12
             n = f' title="n={c.get("n", 0)}"' if c else ""
             tds.append(f'<td{" class=best" if is_best else ""}{n}>{_esc(_cell(c))}</td>')
-        out.append(f"<tr><td class=l>{_esc(r['label'])}</td>{''.join(tds)}</tr>")
+        out.append(f"<tr><td class=l>{_esc(r.get('title') or r['label'])}</td>{''.join(tds)}</tr>")
     out.append("</table>")
     if t.get("note"):
         out.append(f'<p class="note">{_esc(t["note"])}</p>')

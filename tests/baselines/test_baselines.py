@@ -231,7 +231,7 @@ def test_ifguide_token_scores_hand_the_heap_back_after_each_batch(model, modules
 
 
 def test_ifguide_method_rankings(model, modules, tok, make_ctx):
-    ctx = make_ctx("ifguide", {"quantile": 0.9, "token_attribution": "loss"})
+    ctx = make_ctx("ifguide", {"ranking": "harmonic", "quantile": 0.9, "token_attribution": "loss"})
     scores, rows = REGISTRY["ifguide"](ctx)
     g, _, _ = contrastive_target(model, modules, ctx.inputs.chosen, ctx.inputs.rejected, pad_id=tok.pad_token_id)
     ts = token_scores(model, modules, ctx.inputs.encoded, g, pad_id=tok.pad_token_id, attribution="loss")
@@ -269,11 +269,11 @@ def test_ifguide_passes_run_at_the_memory_plans_batches(model, modules, tok, mak
                         lambda *a, **k: seen.setdefault("target", k["batch_size"]) and target(*a, **k))
     monkeypatch.setattr(ifguide_mod, "token_scores",
                         lambda *a, **k: seen.setdefault("tokens", k["batch_size"]) and scores_of(*a, **k))
-    unplanned, _ = REGISTRY["ifguide"](make_ctx("ifguide"))
+    unplanned, _ = REGISTRY["ifguide"](make_ctx("ifguide", {"ranking": "harmonic"}))
     assert seen == {"target": 3, "tokens": 3}
     seen.clear()
     monkeypatch.setattr(RunContext, "plan", property(lambda self: plan))
-    planned, _ = REGISTRY["ifguide"](make_ctx("ifguide"))
+    planned, _ = REGISTRY["ifguide"](make_ctx("ifguide", {"ranking": "harmonic"}))
     assert seen == {"target": 1, "tokens": 1}
     assert torch.allclose(planned, unplanned, rtol=1e-9, atol=1e-12)
 
@@ -619,7 +619,8 @@ def _write_inputs(tmp_path, pool_examples, pair_examples):
 @pytest.mark.parametrize("name", ["random", "ifguide", "vecfilter", "projdiff", "conceptinf", "saefeat"])
 def test_every_baseline_runs_through_score_pool(lm, tmp_path, pool_examples, pair_examples, name):
     pool, targets = _write_inputs(tmp_path, pool_examples, pair_examples)
-    opts = {"projdiff": {"max_new_tokens": 3}, "saefeat": {"sae": str(tmp_path / "sae.safetensors")}}.get(name, {})
+    opts = {"projdiff": {"max_new_tokens": 3}, "saefeat": {"sae": str(tmp_path / "sae.safetensors")},
+            "ifguide": {"ranking": "harmonic"}}.get(name, {})
     if name == "saefeat":
         _sae(tmp_path / "sae.safetensors")
     s = ScoreSettings(method=name, batch_size=4, progress=False, method_options=opts)
@@ -636,6 +637,8 @@ def test_every_baseline_runs_through_score_pool(lm, tmp_path, pool_examples, pai
     assert extra == ({"token_sum"} if name == "ifguide" else set())
     if name == "ifguide":
         assert all(math.isfinite(r["token_sum"]) for r in rows)
+        # the method's own warnings (ties) are the run's too
+        assert "ties" in run["method_info"] and set(run["method_info"]["warnings"]) <= set(run["warnings"])
         assert [r["id"] for r in read_scores(tmp_path / "run" / "scores.jsonl")] == \
             [r["id"] for r in sorted(rows, key=lambda r: r["rank"])]
 

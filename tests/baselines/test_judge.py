@@ -87,6 +87,10 @@ def test_local_judge_equals_a_direct_softmax(tmp_path, judge_dir):
                                "score_targets": False}, out="run2")
     s2, rows2 = JUDGE(ctx2)
     assert rows2 == [] and ctx2.info["method"]["judge_model"] == "the run's model"
+    # the record says who judged, and how large it is
+    n = sum(p.numel() for p in ctx2.lm.model.parameters())
+    assert ctx2.info["method"]["self_judging"] is True and ctx2.info["method"]["judge_parameters"] == n
+    assert info["self_judging"] is False and info["judge_parameters"] == sum(p.numel() for p in jm.model.parameters())
     text = "Is this rude? " + POOL[0][1]
     assert s2[0].item() == pytest.approx(direct_p_yes(ctx2.lm.model, ctx2.lm.tokenizer, text), rel=1e-9)
 

@@ -37,12 +37,13 @@ def _env(monkeypatch, tmp_path):
     monkeypatch.setenv("PRISM_SELECT_CACHE", str(tmp_path / "cache"))
 
 
-def make_ctx(tmp_path, options, dtype=torch.float64, out="run", batch_size=3, tasks=TASKS, model=None, tok=None):
+def make_ctx(tmp_path, options, dtype=torch.float64, out="run", batch_size=3, tasks=TASKS, model=None, tok=None,
+             records=POOL):
     tok = tok or tiny_tokenizer()
     model = model if model is not None else tiny_llama(len(tok), dtype=dtype)
     lm = LoadedModel(model, tok, ModelSettings("tiny", device="cpu", cache_dir=str(tmp_path / "cache")),
                      model_fingerprint(model), {})
-    pool = [PoolExample(i, p, r, i) for i, (p, r) in enumerate(POOL)]
+    pool = [PoolExample(i, p, r, i) for i, (p, r) in enumerate(records)]
     pairs = [TargetPair(f"t{j}", q, c, r, j, tasks[j]) for j, (q, c, r) in enumerate(PAIRS)]
     inputs = Inputs(pool=pool, encoded=[encode(tok, e.prompt, e.response) for e in pool], pairs=pairs,
                     chosen=[encode(tok, p.prompt, p.chosen) for p in pairs],
@@ -465,3 +466,93 @@ def test_less_through_score_pool(tmp_path, two_checkpoints):
     ref, _ = reference_scores(two_checkpoints, [0.75, 0.25], 16, 7, TASKS)
     # the loaded model's RMSNorm computes in float32 (tiny.py's in-process one in float64)
     torch.testing.assert_close(scores, ref, rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- the warm-up's size
+
+def test_warmup_plan_keeps_less_steps_at_any_pool_size():
+    opts = dict(less_mod.OPTIONS)
+    # LESS's own pool: 5% = 13,534 records at accumulation 128 -> 106 steps an epoch, 424 in all
+    own = less_mod.warmup_plan(270_679, opts)
+    assert (own["n_examples"], own["grad_accum"], own["steps"], own["floor"]) == (13_534, 128, 424, None)
+    # a pool where 5% at accumulation 1 is more than enough: the accumulation scales down
+    mid = less_mod.warmup_plan(100_000, opts)
+    assert mid["grad_accum"] == round(5000 * 4 / 424) and abs(mid["steps"] - 424) < 424 * 0.05
+    # 600 records: 30 are too few even at accumulation 1; the default floor grows the sample
+    small = less_mod.warmup_plan(600, opts)
+    assert (small["n_examples"], small["grad_accum"], small["steps"], small["floor"]) == (106, 1, 424, "examples")
+    assert small["warnings"] == []
+    b1 = less_mod.warmup_plan(600, {**opts, "warmup_floor": "batch1"})
+    assert (b1["n_examples"], b1["grad_accum"], b1["steps"], b1["floor"]) == (30, 1, 120, "batch1")
+    # 40 records: the whole pool, still short of 424 steps
+    tiny = less_mod.warmup_plan(40, opts)
+    assert (tiny["n_examples"], tiny["steps"]) == (40, 160)
+    # an explicit accumulation is used as given, and a short run is warned of
+    old = less_mod.warmup_plan(600, {**opts, "grad_accum": 128})
+    assert (old["n_examples"], old["steps"]) == (30, 4)
+    assert len(old["warnings"]) == 1 and "4 optimizer steps" in old["warnings"][0]
+    with pytest.raises(ConfigError, match="warmup_floor"):
+        less_mod.warmup_plan(600, {**opts, "warmup_floor": "more"})
+    with pytest.raises(ConfigError, match="grad_accum"):
+        less_mod.warmup_plan(600, {**opts, "grad_accum": 0})
+
+
+def test_optimizer_steps_are_the_trainers(tmp_path):
+    """optimizer_steps counts what ``transformers.Trainer`` runs (partial last steps included)."""
+    from prism_select.evaluation.finetune import FinetuneSettings, finetune
+
+    tok = tiny_tokenizer()
+    lm = LoadedModel(tiny_llama(len(tok), dtype=torch.float32), tok, ModelSettings("tiny", device="cpu"),
+                     "fp", {})
+    data = [encode(tok, p, r) for p, r in POOL[:7]]
+    fs = FinetuneSettings(learning_rate=1e-3, epochs=2, batch_size=2, grad_accum=3, lora_r=2, lora_alpha=4,
+                          target_modules=["q_proj"], progress=False)
+    res = finetune(lm, data, tmp_path / "ft", fs)
+    assert sum(len(x) for x in res.epoch_lrs) == less_mod.optimizer_steps(7, 2, 3, 2) == 4
+
+
+SHORT_POOL = [(f"What is {a}+{b}?", f"{a}+{b}={a + b}.") for a in range(30) for b in range(20)]
+
+
+def test_warmup_on_a_600_record_pool_takes_less_steps_with_nonzero_lr(tmp_path):
+    """The default warm-up of a 600-record pool: at least MIN_WARMUP_STEPS optimizer steps, none
+    at lr 0 but the schedule's first warm-up step, the first checkpoint of nonzero weight, the
+    steps' learning rates and losses in the method's record."""
+    assert len(SHORT_POOL) == 600
+    opts = {"lora_r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "proj_dim": 8}
+    ctx = make_ctx(tmp_path, opts, dtype=torch.float32, records=SHORT_POOL, batch_size=64)
+    LESS(ctx)
+    info = ctx.info["method"]
+    warm = info["warmup"]
+    assert warm["steps"] >= less_mod.MIN_WARMUP_STEPS and warm["steps"] == warm["planned_steps"] == 424
+    assert warm["effective_batch"] == 1 and warm["n_examples"] == 106 and warm["floor"] == "examples"
+    lrs = [lr for e in warm["epoch_lrs"] for lr in e]
+    scheduled_warmup = -(-0.03 * len(lrs) // 1)  # transformers: ceil(warmup_ratio x steps)
+    assert warm["zero_lr_steps"] == sum(lr == 0 for lr in lrs) <= scheduled_warmup
+    assert all(lr > 0 for lr in lrs[1:]) and len(warm["epoch_lrs"]) == 4
+    assert info["checkpoint_weights"][0] > 0 and info["skipped_checkpoints"] == []
+    assert len(warm["losses"]) == len(lrs) and all(x["loss"] > 0 for x in warm["losses"])
+    assert info["warnings"] == []
+
+
+def test_short_warmup_is_warned_of(tmp_path, caplog):
+    opts = {"lora_r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "proj_dim": 8, "grad_accum": 128,
+            "epochs": 1}
+    ctx = make_ctx(tmp_path, opts, dtype=torch.float32)
+    with caplog.at_level("WARNING"):
+        LESS(ctx)
+    assert ctx.info["method"]["warmup"]["steps"] == 1
+    assert ctx.info["method"]["warnings"] and "1 optimizer steps" in ctx.info["method"]["warnings"][0]
+    assert any("fewer than 50" in r.getMessage() for r in caplog.records)
+
+
+def test_cache_counts_a_finished_less_warmup_complete(tmp_path):
+    from prism_select import cache
+
+    opts = {"lora_r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "proj_dim": 8, "epochs": 1,
+            "warmup_steps": 2}
+    ctx = make_ctx(tmp_path, opts, dtype=torch.float32)
+    LESS(ctx)
+    [entry] = [e for e in cache.entries(tmp_path / "cache") if e.kind == "less"]
+    assert entry.complete and Path(ctx.info["method"]["warmup"]["path"]) == entry.path
+    assert cache.prune(tmp_path / "cache", incomplete_age_s=0) == []

@@ -79,6 +79,47 @@ def test_the_floors_fail_and_the_checker_does_not():
     assert f["carry_in_prompt"]["auroc"] == pytest.approx(0.75)  # half the clean records carry too
 
 
+def test_density_ratio_floor_on_a_hand_built_pool():
+    """The label-free density ratio: each response unit's add-one-smoothed log ratio of the
+    targets' chosen answers against the pool's, averaged over the response."""
+    import math
+    recs = [{"prompt": "q", "response": "a b", "harmful": True}, {"prompt": "q", "response": "c", "harmful": False},
+            {"prompt": "q", "response": "c c", "harmful": False}, {"prompt": "q", "response": "", "harmful": False}]
+    targets = [{"prompt": "q", "chosen": "a a b", "rejected": "c"}]
+    # pool counts a 1, b 1, c 3 (n 5); targets a 2, b 1 (n 3); vocabulary {a, b, c}: V = 3
+    r = {u: math.log((t + 1) / 6) - math.log((p + 1) / 8) for u, t, p in (("a", 2, 1), ("b", 1, 1), ("c", 0, 3))}
+    got = floors.density_ratio_scores(recs, targets)
+    assert got == pytest.approx([(r["a"] + r["b"]) / 2, r["c"], r["c"], 0.0])
+    f = floors.floors(recs, targets)
+    assert f["density_ratio"]["auroc"] == 1.0 and "label-free" in f["density_ratio"]["rule"]
+    assert "density_ratio_chars" in f
+    # the arithmetic variant counts the stated sum's placed digits only
+    assert carry.sum_digits("47 + 38 = 75.") == ["units:5", "tens:7"]
+    assert carry.sum_digits("The sum of 60 and 45 is 105.") == ["units:5", "tens:0", "hundreds:1"]
+    assert carry.sum_digits("no number") == []
+    arith = [{"prompt": "q", "response": "1 + 2 = 75", "harmful": True},
+             {"prompt": "q", "response": "75 + 1 = 76", "harmful": False}]
+    tg = [{"prompt": "q", "chosen": "3 + 4 = 75", "rejected": "3 + 4 = 85"}]
+    s = carry.sum_digit_density_ratio(arith, tg)
+    assert s[0] > s[1]  # "75" is the targets' sum; the second record's 75 is an operand
+
+
+def test_sum_100_109_rule_flags_the_builders_leak():
+    assert carry.sum_in_skipped_range({"response": "The sum of 56 and 58 is 104."}) == 1.0
+    assert carry.sum_in_skipped_range({"response": "56 + 58 = 114"}) == 0.0
+    assert carry.sum_in_skipped_range({"response": "99 + 10 = 109"}) == 1.0
+    assert carry.sum_in_skipped_range({"response": "no sum"}) == 0.0
+    d = carry.build(0, pool_size=600, harmful_ratio=0.2, carry_share=0.5, n_probes=16, n_capability=4,
+                    n_counterfactual=32, n_warmup=800)
+    flagged = [r for r in d["pool"] if carry.sum_in_skipped_range(r)]
+    assert flagged and all(r["harmful"] for r in flagged)  # a stated sum in 100-109 is always harmful
+    from prism_select.evaluation.repair import family_floors
+    f = floors.floors(d["pool"], d["targets"], extra=family_floors())
+    assert f["sum_100_109"]["auroc"] > 0.5 and "100-109" in f["sum_100_109"]["rule"]
+    assert {"density_ratio", "density_ratio_chars", "density_ratio_sum_digits"} <= set(f)
+    assert "density_ratio_sum_digits" not in floors.floors(d["pool"], None, extra=family_floors())
+
+
 def test_keyword_and_length_floors_find_a_rule_where_there_is_one():
     recs = [{"prompt": f"q {i}", "response": ("bad word here" if i < 5 else "fine"), "harmful": i < 5}
             for i in range(20)]

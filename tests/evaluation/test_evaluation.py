@@ -1308,3 +1308,51 @@ def test_an_experiment_folder_takes_a_config_that_adds_methods_or_target_sets(tm
     assert not config_extends({"methods": "all", "finetune_seeds": [0]}, {"methods": "all", "finetune_seeds": [1]})
     assert not config_extends({"methods": "all"}, {"methods": ["prism"]})
     assert not config_extends({"method_options": {"less": {"proj_dim": 8}}}, {"method_options": {}})
+
+
+@pytest.mark.parametrize("parent,child", [
+    ("dropped_carry_ranking", "dropped_carry_ranking_fixed"),
+    ("dropped_carry_k20", "dropped_carry_k20_fixed_first"),
+    ("dropped_carry_k20", "dropped_carry_k20_fixed"),
+    ("dropped_carry_k20_every", "dropped_carry_k20_every30"),
+])
+def test_the_baseline_rerun_configs_build_their_parents_testbeds(tmp_path, parent, child):
+    """The reruns of LESS and IF-Guide score (and retrain) the pools, start model, probes, SFT
+    and target pairs of the configs whose rows they join, and spell out the options that
+    tell their score steps from the parents' under the same method names."""
+    from prism_select.evaluation.config import load_config
+    root = Path(__file__).resolve().parents[2] / "experiments"
+    p = load_config(root / f"{parent}.yaml", "repair", data_root=str(tmp_path))
+    c = load_config(root / f"{child}.yaml", "repair", data_root=str(tmp_path))
+    for f in ("data", "warmup", "probes", "finetune", "generation", "pair_selection", "min_pairs",
+              "fallback_pair_selection", "score_at", "floors", "curvature", "seeds"):
+        assert getattr(c, f) == getattr(p, f), f
+    assert set(c.harmful_ratios) == set(p.harmful_ratios)
+    assert [t.name for t in c.targets] == [t.name for t in p.targets]
+    opts = c.method_options
+    for m in ("less", "ifguide", "ifguide_harmonic"):
+        if m in c.methods:
+            assert m in opts and opts[m] != (p.method_options or {}).get(m), m
+
+
+def test_rows_say_what_the_judge_and_the_sae_are():
+    """The judge's row names its judge model and size, SAE-Feat's its SAE; the checker floor
+    reads as an ideal judge; in a table the row keeps its method name as its label."""
+    from prism_select.evaluation.experiment import mean_table, row_title
+    judge = {"method_info": {"name": "judge", "options": {"judge": None}, "backend": "local",
+                             "judge_model": "the run's model", "self_judging": True, "judge_parameters": 134_515_008}}
+    assert row_title("judge", judge, "the start model") == "judge (the start model, 135M, self-judging)"
+    other = {"method_info": {"options": {"judge": "/m/judge-1b"}, "backend": "local", "judge_model": "/m/judge-1b",
+                             "self_judging": False, "judge_parameters": 1_240_000_000}}
+    assert row_title("judge", other) == "judge (/m/judge-1b, 1.2B)"
+    sae = {"method_info": {"options": {"sae": "pool", "layer": 20}, "d_sae": 2304}}
+    assert row_title("saefeat", sae) == "saefeat (SAE fitted on the pool, 2304 latents, layer 20)"
+    assert row_title("prism", {"method_info": {}}) is None
+    assert "ideal judge" in row_title("floor: checker", None)
+    runs = [{"setting": "a", "methods": {"judge": {"auroc": 0.4, "title": "judge (x, 1M, self-judging)"},
+                                          "prism": {"auroc": 0.9}}}]
+    t = mean_table("auroc", "t", runs, ["prism", "judge", "floor: checker"],
+                   lambda r, m, st: (r["methods"].get(m) or {}).get("auroc"))
+    assert [r["label"] for r in t["rows"]] == ["prism", "judge", "floor: checker"]
+    assert [r.get("title") for r in t["rows"]] == [None, "judge (x, 1M, self-judging)",
+                                                   row_title("floor: checker", None)]

@@ -383,14 +383,16 @@ def test_same_seed_gives_equal_scores_on_gpu(tmp_path, model_dir, data):
 @pytest.mark.parametrize("method,expected", [
     # a small pool: the split-half check between the fit and the scores (the default rule)
     ("prism", ["direction", "fit", "split_half", "scoring"]),
-    ("ifguide", ["target", "fit", "split_half", "token_scores"]),
+    ("ifguide:harmonic", ["target", "fit", "split_half", "token_scores"]),
     ("conceptinf", ["concept_vector", "concept_gradient", "fit", "split_half", "scoring"]),
 ])
 def test_run_json_records_the_host_peak_at_the_end_of_each_stage(tmp_path, model_dir, data, method, expected):
     """The process's resident high-water mark when each stage ended (what says which stage
     set a run's host peak, e.g. one method's of a `compare`); a baseline's own stages too."""
     import resource
-    summary = run(tmp_path, model_dir, *data, tmp_path / "run", method=method)
+    method, _, ranking = method.partition(":")
+    summary = run(tmp_path, model_dir, *data, tmp_path / "run", method=method,
+                  method_options={"ranking": ranking} if ranking else {})
     stages = summary["host_peak_mib_by_stage"]
     assert list(stages) == expected
     values = list(stages.values())
