@@ -488,12 +488,18 @@ def cmd_cache(a):
                           "without --cache-dir shows the default one)")
     if a.kind is not None and a.kind not in cache.MARKERS:
         raise ConfigError("kind", f"unknown cache kind {a.kind!r}", f"use one of {', '.join(cache.MARKERS)}")
+    cache.check_root(root)  # a folder that is no cache is refused by name
+    es, other = cache.scan(root)
     if a.action == "list":
-        es = cache.entries(root)
         for e in es:
             print(f"{e.kind:<11} {cache.format_size(e.size):>10}  {e.to_json()['last_used']}  "
                   f"{'' if e.complete else '(incomplete) '}{e.path}")
+        for u in other:
+            print(f"{'left alone':<11} {'':>10}  {_UNMANAGED[u.why]:<19}  {u.path}")
         print(f"{len(es)} entries, {cache.format_size(sum(e.size for e in es))} in {root}")
+        if other:
+            print(f"{len(other)} folder{'s' if len(other) != 1 else ''} left alone by prune and clear (links, entries "
+                  f"written before entry markers existed, or folders prism-select did not write): {cache.BY_HAND}")
         return
     if a.action == "prune":
         if a.max_gb is not None and not a.max_gb >= 0:
@@ -501,9 +507,15 @@ def cmd_cache(a):
         gone = cache.prune(root, None if a.max_gb is None else int(a.max_gb * (1 << 30)))
     else:
         gone = cache.clear(root, a.kind)
-    left = cache.entries(root)
+    left, other = cache.scan(root)
     print(f"removed {len(gone)} entries ({cache.format_size(sum(e.size for e in gone))}); "
-          f"{len(left)} left ({cache.format_size(sum(e.size for e in left))}) in {root}")
+          f"{len(left)} left ({cache.format_size(sum(e.size for e in left))}) in {root}"
+          + (f"; {len(other)} folder{'s' if len(other) != 1 else ''} left alone (see prism-select cache list)"
+             if other else ""))
+
+
+#: what ``cache list`` says of a folder it leaves alone, by :class:`prism_select.cache.Unmanaged` ``why``
+_UNMANAGED = {"link": "(symbolic link)", "unmarked": "(unmarked entry)", "foreign": "(not prism-select's)"}
 
 
 def main(argv=None) -> int:

@@ -90,6 +90,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from .. import cache
 from ..data.tokenize import collate, encoded_fingerprint, token_losses
 from ..errors import CacheError, ConfigError, InputError
 from ..gradients import Taps, activation_grad_mode, check_finite, release_host_memory
@@ -393,6 +394,7 @@ def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=root))
+        cache.claim(tmp)  # the entry marker first: a killed warm-up leaves an entry prune may remove
     except OSError as e:
         raise CacheError(f"cannot write the LESS warm-up cache under {root}: {e}; set cache_dir "
                          "(or $PRISM_SELECT_CACHE) to a writable directory") from e
