@@ -162,3 +162,123 @@ def test_links_in_the_cache_are_never_listed_as_entries_or_removed_through(tmp_p
     assert _tree(elsewhere) == before and link.is_symlink()
     assert cache.remove(link) is False and cache.remove(root / "models" / "zz") is False
     assert _tree(elsewhere) == before
+
+
+# --------------------------------------------------------------------------- the run folder
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile-files")
+    pool, targets = make_example(d / "data", n_pool=8, n_pairs=3)
+    return save_tiny(d / "model"), pool, targets
+
+
+def _score_argv(files, out, *extra, pool=None):
+    model, pool0, targets = files
+    return ["score", "--model", str(model), "--pool", str(pool or pool0), "--targets", str(targets),
+            "--out", str(out), "--device", "cpu", "--dtype", "float32", "--max-length", "128", "--no-progress",
+            "--curvature", "identity", "--cache-dir", str(Path(out).parent / "cache"), *extra]
+
+
+def _scores(out):
+    return [json.loads(line) for line in (Path(out) / "scores.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hostile-files-ref") / "ref"
+    assert cli.main(_score_argv(files, out)) == 0
+    return out
+
+
+def test_a_partial_that_is_a_link_is_refused_and_overwrite_removes_the_link_itself(files, reference, tmp_path,
+                                                                                   capsys):
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep")
+    (out / ".partial").symlink_to(elsewhere, target_is_directory=True)
+    _fails(_score_argv(files, out), capsys, f"{out / '.partial'} is a symbolic link", "--overwrite")
+    assert _tree(elsewhere) == {"keep.txt": b"keep"}
+    assert cli.main(_score_argv(files, out, "--overwrite")) == 0
+    assert _tree(elsewhere) == {"keep.txt": b"keep"} and not (out / ".partial").exists()
+    assert _scores(out) == _scores(reference)
+
+
+def test_a_link_planted_inside_an_unfinished_run_is_refused(files, tmp_path, capsys):
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / ".partial").mkdir(parents=True)
+    (out / ".partial" / "scores").symlink_to(elsewhere, target_is_directory=True)
+    _fails(_score_argv(files, out), capsys, f"{out / '.partial' / 'scores'} is a symbolic link")
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_second_run_with_the_same_out_is_refused_while_the_first_holds_it(files, reference, tmp_path, capsys,
+                                                                            monkeypatch):
+    from prism_select import locks, pipeline
+
+    out = tmp_path / "run"
+    out.mkdir()
+    loaded = []
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: loaded.append(1) / 0)
+    with locks.held(out / pipeline.RUN_LOCK):  # another run holds it (a lock is per open file)
+        _fails(_score_argv(files, out), capsys, f"{out} is in use by another prism-select run",
+               f"process {os.getpid()}")
+    assert loaded == [] and list(out.iterdir()) == []  # refused before the model loads, nothing left
+    monkeypatch.undo()
+    (out / pipeline.RUN_LOCK).write_text("4194304 on elsewhere\n")  # a dead process's lock file
+    assert cli.main(_score_argv(files, out)) == 0
+    assert _scores(out) == _scores(reference) and not (out / pipeline.RUN_LOCK).exists()
+
+
+def test_a_finished_run_is_reported_before_the_model_loads(files, reference, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from prism_select import pipeline
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    _fails(_score_argv(files, out), capsys, "already holds a finished run", "--overwrite")
+
+
+def test_a_pool_rewritten_while_it_is_scored_stops_the_run(files, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from prism_select import pipeline
+
+    pool = tmp_path / "pool.jsonl"
+    shutil.copy(files[1], pool)
+    real = pipeline._method_fn
+
+    def rewriting(name):
+        fn = real(name)
+
+        def run(ctx):
+            out = fn(ctx)
+            rows = pool.read_text().splitlines()
+            pool.write_text("\n".join(rows[::-1]) + "\n")  # another process rewrites the pool meanwhile
+            return out
+        return run
+
+    monkeypatch.setattr(pipeline, "_method_fn", rewriting)
+    out = tmp_path / "run"
+    _fails(_score_argv(files, out, pool=pool), capsys, str(pool), "changed while the run read and scored it")
+    assert not (out / "scores.jsonl").exists() and not (out / "run.json").exists()
+    assert not (out / ".partial").exists()
+
+
+def test_select_refuses_a_pool_changed_after_the_run(files, reference, tmp_path, capsys):
+    import shutil
+
+    pool = tmp_path / "pool.jsonl"
+    shutil.copy(files[1], pool)
+    out = tmp_path / "run"
+    assert cli.main(_score_argv(files, out, pool=pool)) == 0
+    rows = pool.read_text().splitlines()
+    pool.write_text("\n".join(rows[::-1]) + "\n")
+    _fails(["select", "--run", out, "--pool", pool, "--keep", "2", "--out", tmp_path / "kept.jsonl"], capsys,
+           "not the pool")
+    assert not (tmp_path / "kept.jsonl").exists()
