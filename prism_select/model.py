@@ -132,6 +132,14 @@ class ModelSettings:
             raise ConfigError("cache_dir", f"must be a directory path or None, got {self.cache_dir!r}",
                               f"pass a writable directory, or leave it out for ${CACHE_ENV} "
                               "or ~/.cache/prism-select")
+        if self.cache_dir is not None:
+            try:
+                Path(self.cache_dir).expanduser()
+            except RuntimeError:  # ~name of a user this system does not know
+                user = self.cache_dir.split("/", 1)[0]
+                raise ConfigError("cache_dir", f"{self.cache_dir!r} starts with {user}, the home folder of a user "
+                                  "this system does not know", "spell the folder out, or write ~/ for your own "
+                                  "home") from None
         if self.attn_implementation is not None:
             a = self.attn_implementation
             if not isinstance(a, str) or not a.strip():

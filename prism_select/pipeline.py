@@ -63,6 +63,7 @@ from .io import (
     atomic_write_jsonl,
     check_writable_dir,
     read_saved_state,
+    remove_stale_temps,
     sha256_file,
     sha256_json,
 )
@@ -961,6 +962,8 @@ def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool) -> bool:
     check_writable_dir(out_dir)
     run_json = out_dir / "run.json"
     partial = out_dir / ".partial"
+    for f in ("scores.jsonl", "pairs.jsonl", "run.json"):
+        remove_stale_temps(out_dir / f)  # what a killed earlier run left of its files
     if overwrite:
         remove_tree(partial)  # a planted link is removed as a link, never through
         for f in ("scores.jsonl", "pairs.jsonl", "run.json"):

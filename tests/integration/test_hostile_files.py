@@ -282,3 +282,89 @@ def test_select_refuses_a_pool_changed_after_the_run(files, reference, tmp_path,
     _fails(["select", "--run", out, "--pool", pool, "--keep", "2", "--out", tmp_path / "kept.jsonl"], capsys,
            "not the pool")
     assert not (tmp_path / "kept.jsonl").exists()
+
+
+# --------------------------------------------------------------------------- signals, temporary files, names
+
+
+def _run_python(code: str, cwd) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), str(Path(__file__).parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_sigterm_is_handled_as_ctrl_c(files, tmp_path):
+    """What ``timeout``, Slurm and docker send: the interrupt's line and exit 143, and the
+    run folder's lock released (no lock file left)."""
+    out = tmp_path / "run"
+    argv = [str(a) for a in _score_argv(files, out)]
+    code = ("import os, signal, sys\n"
+            "from prism_select import cli, pipeline\n"
+            "pipeline.load_model = lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM)\n"
+            f"sys.exit(cli.main({argv!r}))\n")
+    done = _run_python(code, tmp_path)
+    assert done.returncode == 143, (done.returncode, done.stderr[-2000:])
+    assert "terminated (SIGTERM)" in done.stderr and "run the same command again" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not out.exists()  # nothing had started: no --out (and no lock file) left
+
+
+def test_a_select_killed_mid_write_leaves_no_temporary_file_after_the_next(files, reference, tmp_path):
+    kept = tmp_path / "sel" / "kept.jsonl"
+    argv = ["select", "--run", str(reference), "--pool", str(files[1]), "--keep", "3", "--out", str(kept)]
+    code = ("import os, signal\n"
+            "from prism_select import cli\n"
+            "os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)\n"
+            f"cli.main({argv!r})\n")
+    assert _run_python(code, tmp_path).returncode == -9
+    left = [p.name for p in kept.parent.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".kept.jsonl.") and left[0].endswith(".tmp")  # killed mid-write
+    assert cli.main(argv) == 0
+    assert [p.name for p in kept.parent.iterdir()] == ["kept.jsonl"]
+    assert len(kept.read_text().splitlines()) == 3
+
+
+def test_a_live_writers_temporary_file_is_kept():
+    from prism_select import io
+
+    d = Path(os.environ.get("TMPDIR", "/tmp"))
+    import tempfile
+    with tempfile.TemporaryDirectory(dir=d) as t:
+        mine = Path(t) / f".kept.jsonl.{os.getpid()}-{io._HOST}.abcdefgh.tmp"
+        mine.write_text("being written")
+        old_form = Path(t) / ".kept.jsonl.abcdefgh.tmp"
+        old_form.write_text("x")
+        _old(old_form, io.STALE_TEMP_S + 60)
+        assert io.remove_stale_temps(Path(t) / "kept.jsonl") == [old_form] and mine.exists()
+
+
+@pytest.mark.parametrize("command", ["score", "select"])
+def test_an_out_name_too_long_is_a_named_error(files, reference, tmp_path, command, capsys):
+    out = tmp_path / ("r" * 300)
+    if command == "score":
+        argv = _score_argv(files, out)
+    else:
+        argv = ["select", "--run", reference, "--pool", files[1], "--keep", "2", "--out", out]
+    _fails(argv, capsys, "setting 'out'", "ENAMETOOLONG", "300 characters")
+
+
+def test_a_cache_dir_of_an_unknown_users_home_is_a_named_error(files, tmp_path, capsys):
+    argv = _score_argv(files, tmp_path / "run")
+    argv[argv.index("--cache-dir") + 1] = "~nosuchuser-prism/c"
+    _fails(argv, capsys, "setting 'cache_dir'", "~nosuchuser-prism", "a user this system does not know")
+    _fails(["cache", "list", "--cache-dir", "~nosuchuser-prism/c"], capsys, "setting 'cache_dir'")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ids_1_and_text_1_are_one_id_refused_as_duplicates(files, tmp_path, stream, capsys):
+    pool = tmp_path / "pool.jsonl"
+    rows = [json.loads(line) for line in Path(files[1]).read_text().splitlines()][:4]
+    for r, rid in zip(rows, [1, "1", 2, 3]):
+        r["id"] = rid
+    pool.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = _score_argv(files, tmp_path / "run", *(["--stream"] if stream else []), pool=pool)
+    _fails(argv, capsys, "duplicate id", "lines 1 and 2", "1 and '1' are one id")
