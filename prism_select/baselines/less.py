@@ -366,8 +366,6 @@ def warmup_subset(n: int, fraction: float, seed: int) -> list:
 
 def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
     """Train (or reuse from the cache) the warm-up LoRA; returns checkpoint dirs and info."""
-    from ..evaluation.finetune import finetune
-
     frac = opts["warmup_fraction"]
     if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
         raise ConfigError("warmup_fraction", f"must be in (0, 1], got {frac!r}")
@@ -380,6 +378,23 @@ def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
     root = Path(ctx.lm.settings.resolved_cache_dir()) / "less"
     target = root / key
     info = {"key": key, "path": str(target), "n_examples": len(idx), "settings": train}
+    try:  # one process trains a warm-up at a time; another one waits, then reuses it
+        lock = cache.writing(target)
+        lock.__enter__()
+    except OSError as e:
+        raise CacheError(f"cannot write the LESS warm-up cache under {root}: {e.strerror or e}; set cache_dir "
+                         "(or $PRISM_SELECT_CACHE) to a writable directory") from e
+    try:
+        return _warmup_locked(ctx, fs, idx, key, train, target, info)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _warmup_locked(ctx, fs, idx, key, train, target, info) -> tuple[list, dict]:
+    """:func:`warmup_checkpoints` once it holds the entry's write lock."""
+    from ..evaluation.finetune import finetune
+
+    root = target.parent
     marker = target / WARMUP_FILE
     if marker.is_file():
         try:

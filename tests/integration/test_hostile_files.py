@@ -368,3 +368,35 @@ def test_ids_1_and_text_1_are_one_id_refused_as_duplicates(files, tmp_path, stre
     pool.write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = _score_argv(files, tmp_path / "run", *(["--stream"] if stream else []), pool=pool)
     _fails(argv, capsys, "duplicate id", "lines 1 and 2", "1 and '1' are one id")
+
+
+def test_an_entry_being_written_is_not_removed(tmp_path):
+    """Its write lock held (as by another process writing it), an entry survives clear,
+    prune and eviction; released, it is removed."""
+    from prism_select import locks
+
+    d = _real_cache(tmp_path / "cache")
+    with locks.held(cache.lock_path(d)):
+        assert cache.clear(tmp_path / "cache") == [] and cache.prune(tmp_path / "cache", max_bytes=0) == []
+        cache.make_room(tmp_path / "cache", 10, max_bytes=10)
+        assert d.exists()
+    assert [e.path for e in cache.clear(tmp_path / "cache")] == [d] and not d.exists()
+    assert not cache.lock_path(d).exists()
+
+
+def test_a_second_writer_of_an_entry_waits_for_the_first(tmp_path):
+    import threading
+
+    d = tmp_path / "cache" / "curvature" / "k"
+    order = []
+
+    def second():
+        cache.guarded_write(d, lambda: order.append("second"), "x")
+
+    with cache.writing(d):
+        t = threading.Thread(target=second)
+        t.start()
+        t.join(0.5)
+        order.append("first")
+    t.join(10)
+    assert order == ["first", "second"]
