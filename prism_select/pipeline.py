@@ -1171,8 +1171,10 @@ def run_folder_lock(out_dir: Path):
 
 def pool_file_sha(pool_path) -> str | None:
     """The pool file's sha256 (a saved dataset's files together), None where it cannot be
-    read (the checks of the inputs name that)."""
+    read, or is no regular file or saved dataset (the checks of the inputs name that: a
+    device or a pipe is never read)."""
     try:
+        detect_format(pool_path)
         return sha256_file(pool_path)
     except InputError:
         return None
