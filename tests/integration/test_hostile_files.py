@@ -287,39 +287,43 @@ def test_select_refuses_a_pool_changed_after_the_run(files, reference, tmp_path,
 # --------------------------------------------------------------------------- signals, temporary files, names
 
 
-def _run_python(code: str, cwd) -> "subprocess.CompletedProcess":
-    import subprocess
-    import sys
+def test_sigterm_is_handled_as_ctrl_c(files, tmp_path, capsys, monkeypatch):
+    """What ``timeout``, Slurm and docker send: the interrupt's line and exit 143, the
+    run folder's lock released, and the handler before the command restored after it."""
+    import signal
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), str(Path(__file__).parents[1]),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    from prism_select import pipeline
 
+    def unhandled(signum, frame):
+        raise RuntimeError("SIGTERM reached the handler outside the command")
 
-def test_sigterm_is_handled_as_ctrl_c(files, tmp_path):
-    """What ``timeout``, Slurm and docker send: the interrupt's line and exit 143, and the
-    run folder's lock released (no lock file left)."""
     out = tmp_path / "run"
-    argv = [str(a) for a in _score_argv(files, out)]
-    code = ("import os, signal, sys\n"
-            "from prism_select import cli, pipeline\n"
-            "pipeline.load_model = lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM)\n"
-            f"sys.exit(cli.main({argv!r}))\n")
-    done = _run_python(code, tmp_path)
-    assert done.returncode == 143, (done.returncode, done.stderr[-2000:])
-    assert "terminated (SIGTERM)" in done.stderr and "run the same command again" in done.stderr
-    assert "Traceback" not in done.stderr
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        assert cli.main([str(a) for a in _score_argv(files, out)]) == 143
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    err = capsys.readouterr().err
+    assert "terminated (SIGTERM)" in err and "run the same command again" in err and "Traceback" not in err
     assert not out.exists()  # nothing had started: no --out (and no lock file) left
 
 
 def test_a_select_killed_mid_write_leaves_no_temporary_file_after_the_next(files, reference, tmp_path):
+    import signal
+
     kept = tmp_path / "sel" / "kept.jsonl"
     argv = ["select", "--run", str(reference), "--pool", str(files[1]), "--keep", "3", "--out", str(kept)]
-    code = ("import os, signal\n"
-            "from prism_select import cli\n"
-            "os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)\n"
-            f"cli.main({argv!r})\n")
-    assert _run_python(code, tmp_path).returncode == -9
+    pid = os.fork()
+    if pid == 0:  # the child is killed (SIGKILL) in the middle of writing --out
+        try:
+            os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+            cli.main(argv)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     left = [p.name for p in kept.parent.iterdir()]
     assert len(left) == 1 and left[0].startswith(".kept.jsonl.") and left[0].endswith(".tmp")  # killed mid-write
     assert cli.main(argv) == 0
