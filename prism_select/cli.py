@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
 import typing
 from pathlib import Path
@@ -491,12 +492,18 @@ def cmd_cache(a):
                           "without --cache-dir shows the default one)")
     if a.kind is not None and a.kind not in cache.MARKERS:
         raise ConfigError("kind", f"unknown cache kind {a.kind!r}", f"use one of {', '.join(cache.MARKERS)}")
+    cache.check_root(root)  # a folder that is no cache is refused by name
+    es, other = cache.scan(root)
     if a.action == "list":
-        es = cache.entries(root)
         for e in es:
             print(f"{e.kind:<11} {cache.format_size(e.size):>10}  {e.to_json()['last_used']}  "
                   f"{'' if e.complete else '(incomplete) '}{e.path}")
+        for u in other:
+            print(f"{'left alone':<11} {'':>10}  {_UNMANAGED[u.why]:<19}  {u.path}")
         print(f"{len(es)} entries, {cache.format_size(sum(e.size for e in es))} in {root}")
+        if other:
+            print(f"{len(other)} folder{'s' if len(other) != 1 else ''} left alone by prune and clear (links, entries "
+                  f"written before entry markers existed, or folders prism-select did not write): {cache.BY_HAND}")
         return
     if a.action == "prune":
         if a.max_gb is not None and not a.max_gb >= 0:
@@ -504,9 +511,15 @@ def cmd_cache(a):
         gone = cache.prune(root, None if a.max_gb is None else int(a.max_gb * (1 << 30)))
     else:
         gone = cache.clear(root, a.kind)
-    left = cache.entries(root)
+    left, other = cache.scan(root)
     print(f"removed {len(gone)} entries ({cache.format_size(sum(e.size for e in gone))}); "
-          f"{len(left)} left ({cache.format_size(sum(e.size for e in left))}) in {root}")
+          f"{len(left)} left ({cache.format_size(sum(e.size for e in left))}) in {root}"
+          + (f"; {len(other)} folder{'s' if len(other) != 1 else ''} left alone (see prism-select cache list)"
+             if other else ""))
+
+
+#: what ``cache list`` says of a folder it leaves alone, by :class:`prism_select.cache.Unmanaged` ``why``
+_UNMANAGED = {"link": "(symbolic link)", "unmarked": "(unmarked entry)", "foreign": "(not prism-select's)"}
 
 
 def main(argv=None) -> int:
@@ -519,7 +532,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format=("%(asctime)s " if a.verbose else "") + "%(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    previous = _on_sigterm()
     try:
+        _check_path_names(a)
         a.func(a)
     except PrismError as exc:
         print(f"prism-select: error: {exc}", file=sys.stderr)
@@ -527,15 +542,74 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         _stdout_gone()
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         out = getattr(a, "out", None)
-        partial = next(Path(out).glob("**/.partial"), None) if out and Path(out).is_dir() else None
-        print("\nprism-select: interrupted. "
+        try:
+            partial = next(Path(out).glob("**/.partial"), None) if out and Path(out).is_dir() else None
+        except OSError:
+            partial = None
+        print(f"\nprism-select: {'terminated (SIGTERM)' if isinstance(exc, Terminated) else 'interrupted'}. "
               + (f"Finished work is kept in {partial}; run the same command again to resume."
                  if partial is not None else "Nothing had finished yet; run the same command again to start."),
               file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+#: the command's path arguments whose names are checked before any work
+_PATH_ARGS = ("out", "run", "pool", "targets", "cache_dir", "model", "adapter")
+
+
+def _check_path_names(a) -> None:
+    """A path argument with a name longer than its file system allows (ENAMETOOLONG) is a
+    :class:`ConfigError` naming the flag, before anything is read or created."""
+    from .errors import ConfigError
+    for name in _PATH_ARGS:
+        value = getattr(a, name, None)
+        if not isinstance(value, str) or not value:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if len(os.fsencode(value)) >= _limit("PC_PATH_MAX", value, 4096):
+            raise ConfigError(name, f"{flag} is {len(value)} characters long, longer than a path may be here",
+                              "choose a shorter path")
+        limit = _limit("PC_NAME_MAX", value, 255)
+        long = [part for part in value.split(os.sep) if len(os.fsencode(part)) > limit]
+        if long:
+            raise ConfigError(name, f"{flag} holds a name of {len(long[0])} characters ({long[0][:40]}...), longer "
+                              f"than the {limit} this file system allows (ENAMETOOLONG)", "choose a shorter name")
+
+
+def _limit(what: str, value: str, default: int) -> int:
+    """``os.pathconf`` of the nearest existing folder of ``value`` (``default`` where unknown)."""
+    d = os.path.dirname(os.path.abspath(value))
+    while d and not os.path.isdir(d):
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    try:
+        return os.pathconf(d or "/", what)
+    except (OSError, ValueError, AttributeError):
+        return default
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what ``timeout``, Slurm and docker send) received: handled as Ctrl-C is
+    (every clean-up that runs on an interrupt runs), the command exits 143."""
+
+
+def _on_sigterm():
+    """Turn SIGTERM into :class:`Terminated` for the command's run; returns the handler
+    it replaced (None where signals cannot be handled here: not the main thread)."""
+    def handler(signum, frame):
+        raise Terminated()
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None
 
 
 def _stdout_gone() -> None:

@@ -13,8 +13,10 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -24,6 +26,60 @@ from .errors import CacheError, InputError, OutputError
 # mkstemp/mkdtemp create private (0600/0700) entries; give outputs the usual mode.
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+
+
+#: this process in the names of its temporary files (``.<name>.<pid>-<host>.XXXXXXXX.tmp``),
+#: so that a later run can tell the files of a killed writer from a live one's
+_HOST = hashlib.sha256(os.uname().nodename.encode() if hasattr(os, "uname") else b"").hexdigest()[:6]
+#: a temporary file of another host (or of an older name form) is stale after this long
+STALE_TEMP_S = 24 * 3600
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}.{os.getpid()}-{_HOST}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list:
+    """Remove the temporary files (and folders) an atomic write of ``path`` left when its
+    process was killed (SIGKILL, a crash, the machine going down): those of a process of
+    this host that is gone, and any older than :data:`STALE_TEMP_S`. A live writer's are
+    kept. Returns the removed paths."""
+    path = Path(path)
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?:(\d+)-([0-9a-f]{{6}})\.)?[A-Za-z0-9_]{{8}}\.tmp$")
+    removed = []
+    try:
+        candidates = list(path.parent.iterdir()) if path.parent.is_dir() else []
+    except OSError:
+        return removed
+    now = time.time()
+    for p in candidates:
+        m = pattern.match(p.name)
+        if m is None:
+            continue
+        try:
+            old = now - os.lstat(p).st_mtime > STALE_TEMP_S
+        except OSError:
+            continue
+        dead = m.group(1) is not None and m.group(2) == _HOST and not _alive(int(m.group(1)))
+        if not (dead or old):
+            continue
+        with contextlib.suppress(OSError):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            removed.append(p)
+    return removed
 
 
 def _fail(path, e: OSError) -> OutputError:
@@ -41,7 +97,7 @@ def atomic_open(path: str | os.PathLike, binary: bool = False) -> Iterator[IO]:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
     except OSError as e:
         raise _fail(path, e) from e
     try:
@@ -123,7 +179,7 @@ def atomic_write_dir(path: str | os.PathLike, fill: Callable[[Path], None]) -> N
                           "directory; refusing to replace it (choose another output path)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp"))
     except OSError as e:
         raise _fail(path, e) from e
     old = None

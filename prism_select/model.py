@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import cache as cache_entries
 from .errors import ConfigError, ModelError
 from .io import canonical_json
 from .moe import linearize_model
@@ -132,6 +133,14 @@ class ModelSettings:
             raise ConfigError("cache_dir", f"must be a directory path or None, got {self.cache_dir!r}",
                               f"pass a writable directory, or leave it out for ${CACHE_ENV} "
                               "or ~/.cache/prism-select")
+        if self.cache_dir is not None:
+            try:
+                Path(self.cache_dir).expanduser()
+            except RuntimeError:  # ~name of a user this system does not know
+                user = self.cache_dir.split("/", 1)[0]
+                raise ConfigError("cache_dir", f"{self.cache_dir!r} starts with {user}, the home folder of a user "
+                                  "this system does not know", "spell the folder out, or write ~/ for your own "
+                                  "home") from None
         if self.attn_implementation is not None:
             a = self.attn_implementation
             if not isinstance(a, str) or not a.strip():
@@ -511,6 +520,7 @@ def _convert_gguf(gguf_path: Path, target: Path, key: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=target.parent))
     try:
+        cache_entries.claim(tmp)  # the marker first: a killed conversion leaves an entry prune may remove
         save_file(_dedup_state_dict(model), str(tmp / _WEIGHTS_FILE), metadata={"format": "pt"})
         if not getattr(config, "architectures", None):
             config.architectures = [type(model).__name__]
@@ -573,11 +583,12 @@ def _is_gguf_file(p: Path) -> bool:
 
 
 def _remove_stale_temps(models_dir: Path, max_age_s: float = 6 * 3600) -> None:
-    """Remove temporary conversion directories left by crashed runs."""
+    """Remove temporary conversion directories left by crashed runs (only those the cache
+    made: :func:`prism_select.cache.remove`)."""
     try:
         for p in models_dir.glob(".tmp-*"):
             if p.is_dir() and time.time() - p.stat().st_mtime > max_age_s:
-                shutil.rmtree(p, ignore_errors=True)
+                cache_entries.remove(p)
     except OSError:
         pass
 
@@ -595,13 +606,28 @@ def converted_gguf_dir(gguf_path: str | Path, cache_dir: str | Path | None = Non
     key = gguf_cache_key(gguf_path)
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     target = root / "models" / key
+    if os.path.islink(target) or os.path.islink(target.parent):
+        raise ModelError(f"the model cache {target if os.path.islink(target) else target.parent} is a symbolic "
+                         "link; the cache never reads or writes through one: remove the link, or pass another "
+                         "--cache-dir")
     if not _cache_complete(target):
-        if target.exists():  # incomplete (e.g. edited by hand): rebuild it
-            log.warning("rebuilding the incomplete model cache %s", target)
-            shutil.rmtree(target, ignore_errors=True)
-        _remove_stale_temps(target.parent)
-        log.info("converting %s to %s (first use; later loads read the cache)", gguf_path, target)
-        _convert_gguf(gguf_path, target, key)
+        try:
+            lock = cache_entries.writing(target)
+            lock.__enter__()
+        except OSError as e:
+            raise ModelError(f"cannot write the converted model cache under {target.parent}: {e.strerror or e}; "
+                             "set cache_dir (or $PRISM_SELECT_CACHE) to a writable directory") from e
+        try:  # another process may have converted it while this one waited for the lock
+            if not _cache_complete(target):
+                if target.exists():  # incomplete (e.g. edited by hand): rebuild it
+                    log.warning("rebuilding the incomplete model cache %s", target)
+                    if not cache_entries.remove(target, held=True):
+                        shutil.rmtree(target, ignore_errors=True)  # an unmarked leftover at this key's own path
+                _remove_stale_temps(target.parent)
+                log.info("converting %s to %s (first use; later loads read the cache)", gguf_path, target)
+                _convert_gguf(gguf_path, target, key)
+        finally:
+            lock.__exit__(None, None, None)
     return target
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import __version__, distributed, sharding
+from . import __version__, distributed, locks, sharding
 from .curvature import Curvature, CurvatureSettings, FitCache, FitLayout, FitSpill, load_or_fit_curvature
 from .curvature import support
 from .curvature.base import apply_damping
@@ -63,6 +63,7 @@ from .io import (
     atomic_write_jsonl,
     check_writable_dir,
     read_saved_state,
+    remove_stale_temps,
     sha256_file,
     sha256_json,
 )
@@ -962,11 +963,14 @@ def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool) -> bool:
     check_writable_dir(out_dir)
     run_json = out_dir / "run.json"
     partial = out_dir / ".partial"
+    for f in ("scores.jsonl", "pairs.jsonl", "run.json"):
+        remove_stale_temps(out_dir / f)  # what a killed earlier run left of its files
     if overwrite:
-        shutil.rmtree(partial, ignore_errors=True)
+        remove_tree(partial)  # a planted link is removed as a link, never through
         for f in ("scores.jsonl", "pairs.jsonl", "run.json"):
             (out_dir / f).unlink(missing_ok=True)
         return False
+    refuse_links(partial)
     if run_json.exists():
         raise OutputError(f"{out_dir} already holds a finished run (run.json); "
                           "pass --overwrite to replace it, or choose another --out")
@@ -1108,12 +1112,97 @@ def check_cache_dir(root: Path) -> None:
                           "pass --cache-dir a writable folder (or set PRISM_SELECT_CACHE)") from None
 
 
+#: the lock file of a run folder (:mod:`prism_select.locks`), held while a run writes it
+RUN_LOCK = ".prism-select.lock"
+
+
+def remove_tree(path: Path) -> None:
+    """Remove ``path``: a link (or file) as itself, a folder with what it holds (links in
+    it removed as links). Never follows a link."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def refuse_links(partial: Path) -> None:
+    """:class:`OutputError` if the run folder's ``.partial`` is a symbolic link or holds
+    one: a run never writes, reads or resumes through a link planted there."""
+    partial = Path(partial)
+    found = [partial] if partial.is_symlink() else []
+    if not found and partial.is_dir():
+        for root, dirs, files in os.walk(partial):  # links are not followed
+            found += [Path(root) / n for n in dirs + files if (Path(root) / n).is_symlink()]
+            if found:
+                break
+    if found:
+        link = found[0]
+        raise OutputError(f"{link} is a symbolic link (to {os.readlink(link)}): a run never writes through a link in "
+                          "its run folder; remove the link, or pass --overwrite (which removes it as a link and "
+                          "starts the run again)")
+
+
+@contextlib.contextmanager
+def run_folder_lock(out_dir: Path):
+    """Hold ``<out>/.prism-select.lock`` for the run (on the main process; every process
+    refuses together): a second run with the same ``--out`` is refused by name while
+    this one runs. The lock goes with the process however it ends."""
+    busy, lock = None, None
+    if distributed.is_main():
+        lock = locks.held(Path(out_dir) / RUN_LOCK, wait=False)
+        try:
+            lock.__enter__()
+        except locks.Busy as e:
+            busy, lock = e, None
+        except OSError as e:
+            raise OutputError(f"cannot lock the run folder {out_dir}: {e.strerror or e}") from e
+    if not distributed.all_or_nothing(busy is None):
+        if lock is not None:
+            lock.__exit__(None, None, None)
+        raise OutputError(f"{out_dir} is in use by another prism-select run ({busy.holder if busy else 'on rank 0'}"
+                          " holds its lock): wait for it to finish (run the same command again then to reuse or "
+                          "resume it), or choose another --out")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
+def pool_file_sha(pool_path) -> str | None:
+    """The pool file's sha256 (a saved dataset's files together), None where it cannot be
+    read, or is no regular file or saved dataset (the checks of the inputs name that: a
+    device or a pipe is never read)."""
+    try:
+        detect_format(pool_path)
+        return sha256_file(pool_path)
+    except InputError:
+        return None
+
+
+def check_pool_unchanged(pool_path, read_sha: str | None, out_dir: Path) -> str:
+    """The pool's sha256 now, which must be the one taken when the run read it: a pool
+    rewritten while it was scored stops the run (:class:`InputError`), its ``.partial``
+    removed (its work scored a file that is no longer there)."""
+    now = sha256_file(pool_path)
+    if read_sha is not None and now != read_sha:
+        if distributed.is_main():
+            remove_tree(Path(out_dir) / ".partial")
+        raise InputError(f"the pool file changed while the run read and scored it (sha256 {read_sha[:12]}... when "
+                         f"read, {now[:12]}... at the end), so its scores would not belong to the file select and "
+                         "report read; nothing was written", path=pool_path,
+                         fix="run the command again once nothing writes to the pool (copy it first if it is being "
+                             "written)")
+    return now
+
+
 def _drop_partial_without_chunks(out_dir: Path) -> None:
     """After a failed run: remove ``.partial`` unless it holds finished work (a score chunk,
     a preconditioned direction or a part of one), so that the corrected command (other
     settings) is not refused as an unfinished run."""
     partial = out_dir / ".partial"
-    if partial.is_dir() and not any(partial.rglob("*.safetensors")):
+    if partial.is_dir() and not partial.is_symlink() and not any(partial.rglob("*.safetensors")):
         shutil.rmtree(partial, ignore_errors=True)
 
 
@@ -1146,7 +1235,7 @@ def _remove_empty_dirs(created: list) -> None:
     """Remove the folders a failed run created (``--out`` first, then its new parents),
     each only when nothing but an empty ``.partial`` (or its ``key.json``) is in it."""
     partial = created[0] / ".partial"
-    if partial.is_dir() and {p.name for p in partial.iterdir()} <= {"key.json"}:
+    if partial.is_dir() and not partial.is_symlink() and {p.name for p in partial.iterdir()} <= {"key.json"}:
         shutil.rmtree(partial, ignore_errors=True)
     for d in created:
         try:
@@ -1267,9 +1356,22 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     timings = {}
     if not isinstance(model, LoadedModel) and distributed.init_from_env(model.device):  # torchrun / accelerate
         model = replace(model, device=distributed.local_device(model.device))
+    pool_sha = pool_file_sha(pool_path)  # before the pool is read: checked again at the end
     pool = check_before_loading(model, pool_path, targets_path, settings)  # before --out is made
     check_writable_dir(out_dir)  # fail before any long work
-    timings["check_inputs_s"] = time.perf_counter() - t0
+    with run_folder_lock(out_dir):
+        if not settings.overwrite and not reuse_finished and distributed.is_main():
+            refuse_links(out_dir / ".partial")
+            if (out_dir / "run.json").exists():  # before the model loads
+                raise OutputError(f"{out_dir} already holds a finished run (run.json); "
+                                  "pass --overwrite to replace it, or choose another --out")
+        timings["check_inputs_s"] = time.perf_counter() - t0
+        return _score_locked(model, pool_path, targets_path, out_dir, settings, curvature, reuse_finished,
+                             pool, pool_sha, fit_default, t0, timings)
+
+
+def _score_locked(model, pool_path, targets_path, out_dir, settings: ScoreSettings, curvature, reuse_finished,
+                  pool, pool_sha, fit_default, t0, timings) -> dict:
     lm, model_bytes = _load_for_run(model, settings, timings)
     inputs = _read_inputs(lm, pool_path, targets_path, settings, curvature, pool, timings)
     modules = tracked_linear_modules(lm.model, settings.modules)
@@ -1306,6 +1408,7 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
             raise named from exc
         raise
     main = distributed.is_main()  # every rank holds the gathered scores; rank 0 writes them
+    pool_sha = check_pool_unchanged(pool_path, pool_sha, out_dir)
     n_pool, invalid, truncated_pool = _write_scores(ctx, scores, pairs)
     warnings = _score_warnings(ctx, scores) + [f"untracked parameters: {w}" for w in tracking["warnings"]]
     timings["total_s"] = time.perf_counter() - t0
@@ -1327,7 +1430,7 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
         "inputs": {"pool": str(Path(inputs.pool_path).absolute()), "pool_format": inputs.pool_format,
                    "targets": str(Path(inputs.targets_path).absolute()) if inputs.targets_path else ""},
         # pool_file: the pool's bytes, which `select` checks without loading a tokenizer
-        "fingerprints": {**fingerprints, "pool_file": sha256_file(pool_path)},
+        "fingerprints": {**fingerprints, "pool_file": pool_sha},
         "versions": _versions(),
         "counts": {"pool": n_pool, "pairs": len(inputs.pairs), "invalid": len(invalid),
                    "truncated_pool": truncated_pool, "truncated_targets": inputs.truncated["targets"]},
@@ -1342,6 +1445,6 @@ def _score_pool(model, pool_path, targets_path, out_dir, settings: ScoreSettings
     _add_device_figures(summary, lm, info, model_bytes)
     if main:
         atomic_write_json(out_dir / "run.json", summary)
-        shutil.rmtree(out_dir / ".partial", ignore_errors=True)
+        remove_tree(out_dir / ".partial")
     distributed.barrier()
     return summary

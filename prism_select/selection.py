@@ -26,7 +26,7 @@ from .data.readers import (
     record_id,
 )
 from .errors import ConfigError, InputError, OutputError
-from .io import atomic_open, atomic_write_dir, atomic_write_jsonl
+from .io import atomic_open, atomic_write_dir, atomic_write_jsonl, remove_stale_temps
 
 Amount = tuple[str, float]  # ("count", N) or ("fraction", f), as parse_amount returns
 
@@ -168,6 +168,7 @@ def write_subset(pool_path: str | os.PathLike, kept_ids: Iterable[Any],
     if Path(out_path).resolve() == Path(pool_path).resolve():
         raise OutputError(f"cannot write {out_path}: it is the pool itself "
                           "(choose another output path)")
+    remove_stale_temps(out_path)  # what a killed earlier write of this output left
     match = _Matcher(pool_path, kept_ids, src)
     if src == dst == "parquet":
         return _parquet_subset(pool_path, match, out_path)

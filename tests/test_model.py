@@ -475,6 +475,8 @@ def test_gguf_load_converts_and_caches(tmp_path):
     for f in ("config.json", "model.safetensors", "tokenizer.json", "prism_cache.json"):
         assert (conv / f).is_file(), f
     assert not [p for p in (cache / "models").iterdir() if p.name.startswith(".tmp")]
+    from prism_select import cache as cache_mod
+    assert cache_mod.owned(conv) and [e.path for e in cache_mod.entries(cache)] == [conv]  # marked as the cache's
     cfg = json.loads((conv / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["tie_word_embeddings"] is True
     from safetensors import safe_open

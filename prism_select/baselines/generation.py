@@ -69,7 +69,7 @@ def _open_entry(path: Path, model_fingerprint: str) -> None:
         cache.touch(path.parent)
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        cache.claim(path.parent)
         atomic_write_json(marker, {"model": model_fingerprint})
     except OSError as e:
         raise CacheError(f"cannot write the generation cache {path.parent}: {e.strerror or e}") from e

@@ -110,6 +110,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from .. import cache
 from ..data.tokenize import collate, encoded_fingerprint, token_losses
 from ..errors import CacheError, ConfigError, InputError
 from ..gradients import Taps, activation_grad_mode, check_finite, release_host_memory
@@ -472,8 +473,6 @@ def warmup_subset(n: int, fraction: float, seed: int, k: int | None = None) -> l
 
 def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
     """Train (or reuse from the cache) the warm-up LoRA; returns checkpoint dirs and info."""
-    from ..evaluation.finetune import finetune
-
     frac = opts["warmup_fraction"]
     size = warmup_plan(len(ctx.inputs.encoded), opts)
     for w in size["warnings"]:
@@ -489,6 +488,23 @@ def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
     info = {"key": key, "path": str(target), "n_examples": len(idx), "settings": train,
             "planned_steps": size["steps"], "target_steps": size["target_steps"], "floor": size["floor"],
             "effective_batch": size["effective_batch"], "warnings": size["warnings"]}
+    try:  # one process trains a warm-up at a time; another one waits, then reuses it
+        lock = cache.writing(target)
+        lock.__enter__()
+    except OSError as e:
+        raise CacheError(f"cannot write the LESS warm-up cache under {root}: {e.strerror or e}; set cache_dir "
+                         "(or $PRISM_SELECT_CACHE) to a writable directory") from e
+    try:
+        return _warmup_locked(ctx, fs, idx, key, train, target, info)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _warmup_locked(ctx, fs, idx, key, train, target, info) -> tuple[list, dict]:
+    """:func:`warmup_checkpoints` once it holds the entry's write lock."""
+    from ..evaluation.finetune import finetune
+
+    root = target.parent
     marker = target / WARMUP_FILE
     if marker.is_file():
         try:
@@ -503,6 +519,7 @@ def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=root))
+        cache.claim(tmp)  # the entry marker first: a killed warm-up leaves an entry prune may remove
     except OSError as e:
         raise CacheError(f"cannot write the LESS warm-up cache under {root}: {e}; set cache_dir "
                          "(or $PRISM_SELECT_CACHE) to a writable directory") from e

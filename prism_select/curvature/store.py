@@ -127,6 +127,7 @@ def _save(cur: Curvature, key: dict, directory: Path, cache: FitCache):
                         "space under %s): it is used from memory and not saved", cache_entries.format_size(size),
                         root)
     if distributed.all_or_nothing(room):
-        saved = cache_entries.guarded_write(directory, lambda: cur.save(directory, key), "the fitted curvature")
+        saved = cache_entries.guarded_write(directory, lambda: cur.save(directory, key), "the fitted curvature",
+                                            lock=distributed.is_main())
         return directory if saved else None
     return None

@@ -344,6 +344,9 @@ def _duplicate_id(path, rid, first, item) -> InputError:
     """``first`` and ``item``: the two records (with ``row`` and ``line``) sharing ``rid``."""
     where = (f"lines {first.line} and {item.line}" if item.line is not None
              else f"rows {first.row + 1} and {item.row + 1}")
+    if first.id != item.id:  # 1 and "1" (or a row number and a text id)
+        where += (f" ({first.id!r} and {item.id!r} are one id: ids are compared as the text they print as, "
+                  "in scores and in a CSV subset)")
     return InputError(f"duplicate id {rid!r}: {where}", path=path, row=item.row, line=item.line,
                       field="id", fix="make ids unique, or drop the id field to use row numbers")
 
@@ -356,11 +359,12 @@ def _load(path, parse: Callable[[dict, int, bool], Any], skip_invalid: bool) -> 
     def bad(err: InputError) -> None:
         out.invalid.append(InvalidRecord.of(err, path))
 
-    seen: dict[Any, Any] = {}
+    seen: dict[str, Any] = {}
     for item in iter_parsed(path, parse, on_invalid=bad if skip_invalid else None):
-        if item.id in seen:
-            raise _duplicate_id(path, item.id, seen[item.id], item)
-        seen[item.id] = item
+        key = id_text(item.id)
+        if key in seen:
+            raise _duplicate_id(path, item.id, seen[key], item)
+        seen[key] = item
         out.items.append(item)
     if not out.items:
         raise _no_valid(path, out.invalid, POOL_FORMS if parse is parse_pool_record else TARGET_FORM)
@@ -437,9 +441,15 @@ def scan_pool(path: str | os.PathLike, sample_size: int, seed: int = 0,
     return PoolScan(str(path), detect_format(path), count, sample, invalid)
 
 
+def id_text(rid) -> str:
+    """What an id is compared as: the text it prints as (``1`` and ``"1"`` are one id, as a
+    CSV subset or a table of scores shows them)."""
+    return str(rid)
+
+
 def _id_hash(rid) -> int:
     # Python's hash is salted per process: only ever compared within one scan.
-    return hash((type(rid).__name__, rid))
+    return hash(id_text(rid))
 
 
 def _check_unique_ids(path, hashes: array) -> None:
@@ -452,9 +462,10 @@ def _check_unique_ids(path, hashes: array) -> None:
     seen: dict[Any, Any] = {}
     for ex in iter_pool(path, on_invalid=lambda err: None):  # invalid ones were handled already
         if _id_hash(ex.id) in clash:
-            if ex.id in seen:
-                raise _duplicate_id(path, ex.id, seen[ex.id], ex)
-            seen[ex.id] = ex
+            key = id_text(ex.id)
+            if key in seen:
+                raise _duplicate_id(path, ex.id, seen[key], ex)
+            seen[key] = ex
 
 
 def parse_pool_record(rec: dict, row: int, from_csv: bool = False) -> PoolExample:

@@ -383,6 +383,8 @@ def test_warmup_is_trained_cached_and_reused(tmp_path):
     warm = ctx.info["method"]["warmup"]
     assert warm["reused"] is False and warm["n_examples"] == 4
     assert Path(warm["path"]).parent == tmp_path / "cache" / "less"
+    from prism_select import cache
+    assert cache.owned(warm["path"]) and [e.path for e in cache.entries(tmp_path / "cache")] == [Path(warm["path"])]
     ck = [Path(c) for c in ctx.info["method"]["checkpoints"]]
     assert [c.name for c in ck] == ["epoch-1", "epoch-2"]
     assert all((c / "optimizer.safetensors").is_file() for c in ck)

@@ -317,8 +317,7 @@ def test_cpu_plan_is_unbounded(model, modules):
 # ----------------------------------------------------------------------------- cache
 
 def _entry(root, kind, name, size, age):
-    d = root / kind / name
-    d.mkdir(parents=True)
+    d = cache.claim(root / kind / name)
     (d / "data.bin").write_bytes(b"x" * size)
     marker = d / cache.MARKERS[kind]
     marker.write_text("{}")
@@ -331,15 +330,14 @@ def test_cache_lists_and_prunes_least_recently_used(tmp_path):
     old = _entry(tmp_path, "curvature", "a", 1000, age=300)
     mid = _entry(tmp_path, "models", "b", 1000, age=200)
     new = _entry(tmp_path, "curvature", "c", 1000, age=100)
-    broken = tmp_path / "less" / "d"
-    broken.mkdir(parents=True)
+    broken = cache.claim(tmp_path / "less" / "d")  # a writer killed before its content marker
     (broken / "x").write_bytes(b"y" * 10)
     os.utime(broken, (time.time() - 7200, time.time() - 7200))
     es = cache.entries(tmp_path)
     assert [e.path for e in es] == [broken, old, mid, new]
     assert [e.complete for e in es] == [False, True, True, True]
     cache.touch(old)  # reading an entry makes it the most recently used
-    gone = cache.prune(tmp_path, max_bytes=2100)
+    gone = cache.prune(tmp_path, max_bytes=sum(e.size for e in es if e.path in (old, new)) + 50)
     assert {e.path for e in gone} == {broken, mid}
     assert old.exists() and new.exists()
     assert cache.clear(tmp_path, "curvature") and cache.entries(tmp_path) == []
@@ -374,7 +372,7 @@ def test_failed_cache_write_warns_and_keeps_the_run_going(tmp_path, caplog):
     d = tmp_path / "curvature" / "k"
 
     def write():
-        d.mkdir(parents=True)
+        d.mkdir(parents=True, exist_ok=True)
         (d / "factors.safetensors.tmp").write_bytes(b"half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
