@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 
 from . import __version__, distributed, sharding
 from .curvature import Curvature, CurvatureSettings, FitCache, FitLayout, FitSpill, load_or_fit_curvature
@@ -569,12 +570,16 @@ class RunContext:
         fit_settings = replace(cs, fit_examples=None)
         if self.plan is not None and self.plan.fit.get("batch_size"):  # the plan's batch, as the run's own fit
             fit_settings = replace(fit_settings, batch_size=self.plan.fit["batch_size"])
+        # its steps: the two half fits, then each rung of the ladder walked
+        bar = tqdm(total=2 + len(support.DAMPING_LADDER), desc="split-half check", unit="step", leave=False,
+                   disable=not self.settings.progress or not distributed.is_main())
         halves = []
         for idx in support.split_halves(len(fit), cs.seed):
             half = [fit[i] for i in idx]
             halves.append(load_or_fit_curvature(self.lm.model, self.modules, half, fit_settings, pad_id=self.pad_id,
                                                 cache=self._fit_cache(half), execution=quiet,
                                                 layout=self._half_fit_layout())[0])
+            bar.update(1)
         scored = [fit[i] for i in support.agreement_sample(len(fit), cs.seed)]
 
         def v_at(h, factor):
@@ -594,13 +599,18 @@ class RunContext:
                     del vs
                     agreement.update({f: support.spearman(scores[:, 2 * i], scores[:, 2 * i + 1])
                                       for i, f in enumerate(rungs)})
+                    bar.update(len(rungs))
                 else:
                     a, b = (score_encoded(self.lm.model, self.modules, scored, v_at(h, factor), pad_id=self.pad_id,
                                           batch_size=self.scoring_batch(), execution=quiet) for h in halves)
                     agreement[factor] = support.spearman(a, b)
+                    bar.update(1)
             return agreement[factor]
 
-        return support.split_half(len(fit), support.walk_ladder(agreement_at))
+        try:
+            return support.split_half(len(fit), support.walk_ladder(agreement_at))
+        finally:
+            bar.close()
 
     def scoring_batch(self) -> int:
         """The scoring batch: the memory plan's (it may have lowered the settings'). A

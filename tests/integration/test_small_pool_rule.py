@@ -147,3 +147,10 @@ def test_split_half_on_too_few_records_names_what_to_do(tmp_path, model_dir, dat
     err = capsys.readouterr().err
     assert "fewer than 4" in err and "leave out --damping-rule" in err and "non-finite" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_asked_for_split_half_check_shows_its_progress(tmp_path, model_dir, data, capsys):
+    assert _cli(tmp_path, model_dir, *data, tmp_path / "run", "--damping-rule", "split-half") == 0
+    import re
+    err = capsys.readouterr().err
+    assert re.search(r"split-half check: +\d+%\|.*\d+/6 \[", err), err  # a bar over its half fits and rungs
