@@ -359,15 +359,16 @@ class RunContext:
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             how = f"loaded from the cache {directory}" if reused else "fitted"
-            distributed.say(f"curvature ({cur.kind}): {how} in {dt:.1f} s", st.progress)
+            distributed.say(f"curvature ({cur.kind}): " + ("nothing to fit" if cur.kind == "identity" else
+                                                           f"{how} in {dt:.1f} s"), st.progress)
             self.stage_peak("fit")
             info = self.info.get("curvature", {})
             merged = {k: phases.get(k, 0) + info.get("phases_s", {}).get(k, 0) for k in phases}
             damping = list(cur.damping.values())
             self.info["curvature"] = {**info, "kind": cur.kind, "path": str(directory) if directory else None,
                                       "reused": reused, "damping": _summary(damping), "store": store,
-                                      "damping_factor": cs.damping_factor if cs.damping is None and damping
-                                      else None,
+                                      "damping_factor": cs.damping_factor if cs.damping is None
+                                      and cur.kind != "identity" else None,
                                       "groups": len(plan.fit_groups) if plan is not None and plan.fit_groups else 1,
                                       "phases_s": merged}  # factors / eigendecompositions / eigenvalues
             if cur.meta.get("owners"):  # each rank's share of the fitted curvature (sharded factors)
