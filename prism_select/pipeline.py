@@ -79,12 +79,12 @@ log = logging.getLogger(__name__)
 
 #: the small-pool rule (``--damping-rule auto``, the default): an EK-FAC fit on fewer
 #: examples that no damping option shapes is not fitted, and the run ranks with identity
-#: curvature (``v = g``). On 60-record pools of ten families (embedded 135M model, CPU
-#: and H200, benchmarks/results/small_pools_rule_cpu.md) EK-FAC at any damping of the
-#: ladder 0.1-100 x the mean eigenvalue ranked up to 0.16 AUROC below identity
-#: (GSM8K mistakes), 0.04 on dropped carries; on the 300-record pools measured (four
-#: families, 11 pools) plain EK-FAC was never more than 0.011 below identity and up to
-#: 0.12 above it
+#: curvature (``v = g``). On the 60-record pools of seven families measured before the
+#: rule was fixed (39 pools, embedded 135M model, CPU and H200;
+#: benchmarks/results/small_pools_rule_cpu.md) EK-FAC at every damping of the ladder
+#: 0.1-100 x the mean eigenvalue ranked more than 0.02 AUROC below identity on some pool
+#: (up to 0.16, GSM8K mistakes); on the 300-record pools measured (four families, 11
+#: pools) plain EK-FAC was never more than 0.012 below identity and up to 0.12 above it
 SMALL_FIT_EXAMPLES = 300
 
 
