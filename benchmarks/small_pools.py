@@ -457,7 +457,8 @@ def parse_args():
                     help=f"curvatures to measure; with --report, also '{SPLIT_HALF_RULE}' (needs --split-half runs)")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8, help="examples per batch (fit and scoring)")
-    ap.add_argument("--json", help="results, written after every pool; pools already in it are skipped")
+    ap.add_argument("--json", help="results, written after every pool; pools already in it are skipped, and "
+                    "pools of other commands in it are kept")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--split-half", action="store_true",
                     help="also fit EK-FAC on two random halves of the pool and record how the halves' v agree: "
@@ -488,6 +489,9 @@ def main():
         done = {(r["family"], r["n"], r.get("ratio"), r["seed"]): r for r in old.get("runs", [])}
         res["check_rel_err"] = old.get("check_rel_err")
     checked = res.get("check_rel_err") is not None
+    asked = {(fam, n, ratio, seed) for fam in a.families for n in a.sizes for ratio in a.ratios
+             for seed in (a.large_seeds if n >= a.large else a.seeds)}
+    res["runs"] = [r for k, r in done.items() if k not in asked]  # another command's pools in the file stay
     for fam in a.families:
         for n in a.sizes:
             for ratio, seed in ((r, s) for r in a.ratios for s in (a.large_seeds if n >= a.large else a.seeds)):
