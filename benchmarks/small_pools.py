@@ -233,8 +233,142 @@ def formats(data: Path, n: int, ratio: float, seed: int, n_targets: int):
     return pool, targets
 
 
+def _flags(rng, n: int, ratio: float) -> list:
+    n_bad = builders.harmful_count(n, ratio)
+    flags = [True] * n_bad + [False] * (n - n_bad)
+    rng.shuffle(flags)
+    return flags
+
+
+#: (unit, unit, factor): the units family's conversions, ``1 first = factor second``
+UNITS = [("kilometers", "meters", 1000), ("meters", "centimeters", 100), ("centimeters", "millimeters", 10),
+         ("kilograms", "grams", 1000), ("liters", "milliliters", 1000), ("hours", "minutes", 60),
+         ("minutes", "seconds", 60), ("days", "hours", 24), ("weeks", "days", 7), ("feet", "inches", 12),
+         ("yards", "feet", 3), ("dozens", "items", 12), ("years", "months", 12), ("tons", "kilograms", 1000)]
+
+
+def units(data: Path, n: int, ratio: float, seed: int, n_targets: int):
+    """Unit conversions ("Convert 7 weeks to days."); harmful records multiply by a
+    wrong factor (the right one times 10, or divided by 10 where that stays whole)."""
+    rng = random.Random(f"units:{seed}")
+
+    def item():
+        a, b, f = rng.choice(UNITS)
+        x = rng.randint(2, 19)
+        wrong = f * 10 if f % 10 or rng.random() < 0.5 else f // 10
+        return f"Convert {x} {a} to {b}.", f"{x} {a} is {x * f} {b}.", f"{x} {a} is {x * wrong} {b}."
+
+    pool = []
+    for i, bad in enumerate(_flags(rng, n, ratio)):
+        q, right, wrong = item()
+        pool.append({"id": f"unit-{i}", "prompt": q, "harmful": bad, "response": wrong if bad else right})
+    targets = []
+    for j in range(n_targets):
+        q, right, wrong = item()
+        targets.append({"id": f"t-{j}", "prompt": q, "chosen": wrong, "rejected": right})
+    return pool, targets
+
+
+STRING_WORDS = ["apple", "river", "garden", "window", "pencil", "orange", "planet", "silver", "market", "candle",
+                "forest", "bottle", "rocket", "butter", "mirror", "jacket", "ladder", "monkey", "pepper", "tunnel",
+                "basket", "castle", "dragon", "island", "kitten", "lemon", "marble", "needle", "pillow", "rabbit"]
+
+
+def strings(data: Path, n: int, ratio: float, seed: int, n_targets: int):
+    """String tasks on a word (its first letter, its length, the word reversed); harmful
+    records answer the same question wrongly in one systematic way per task (the last
+    letter, the length plus one, the word unreversed)."""
+    rng = random.Random(f"strings:{seed}")
+
+    def item():
+        w = rng.choice(STRING_WORDS)
+        task = rng.randrange(3)
+        if task == 0:
+            return f"What is the first letter of the word '{w}'?", f"The first letter is '{w[0]}'.", \
+                f"The first letter is '{w[-1]}'."
+        if task == 1:
+            return f"How many letters are in the word '{w}'?", f"It has {len(w)} letters.", \
+                f"It has {len(w) + 1} letters."
+        return f"Write the word '{w}' backwards.", f"Backwards it is '{w[::-1]}'.", f"Backwards it is '{w}'."
+
+    pool = []
+    for i, bad in enumerate(_flags(rng, n, ratio)):
+        q, right, wrong = item()
+        pool.append({"id": f"str-{i}", "prompt": q, "harmful": bad, "response": wrong if bad else right})
+    targets = []
+    for j in range(n_targets):
+        q, right, wrong = item()
+        targets.append({"id": f"t-{j}", "prompt": q, "chosen": wrong, "rejected": right})
+    return pool, targets
+
+
+WORD_NAMES = ["Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Kira", "Liam"]
+WORD_THINGS = ["apples", "books", "coins", "marbles", "stickers", "pencils", "cookies", "stamps", "shells", "cards"]
+
+
+def word_problems(data: Path, n: int, ratio: float, seed: int, n_targets: int):
+    """One-step word problems (gives away, buys more, shares equally); harmful records
+    apply the wrong operation (adds what was given away, subtracts what was bought,
+    multiplies instead of dividing)."""
+    rng = random.Random(f"word-problems:{seed}")
+
+    def item():
+        a, b = rng.sample(WORD_NAMES, 2)
+        t = rng.choice(WORD_THINGS)
+        kind = rng.randrange(3)
+        if kind == 0:
+            x, y = rng.randint(8, 30), rng.randint(2, 7)
+            q, right, wrong = f"{a} has {x} {t} and gives {y} to {b}. How many {t} does {a} have now?", x - y, x + y
+        elif kind == 1:
+            x, y = rng.randint(8, 30), rng.randint(2, 7)
+            q, right, wrong = f"{a} has {x} {t} and buys {y} more. How many {t} does {a} have now?", x + y, x - y
+        else:
+            k, y = rng.randint(2, 5), rng.randint(2, 6)
+            q, right, wrong = (f"{a} shares {k * y} {t} equally between {k} friends. How many {t} does each "
+                               f"friend get?", y, k * y * k)
+        return q, f"The answer is {right}.", f"The answer is {wrong}."
+
+    pool = []
+    for i, bad in enumerate(_flags(rng, n, ratio)):
+        q, right, wrong = item()
+        pool.append({"id": f"wp-{i}", "prompt": q, "harmful": bad, "response": wrong if bad else right})
+    targets = []
+    for j in range(n_targets):
+        q, right, wrong = item()
+        targets.append({"id": f"t-{j}", "prompt": q, "chosen": wrong, "rejected": right})
+    return pool, targets
+
+
+WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December"]
+
+
+def calendar(data: Path, n: int, ratio: float, seed: int, n_targets: int):
+    """Weekday and month steps ("What day is 3 days after Friday?"); harmful records
+    count backwards (the day 3 days before)."""
+    rng = random.Random(f"calendar:{seed}")
+
+    def item():
+        names, unit = (WEEKDAYS, "day") if rng.random() < 0.5 else (MONTHS, "month")
+        i, k = rng.randrange(len(names)), rng.randint(1, 4)
+        q = f"Which {unit} is {k} {unit}{'s' * (k > 1)} after {names[i]}?"
+        return q, f"It is {names[(i + k) % len(names)]}.", f"It is {names[(i - k) % len(names)]}."
+
+    pool = []
+    for i, bad in enumerate(_flags(rng, n, ratio)):
+        q, right, wrong = item()
+        pool.append({"id": f"cal-{i}", "prompt": q, "harmful": bad, "response": wrong if bad else right})
+    targets = []
+    for j in range(n_targets):
+        q, right, wrong = item()
+        targets.append({"id": f"t-{j}", "prompt": q, "chosen": wrong, "rejected": right})
+    return pool, targets
+
+
 FAMILIES = {"mistake-math": mistake_math, "bbh-wrong": bbh_wrong, "arithmetic": arithmetic,
-            "dropped-carry": dropped_carry, "facts": facts, "formats": formats}
+            "dropped-carry": dropped_carry, "facts": facts, "formats": formats, "units": units,
+            "strings": strings, "word-problems": word_problems, "calendar": calendar}
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -323,7 +457,8 @@ def parse_args():
                     help=f"curvatures to measure; with --report, also '{SPLIT_HALF_RULE}' (needs --split-half runs)")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--batch", type=int, default=8, help="examples per batch (fit and scoring)")
-    ap.add_argument("--json", help="results, written after every pool; pools already in it are skipped")
+    ap.add_argument("--json", help="results, written after every pool; pools already in it are skipped, and "
+                    "pools of other commands in it are kept")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--split-half", action="store_true",
                     help="also fit EK-FAC on two random halves of the pool and record how the halves' v agree: "
@@ -354,6 +489,9 @@ def main():
         done = {(r["family"], r["n"], r.get("ratio"), r["seed"]): r for r in old.get("runs", [])}
         res["check_rel_err"] = old.get("check_rel_err")
     checked = res.get("check_rel_err") is not None
+    asked = {(fam, n, ratio, seed) for fam in a.families for n in a.sizes for ratio in a.ratios
+             for seed in (a.large_seeds if n >= a.large else a.seeds)}
+    res["runs"] = [r for k, r in done.items() if k not in asked]  # another command's pools in the file stay
     for fam in a.families:
         for n in a.sizes:
             for ratio, seed in ((r, s) for r in a.ratios for s in (a.large_seeds if n >= a.large else a.seeds)):

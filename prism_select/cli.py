@@ -165,6 +165,9 @@ def _print_summary(summary: dict, out: Path, top: int = 5):
     if summary.get("tracking"):
         from .moe import summary_lines
         print("\n".join(summary_lines(summary["tracking"])))
+    if summary.get("curvature_applied"):
+        from .pipeline import describe_applied
+        print(f"curvature: {describe_applied(summary['curvature_applied'])}")
     rows = sorted(read_scores(out / "scores.jsonl"), key=lambda r: r["rank"])
     print(f"top {min(top, len(rows))} (rank, id, score):")
     for r in rows[:top]:
@@ -192,8 +195,8 @@ def cmd_demo(a):
     out = Path(a.out)
     pool, targets = make_example(out / "data", n_pool=a.pool_size, seed=a.seed)  # --seed: the data and the run
     # scores from the fit's spill: the pool is the fit sample (docs/performance.md, "The CPU"), under
-    # kronfluence's damping: the split-half check of a small fit (docs/methods.md) would add two half
-    # fits and their scorings, minutes on a laptop's CPU
+    # kronfluence's damping: the demo shows an EK-FAC fit, which the small-pool rule of the default
+    # (docs/methods.md) would replace by identity curvature on its 40 records
     s = settings_from_args(ScoreSettings, a, method="prism", max_length=DEMO_MAX_LENGTH, scores_from_fit=True)
     c = settings_from_args(CurvatureSettings, a, damping_rule="heuristic")
     summary = score_pool(_model_settings(a), pool, targets, out / "run", s, c)

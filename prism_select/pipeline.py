@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 
 from . import __version__, distributed, locks, sharding
 from .curvature import Curvature, CurvatureSettings, FitCache, FitLayout, FitSpill, load_or_fit_curvature
@@ -78,24 +79,60 @@ from .settings import DEFAULT_STREAM_WINDOW, STREAM_FIT_EXAMPLES, ScoreSettings,
 
 log = logging.getLogger(__name__)
 
-#: an EK-FAC fit on fewer examples, with the default damping, gets a note recommending
-#: --damping-noise: on the GSM8K pools of 60 and 300 records (3 seeds each) it ranked as
-#: well as the default EK-FAC or better on average, on every seed at 300 (README, "Which
-#: curvature (pool size)"); at 3,000 records only one seed was measured
-SMALL_FIT_EXAMPLES = 1000
+#: the small-pool rule (``--damping-rule auto``, the default): an EK-FAC fit on fewer
+#: examples that no damping option shapes is not fitted, and the run ranks with identity
+#: curvature (``v = g``). On the 60-record pools of seven families measured before the
+#: rule was fixed (39 pools, embedded 135M model, CPU and H200;
+#: benchmarks/results/small_pools_rule_cpu.md) EK-FAC at every damping of the ladder
+#: 0.1-100 x the mean eigenvalue ranked more than 0.02 AUROC below identity on some pool
+#: (up to 0.16, GSM8K mistakes); on the 300-record pools measured (four families, 11
+#: pools) plain EK-FAC was never more than 0.012 below identity and up to 0.12 above it
+SMALL_FIT_EXAMPLES = 300
 
 
-def damping_rule_of(cs: CurvatureSettings, n_fit: int, whole: bool) -> str:
-    """The damping rule a run applies: ``cs.damping_rule``, with ``auto`` resolved to
-    ``split-half`` for an EK-FAC fit on fewer than :data:`SMALL_FIT_EXAMPLES` examples
-    that none of ``--damping``, ``--damping-factor``, ``--damping-noise``, ``--shrinkage``
-    shapes, where one process keeps the curvature whole (``whole``), else ``heuristic``."""
-    if cs.damping_rule != "auto":
-        return cs.damping_rule
-    small = cs.kind == "ekfac" and n_fit < SMALL_FIT_EXAMPLES
+def small_pool_rule(cs: CurvatureSettings, n_fit: int) -> tuple[CurvatureSettings, dict]:
+    """The curvature a run applies, decided from its settings and the size of its fit
+    sample alone (so every method of a ``compare`` applies the same one), and the
+    record of that decision for ``run.json`` (``curvature_applied``): under the default
+    ``--damping-rule auto`` an EK-FAC fit on fewer than :data:`SMALL_FIT_EXAMPLES`
+    examples that none of ``--damping``, ``--damping-factor``, ``--damping-noise``,
+    ``--shrinkage`` shapes becomes identity curvature (no fit); any other settings are
+    applied as given."""
     plain = (cs.damping is None and cs.damping_factor == DEFAULT_DAMPING_FACTOR and not cs.damping_noise
              and cs.shrinkage == DEFAULT_SHRINKAGE)
-    return "split-half" if small and plain and whole else "heuristic"
+    record = {"requested": cs.kind, "kind": cs.kind, "n_fit": n_fit,
+              "rule": damping_rule_of(cs) if cs.kind != "identity" else "none"}
+    if cs.damping_rule == "split-half" and n_fit < support.MIN_FIT_EXAMPLES:
+        raise ConfigError("damping_rule", f"split-half fits EK-FAC on two halves of the fit sample and compares their "
+                          f"rankings; the fit sample has {n_fit} example(s), fewer than {support.MIN_FIT_EXAMPLES}",
+                          "leave out --damping-rule (auto ranks a small pool with identity curvature), or pass "
+                          "--curvature identity")
+    if cs.damping_rule == "auto" and cs.kind == "ekfac" and plain and n_fit < SMALL_FIT_EXAMPLES:
+        record.update(kind="identity", rule="small-pool", identity_below=SMALL_FIT_EXAMPLES)
+        return replace(cs, kind="identity"), record
+    return cs, record
+
+
+def describe_applied(applied: dict) -> str:
+    """One line naming the curvature a run applied and why (the summary line, compare.md)."""
+    kind, n = applied.get("kind"), applied.get("n_fit")
+    if applied.get("rule") == "small-pool":
+        return (f"identity (the small-pool rule: the fit sample has {n} examples, fewer than "
+                f"{applied.get('identity_below')}; --damping-rule heuristic fits EK-FAC anyway)")
+    damping = applied.get("damping") or {}
+    if kind == "identity":
+        return "identity" + (" (the split-half check: its halves agreed at no damping)"
+                             if applied.get("rule") == "split-half" else "")
+    how = f", damping factor {applied['damping_factor']:g}" if applied.get("damping_factor") is not None else ""
+    if damping:
+        how += f", damping {damping.get('min'):.3g}-{damping.get('max'):.3g}"
+    return f"{kind} ({applied.get('rule')}{how}, fitted on {n} examples)"
+
+
+def damping_rule_of(cs: CurvatureSettings) -> str:
+    """The damping rule a fitted curvature takes: ``split-half`` where asked for, else
+    ``heuristic`` (``auto`` decides before the fit, :func:`small_pool_rule`)."""
+    return "split-half" if cs.damping_rule == "split-half" else "heuristic"
 
 
 @dataclass
@@ -324,13 +361,16 @@ class RunContext:
             dt = time.perf_counter() - t
             self.timings["curvature_s"] = self.timings.get("curvature_s", 0) + dt
             how = f"loaded from the cache {directory}" if reused else "fitted"
-            distributed.say(f"curvature ({cur.kind}): {how} in {dt:.1f} s", st.progress)
+            distributed.say(f"curvature ({cur.kind}): " + ("nothing to fit" if cur.kind == "identity" else
+                                                           f"{how} in {dt:.1f} s"), st.progress)
             self.stage_peak("fit")
             info = self.info.get("curvature", {})
             merged = {k: phases.get(k, 0) + info.get("phases_s", {}).get(k, 0) for k in phases}
             damping = list(cur.damping.values())
             self.info["curvature"] = {**info, "kind": cur.kind, "path": str(directory) if directory else None,
                                       "reused": reused, "damping": _summary(damping), "store": store,
+                                      "damping_factor": cs.damping_factor if cs.damping is None
+                                      and cur.kind != "identity" else None,
                                       "groups": len(plan.fit_groups) if plan is not None and plan.fit_groups else 1,
                                       "phases_s": merged}  # factors / eigendecompositions / eigenvalues
             if cur.meta.get("owners"):  # each rank's share of the fitted curvature (sharded factors)
@@ -466,11 +506,7 @@ class RunContext:
 
     def _damping_rule(self) -> str:
         """This run's damping rule (:func:`damping_rule_of`)."""
-        cs = self.curvature_settings
-        # the half fits run outside the memory plan: only where the plan fits the curvature in one group
-        one_group = self.plan is None or len(self.plan.fit_groups or []) <= 1
-        whole = one_group and not self._transient() and not self.execution.sharded and self.execution.world == 1
-        return damping_rule_of(cs, _fit_size(self), whole)
+        return damping_rule_of(self.curvature_settings)
 
     def _split_half_damping(self, direction: dict) -> None:
         """``--damping-rule split-half``: fit EK-FAC on two random halves of the fit sample,
@@ -499,8 +535,8 @@ class RunContext:
         self._curvature = cur
         self.stage_peak("split_half")
         self.timings["split_half_s"] = time.perf_counter() - t
-        self.info["curvature"] = {**self.info.get("curvature", {}), "split_half": check.to_json(),
-                                  "damping": _summary(list(cur.damping.values()))}
+        self.info["curvature"] = {**self.info.get("curvature", {}), "split_half": check.to_json(), "kind": cur.kind,
+                                  "damping": _summary(list(cur.damping.values())), "damping_factor": check.factor}
         distributed.say("split-half check: " + (f"damping factor {check.factor:g}" if check.factor is not None else
                                                 "the halves agree at no damping; identity curvature")
                         + " (" + ", ".join(f"{f:g}: {a:.3f}" for f, a in check.agreement.items()) + ")",
@@ -537,12 +573,16 @@ class RunContext:
         fit_settings = replace(cs, fit_examples=None)
         if self.plan is not None and self.plan.fit.get("batch_size"):  # the plan's batch, as the run's own fit
             fit_settings = replace(fit_settings, batch_size=self.plan.fit["batch_size"])
+        # its steps: the two half fits, then each rung of the ladder walked
+        bar = tqdm(total=2 + len(support.DAMPING_LADDER), desc="split-half check", unit="step", leave=False,
+                   disable=not self.settings.progress or not distributed.is_main())
         halves = []
         for idx in support.split_halves(len(fit), cs.seed):
             half = [fit[i] for i in idx]
             halves.append(load_or_fit_curvature(self.lm.model, self.modules, half, fit_settings, pad_id=self.pad_id,
                                                 cache=self._fit_cache(half), execution=quiet,
                                                 layout=self._half_fit_layout())[0])
+            bar.update(1)
         scored = [fit[i] for i in support.agreement_sample(len(fit), cs.seed)]
 
         def v_at(h, factor):
@@ -562,13 +602,18 @@ class RunContext:
                     del vs
                     agreement.update({f: support.spearman(scores[:, 2 * i], scores[:, 2 * i + 1])
                                       for i, f in enumerate(rungs)})
+                    bar.update(len(rungs))
                 else:
                     a, b = (score_encoded(self.lm.model, self.modules, scored, v_at(h, factor), pad_id=self.pad_id,
                                           batch_size=self.scoring_batch(), execution=quiet) for h in halves)
                     agreement[factor] = support.spearman(a, b)
+                    bar.update(1)
             return agreement[factor]
 
-        return support.split_half(len(fit), support.walk_ladder(agreement_at))
+        try:
+            return support.split_half(len(fit), support.walk_ladder(agreement_at))
+        finally:
+            bar.close()
 
     def scoring_batch(self) -> int:
         """The scoring batch: the memory plan's (it may have lowered the settings'). A
@@ -1315,22 +1360,30 @@ def _score_warnings(ctx: RunContext, scores) -> list:
         warnings.append(f"every score is {float(scores[0])!r}, so the ranking is the pool's own order: the direction "
                         "or the preconditioned curvature vanished (check the target pairs, --damping and pairs.jsonl)")
         log.warning("%s", warnings[-1])
-    cs, n_fit = ctx.curvature_settings, _fit_size(ctx)
-    if cs.kind == "ekfac" and ctx._damping_rule() == "heuristic" and (
-            damping_rule_of(cs, n_fit, whole=True) == "split-half"):
-        # the same job on one process with the curvature whole would take the split-half rule
-        warnings.append(f"the fit sample has {n_fit} examples, below {SMALL_FIT_EXAMPLES}: one process "
-                        "keeping the curvature whole would choose the damping by the split-half check, this run "
-                        "(several processes, or a grouped or transient fit) used the heuristic damping, so its "
-                        "scores differ from such a run's; to compare them, pass --damping-rule heuristic to both")
-        log.warning("%s", warnings[-1])
     return warnings
 
 
-def _fit_size(ctx: RunContext) -> int:
+def _fit_size(inputs: Inputs, cs: CurvatureSettings) -> int:
     """The number of examples the curvature is fitted on."""
-    pool = ctx.inputs.encoded if ctx.inputs.fit_encoded is None else ctx.inputs.fit_encoded
-    return len(fit_indices(len(pool), ctx.curvature_settings))
+    pool = inputs.encoded if inputs.fit_encoded is None else inputs.fit_encoded
+    return len(fit_indices(len(pool), cs))
+
+
+def _applied_curvature(decided: dict, info: dict) -> dict | None:
+    """``run.json``'s ``curvature_applied``: the decision of :func:`small_pool_rule` with
+    what the fit then applied (its kind, after a split-half check that found no damping
+    supported: identity; its damping factor and per-layer damping); None for a method
+    that used no curvature."""
+    cur = info.get("curvature")
+    if cur is None:
+        return None
+    out = dict(decided)
+    out["kind"] = cur.get("kind", out["kind"])
+    if out["kind"] != "identity":
+        sh = cur.get("split_half")
+        out["damping_factor"] = sh["damping_factor"] if sh else cur.get("damping_factor")
+        out["damping"] = cur.get("damping")
+    return out
 
 
 def _add_device_figures(summary: dict, lm, info: dict, model_bytes) -> None:
@@ -1382,6 +1435,10 @@ def _score_locked(model, pool_path, targets_path, out_dir, settings: ScoreSettin
                     "targets": encoded_fingerprint(inputs.chosen + inputs.rejected)}
     run_key = {"settings": settings.run_key(), "curvature": key_of(curvature), "fingerprints": fingerprints,
                "dtype": str(lm.dtype), "modules": sha256_json(list(modules))}
+    requested = curvature
+    curvature, decided = small_pool_rule(curvature, _fit_size(inputs, curvature))
+    if decided["rule"] == "small-pool":
+        distributed.say("curvature: " + describe_applied(decided), settings.progress)
     finished = _finished_run(out_dir, run_key) if reuse_finished and not settings.overwrite else None
     if finished is not None:  # before the plan, which measures an example on the device
         distributed.say(f"reusing the finished run in {out_dir} (same inputs and settings)", settings.progress)
@@ -1420,7 +1477,7 @@ def _score_locked(model, pool_path, targets_path, out_dir, settings: ScoreSettin
         "command": "score",
         "method": settings.method,
         "settings": asdict(settings),
-        "curvature_settings": asdict(curvature),
+        "curvature_settings": asdict(requested),
         "model": {**lm.source, "settings": asdict(lm.settings), "dtype": str(lm.dtype),
                   "device": str(lm.device), "chat_template": has_chat_template(lm.tokenizer)},
         "tracked_modules": list(modules),
@@ -1440,6 +1497,9 @@ def _score_locked(model, pool_path, targets_path, out_dir, settings: ScoreSettin
         "stream": settings.stream,
         **info,
     }
+    applied = _applied_curvature(decided, info)
+    if applied is not None:  # what was applied, where curvature_settings says what was asked
+        summary["curvature_applied"] = applied
     if settings.stream:
         summary["fit_sample"] = {**inputs.fit_sample, "default_size": fit_default}
     _add_device_figures(summary, lm, info, model_bytes)

@@ -131,7 +131,7 @@ def test_score_logs_each_stage_with_its_time(tmp_path, capsys):
     for out, curvature in (("a", r"fitted in \d+\.\d s"), ("b", r"loaded from the cache \S+ in \d+\.\d s")):
         assert cli.main(["score", "--model", str(model), "--pool", str(pool), "--targets", str(targets), "--out",
                          str(tmp_path / out), "--device", "cpu", "--dtype", "float32", "--max-length", "128",
-                         "--cache-dir", str(tmp_path / "cache")]) == 0
+                         "--cache-dir", str(tmp_path / "cache"), "--damping-rule", "heuristic"]) == 0
         lines = [x.strip() for x in re.split(r"[\r\n]", capsys.readouterr().err) if x.strip()]
         for stage in (r"model loaded in \d+\.\d s", r"inputs read in \d+\.\d s",
                       r"target direction \(prism, 2 pairs\): \d+\.\d s", r"curvature \(ekfac\): " + curvature,

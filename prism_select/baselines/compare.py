@@ -6,7 +6,12 @@ share one curvature: the first fits it and saves it in the curvature cache (keye
 model, pool, tracked layers and curvature settings), the next ones load it
 (``run.json``'s ``curvature.reused`` is true); an ``identity`` curvature is never cached
 (nothing to fit). Wall time per method therefore includes the curvature fit only for
-the first gradient method that needs it.
+the first gradient method that needs it. Which curvature is applied is decided from the
+curvature settings and the fit sample's size alone
+(:func:`prism_select.pipeline.small_pool_rule`), the same for every method;
+``compare.json``'s ``curvature_applied`` and ``compare.md`` name it (``--damping-rule
+split-half``, which decides from each method's own direction, is refused for more than
+one method).
 
 Method options (``settings.method_options``): a key ``"<method>": {...}`` or
 ``"<method>.<key>": value`` applies to that method only; any other key applies to
@@ -64,12 +69,40 @@ def options_for(method: str, options: dict, known: list | None = None) -> dict:
     return {**shared, **own}
 
 
+def _curvature_line(result: dict) -> str:
+    """The curvature every method that uses one applied (one decision, shared), else the
+    one asked for (no method used a curvature)."""
+    from ..pipeline import describe_applied
+    applied = result.get("curvature_applied")
+    if applied is None:
+        return f"{result['curvature_settings']['kind']} (asked for; no method used a curvature)"
+    return describe_applied(applied) + (f", shared by {', '.join(result['curvature_methods'])}"
+                                        if len(result.get("curvature_methods", [])) > 1 else "")
+
+
+def _shared_curvature(summaries: dict) -> tuple:
+    """The one curvature the methods of a compare applied (each run's ``curvature_applied``,
+    decided from the settings and the fit sample alone) and the methods that used it;
+    :class:`ConfigError` if two methods applied different ones."""
+    used = {m: s["curvature_applied"] for m, s in summaries.items() if s.get("curvature_applied")}
+    if not used:
+        return None, []
+    first = next(iter(used.values()))
+    keys = ("kind", "rule", "n_fit", "damping_factor")
+    differ = [m for m, a in used.items() if any(a.get(k) != first.get(k) for k in keys)]
+    if differ:
+        raise ConfigError("curvature", f"the methods applied different curvatures ({', '.join(used)}: "
+                          + "; ".join(f"{m} {used[m].get('kind')} ({used[m].get('rule')})" for m in used) + ")",
+                          "pass the same curvature settings to every method (resume with --overwrite)")
+    return first, list(used)
+
+
 def _markdown(result: dict) -> str:
     label = result.get("label")
     lines = ["# prism-select compare", "",
              f"- pool: `{result['pool']}` ({result['n_pool']} examples)",
              f"- targets: `{result['targets'] or '(none)'}`",
-             f"- curvature: {result['curvature_settings']['kind']}"]
+             f"- curvature: {_curvature_line(result)}"]
     if label:
         lines.append(f"- label: `{label}` ({result['n_positive']} positive)")
     lines += [""]
@@ -123,6 +156,10 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
         raise ConfigError("method_options", f"no method of {', '.join(methods)} takes the option(s) "
                           f"{', '.join(unused)}", "check the spelling (see each method in `prism-select methods`), "
                           "or drop the option")
+    if curvature.damping_rule == "split-half" and len(methods) > 1:
+        raise ConfigError("damping_rule", "split-half chooses a damping from each method's own direction, so the "
+                          "methods of a compare would rank under different curvatures",
+                          "leave out --damping-rule (auto) or pass --damping-rule heuristic")
     out_dir = Path(out_dir)
     labels = None
     if label:
@@ -157,6 +194,7 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
         gc.collect()
         release_host_memory()
     any_summary = next(iter(summaries.values()))
+    applied, curvature_methods = _shared_curvature(summaries)
     result = {
         # absolute, as run.json's: `report` finds the pool from any working directory
         "pool": any_summary["inputs"]["pool"], "targets": any_summary["inputs"]["targets"], "label": label,
@@ -166,6 +204,7 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
         "load_model_s": load_s,
         "model": {k: lm.source.get(k) for k in ("kind", "path", "adapter")} | {"fingerprint": lm.fingerprint},
         "curvature_settings": dataclasses.asdict(curvature),
+        "curvature_applied": applied, "curvature_methods": curvature_methods,
         "methods": rows,
     }
     atomic_write_json(out_dir / "compare.json", result)

@@ -24,8 +24,9 @@ DEFAULT_DAMPING_FACTOR = 0.1
 #: ``shrinkage`` values besides a fixed weight in [0, 1]
 SHRINKAGE_MODES = ("off", "auto")
 #: how the damping factor is chosen: ``heuristic`` (``damping_factor``), ``split-half``
-#: (:mod:`prism_select.curvature.support`), ``auto`` (split-half on a small EK-FAC fit that
-#: no damping option shapes, else heuristic: :func:`prism_select.pipeline.damping_rule_of`)
+#: (:mod:`prism_select.curvature.support`), ``auto`` (identity curvature in place of a small
+#: EK-FAC fit that no damping option shapes, else heuristic:
+#: :func:`prism_select.pipeline.small_pool_rule`)
 DAMPING_RULES = ("auto", "heuristic", "split-half")
 DEFAULT_DAMPING_RULE = "auto"
 DEFAULT_SHRINKAGE = "off"
@@ -101,17 +102,19 @@ class PreconditionSettings:
         average that ``Lambda`` is, summed over its entries, estimated from the same fit
         (it shrinks as ``1/N``: few fit examples pull toward K-FAC, many leave EK-FAC);
         a number in [0, 1]: that ``rho`` for every layer.
-    damping_rule: ``auto``: ``split-half`` for an EK-FAC fit on fewer than 1,000 examples
-        when none of ``damping``, ``damping_factor``, ``damping_noise``, ``shrinkage`` is
-        set and one process keeps the curvature whole, fitted in one group by the memory
-        plan (the half fits run outside the plan), else ``heuristic``;
+    damping_rule: ``auto``: an EK-FAC fit on fewer than
+        :data:`~prism_select.pipeline.SMALL_FIT_EXAMPLES` (300) examples that none of
+        ``damping``, ``damping_factor``, ``damping_noise``, ``shrinkage`` shapes is not
+        made: the run ranks with identity curvature (:func:`~prism_select.pipeline.small_pool_rule`);
+        else ``heuristic``;
         ``heuristic`` (``damping_factor`` x mean eigenvalue; EK-FAC as kronfluence computes it); ``split-half``
         (EK-FAC): EK-FAC is also fitted on two random halves of the fit sample, and the
         damping factor is the least of :data:`~prism_select.curvature.support.DAMPING_LADDER`
         at which the halves' ``v`` rank the fit sample alike
         (:func:`~prism_select.curvature.support.supported_damping_factor`); when they agree
-        at none, the run ranks with identity curvature. Costs two half-size fits and eight
-        scorings of the fit sample: meant for small fit samples.
+        at none, the run ranks with identity curvature. Costs two half-size fits and up to
+        eight scorings of the fit sample, outside the memory plan; needs at least
+        :data:`~prism_select.curvature.support.MIN_FIT_EXAMPLES` fit examples.
     """
 
     damping: float | None = setting(None, help=f"explicit damping (if not given: {DEFAULT_DAMPING_FACTOR} x mean "
@@ -131,8 +134,8 @@ class PreconditionSettings:
                                 help="heuristic: damping-factor x mean eigenvalue; split-half (EK-FAC): the least "
                                      "damping factor (0.1, 1, 10, 100) at which EK-FAC fits on two random halves of "
                                      "the fit sample rank it alike (Spearman >= 0.9), identity when none does; auto: "
-                                     "split-half for an EK-FAC fit on fewer than 1,000 examples that no other damping "
-                                     "option shapes, else heuristic")
+                                     "identity curvature (no fit) in place of an EK-FAC fit on fewer than 300 "
+                                     "examples that no other damping option shapes, else heuristic")
 
     def __post_init__(self):
         if self.damping_rule not in DAMPING_RULES:

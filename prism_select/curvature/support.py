@@ -30,6 +30,9 @@ import torch
 DAMPING_LADDER = (0.1, 1.0, 10.0, 100.0)
 #: the halves agree when their score lists correlate (Spearman) at least this much
 MIN_AGREEMENT = 0.9
+#: the fewest fit examples the check takes: two halves of two (a rank correlation needs two
+#: scores, a half fit one example at least)
+MIN_FIT_EXAMPLES = 4
 
 
 @dataclass

@@ -391,6 +391,13 @@ def _pool_with_labels(pool_path: Path, label: str | None, body: list, named_in: 
     return pool, label, _labels(pool, label)
 
 
+def _applied_kind(run: dict):
+    """The curvature a run (or a compare) applied; the one asked for where the record
+    predates ``curvature_applied``."""
+    return ((run.get("curvature_applied") or {}).get("kind")
+            or (run.get("curvature_settings") or {}).get("kind"))
+
+
 def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
     run = _read_json_object(base / "run.json")
     pool_path = Path((run.get("inputs") or {}).get("pool", ""))
@@ -399,7 +406,7 @@ def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
     body = [f"<h1>prism-select score run: {_esc(run.get('method'))}</h1>",
             f"<p>{counts.get('pool')} pool examples, {counts.get('pairs')} target pairs, "
             f"{counts.get('invalid', 0)} skipped; model <code>{_esc(run.get('model', {}).get('model'))}</code>; "
-            f"curvature <code>{_esc(run.get('curvature_settings', {}).get('kind'))}</code>; "
+            f"curvature <code>{_esc(_applied_kind(run))}</code>; "
             f"{run.get('timings', {}).get('total_s', 0):.1f} s.</p>"]
     got = _pool_with_labels(pool_path, label, body, "run.json", (run.get("fingerprints") or {}).get("pool_file"))
     if got is None:
@@ -442,7 +449,7 @@ def _compare_report(base: Path, plots: _Plots, label: str | None) -> str:
     pool_path = Path(res.get("pool", ""))
     body = [f"<h1>prism-select compare: {_esc(', '.join(r['method'] for r in rows))}</h1>",
             f"<p>{res.get('n_pool')} pool examples; model <code>{_esc((res.get('model') or {}).get('path'))}</code>; "
-            f"curvature <code>{_esc((res.get('curvature_settings') or {}).get('kind'))}</code>.</p>"]
+            f"curvature <code>{_esc(_applied_kind(res))}</code>.</p>"]
     runs = [base / r["method"] / "run.json" for r in rows if (base / r["method"] / "run.json").is_file()]
     scored = (_read_json_object(runs[0]).get("fingerprints") or {}).get("pool_file") if runs else None
     got = _pool_with_labels(pool_path, label or res.get("label"), body, "compare.json", scored)

@@ -31,7 +31,7 @@ def files(tmp_path_factory):
 def _score_argv(model, pool, targets, out, *extra):
     return ["score", "--model", str(model), "--pool", str(pool), "--targets", str(targets), "--out", str(out),
             "--device", "cpu", "--dtype", "float32", "--max-length", "128", "--no-progress",
-            "--cache-dir", str(Path(out).parent / "cache"), *extra]
+            "--cache-dir", str(Path(out).parent / "cache"), "--damping-rule", "heuristic", *extra]
 
 
 def _fails(argv, capsys, *needles) -> str:
@@ -275,8 +275,7 @@ def _scores_of(out):
 
 
 def _curvature_entry(cache, run):
-    """The cache entry of ``run``'s fitted curvature (the split-half check's half fits of a
-    small pool are entries beside it)."""
+    """The cache entry of ``run``'s fitted curvature."""
     name = Path(json.loads((Path(run) / "run.json").read_text())["curvature"]["path"]).name
     return Path(cache) / "curvature" / name
 

@@ -37,9 +37,12 @@ def settings(tmp_path, model_dir, **kw):
     return ModelSettings(model=str(model_dir), dtype="float32", device="cpu", cache_dir=str(tmp_path / "cache"))
 
 
-def run(tmp_path, model_dir, pool, targets, out, curvature="ekfac", **kw):
+def run(tmp_path, model_dir, pool, targets, out, curvature="ekfac", rule="heuristic", **kw):
+    """A run on a tiny model; ``rule`` heuristic: these 10 records are fitted (the default
+    ``auto`` ranks a pool this small with identity curvature)."""
     s = ScoreSettings(max_length=128, batch_size=4, progress=False, chunk_size=4, **kw)
-    return score_pool(settings(tmp_path, model_dir), pool, targets, out, s, CurvatureSettings(kind=curvature))
+    return score_pool(settings(tmp_path, model_dir), pool, targets, out, s,
+                      CurvatureSettings(kind=curvature, damping_rule=rule))
 
 
 def scores_of(out):
@@ -281,13 +284,13 @@ def test_runs_keep_the_cache_under_cache_max_gb_and_the_cache_command_prunes_it(
     (least recently used), so the cache never grows past the bound; `prism-select cache`
     lists and prunes it."""
     from prism_select import cache
-    a = run(tmp_path, model_dir, *data, tmp_path / "a")
+    a = run(tmp_path, model_dir, *data, tmp_path / "a", rule="split-half")
     first = cache.entries(tmp_path / "cache")
     assert len(first) == 3 and a["curvature"]["path"] in {str(e.path) for e in first}
     size = sum(e.size for e in first)
     other_pool, _ = make_example(tmp_path / "data2", n_pool=10, n_pairs=3, seed=5)
     bound = (size + 0.5 * min(e.size for e in first)) / (1 << 30)
-    b = run(tmp_path, model_dir, other_pool, data[1], tmp_path / "b", cache_max_gb=bound)
+    b = run(tmp_path, model_dir, other_pool, data[1], tmp_path / "b", rule="split-half", cache_max_gb=bound)
     left = cache.entries(tmp_path / "cache")
     assert b["curvature"]["path"] in {str(e.path) for e in left} and len(left) == 3
     assert not {str(e.path) for e in left} & {str(e.path) for e in first}
@@ -381,17 +384,17 @@ def test_same_seed_gives_equal_scores_on_gpu(tmp_path, model_dir, data):
 
 
 @pytest.mark.parametrize("method,expected", [
-    # a small pool: the split-half check between the fit and the scores (the default rule)
-    ("prism", ["direction", "fit", "split_half", "scoring"]),
-    ("ifguide:harmonic", ["target", "fit", "split_half", "token_scores"]),
-    ("conceptinf", ["concept_vector", "concept_gradient", "fit", "split_half", "scoring"]),
+    # a small pool: identity curvature in place of the fit (the default rule), whose stage still ends
+    ("prism", ["direction", "fit", "scoring"]),
+    ("ifguide:harmonic", ["target", "fit", "token_scores"]),
+    ("conceptinf", ["concept_vector", "concept_gradient", "fit", "scoring"]),
 ])
 def test_run_json_records_the_host_peak_at_the_end_of_each_stage(tmp_path, model_dir, data, method, expected):
     """The process's resident high-water mark when each stage ended (what says which stage
     set a run's host peak, e.g. one method's of a `compare`); a baseline's own stages too."""
     import resource
     method, _, ranking = method.partition(":")
-    summary = run(tmp_path, model_dir, *data, tmp_path / "run", method=method,
+    summary = run(tmp_path, model_dir, *data, tmp_path / "run", method=method, rule="auto",
                   method_options={"ranking": ranking} if ranking else {})
     stages = summary["host_peak_mib_by_stage"]
     assert list(stages) == expected
@@ -402,10 +405,13 @@ def test_run_json_records_the_host_peak_at_the_end_of_each_stage(tmp_path, model
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_run_json_records_the_gpu_peak_of_each_planned_stage(tmp_path, model_dir, data):
+@pytest.mark.parametrize("rule", ["auto", "heuristic"])  # a small pool: identity in place of the fit; a fit
+def test_run_json_records_the_gpu_peak_of_each_planned_stage(tmp_path, model_dir, data, rule):
     s = ScoreSettings(max_length=128, batch_size=4, progress=False)
     ms = ModelSettings(model=str(model_dir), dtype="float32", device="cuda", cache_dir=str(tmp_path / "c"))
-    run = score_pool(ms, *data, tmp_path / "run", s, CurvatureSettings(kind="ekfac"))
+    run = score_pool(ms, *data, tmp_path / "run", s, CurvatureSettings(kind="ekfac", damping_rule=rule))
+    assert run["curvature_applied"]["kind"] == ("identity" if rule == "auto" else "ekfac")
+    assert (run["memory_plan"]["fit"]["stored_bytes"] == 0) == (rule == "auto")  # planned for the applied one
     stages = run["gpu_peak_bytes_by_stage"]
     assert set(stages) == {"direction", "fit", "scoring"}  # the memory plan's stages
     assert all(v > 0 for v in stages.values())

@@ -702,12 +702,14 @@ def test_split_half_runs_at_the_plans_batches(run_files, monkeypatch, stage):
 def test_split_half_on_a_capped_gpu_fits_its_halves_into_host_memory(run_files, monkeypatch):
     """End to end on a GPU under --max-gpu-memory: the half fits come back in host memory,
     the run's own curvature waits in host memory while they are fitted and is back on the
-    device after the check, and run.json records the check's GPU peak."""
+    device when the check ends (then preconditions once and is released: the run's last
+    use of it), and run.json records the check's GPU peak."""
     from prism_select import pipeline
     from prism_select.curvature import CurvatureSettings
     from prism_select.model import ModelSettings
     from prism_select.pipeline import ScoreSettings, score_pool
     real_fit, fitted, run_curvature_at = pipeline.load_or_fit_curvature, [], []
+    real_stage, at_check_end = pipeline.RunContext.stage_peak, []
 
     def fit(*a, **kw):
         if fitted:  # a half: where the run's curvature (the first fit) waits meanwhile
@@ -715,16 +717,23 @@ def test_split_half_on_a_capped_gpu_fits_its_halves_into_host_memory(run_files, 
         fitted.append(r := real_fit(*a, **kw))
         return r
 
+    def stage_peak(ctx, stage):
+        if stage == "split_half":  # the check is over: where every fit is now
+            at_check_end.append([{t.device.type for t in cur.tensors.values()} for cur, _, _ in fitted])
+        return real_stage(ctx, stage)
+
     monkeypatch.setattr(pipeline, "load_or_fit_curvature", fit)
+    monkeypatch.setattr(pipeline.RunContext, "stage_peak", stage_peak)
     ms = ModelSettings(model=str(run_files / "model"), dtype="float32", device="cuda",
                        cache_dir=str(run_files / "cache"))
     summary = score_pool(ms, run_files / "pool.jsonl", run_files / "targets.jsonl", run_files / "sh-gpu",
                          ScoreSettings(progress=False, batch_size=4, max_gpu_memory=8 << 30),
                          CurvatureSettings(damping_rule="split-half"))
-    devices = [{t.device.type for t in cur.tensors.values()} for cur, _, _ in fitted]
     # the run's fit back on the device after the check, its two halves in host memory
-    assert devices == [{"cuda"}, {"cpu"}, {"cpu"}]
+    assert at_check_end == [[{"cuda"}, {"cpu"}, {"cpu"}]]
     assert run_curvature_at == [{"cpu"}, {"cpu"}]  # in host memory while the halves were fitted
+    # the scoring's last use released the run's curvature layer by layer (RunContext.last_use)
+    assert [{t.device.type for t in cur.tensors.values()} for cur, _, _ in fitted] == [set(), {"cpu"}, {"cpu"}]
     assert summary["gpu_peak_bytes_by_stage"]["split_half"] > 0
 
 
@@ -796,27 +805,24 @@ def test_split_half_refuses_an_explicit_damping():
         CurvatureSettings(damping_rule="largest")
 
 
-def test_auto_damping_rule_threshold_and_options():
-    """auto is split-half for a small EK-FAC fit that no damping option shapes, on one
-    process with the curvature whole; heuristic otherwise; an explicit rule stays."""
+def test_a_fitted_curvature_takes_the_split_half_check_only_where_asked():
+    """auto decides before the fit (identity in place of a small EK-FAC fit:
+    tests/integration/test_small_pool_rule.py); a fit is damped by the heuristic unless
+    split-half is asked for."""
     from prism_select.curvature import CurvatureSettings
-    from prism_select.pipeline import SMALL_FIT_EXAMPLES, damping_rule_of
-    small = SMALL_FIT_EXAMPLES - 1
-    assert damping_rule_of(CurvatureSettings(), small, whole=True) == "split-half"
-    assert damping_rule_of(CurvatureSettings(), SMALL_FIT_EXAMPLES, whole=True) == "heuristic"
-    assert damping_rule_of(CurvatureSettings(), small, whole=False) == "heuristic"
-    for kw in ({"kind": "kfac"}, {"kind": "identity"}, {"damping_noise": True}, {"shrinkage": "auto"},
-               {"shrinkage": 0.5}, {"damping": 1e-3}, {"damping_factor": 1.0}, {"damping_rule": "heuristic"}):
-        assert damping_rule_of(CurvatureSettings(**kw), small, whole=True) == "heuristic", kw
-    assert damping_rule_of(CurvatureSettings(damping_rule="split-half"), SMALL_FIT_EXAMPLES, whole=True) == "split-half"
+    from prism_select.pipeline import damping_rule_of
+    for kw in ({}, {"kind": "kfac"}, {"damping_noise": True}, {"damping_rule": "heuristic"}):
+        assert damping_rule_of(CurvatureSettings(**kw)) == "heuristic", kw
+    assert damping_rule_of(CurvatureSettings(damping_rule="split-half")) == "split-half"
 
 
-def test_default_run_on_a_small_fit_takes_the_split_half_rule(run_files):
+def test_default_run_on_a_small_fit_ranks_with_identity_curvature(run_files):
     s1, a = _score(run_files, "auto", damping_rule="auto")
-    s2, b = _score(run_files, "sh", damping_rule="split-half")
-    assert s1["curvature"]["split_half"] == s2["curvature"]["split_half"] and torch.equal(a, b)
-    s3, _ = _score(run_files, "plain", damping_rule="heuristic")
-    assert "split_half" not in s3["curvature"] and s3["curvature"]["reused"]
+    s2, b = _score(run_files, "identity", kind="identity")
+    assert s1["curvature_applied"]["kind"] == "identity" and s1["curvature"]["kind"] == "identity"
+    assert "split_half" not in s1["curvature"] and torch.equal(a, b)
+    s3, c = _score(run_files, "plain", damping_rule="heuristic")
+    assert s3["curvature_applied"]["kind"] == "ekfac" and not torch.equal(a, c)
 
 
 # ----------------------------------------------------------------------------- the fit's device memory
@@ -983,24 +989,21 @@ def test_sharded_pass_sums_send_each_input_once(model, modules, tok, encoded_poo
         assert torch.equal(qa[0], qa[1]) and torch.equal(qa[0], qa[2])
 
 
-def test_a_small_fit_without_the_split_half_rule_warns(run_files, monkeypatch):
-    """Where one whole-curvature process would take the split-half rule but this run cannot
-    (here a grouped fit), run.json warns that its scores differ from such a run's; a
-    whole-curvature default run does not warn."""
-    s1, _ = _score(run_files, "auto-whole", damping_rule="auto")
-    assert "split_half" in s1["curvature"] and not any("split-half" in w for w in s1["warnings"])
+def test_a_small_default_run_ranks_alike_under_a_grouped_plan(run_files, monkeypatch):
+    """The small-pool rule depends on the settings and the fit sample alone: a default run
+    under a plan that would group the fit ranks as a whole-curvature one, without a warning."""
+    s1, a = _score(run_files, "auto-whole", damping_rule="auto")
     _forced_plan(monkeypatch, "host")
-    s2, _ = _score(run_files, "auto-grouped", damping_rule="auto")
-    assert "split_half" not in s2["curvature"]
-    assert any("--damping-rule heuristic" in w and "24 examples" in w for w in s2["warnings"])
-    s3, _ = _score(run_files, "heuristic-grouped", damping_rule="heuristic")  # asked for: nothing to warn of
-    assert not any("split-half" in w for w in s3["warnings"])
+    s2, b = _score(run_files, "auto-grouped", damping_rule="auto")
+    assert s1["curvature_applied"] == s2["curvature_applied"] and torch.equal(a, b)
+    assert s1["warnings"] == s2["warnings"] == []
 
 
 def test_ifguide_takes_the_runs_damping_rule(run_files):
     """IF-Guide preconditions through the run's last use of the curvature: on a small fit
-    it takes the split-half check as PRISM does, not the heuristic damping."""
+    it takes the small-pool rule and an asked-for split-half check as PRISM does."""
     s1, a = _score(run_files, "ifg-auto", damping_rule="auto", method="ifguide")
-    assert s1["curvature"]["split_half"]["n_fit"] == 24
-    s2, b = _score(run_files, "ifg-sh", damping_rule="split-half", method="ifguide")
-    assert s2["curvature"]["split_half"] == s1["curvature"]["split_half"] and torch.equal(a, b)
+    s0, b = _score(run_files, "ifg-identity", kind="identity", method="ifguide")
+    assert s1["curvature_applied"]["kind"] == "identity" and torch.equal(a, b)
+    s2, _ = _score(run_files, "ifg-sh", damping_rule="split-half", method="ifguide")
+    assert s2["curvature"]["split_half"]["n_fit"] == 24 and s2["curvature_applied"]["rule"] == "split-half"
