@@ -1,0 +1,82 @@
+"""Inputs whose mistake is found before any long work, as a named error (the file, row,
+field and fix) rather than a traceback from deep inside the run: text that no tokenizer
+can take, seeds outside what the generators accept, a tokenizer larger than the model's
+vocabulary, non-finite weights, a truncated GGUF file, an empty saved dataset."""
+
+import json
+
+import pytest
+
+from prism_select import cli
+from prism_select.data import load_pool, load_targets
+from prism_select.errors import InputError
+from prism_select.examples import make_example
+
+from tiny import save_tiny
+
+BAD_TEXT = {"surrogate": ("a \ud800 b", "lone surrogate", "U+D800"), "nul": ("a \x00 b", "NUL", "U+0000")}
+
+
+def _jsonl(path, rows):
+    # json.dumps escapes both characters (\ud800, \u0000): the file is valid JSON and UTF-8
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _with(record: dict, field: str, text: str) -> dict:
+    """``record`` with ``text`` planted in ``field`` (``messages``: the first message's content)."""
+    rec = json.loads(json.dumps(record))
+    if isinstance(rec[field], list):
+        rec[field][0]["content"] = text
+    else:
+        rec[field] = text
+    return rec
+
+
+POOL_FORMS = [({"prompt": "q", "response": "r"}, "prompt"), ({"prompt": "q", "response": "r"}, "response"),
+              ({"prompt": "q", "completion": "r"}, "completion"),
+              ({"instruction": "i", "input": "x", "output": "o"}, "instruction"),
+              ({"instruction": "i", "input": "x", "output": "o"}, "input"),
+              ({"instruction": "i", "input": "x", "output": "o"}, "output"),
+              ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]}, "messages")]
+TARGET_FORMS = [({"prompt": "q", "chosen": "c", "rejected": "r"}, f) for f in ("prompt", "chosen", "rejected")] + [
+    ({"prompt": "q", "chosen": [{"role": "assistant", "content": "c"}], "rejected": "r"}, "chosen")]
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_TEXT))
+@pytest.mark.parametrize("record, field", POOL_FORMS + [(r, f + " ") for r, f in TARGET_FORMS],
+                         ids=[f"pool-{f}" for _, f in POOL_FORMS] + [f"targets-{f}" for _, f in TARGET_FORMS])
+def test_text_no_tokenizer_takes_is_a_named_error_of_its_record(tmp_path, record, field, bad):
+    is_target, field = field.endswith(" "), field.strip()
+    text, what, code = BAD_TEXT[bad]
+    path = _jsonl(tmp_path / "in.jsonl", [record, _with(record, field, text)])
+    load = load_targets if is_target else load_pool
+    with pytest.raises(InputError) as e:
+        load(path)
+    assert e.value.line == 2 and e.value.field == field, str(e.value)
+    for needle in (str(path), what, code, "fix:"):
+        assert needle in str(e.value)
+    assert [r.row for r in load(path, skip_invalid=True).invalid] == [1]
+
+
+@pytest.mark.parametrize("where", ["pool", "targets"])
+def test_score_names_a_lone_surrogate_before_the_model_loads(tmp_path, where, capsys, monkeypatch):
+    import prism_select.pipeline as pipeline
+
+    pool, targets = make_example(tmp_path / "data", n_pool=4, n_pairs=2)
+    path = pool if where == "pool" else targets
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[1]["chosen" if where == "targets" else "response"] = "x \ud800"
+    _jsonl(path, rows)
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(pipeline, "load_model", no_loading)
+    out = tmp_path / "run"
+    argv = ["score", "--model", str(save_tiny(tmp_path / "model")), "--pool", str(pool), "--targets", str(targets),
+            "--out", str(out), "--device", "cpu", "--no-progress", "--cache-dir", str(tmp_path / "cache")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("prism-select: error: "), err
+    assert f"{path}, line 2" in err and "lone surrogate" in err and "Traceback" not in err
+    assert not out.exists()
