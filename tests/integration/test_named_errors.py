@@ -80,3 +80,53 @@ def test_score_names_a_lone_surrogate_before_the_model_loads(tmp_path, where, ca
     assert err.splitlines()[-1].startswith("prism-select: error: "), err
     assert f"{path}, line 2" in err and "lone surrogate" in err and "Traceback" not in err
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- experiment configs
+
+BILLION_LAUGHS = """\
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+data: {gsm8k_train: train.jsonl, pool_size: 10}
+methods: [prism]
+method_options: {prism: {bomb: *i}}
+"""
+
+
+def test_a_yaml_alias_bomb_in_an_experiment_config_is_refused_at_once(tmp_path, capsys):
+    import time
+    config = tmp_path / "bomb.yaml"
+    config.write_text(BILLION_LAUGHS)
+    t = time.perf_counter()
+    assert cli.main(["experiment", "ranking", "--config", str(config), "--out", str(tmp_path / "o")]) == 2
+    assert time.perf_counter() - t < 5.0
+    err = capsys.readouterr().err
+    assert f"{config}, line 2: YAML alias *a" in err and "write the value out" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_oversized_experiment_config_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    from prism_select.errors import ConfigError
+    from prism_select.evaluation import config as cfg
+    path = tmp_path / "big.json"
+    path.write_text('{"data": {"pool_size": 10}, "pad": "' + "x" * cfg.MAX_CONFIG_BYTES + '"}')
+    monkeypatch.setattr(cfg.json, "loads", lambda *a, **k: pytest.fail("the oversized file was parsed"))
+    with pytest.raises(ConfigError, match="larger than 1048576 bytes"):
+        cfg.read_config_file(path)
+
+
+def test_every_shipped_experiment_config_is_read():
+    from pathlib import Path
+
+    from prism_select.evaluation.config import read_config_file
+    shipped = sorted((Path(__file__).resolve().parents[2] / "experiments").glob("*.yaml"))
+    assert len(shipped) > 10
+    for path in shipped:
+        assert isinstance(read_config_file(path), dict), path
