@@ -263,12 +263,26 @@ def load_arrow_dir(path: str | os.PathLike):
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # datasets raises many kinds of errors on a bad directory
+        if _saved_without_rows(Path(path)):  # load_from_disk fails on zero rows (an IndexError)
+            raise InputError("the saved dataset holds no records (it was saved with zero rows)", path=path,
+                             fix="check that the right directory was passed; save the dataset again with its "
+                                 "records") from None
         raise InputError(f"cannot load the saved dataset ({type(e).__name__}: {e})",
                          path=path) from e
     if not isinstance(ds, datasets.Dataset):
         raise InputError("is a DatasetDict with several splits", path=path,
                          fix="pass the directory of one split")
     return ds
+
+
+def _saved_without_rows(path: Path) -> bool:
+    """Whether ``path`` is a ``save_to_disk`` directory of zero rows: its ``state.json``
+    lists no data files."""
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("_data_files") == []
 
 
 def _iter_arrow(path: Path) -> Iterator[tuple[int, int | None, Any]]:

@@ -20,7 +20,7 @@ from typing import Any
 from ..curvature import CurvatureSettings
 from ..errors import ConfigError
 from ..model import ModelSettings
-from ..settings import RunSettings, ScoreSettings, ScoringSettings
+from ..settings import RunSettings, ScoreSettings, ScoringSettings, check_seed
 
 PROTOCOLS = ("ranking", "repair", "select")
 PAIR_SELECTIONS = ("worsened", "wrong_after", "all")
@@ -663,6 +663,8 @@ def _validate_common(cfg):
         raise ConfigError("seeds", f"must be a non-empty list of integers, got {cfg.seeds!r}")
     if len(set(cfg.seeds)) != len(cfg.seeds):
         raise ConfigError("seeds", f"lists a seed twice: {cfg.seeds!r}")
+    for s in cfg.seeds:
+        check_seed(s, "seeds")
     if cfg.on_method_error not in ("raise", "record"):
         raise ConfigError("on_method_error", f"unknown value {cfg.on_method_error!r}", "use raise or record")
     if isinstance(cfg.methods, str):
@@ -871,6 +873,8 @@ def _validate_finetune_seeds(fs):
                            or len(set(fs)) != len(fs)):
         raise ConfigError("finetune_seeds", f"must be a non-empty list of distinct integers, got {fs!r}",
                           "e.g. finetune_seeds: [0, 1]")
+    for s in fs or []:
+        check_seed(s, "finetune_seeds")
 
 
 def _validate_repair_extras(cfg):

@@ -130,3 +130,99 @@ def test_every_shipped_experiment_config_is_read():
     assert len(shipped) > 10
     for path in shipped:
         assert isinstance(read_config_file(path), dict), path
+
+
+# --------------------------------------------------------------------------- seeds
+
+
+@pytest.mark.parametrize("seed", [10**23, 2**32, -1])
+def test_a_seed_outside_what_the_generators_take_is_refused(seed):
+    from prism_select.curvature import CurvatureSettings
+    from prism_select.errors import ConfigError
+    from prism_select.evaluation.finetune import FinetuneSettings
+    from prism_select.settings import MAX_SEED, DirectionSettings
+    for build in (lambda: DirectionSettings(seed=seed), lambda: CurvatureSettings(seed=seed),
+                  lambda: FinetuneSettings(seed=seed)):
+        with pytest.raises(ConfigError, match=f"from 0 to {MAX_SEED}"):
+            build()
+    DirectionSettings(seed=MAX_SEED), CurvatureSettings(seed=MAX_SEED)  # the largest is taken
+
+
+def test_score_refuses_a_huge_seed_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import prism_select.pipeline as pipeline
+    pool, targets = make_example(tmp_path / "data", n_pool=4, n_pairs=2)
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    argv = ["score", "--model", str(save_tiny(tmp_path / "model")), "--pool", str(pool), "--targets", str(targets),
+            "--out", str(tmp_path / "run"), "--device", "cpu", "--no-progress", "--seed", str(10**23)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "setting 'seed'" in err and "4294967295" in err and "Traceback" not in err
+
+
+def test_an_experiment_config_with_a_huge_seed_is_refused():
+    from prism_select.errors import ConfigError
+    from prism_select.evaluation.config import load_config
+    base = {"data": {"family": "mistake_math", "gsm8k_train": "x.jsonl"}, "probes": {"gsm8k_test": "y.jsonl"}}
+    for key in ("seeds", "finetune_seeds"):
+        with pytest.raises(ConfigError, match=key):
+            load_config({**base, key: [0, 2**40]}, "repair")
+
+
+# --------------------------------------------------------------------------- models
+
+
+def test_a_tokenizer_beyond_the_models_vocabulary_is_refused_at_load(tmp_path):
+    import torch
+
+    from prism_select.errors import ModelError
+    from prism_select.model import ModelSettings, load_model
+    from tiny import tiny_llama, tiny_tokenizer
+    n = len(tiny_tokenizer())
+    path = save_tiny(tmp_path / "model", model=tiny_llama(n - 5, dtype=torch.float32))
+    with pytest.raises(ModelError, match=f"has {n} tokens but the model's embedding has {n - 5} rows"):
+        load_model(ModelSettings(str(path), device="cpu", dtype="float32", cache_dir=str(tmp_path / "c")))
+
+
+def test_non_finite_weights_are_named_at_load(tmp_path):
+    import torch
+
+    from prism_select.errors import ModelError
+    from prism_select.model import ModelSettings, load_model
+    from tiny import tiny_llama, tiny_tokenizer
+    model = tiny_llama(len(tiny_tokenizer()), dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 2] = float("nan")
+    path = save_tiny(tmp_path / "model", model=model)
+    with pytest.raises(ModelError, match=r"non-finite values .* model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(ModelSettings(str(path), device="cpu", dtype="float32", cache_dir=str(tmp_path / "c")))
+
+
+@pytest.mark.parametrize("dtype, advised", [("float32", False), ("float64", False), ("bfloat16", True),
+                                            ("float16", True)])
+def test_the_advice_on_a_non_finite_loss_fits_the_runs_dtype(dtype, advised):
+    import torch
+
+    from prism_select.errors import NumericalError
+    from prism_select.gradients import _RUN_DTYPE, check_finite, set_run_dtype
+    token = _RUN_DTYPE.set(None)
+    try:
+        set_run_dtype(getattr(torch, dtype))
+        with pytest.raises(NumericalError) as e:
+            check_finite(torch.tensor([1.0, float("nan")]), "the target loss (chosen)", record=[3])
+    finally:
+        _RUN_DTYPE.reset(token)
+    assert ("try --dtype float32" in str(e.value)) == advised, str(e.value)
+    assert f"computes in {dtype}" in str(e.value) and "record(s) [3]" in str(e.value)
+
+
+# --------------------------------------------------------------------------- saved datasets
+
+
+def test_a_saved_dataset_of_zero_rows_holds_no_records(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path / "empty"
+    datasets.Dataset.from_list([{"prompt": "q", "response": "r"}]).select([]).save_to_disk(str(path))
+    for load in (load_pool, load_targets):
+        with pytest.raises(InputError, match="holds no records") as e:
+            load(path)
+        assert str(path) in str(e.value) and "IndexError" not in str(e.value)
