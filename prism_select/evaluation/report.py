@@ -93,18 +93,18 @@ def _excerpt(text, n=EXCERPT) -> str:
     return text if len(text) <= n else text[:n] + " …"
 
 
+def _get(obj, key: str, sub: str):
+    """``obj[key][sub]``, or None where either level is missing or not an object."""
+    inner = obj.get(key) if isinstance(obj, dict) else None
+    return inner.get(sub) if isinstance(inner, dict) else None
+
+
 def _read_jsonl(path) -> list:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
 # --------------------------------------------------------------------------- plots
-
-def _get(obj, key: str, sub: str):
-    """``obj[key][sub]``, or None where either level is missing or not an object."""
-    inner = obj.get(key) if isinstance(obj, dict) else None
-    return inner.get(sub) if isinstance(inner, dict) else None
-
 
 def _read_json_object(path: Path) -> dict:
     """The JSON object in ``path`` (run.json, compare.json), or an :class:`InputError`
@@ -414,7 +414,8 @@ def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
     targets = _get(run, "inputs", "targets") or None
     body = [f"<h1>prism-select score run: {_esc(run.get('method'))}</h1>",
             f"<p>{_esc(_get(run, 'counts', 'pool'))} pool examples, {_esc(_get(run, 'counts', 'pairs'))} target "
-            f"pairs, {_esc(_get(run, 'counts', 'invalid') or 0)} skipped; model <code>{_esc(_get(run, 'model', 'model'))}</code>; "
+            f"pairs, {_esc(_get(run, 'counts', 'invalid') or 0)} skipped; "
+            f"model <code>{_esc(_get(run, 'model', 'model'))}</code>; "
             f"curvature <code>{_esc(_get(run, 'curvature_settings', 'kind'))}</code>; "
             f"{_fmt(_get(run, 'timings', 'total_s') or 0, 1)} s.</p>"]
     got = _pool_with_labels(pool_path, label, body, "run.json", _get(run, "fingerprints", "pool_file"))
