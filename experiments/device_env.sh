@@ -6,8 +6,8 @@
 B=.cache/device-eval
 # once per machine (as experiments/device_experiment.sh): a job started beside another reuses
 # the installed wheels and the joined file instead of rewriting what the other one reads
-[ -f /tmp/site/.prism-installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target /tmp/site "$B"/wheels/*.whl && touch /tmp/site/.prism-installed; } || exit 3
+. experiments/device_wheels.sh
+device_wheels_install "$B/wheels" /tmp/site || exit 3
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$GGUF" ] || [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" != "$(cat "$B/part2/sha256")" ]; then

@@ -13,8 +13,8 @@ PY="${PYTHON:-.venv/bin/python}"
 B=.cache/device-eval
 rm -rf "$B"
 mkdir -p "$B/wheels" "$B/part1" "$B/part2" "$B/data/gsm8k"
-"$PY" -m pip download -q --no-deps --only-binary=:all: -d "$B/wheels" "peft==$("$PY" -c 'import peft; print(peft.__version__)')" \
-    "gguf==$("$PY" -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+. experiments/device_wheels.sh
+device_wheels_download "$B/wheels" peft gguf
 cp "$DATA/gsm8k/train.jsonl" "$DATA/gsm8k/test.jsonl" "$B/data/gsm8k/"
 GGUF="$("$PY" -c 'from prism_select.model import resolve_default_gguf; print(resolve_default_gguf())')"
 split -b 48M -a 1 -d "$GGUF" /tmp/prism-gguf-part.

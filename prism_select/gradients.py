@@ -12,6 +12,7 @@ one ``out x (in [+ 1])`` matrix.
 
 from __future__ import annotations
 
+import contextvars
 from contextlib import contextmanager
 
 import torch
@@ -169,7 +170,31 @@ def check_finite(t: torch.Tensor, what: str, layer: str | None = None, record=No
             where.append(f"record(s) {record}")
         raise NumericalError(
             f"non-finite values (NaN or inf) in {what}" + (" at " + ", ".join(where) if where else "")
-            + "; try --dtype float32, a smaller learning signal, or check the record's text")
+            + "; " + _non_finite_advice())
+
+
+# The dtype the current run computes in (set by :func:`set_run_dtype` once its model is
+# loaded): what :func:`check_finite` advises depends on it.
+_RUN_DTYPE: contextvars.ContextVar = contextvars.ContextVar("prism_select_run_dtype", default=None)
+
+
+def set_run_dtype(dtype: torch.dtype | None) -> None:
+    """Record the dtype of the run's model (its weights were found finite at load)."""
+    _RUN_DTYPE.set(dtype)
+
+
+def _non_finite_advice() -> str:
+    dtype = _RUN_DTYPE.get()
+    if dtype is None:
+        return ("if the model computes in float16 or bfloat16, try --dtype float32; otherwise check the record's "
+                "text and the model's weights")
+    name = str(dtype).replace("torch.", "")
+    if dtype in (torch.float16, torch.bfloat16):
+        return (f"the run computes in {name}, whose range a long or unusual record can overflow: try --dtype "
+                "float32, or check the record's text")
+    return (f"the run computes in {name} already and the model's weights are finite (checked at load), so "
+            "neither the precision nor the weights is the cause: check the record's text (a record the model "
+            "gives a vanishing probability), and the model's outputs on it")
 
 
 def side_by_side(fn, items, window: int | None = None):

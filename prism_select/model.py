@@ -34,6 +34,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -411,50 +412,104 @@ def read_gguf_scalars(path: str | Path) -> dict:
     (their value is ``("array", count)``). Reads only the header, quickly, with no
     dependency on the ``gguf`` package's or transformers' (version-specific) readers."""
     import mmap
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return _gguf_header(mm, path)[0]
+
+
+def _gguf_header(mm, path) -> tuple[dict, int, int]:
+    """``(metadata, end of the metadata, number of tensors)`` of the GGUF file mapped in
+    ``mm`` (see :func:`read_gguf_scalars`); a header cut short raises ``struct.error``."""
     import struct
 
     out = {}
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        if mm[:4] != b"GGUF":
-            raise ModelError(f"{path} is not a GGUF file (bad magic {bytes(mm[:4])!r})")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
-        if version < 2:
-            raise ModelError(f"{path} is a GGUF v{version} file; only v2 and v3 are supported")
-        pos = 24
+    if mm[:4] != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file (bad magic {bytes(mm[:4])!r})")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
+    if version < 2:
+        raise ModelError(f"{path} is a GGUF v{version} file; only v2 and v3 are supported")
+    pos = 24
 
-        def string(pos):
+    def string(pos):
+        (n,) = struct.unpack_from("<Q", mm, pos)
+        if pos + 8 + n > len(mm):
+            raise struct.error("a string runs past the end of the file")
+        return bytes(mm[pos + 8:pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
+
+    def skip(kind, pos):
+        if kind in _GGUF_SCALARS:
+            return pos + struct.calcsize(_GGUF_SCALARS[kind])
+        if kind == 8:
             (n,) = struct.unpack_from("<Q", mm, pos)
-            return bytes(mm[pos + 8:pos + 8 + n]).decode("utf-8", "replace"), pos + 8 + n
+            return pos + 8 + n
+        raise ValueError(kind)
 
-        def skip(kind, pos):
-            if kind in _GGUF_SCALARS:
-                return pos + struct.calcsize(_GGUF_SCALARS[kind])
-            if kind == 8:
-                (n,) = struct.unpack_from("<Q", mm, pos)
-                return pos + 8 + n
-            raise ValueError(kind)
-
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            (kind,) = struct.unpack_from("<I", mm, pos)
-            pos += 4
-            if kind in _GGUF_SCALARS:
-                (out[key],) = struct.unpack_from(_GGUF_SCALARS[kind], mm, pos)
-                pos += struct.calcsize(_GGUF_SCALARS[kind])
-            elif kind == 8:
-                out[key], pos = string(pos)
-            elif kind == 9:
-                sub, count = struct.unpack_from("<IQ", mm, pos)
-                pos += 12
-                if sub in _GGUF_SCALARS:
-                    pos += count * struct.calcsize(_GGUF_SCALARS[sub])
-                else:
-                    for _ in range(count):
-                        pos = skip(sub, pos)
-                out[key] = ("array", count)
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", mm, pos)
+        pos += 4
+        if kind in _GGUF_SCALARS:
+            (out[key],) = struct.unpack_from(_GGUF_SCALARS[kind], mm, pos)
+            pos += struct.calcsize(_GGUF_SCALARS[kind])
+        elif kind == 8:
+            out[key], pos = string(pos)
+        elif kind == 9:
+            sub, count = struct.unpack_from("<IQ", mm, pos)
+            pos += 12
+            if sub in _GGUF_SCALARS:
+                pos += count * struct.calcsize(_GGUF_SCALARS[sub])
             else:
-                raise ModelError(f"{path}: unknown GGUF metadata type {kind} for {key!r}")
-    return out
+                for _ in range(count):
+                    pos = skip(sub, pos)
+            out[key] = ("array", count)
+        else:
+            raise ModelError(f"{path}: unknown GGUF metadata type {kind} for {key!r}")
+    return out, pos, n_tensors
+
+
+def check_gguf_complete(path: str | Path) -> None:
+    """A :class:`ModelError` naming ``path`` when the GGUF file ends before its header
+    or its tensors do (a download or copy cut short): the tensor table (name, shape,
+    type, offset of each) and the tensors' sizes (``gguf.GGML_QUANT_SIZES``, where the
+    ``gguf`` package knows the type) give the bytes the file must hold."""
+    import mmap
+    import struct
+
+    fix = ("the file is truncated or corrupt: download or copy it again (and compare its size or sha256 with "
+           "the source's)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        size = len(mm)
+        try:
+            meta, pos, n_tensors = _gguf_header(mm, path)
+            tensors = []
+            for _ in range(n_tensors):
+                (n,) = struct.unpack_from("<Q", mm, pos)
+                pos += 8 + n
+                (n_dims,) = struct.unpack_from("<I", mm, pos)
+                dims = struct.unpack_from(f"<{n_dims}Q", mm, pos + 4)
+                kind, offset = struct.unpack_from("<IQ", mm, pos + 4 + 8 * n_dims)
+                pos += 4 + 8 * n_dims + 12
+                tensors.append((dims, kind, offset))
+        except struct.error:
+            raise ModelError(f"{path} ends inside its header ({size} bytes): {fix}") from None
+    align = meta.get("general.alignment", 32)
+    align = align if isinstance(align, int) and align > 0 else 32
+    data_start = -(-pos // align) * align
+    try:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    except ImportError:
+        GGML_QUANT_SIZES = {}
+    need = data_start
+    for dims, kind, offset in tensors:
+        n_bytes = 0
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            n_bytes = math.prod(dims) // block * type_size
+        except (KeyError, ValueError, NameError):
+            pass  # a type this gguf package does not know: its offset alone is checked
+        need = max(need, data_start + offset + n_bytes)
+    if need > size:
+        raise ModelError(f"{path} is {size} bytes but its {len(tensors)} tensors end at byte {need}: {fix}")
 
 
 def _fix_gguf_special_tokens(tok, meta: dict) -> list:
@@ -485,6 +540,7 @@ def _convert_gguf(gguf_path: Path, target: Path, key: str) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf_complete(gguf_path)
     where, name = str(gguf_path.parent), gguf_path.name
     t0 = time.perf_counter()
     try:
@@ -804,9 +860,41 @@ def load_model(settings: ModelSettings, *, host: bool = False) -> LoadedModel:
 
     model = model.to(device="cpu" if host else device, dtype=dtype)
     model.eval()
+    check_vocabulary(model, tokenizer, name)
+    check_finite_weights(model, name)
     source.update(dtype=str(dtype).replace("torch.", ""), device=str(device), versions=_versions())
     return LoadedModel(model=model, tokenizer=tokenizer, settings=settings,
                        fingerprint=model_fingerprint(model), source=source)
+
+
+def check_vocabulary(model: torch.nn.Module, tokenizer, name: str) -> None:
+    """A :class:`ModelError` when the tokenizer can give ids that the model's embedding
+    has no row for (``len(tokenizer)`` tokens, ids ``0 .. len - 1``): the first forward
+    over such an id would fail with an ``IndexError`` deep inside the model."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(getattr(emb, "weight", None), "shape", (None,))[0]
+    n = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+    if rows is not None and n is not None and n > rows:
+        raise ModelError(f"the tokenizer of {name} has {n} tokens but the model's embedding has {rows} rows: "
+                         f"ids {rows} to {n - 1} have no embedding (the tokenizer belongs to another model, or "
+                         "tokens were added without resizing the embeddings); load the tokenizer saved with "
+                         "these weights, or resize the embeddings (model.resize_token_embeddings) and save again")
+
+
+def check_finite_weights(model: torch.nn.Module, name: str) -> None:
+    """A :class:`ModelError` naming the tensors of ``model`` that hold a NaN or an inf
+    (weights saved after a diverged training, or a damaged file): no score computed
+    from them could be finite. A tensor whose sum is finite has only finite elements
+    (NaN and inf propagate through a sum); only the others are checked element by element."""
+    bad = []
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.is_floating_point() and not bool(torch.isfinite(p.sum())) and not bool(torch.isfinite(p).all()):
+                bad.append(n)
+    if bad:
+        raise ModelError(f"the weights of {name} hold non-finite values (NaN or inf) in {len(bad)} tensor(s), "
+                         f"e.g. {', '.join(bad[:3])}: the checkpoint is damaged or was saved after its training "
+                         "diverged; load an earlier or re-downloaded checkpoint")
 
 
 # --------------------------------------------------------------------------- tracked modules

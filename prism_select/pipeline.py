@@ -57,7 +57,7 @@ from .engine import cpu_response_split, split_causal_lm
 from .execution import ExecutionContext, direction_kernels
 from .execution import deterministic as deterministic_kernels
 from .execution import resolve as resolve_execution
-from .gradients import SpilledLayers, host_peak_mib, layer_shape, release_host_memory
+from .gradients import SpilledLayers, host_peak_mib, layer_shape, release_host_memory, set_run_dtype
 from .precision import direction_policy
 from .io import (
     atomic_write_json,
@@ -69,7 +69,8 @@ from .io import (
     sha256_json,
 )
 from .moe import tracking_summary
-from .model import LoadedModel, ModelSettings, check_adapter_dir, load_model, tracked_linear_modules
+from .model import (LoadedModel, ModelSettings, check_adapter_dir, check_finite_weights, load_model,
+                    tracked_linear_modules)
 from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory, device_memory, gib,
                    held_elsewhere_note, host_share_bytes, make_plan, measure_example_bytes, stored_bytes)
 from .preference import METHODS as DIRECTION_METHODS
@@ -1295,6 +1296,10 @@ def _load_for_run(model, settings: ScoreSettings, timings: dict) -> tuple:
     t = time.perf_counter()
     fsdp = settings.shard == "fsdp"
     lm = model if isinstance(model, LoadedModel) else load_model(model, host=fsdp)
+    if isinstance(model, LoadedModel):  # load_model checked the weights of a model it loaded
+        name = (lm.source or {}).get("path") or getattr(lm.settings, "model", "the model")
+        check_finite_weights(lm.model, str(name))
+    set_run_dtype(lm.dtype)
     timings["load_model_s"] = time.perf_counter() - t
     if not isinstance(model, LoadedModel):
         distributed.say(f"model loaded in {timings['load_model_s']:.1f} s", settings.progress)

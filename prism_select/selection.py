@@ -215,7 +215,7 @@ def select(run_dir: str | os.PathLike, pool_path: str | os.PathLike,
     an :class:`OutputError` unless ``overwrite``.
     """
     run_dir = Path(run_dir)
-    run = _read_run(run_dir)
+    run = read_run(run_dir)
     scores = read_scores(run_dir / "scores.jsonl")
     detect_format(pool_path)  # a regular file (or saved dataset) before its bytes are hashed
     _check_out(run_dir, run, pool_path, out_path)
@@ -257,7 +257,11 @@ def describe(summary: dict) -> str:
     return text
 
 
-def _read_run(run_dir: Path) -> dict:
+def read_run(run_dir: str | os.PathLike, finished: bool = True) -> dict:
+    """The JSON object in ``run_dir/run.json``, or an :class:`InputError` naming the file
+    (missing, unreadable, not an object, or, with ``finished``, a run whose ``status`` is
+    not ``complete``)."""
+    run_dir = Path(run_dir)
     path = run_dir / "run.json"
     if not path.is_file():
         raise InputError("not a finished run: run.json is missing", path=run_dir,
@@ -270,7 +274,7 @@ def _read_run(run_dir: Path) -> dict:
     if not isinstance(run, dict):
         raise InputError(f"expected a JSON object, got {'null' if run is None else type(run).__name__}", path=path,
                          fix="score the pool again; run.json is written by prism-select score")
-    if run.get("status", "complete") != "complete":
+    if finished and run.get("status", "complete") != "complete":
         raise InputError(f"not a finished run: its status is {run.get('status')!r}, not 'complete'", path=path,
                          field="status", fix="let the run finish (run its score command again to resume it), "
                                              "then select")

@@ -137,6 +137,19 @@ def _finite(value, field: str, *, low: float, inclusive: bool = True, fix: str |
         raise ConfigError(field, f"must be a finite number {'>=' if inclusive else '>'} {low}, got {value!r}", fix)
 
 
+#: the largest seed: every generator a run seeds takes 0 ... MAX_SEED (numpy's legacy
+#: ``np.random.seed``, which ``transformers.set_seed`` calls for a fine-tune, takes no more;
+#: ``torch.Generator.manual_seed`` takes up to 2**64 - 1)
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(value, field: str = "seed") -> None:
+    """A :class:`ConfigError` unless ``value`` is a whole number in ``[0, MAX_SEED]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ConfigError(field, f"must be a whole number from 0 to {MAX_SEED} (2**32 - 1), got {value!r}",
+                          "pass a seed such as 0, 1 or 12345: the random generators take no other")
+
+
 def _int(value, field: str, *, low: int, fix: str | None = None):
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(field, f"must be >= {low}, got {value!r}", fix)
@@ -164,7 +177,7 @@ class DirectionSettings:
             raise ConfigError("method", f"unknown method {self.method!r}", f"use one of {', '.join(sorted(known))}")
         if not isinstance(self.method_options, dict):
             raise ConfigError("method_options", f"must be a mapping, got {self.method_options!r}")
-        _int(self.seed, "seed", low=0)
+        check_seed(self.seed)
 
 
 @dataclass

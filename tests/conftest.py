@@ -57,8 +57,8 @@ def _frozen_heap():
 @pytest.fixture(scope="session")
 def two_ranks(tmp_path_factory):
     """One torchrun launch of two CPU ranks for test_distributed.py and test_sharding.py
-    (:func:`test_distributed.launch_two_ranks`): the directory of its inputs and outputs."""
-    from test_distributed import launch_two_ranks
+    (:func:`torchrun.launch_two_ranks`): the directory of its inputs and outputs."""
+    from torchrun import launch_two_ranks
     return launch_two_ranks(tmp_path_factory.mktemp("two-ranks"))
 
 

@@ -51,3 +51,24 @@ def rel_err(a, b) -> float:
     """Relative error of ``a`` against the reference ``b`` (Frobenius norms)."""
     return float((a - b).norm() / b.norm())
 
+
+def explicit_fisher_pieces(model, modules, name, encoded, tok):
+    """A, S (token-level, explicit loops) and per-example G for one layer, by autograd."""
+    m = modules[name]
+    acts = []
+    h = m.register_forward_hook(lambda mod, i, o: acts.append(i[0].detach()))
+    Gs, A, S, T = [], 0, 0, 0
+    for e in encoded:
+        acts.clear()
+        outs = []
+        h2 = m.register_forward_hook(lambda mod, i, o: outs.append(o))
+        loss = example_loss(model, e)
+        h2.remove()
+        gout, = torch.autograd.grad(loss, outs[0], retain_graph=True)
+        a, g = acts[-1][0], gout[0]
+        A = A + a.T @ a
+        S = S + g.T @ g
+        T += a.shape[0]
+        Gs.append(torch.autograd.grad(loss, m.weight)[0])
+    h.remove()
+    return A / T, S / len(encoded), torch.stack(Gs)

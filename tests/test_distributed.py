@@ -2,146 +2,14 @@
 curvature statistics all-reduced, the pool sharded by chunk, scores gathered in order."""
 
 import json
-import os
 import runpy
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-
-WORKER = r"""
-import json, os, sys
-sys.path.insert(0, {tests!r})
-import torch
-from prism_select import distributed
-from prism_select.curvature import CurvatureSettings, fit_curvature
-from prism_select.data.tokenize import encode
-from prism_select.scoring import Chunking, score_encoded
-from conftest import POOL
-from tiny import tiny_llama, tiny_tokenizer
-
-distributed.init_from_env("cpu")
-torch.set_num_threads(1)
-tok = tiny_tokenizer()
-model = tiny_llama(len(tok))
-modules = {{n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}}
-pool = [encode(tok, p, r) for p, r in POOL + [(p + "?", r + "!") for p, r in POOL]]
-g = torch.Generator().manual_seed(0)
-d = {{n: torch.randn(m.out_features, m.in_features, generator=g, dtype=torch.float64) for n, m in modules.items()}}
-cur = fit_curvature(model, modules, pool, CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3),
-                    pad_id=tok.pad_token_id)
-v = cur.precondition(d)
-s = score_encoded(model, modules, pool, v, pad_id=tok.pad_token_id, batch_size=2, chunking=Chunking(3))
-if distributed.rank() == 0:
-    name = "model.layers.1.mlp.down_proj"
-    with open(sys.argv[1], "w") as f:
-        json.dump({{"scores": s.tolist(), "lam": cur.tensors[name + "::Lambda"].flatten().tolist(),
-                   "world": distributed.world()}}, f)
-ranks = distributed.world()
-distributed.barrier()  # no rank tears the group down while another is still in a collective
-distributed.destroy()
-if ranks > 1:
-    # what still holds the gloo group (the sharded runs' device meshes) is freed in the
-    # interpreter's teardown, where its threads can abort a finished rank: leave before it
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-"""
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-PORT_TAKEN = ("Address already in use", "EADDRINUSE", "errno: 98")
-
-
-def _torchrun(n, args, cwd, timeout=240):
-    for attempt in range(3):  # the free port can be taken between probing and binding: retry
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--nnodes=1",
-               f"--master-port={_free_port()}", "--master-addr=127.0.0.1"] + args
-        r = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-        if r.returncode == 0 or not any(m in r.stderr for m in PORT_TAKEN):
-            break
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
-
-
-#: one torchrun launch for the tests of two ranks here and in test_sharding.py (a launch
-#: more would only add a launcher's and two ranks' imports): the first command as
-#: ``python -m prism_select.cli`` runs it (its module as ``__main__``, in fresh processes:
-#: it joins the process group itself), the other commands through ``cli.main``, then WORKER
-#: (whose ``init_from_env`` finds the group joined). Nothing leaves and joins again: a gloo
-#: group made again on the same store can read the old group's addresses.
-CHAIN = r"""
-import json, runpy, sys
-worker, out, commands = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-sys.argv = [sys.argv[0], *commands[0]]
-try:
-    runpy.run_module("prism_select.cli", run_name="__main__", alter_sys=True)
-except SystemExit as e:
-    assert not e.code, e.code
-from prism_select import cli
-for args in commands[1:]:
-    assert cli.main(args) == 0, args
-sys.argv = [worker, out]
-runpy.run_path(worker, run_name="__main__")
-"""
-
-
-def _cli_args(d, out, cache):
-    return ["score", "--model", str(d / "model"), "--pool", str(d / "pool.jsonl"), "--targets",
-            str(d / "targets.jsonl"), "--out", str(out), "--cache-dir", str(cache), "--batch-size", "2",
-            "--chunk-size", "4", "--no-progress", "--device", "cpu", "--dtype", "float64",
-            "--damping-rule", "heuristic"]  # a fitted curvature (auto ranks a pool this small with identity)
-
-
-def launch_two_ranks(d):
-    """Write the CLI's inputs in ``d`` and run CHAIN on two ranks: WORKER's results in
-    ``d / "two.json"``; the CLI's run in ``d / "multi"`` (curvature cache ``d / "c2"``);
-    the sharded runs of test_sharding.py (:func:`test_sharding.sharded_commands`). The
-    fixture ``two_ranks`` (scope="session", conftest.py) calls it once."""
-    sys.path.insert(0, str(HERE))
-    from conftest import PAIRS, POOL
-    from test_sharding import sharded_commands
-    from tiny import tiny_llama, tiny_tokenizer
-    tok = tiny_tokenizer()
-    model = tiny_llama(len(tok), dtype=torch.float32)
-    model.save_pretrained(d / "model")
-    tok.save_pretrained(d / "model")
-    from test_architectures import build  # a mixture-of-experts model for test_sharding.py
-    moe = build("qwen3_moe", len(tok)).float()
-    moe.save_pretrained(d / "moe-model")
-    tok.save_pretrained(d / "moe-model")
-    with open(d / "pool.jsonl", "w") as f:
-        for i, (p, r) in enumerate(POOL * 3):
-            f.write(json.dumps({"id": f"x{i}", "prompt": p, "response": r + " " * (i % 4)}) + "\n")
-    with open(d / "targets.jsonl", "w") as f:
-        for q, c, r in PAIRS:
-            f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
-    (d / "worker.py").write_text(WORKER.format(tests=str(HERE)))
-    (d / "chain.py").write_text(CHAIN)
-    commands = [_cli_args(d, d / "multi", d / "c2"), *sharded_commands(d)]
-    r = _torchrun(2, [str(d / "chain.py"), str(d / "worker.py"), str(d / "two.json"), json.dumps(commands)], d)
-    (d / "console.txt").write_text(r.stdout)
-    (d / "commands.json").write_text(json.dumps(commands))
-    return d
-
+from torchrun import cli_args
 
 def test_sharded_fit_and_scores_equal_single_process(two_ranks, tmp_path, monkeypatch):
     script = two_ranks / "worker.py"
@@ -164,7 +32,7 @@ def test_cli_under_torchrun_matches_single_process(two_ranks, tmp_path):
     from prism_select.cli import main
     d = two_ranks
     # the one-process runs in this process (a process of their own only adds the imports)
-    assert main(_cli_args(d, tmp_path / "single", tmp_path / "c1")) == 0
+    assert main(cli_args(d, tmp_path / "single", tmp_path / "c1")) == 0
 
     def read(d):
         return {json.loads(l)["id"]: json.loads(l) for l in (d / "scores.jsonl").read_text().splitlines()}
@@ -180,7 +48,7 @@ def test_cli_under_torchrun_matches_single_process(two_ranks, tmp_path):
     assert sorted(p.name for p in saved.glob("factors*")) == [
         "factors-00000-of-00002.safetensors", "factors-00001-of-00002.safetensors"]
     assert set(run["curvature"]["phases_s"]) == {"factors_s", "eigh_s", "lambda_s"}
-    assert main(_cli_args(d, tmp_path / "reuse", d / "c2")) == 0
+    assert main(cli_args(d, tmp_path / "reuse", d / "c2")) == 0
     again = json.loads((tmp_path / "reuse" / "run.json").read_text())
     assert again["curvature"]["reused"] is True
     s3 = read(tmp_path / "reuse")

@@ -654,3 +654,16 @@ def test_gguf_recognised_by_magic_without_suffix(tmp_path):
     shutil.copy(gg, other)
     lm = load_model(ModelSettings(str(other), dtype="float32", device="cpu", cache_dir=str(tmp_path / "c")))
     assert lm.source["kind"] == "gguf" and lm.source["gguf_key"] == gguf_cache_key(gg)
+
+
+@needs_gguf
+@pytest.mark.parametrize("keep", [0.5, 0.999, 120])
+def test_a_truncated_gguf_is_named_as_truncated_before_it_is_converted(tmp_path, keep):
+    gg = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gg)
+    data = gg.read_bytes()
+    gg.write_bytes(data[:keep if isinstance(keep, int) else int(len(data) * keep)])
+    with pytest.raises(ModelError, match="truncated or corrupt: download or copy it again") as e:
+        load_model(ModelSettings(str(gg), dtype="float32", device="cpu", cache_dir=str(tmp_path / "cache")))
+    assert str(gg) in str(e.value) and "reshape" not in str(e.value)
+    assert not any((tmp_path / "cache").rglob("*.safetensors"))

@@ -10,7 +10,7 @@ from prism_select.curvature import CurvatureSettings, fit_curvature
 from prism_select.preference import compute_preference
 from prism_select.scoring import Chunking, score_encoded
 
-from reference import example_loss, flat_grad, flatten, per_example_grads, rel_err
+from reference import example_loss, explicit_fisher_pieces, flat_grad, flatten, per_example_grads, rel_err
 
 REL_TOL = 1e-8  # float64 end to end: only summation order differs
 PAD_TOL = 1e-10  # scores under other padding / batch composition
@@ -76,28 +76,6 @@ def test_scores_invariant_to_padding_and_batch_size(model, modules, tok, encoded
         assert torch.allclose(s, runs[0], rtol=PAD_TOL, atol=0)
 
 
-def _explicit_fisher_pieces(model, modules, name, encoded, tok):
-    """A, S (token-level, explicit loops) and per-example G for one layer, by autograd."""
-    m = modules[name]
-    acts = []
-    h = m.register_forward_hook(lambda mod, i, o: acts.append(i[0].detach()))
-    Gs, A, S, T = [], 0, 0, 0
-    for e in encoded:
-        acts.clear()
-        outs = []
-        h2 = m.register_forward_hook(lambda mod, i, o: outs.append(o))
-        loss = example_loss(model, e)
-        h2.remove()
-        gout, = torch.autograd.grad(loss, outs[0], retain_graph=True)
-        a, g = acts[-1][0], gout[0]
-        A = A + a.T @ a
-        S = S + g.T @ g
-        T += a.shape[0]
-        Gs.append(torch.autograd.grad(loss, m.weight)[0])
-    h.remove()
-    return A / T, S / len(encoded), torch.stack(Gs)
-
-
 @pytest.mark.parametrize("kind", ["kfac", "ekfac", "diagonal"])
 def test_curvature_matches_explicit_construction(model, modules, tok, encoded_pool, kind):
     """Every tracked layer: the factors from the two passes equal explicit per-example
@@ -105,7 +83,7 @@ def test_curvature_matches_explicit_construction(model, modules, tok, encoded_po
     settings = CurvatureSettings(kind=kind, damping=1e-3, batch_size=3)
     cur = fit_curvature(model, modules, encoded_pool, settings, pad_id=tok.pad_token_id)
     name = "model.layers.1.mlp.down_proj"
-    A, S, G = _explicit_fisher_pieces(model, modules, name, encoded_pool, tok)
+    A, S, G = explicit_fisher_pieces(model, modules, name, encoded_pool, tok)
     out_f, in_f = G.shape[1:]
     if kind == "diagonal":
         D = (G ** 2).mean(0)

@@ -7,14 +7,12 @@ import math
 
 import pytest
 
-try:  # the file-writing helpers live with the reader tests
-    from test_data_readers import FORMATS, SUFFIX, write, write_lines
-except ImportError:  # tests/ imported as a package
-    from tests.test_data_readers import FORMATS, SUFFIX, write, write_lines
 from prism_select.data import iter_records, load_pool
 from prism_select.errors import ConfigError, InputError, OutputError
 from prism_select.io import sha256_file
 from prism_select.selection import choose, describe, parse_amount, read_scores, select, write_subset
+
+from record_files import FORMATS, SUFFIX, write, write_lines
 
 POOL = [{"id": f"ex{i}", "prompt": f"q{i}", "response": f"a{i}", "source": f"s{i % 3}",
          "meta": {"n": i, "tags": ["x", str(i)]}, "weight": i / 4} for i in range(10)]

@@ -13,18 +13,10 @@ from prism_select import sharding
 from prism_select.errors import ConfigError
 from prism_select.pipeline import ScoreSettings
 
-from test_distributed import _env, _free_port, _torchrun
+from torchrun import SHARDED_RUNS, moe_args, free_port, run_torchrun, score_args, sharded_dir, torchrun_env
 
 #: float64 model, same examples and arithmetic per layer: only the order of sums differs
 SHARDED_REL_TOL = 1e-9
-
-
-def _args(d, out, *extra):
-    return ["-m", "prism_select.cli", "score", "--model", str(d / "model"), "--pool",
-            str(d / "pool.jsonl"), "--targets", str(d / "targets.jsonl"), "--out", str(out),
-            "--cache-dir", str(d / "cache"), "--batch-size", "2", "--chunk-size", "5", "--no-progress",
-            "--device", "cpu", "--dtype", "float64",
-            "--damping-rule", "heuristic", *extra]  # a fitted curvature (auto ranks a pool this small with identity)
 
 
 def _scores(d):
@@ -32,38 +24,6 @@ def _scores(d):
 
 
 CURVATURES = ("ekfac", "identity")
-#: the sharded runs: (curvature, transfers). "auto": the memory plan's choices, which on
-#: the (unbounded) CPU are the statistics sent once per pass and the blocks' weights kept
-#: gathered from forward to backward; "lean": every step, and gathered twice per step
-SHARDED_RUNS = (("ekfac", "auto"), ("ekfac", "lean"), ("identity", "auto"))
-LEAN = ("--fsdp-sums", "step", "--fsdp-keep-gathered", "off")
-
-
-def _sharded_dir(d, kind, transfers):
-    return d / (f"fsdp-{kind}" if transfers == "auto" else f"fsdp-{kind}-{transfers}")
-
-
-def sharded_commands(d):
-    """The sharded runs (SHARDED_RUNS) into ``d / "fsdp-<kind>[-lean]"`` (each its own
-    cache: it fits, not reuses, the curvature): run on two ranks in the launch of the
-    fixture ``two_ranks`` (scope="session"; :func:`test_distributed.launch_two_ranks`), on its inputs."""
-    out = []
-    for kind, transfers in SHARDED_RUNS:
-        run = _sharded_dir(d, kind, transfers)
-        out.append(_args(d, run, "--curvature", kind, "--shard", "fsdp", *(LEAN if transfers == "lean" else ()),
-                         "--cache-dir", str(run.with_name(f"cache-{run.name}")))[2:])
-    out.append(_moe_args(d, d / "fsdp-moe", "--shard", "fsdp", "--cache-dir", str(d / "cache-fsdp-moe")))
-    return out
-
-
-def _moe_args(d, out, *extra):
-    """A mixture-of-experts model (tests/test_architectures.py's Qwen3-MoE, saved by
-    :func:`test_distributed.launch_two_ranks`), EK-FAC with the heuristic damping (the rule a
-    sharded run takes; one process would check the small fit by split halves), every expert
-    tracked."""
-    args = _args(d, out, "--curvature", "ekfac", "--damping-rule", "heuristic", *extra)[2:]
-    args[args.index("--model") + 1] = str(d / "moe-model")
-    return args
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +34,13 @@ def runs(two_ranks):
     d = two_ranks
     from prism_select.cli import main
     for kind in CURVATURES:
-        assert main(_args(d, d / f"one-{kind}", "--curvature", kind)[2:]) == 0
+        assert main(score_args(d, d / f"one-{kind}", "--curvature", kind)[2:]) == 0
     return d
 
 
 @pytest.mark.parametrize("curvature,transfers", SHARDED_RUNS)
 def test_fsdp_scores_equal_one_process(runs, curvature, transfers):
-    out = _sharded_dir(runs, curvature, transfers)
+    out = sharded_dir(runs, curvature, transfers)
     one, two = _scores(runs / f"one-{curvature}"), _scores(out)
     assert list(one) == list(two)
     for k in one:
@@ -148,7 +108,7 @@ def test_fsdp_mixture_of_experts_scores_equal_one_process(two_ranks, tmp_path):
     the fused weights), each rank routing its own batches: the one-process scores."""
     from prism_select.cli import main
     d = two_ranks
-    assert main(_moe_args(d, tmp_path / "one", "--cache-dir", str(tmp_path / "cache"))) == 0
+    assert main(moe_args(d, tmp_path / "one", "--cache-dir", str(tmp_path / "cache"))) == 0
     one, two = _scores(tmp_path / "one"), _scores(d / "fsdp-moe")
     assert list(one) == list(two)
     for k in one:
@@ -163,11 +123,11 @@ def test_sharded_transient_run_resumes_finished_groups(runs, tmp_path):
     gives the one-process scores."""
     script = tmp_path / "grouped.py"
     script.write_text(GROUPED)
-    args = [str(script), *_args(runs, tmp_path / "fsdp", "--curvature", "ekfac", "--shard", "fsdp",
+    args = [str(script), *score_args(runs, tmp_path / "fsdp", "--curvature", "ekfac", "--shard", "fsdp",
                                 "--cache-dir", str(tmp_path / "cache-fsdp"))[2:]]
-    env = dict(_env(), CALLS=str(tmp_path / "calls"), DIE_AT="3")
+    env = dict(torchrun_env(), CALLS=str(tmp_path / "calls"), DIE_AT="3")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
-           f"--master-port={_free_port()}", "--master-addr=127.0.0.1", *args]
+           f"--master-port={free_port()}", "--master-addr=127.0.0.1", *args]
     died = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert died.returncode != 0
     partial = tmp_path / "fsdp" / ".partial"
@@ -176,7 +136,7 @@ def test_sharded_transient_run_resumes_finished_groups(runs, tmp_path):
         "scores_v_group0001.rank00001-of-00002.safetensors"]
     assert not list(partial.glob("scores_v_group0002*"))
     env["DIE_AT"] = "0"
-    cmd[5] = f"--master-port={_free_port()}"
+    cmd[5] = f"--master-port={free_port()}"
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "calls0").read_text() == "1"  # only the unfinished group was fitted again
@@ -238,7 +198,7 @@ def test_row_range_is_fsdp_cut(tmp_path):
     """Rows over 3 ranks, uneven cuts included (hidden 20: 7/7/6; k/v with 10 outputs: 4/4/2)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format())
-    _torchrun(3, [str(script), str(tmp_path / "rank")], tmp_path)
+    run_torchrun(3, [str(script), str(tmp_path / "rank")], tmp_path)
     for r in range(3):
         got = json.loads((tmp_path / f"rank{r}").read_text())
         assert got and all(got.values()), (r, got)

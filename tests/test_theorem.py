@@ -12,21 +12,9 @@ from prism_select.scoring import score_encoded
 
 from conftest import linear_modules
 from reference import example_loss
+from tiny import ARITHMETIC_POOL
 
-POOL = [
-    ("What is 2+3?", "2+3=6. The answer is 6."),
-    ("What is 4+4?", "4+4=9. The answer is 9."),
-    ("Name a colour.", "Blue."),
-    ("What is 7-2?", "7-2=4. The answer is 4."),
-    ("Say hi.", "Hi there!"),
-    ("What is 3*3?", "3*3=9. The answer is 9."),
-    ("Spell cat.", "c-a-t"),
-    ("What is 10/2?", "10/2=5. So 5."),
-    ("What is 8+1?", "8+1=9. The answer is 9."),
-    ("Count to 3.", "1, 2, 3."),
-    ("What is 9-3?", "9-3=7. The answer is 7."),
-    ("Say bye.", "Goodbye!"),
-]
+POOL = ARITHMETIC_POOL
 K_TOP = 3
 STEPS = 3
 LR = 1e-4  # small: the first-order (influence) regime the theorem speaks of

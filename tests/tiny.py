@@ -89,3 +89,22 @@ def save_tiny(directory, dtype=torch.float32, seed: int = 0, model=None):
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
+
+
+# Twelve (prompt, response) records, arithmetic with wrong and right answers beside
+# chit-chat: a pool for tests that train or score a tiny model on it (test_theorem.py,
+# curvature/test_kronfluence.py).
+ARITHMETIC_POOL = [
+    ("What is 2+3?", "2+3=6. The answer is 6."),
+    ("What is 4+4?", "4+4=9. The answer is 9."),
+    ("Name a colour.", "Blue."),
+    ("What is 7-2?", "7-2=4. The answer is 4."),
+    ("Say hi.", "Hi there!"),
+    ("What is 3*3?", "3*3=9. The answer is 9."),
+    ("Spell cat.", "c-a-t"),
+    ("What is 10/2?", "10/2=5. So 5."),
+    ("What is 8+1?", "8+1=9. The answer is 9."),
+    ("Count to 3.", "1, 2, 3."),
+    ("What is 9-3?", "9-3=7. The answer is 7."),
+    ("Say bye.", "Goodbye!"),
+]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from ..errors import CacheError, ConfigError
 from ..gradients import release_host_memory, side_by_side
 from ..io import atomic_write_json, sha256_file
-from ..settings import DEFAULT_BATCH_SIZE, setting
+from ..settings import DEFAULT_BATCH_SIZE, check_seed, setting
 
 KINDS = ("ekfac", "kfac", "diagonal", "identity")
 FISHERS = ("empirical", "sampled")
@@ -59,6 +59,7 @@ class FitSettings:
             raise ConfigError("fit_examples", "must be >= 1", "leave it out to fit on the whole pool")
         if isinstance(self.batch_size, bool) or self.batch_size < 1:
             raise ConfigError("batch_size", "must be >= 1")
+        check_seed(self.seed)
 
 
 def _shrinkage_value(text):

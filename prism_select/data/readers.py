@@ -24,6 +24,7 @@ import csv
 import json
 import os
 import random
+import re
 import stat
 from array import array
 from collections.abc import Callable, Iterable, Iterator
@@ -262,12 +263,26 @@ def load_arrow_dir(path: str | os.PathLike):
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # datasets raises many kinds of errors on a bad directory
+        if _saved_without_rows(Path(path)):  # load_from_disk fails on zero rows (an IndexError)
+            raise InputError("the saved dataset holds no records (it was saved with zero rows)", path=path,
+                             fix="check that the right directory was passed; save the dataset again with its "
+                                 "records") from None
         raise InputError(f"cannot load the saved dataset ({type(e).__name__}: {e})",
                          path=path) from e
     if not isinstance(ds, datasets.Dataset):
         raise InputError("is a DatasetDict with several splits", path=path,
                          fix="pass the directory of one split")
     return ds
+
+
+def _saved_without_rows(path: Path) -> bool:
+    """Whether ``path`` is a ``save_to_disk`` directory of zero rows: its ``state.json``
+    lists no data files."""
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("_data_files") == []
 
 
 def _iter_arrow(path: Path) -> Iterator[tuple[int, int | None, Any]]:
@@ -503,6 +518,8 @@ def parse_pool_record(rec: dict, row: int, from_csv: bool = False) -> PoolExampl
         if extra is not None and not isinstance(extra, str):
             raise InputError(f"expected a string, got {_kind(extra)}", field="input",
                              fix="give 'input' as text, or drop it")
+        if extra is not None:
+            _check_chars(extra, "input", "input")
         prompt = instruction + "\n\n" + extra if extra and extra.strip() else instruction
         return PoolExample(rid, prompt, _text(rec["output"], "output", "response"), row)
     raise InputError(f"no recognised record form; found fields {sorted(rec)[:10]}",
@@ -553,6 +570,30 @@ def _decode_cells(rec: dict) -> dict:
     return rec
 
 
+# Characters no tokenizer is given: a lone UTF-16 surrogate (a JSON "\ud800" escape
+# without its pair is valid JSON but no text: it has no UTF-8 form, and the fast
+# tokenizers raise a TypeError on it) and NUL (C-string tokenizers and GGUF vocabularies
+# end a string at it).
+_UNTOKENIZABLE = re.compile("[\ud800-\udfff\x00]")
+
+
+def _check_chars(value: str, field: str, what: str) -> str:
+    """``value``, or an :class:`InputError` naming the first character that no tokenizer
+    can take (see ``_UNTOKENIZABLE``) and where it is."""
+    bad = _UNTOKENIZABLE.search(value)
+    if bad is not None:
+        c = bad.group()
+        if c == "\x00":
+            kind, fix = "a NUL character", "remove the NUL characters (U+0000) from the text"
+        else:
+            kind = "a lone surrogate (half of a UTF-16 pair, no text on its own)"
+            fix = ("write the character whole (a JSON \\ud83d escape needs its partner, e.g. \\ud83d\\ude00) "
+                   "or remove it")
+        raise InputError(f"the {what} holds {kind}, U+{ord(c):04X}, at character {bad.start()}", field=field,
+                         fix=fix + ", or drop the record (--skip-invalid)")
+    return value
+
+
 def _text(value: Any, field: str, what: str) -> str:
     if not isinstance(value, str):
         raise InputError(f"expected the {what} as a string, got {_kind(value)}", field=field,
@@ -560,7 +601,7 @@ def _text(value: Any, field: str, what: str) -> str:
     if not value.strip():
         raise InputError(f"empty {what}", field=field,
                          fix=f"drop the record or fill in the {what}")
-    return value
+    return _check_chars(value, field, what)
 
 
 def _messages(value: Any, field: str) -> list[dict]:
@@ -581,6 +622,8 @@ def _messages(value: Any, field: str) -> list[dict]:
         if not isinstance(content, str):
             raise InputError(f"message {i}: 'content' must be a string, got {_kind(content)}",
                              field=field, fix="give each message's content as text")
+        _check_chars(role, field, f"role of message {i}")
+        _check_chars(content, field, f"content of message {i}")
         out.append({"role": role, "content": content})
     return out
 

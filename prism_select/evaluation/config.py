@@ -20,7 +20,7 @@ from typing import Any
 from ..curvature import CurvatureSettings
 from ..errors import ConfigError
 from ..model import ModelSettings
-from ..settings import RunSettings, ScoreSettings, ScoringSettings
+from ..settings import RunSettings, ScoreSettings, ScoringSettings, check_seed
 
 PROTOCOLS = ("ranking", "repair", "select")
 PAIR_SELECTIONS = ("worsened", "wrong_after", "all")
@@ -476,23 +476,62 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+# A config is a few KiB of settings (the shipped ones are under 5 KiB); a file past this
+# is no config, and reading it whole would only cost memory.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def read_config_file(path) -> dict:
-    """A YAML (``.yaml``/``.yml``) or JSON config file as a mapping."""
+    """A YAML (``.yaml``/``.yml``) or JSON config file as a mapping. A file over
+    ``MAX_CONFIG_BYTES`` and a YAML alias (``*name``, which repeats an anchored node:
+    nested aliases multiply, so a few lines can stand for billions of nodes) are refused
+    with a :class:`ConfigError`; write each value out instead."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("config", f"{path} does not exist", "pass the path of a YAML or JSON config")
-    text = path.read_text(encoding="utf-8")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError("config", f"{path} is larger than {MAX_CONFIG_BYTES} bytes: not an experiment config",
+                          "pass the experiment's YAML or JSON config (a few KiB of settings)")
+    is_yaml = path.suffix.lower() in (".yaml", ".yml")
     try:
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as e:  # yaml.YAMLError / json.JSONDecodeError
-        raise ConfigError("config", f"{path} is not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: {e}") from e
+        text = raw.decode("utf-8")
+        data = _load_yaml(text) if is_yaml else json.loads(text)
+    except _AliasInConfig as e:
+        raise ConfigError("config", f"{path}, line {e.line}: YAML alias *{e.anchor} (aliases are not read: "
+                          "nested ones can expand a few lines into billions of values)",
+                          "write the value out where the alias stands") from None
+    except Exception as e:  # yaml.YAMLError / json.JSONDecodeError / UnicodeDecodeError
+        raise ConfigError("config", f"{path} is not valid {'YAML' if is_yaml else 'JSON'}: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping at the top level")
     return data
+
+
+class _AliasInConfig(Exception):
+    def __init__(self, anchor: str, line: int):
+        super().__init__(anchor, line)
+        self.anchor, self.line = anchor, line
+
+
+def _load_yaml(text: str):
+    """``yaml.safe_load(text)``, with :class:`_AliasInConfig` at the first alias (before
+    any node is built from it)."""
+    import yaml
+
+    class NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise _AliasInConfig(event.anchor, event.start_mark.line + 1)
+            return super().compose_node(parent, index)
+
+    loader = NoAliasLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def _section(raw: dict, protocol: str) -> dict:
@@ -624,6 +663,8 @@ def _validate_common(cfg):
         raise ConfigError("seeds", f"must be a non-empty list of integers, got {cfg.seeds!r}")
     if len(set(cfg.seeds)) != len(cfg.seeds):
         raise ConfigError("seeds", f"lists a seed twice: {cfg.seeds!r}")
+    for s in cfg.seeds:
+        check_seed(s, "seeds")
     if cfg.on_method_error not in ("raise", "record"):
         raise ConfigError("on_method_error", f"unknown value {cfg.on_method_error!r}", "use raise or record")
     if isinstance(cfg.methods, str):
@@ -832,6 +873,8 @@ def _validate_finetune_seeds(fs):
                            or len(set(fs)) != len(fs)):
         raise ConfigError("finetune_seeds", f"must be a non-empty list of distinct integers, got {fs!r}",
                           "e.g. finetune_seeds: [0, 1]")
+    for s in fs or []:
+        check_seed(s, "finetune_seeds")
 
 
 def _validate_repair_extras(cfg):

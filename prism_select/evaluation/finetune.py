@@ -48,6 +48,7 @@ import torch
 
 from ..errors import ConfigError, InputError, OutputError
 from ..io import atomic_write_json, check_writable_dir
+from ..settings import check_seed
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class FinetuneSettings:
             if integer:
                 setattr(self, name, int(v))
 
+        check_seed(self.seed)
         for n in ("learning_rate", "epochs", "lora_alpha", "adam_epsilon"):
             positive(n)
         for n in ("batch_size", "grad_accum", "lora_r", "max_length", "logging_steps"):

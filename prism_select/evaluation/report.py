@@ -54,16 +54,23 @@ EXCERPT = 400
 
 
 def _esc(x) -> str:
+    """``x`` as page text: every value from a run's files goes into the page through this
+    (the files travel between people, so any of their strings may hold markup)."""
     return html.escape(str(x), quote=True)
 
 
 def _fmt(v, digits=3) -> str:
+    """A number with ``digits`` decimals, "—" for none or NaN, and any other value as
+    escaped text (a file edited by hand may hold a string where a number belongs)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "—"
-    return f"{v:.{digits}f}"
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"{v:.{digits}f}"
+    return _esc(v)
 
 
 def _cell(c: dict) -> str:
+    """A table cell's text, escaped."""
     if not c or c.get("mean") is None:
         return "—"
     s = _fmt(c["mean"])
@@ -84,6 +91,12 @@ def _excerpt(text, n=EXCERPT) -> str:
     if not isinstance(text, str):
         text = json.dumps(text, ensure_ascii=False)
     return text if len(text) <= n else text[:n] + " …"
+
+
+def _get(obj, key: str, sub: str):
+    """``obj[key][sub]``, or None where either level is missing or not an object."""
+    inner = obj.get(key) if isinstance(obj, dict) else None
+    return inner.get(sub) if isinstance(inner, dict) else None
 
 
 def _read_jsonl(path) -> list:
@@ -199,8 +212,8 @@ def _table_html(t: dict) -> str:
         tds = []
         for j, c in enumerate(r["cells"]):
             is_best = c and c.get("mean") is not None and j in best and abs(c["mean"] - best[j]) < 1e-12
-            n = f' title="n={c.get("n", 0)}"' if c else ""
-            tds.append(f'<td{" class=best" if is_best else ""}{n}>{_esc(_cell(c))}</td>')
+            n = f' title="n={_esc(c.get("n", 0))}"' if c else ""
+            tds.append(f'<td{" class=best" if is_best else ""}{n}>{_cell(c)}</td>')
         out.append(f"<tr><td class=l>{_esc(r.get('title') or r['label'])}</td>{''.join(tds)}</tr>")
     out.append("</table>")
     if t.get("note"):
@@ -233,7 +246,7 @@ def _examples_html(scores: list, pool: dict, label: str | None) -> str:
             if label:
                 lab = f"<td>{_esc(raw.get(label, ''))}</td>"
             score = f"{float(r['score']):.4g}"
-            body.append(f"<tr><td>{r['rank']}</td><td>{_esc(r['id'])}</td><td>{_esc(score)}</td>"
+            body.append(f"<tr><td>{_esc(r['rank'])}</td><td>{_esc(r['id'])}</td><td>{_esc(score)}</td>"
                         f"{lab}<td>{_esc(_excerpt(prompt))}</td><td>{_esc(_excerpt(response))}</td></tr>")
         head = "<tr><th>rank</th><th>id</th><th>score</th>" + (f"<th>{_esc(label)}</th>" if label else "") + \
                "<th class=l>prompt</th><th class=l>response</th></tr>"
@@ -251,6 +264,7 @@ def _labels(pool: dict, label: str | None) -> dict | None:
 
 def _run_figures(plots: _Plots, base: Path, run: dict, title: str, key: str) -> str:
     """ROC, score histograms and top/bottom examples of one run."""
+    from ..selection import read_scores
     pool_path = base / run["pool"]
     if not pool_path.exists():
         return f'<p class="err">pool file {_esc(run["pool"])} is missing</p>'
@@ -264,7 +278,7 @@ def _run_figures(plots: _Plots, base: Path, run: dict, title: str, key: str) -> 
         sp = base / rec["dir"] / "scores.jsonl"
         if not sp.is_file():
             continue
-        rows = _read_jsonl(sp)
+        rows = read_scores(sp)
         s = [float(r["score"]) for r in rows]
         if labels is not None:
             y = [labels[r["id"]] for r in rows]
@@ -313,16 +327,17 @@ def _runs_table(runs: list) -> str:
         notes = []
         for m, rec in (r.get("methods") or {}).items():
             if rec.get("status") == "error":
-                notes.append(f"{m}: {rec.get('error', '')[:300]}")
+                notes.append(f"{m}: {str(rec.get('error', ''))[:300]}")
         if r.get("note"):
             notes.append(r["note"])
         if r.get("n_worsened") is not None:
             notes.append(f"worsened probes {r['n_worsened']}, improved {r.get('n_improved')}")
-        rows.append([r.get("setting"), r.get("seed"), r.get("n_pool", ""), r.get("n_harmful", ""),
-                     r.get("n_pairs", ""), _fmt(pi.get("min")), _fmt(pi.get("max")), "; ".join(notes)])
+        rows.append([_esc(r.get("setting")), _esc(r.get("seed")), _esc(r.get("n_pool", "")),
+                     _esc(r.get("n_harmful", "")), _esc(r.get("n_pairs", "")), _fmt(pi.get("min")),
+                     _fmt(pi.get("max")), _esc("; ".join(map(str, notes)))])
     out = ["<table class=runs><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"]
-    for row in rows:
-        out.append("<tr>" + "".join(f"<td{' class=l' if i in (0, 7) else ''}>{_esc(v)}</td>"
+    for row in rows:  # each cell escaped above
+        out.append("<tr>" + "".join(f"<td{' class=l' if i in (0, 7) else ''}>{v}</td>"
                                      for i, v in enumerate(row)) + "</tr>")
     out.append("</table>")
     return "\n".join(out)
@@ -337,7 +352,7 @@ def _page(title: str, body: list) -> str:
 # --------------------------------------------------------------------------- reports
 
 def _experiment_report(base: Path, plots: _Plots) -> str:
-    res = json.loads((base / "results.json").read_text(encoding="utf-8"))
+    res = _read_json_object(base / "results.json")
     cfg = res.get("config", {})
     proto = res.get("protocol", "?")
     model = cfg.get("model", {})
@@ -367,7 +382,7 @@ def _experiment_report(base: Path, plots: _Plots) -> str:
             body.append(_run_figures(plots, base, first, f"{st}, seed {first.get('seed')}", key))
     if res.get("timings"):
         body.append("<h2>Timings (s)</h2><table>" + "".join(
-            f"<tr><td class=l>{_esc(k)}</td><td>{v:.1f}</td></tr>" for k, v in sorted(res["timings"].items()))
+            f"<tr><td class=l>{_esc(k)}</td><td>{_fmt(v, 1)}</td></tr>" for k, v in sorted(res["timings"].items()))
             + "</table>")
     return _page(f"prism-select {proto}", body)
 
@@ -399,20 +414,21 @@ def _applied_kind(run: dict):
 
 
 def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
-    run = _read_json_object(base / "run.json")
-    pool_path = Path((run.get("inputs") or {}).get("pool", ""))
-    targets = run.get("inputs", {}).get("targets") or None
-    counts = run.get("counts", {})
+    from ..selection import read_run, read_scores
+    run = read_run(base, finished=False)  # an unfinished run's scores are shown as they are
+    rows = read_scores(base / "scores.jsonl")
+    pool_path = Path(_get(run, "inputs", "pool") or "")
+    targets = _get(run, "inputs", "targets") or None
     body = [f"<h1>prism-select score run: {_esc(run.get('method'))}</h1>",
-            f"<p>{counts.get('pool')} pool examples, {counts.get('pairs')} target pairs, "
-            f"{counts.get('invalid', 0)} skipped; model <code>{_esc(run.get('model', {}).get('model'))}</code>; "
+            f"<p>{_esc(_get(run, 'counts', 'pool'))} pool examples, {_esc(_get(run, 'counts', 'pairs'))} target "
+            f"pairs, {_esc(_get(run, 'counts', 'invalid') or 0)} skipped; "
+            f"model <code>{_esc(_get(run, 'model', 'model'))}</code>; "
             f"curvature <code>{_esc(_applied_kind(run))}</code>; "
-            f"{run.get('timings', {}).get('total_s', 0):.1f} s.</p>"]
-    got = _pool_with_labels(pool_path, label, body, "run.json", (run.get("fingerprints") or {}).get("pool_file"))
+            f"{_fmt(_get(run, 'timings', 'total_s') or 0, 1)} s.</p>"]
+    got = _pool_with_labels(pool_path, label, body, "run.json", _get(run, "fingerprints", "pool_file"))
     if got is None:
         return _page("prism-select score run", body)
     pool, label, labels = got
-    rows = _read_jsonl(base / "scores.jsonl")
     s = [float(r["score"]) for r in rows]
     if labels is not None:
         y = [labels[r["id"]] for r in rows]
@@ -426,7 +442,7 @@ def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
     pp = base / "pairs.jsonl"
     if pp.is_file():
         kinds = {}
-        if targets and Path(targets).is_file() and Path(targets).suffix == ".jsonl":
+        if isinstance(targets, str) and Path(targets).is_file() and Path(targets).suffix == ".jsonl":
             kinds = {t.get("id"): t.get("kind") for t in _read_jsonl(targets)}
         groups: dict = {}
         for r in _read_jsonl(pp):
@@ -441,14 +457,30 @@ def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
     return _page("prism-select score run", body)
 
 
+def _compare_methods(res: dict, path: Path) -> list:
+    """compare.json's ``methods``: a list of objects, each naming its run's folder beside
+    compare.json by a plain ``method`` name; anything else is an :class:`InputError`."""
+    rows = res.get("methods", [])
+    fix = "pass a directory written by prism-select compare; if compare.json was edited, run compare again"
+    if not isinstance(rows, list):
+        raise InputError(f"expected a list, got {type(rows).__name__}", path=path, field="methods", fix=fix)
+    for i, r in enumerate(rows):
+        name = r.get("method") if isinstance(r, dict) else None
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name.strip(".") == "":
+            raise InputError(f"methods[{i}] names no method folder (got {name!r})", path=path,
+                             field="methods", fix=fix)
+    return rows
+
+
 def _compare_report(base: Path, plots: _Plots, label: str | None) -> str:
     """A ``prism-select compare`` directory: each method's run side by side (the ranking
     table, ROC curves, score histograms and top/bottom examples from its scores.jsonl)."""
+    from ..selection import read_scores
     res = _read_json_object(base / "compare.json")
-    rows = res.get("methods", [])
+    rows = _compare_methods(res, base / "compare.json")
     pool_path = Path(res.get("pool", ""))
     body = [f"<h1>prism-select compare: {_esc(', '.join(r['method'] for r in rows))}</h1>",
-            f"<p>{res.get('n_pool')} pool examples; model <code>{_esc((res.get('model') or {}).get('path'))}</code>; "
+            f"<p>{_esc(res.get('n_pool'))} pool examples; model <code>{_esc(_get(res, 'model', 'path'))}</code>; "
             f"curvature <code>{_esc(_applied_kind(res))}</code>.</p>"]
     runs = [base / r["method"] / "run.json" for r in rows if (base / r["method"] / "run.json").is_file()]
     scored = (_read_json_object(runs[0]).get("fingerprints") or {}).get("pool_file") if runs else None
@@ -462,7 +494,7 @@ def _compare_report(base: Path, plots: _Plots, label: str | None) -> str:
         cells = f"<td>{_fmt(r.get('wall_s'), 1)}</td>"
         sp = base / r["method"] / "scores.jsonl"
         if labels and sp.is_file():
-            scored = _read_jsonl(sp)
+            scored = read_scores(sp)
             s, y = [float(x["score"]) for x in scored], [labels[x["id"]] for x in scored]
             cells += f"<td>{_fmt(auroc(s, y))}</td><td>{_fmt(auprc(s, y))}</td>"
         table.append(f"<tr><td class=l>{_esc(r['method'])}</td>{cells}</tr>")

@@ -10,8 +10,7 @@ from prism_select.curvature import eigenvalues as eigenvalues_mod, factors as fa
 from prism_select.curvature import CurvatureSettings, FitSpill, fit_curvature
 from prism_select.curvature import fit as fit_mod
 
-from reference import rel_err
-from test_numerics import _explicit_fisher_pieces
+from reference import explicit_fisher_pieces, rel_err
 
 # float64 end to end: summation order and the eigensolver only (as test_numerics)
 CPU_PATH_REL_TOL = 1e-9
@@ -45,7 +44,7 @@ def test_blocked_fit_matches_explicit_factors(model, modules, tok, encoded_pool,
     monkeypatch.setattr(eigenvalues_mod, "LAMBDA_BLOCK_ROWS", TINY_BLOCK)  # the products in row blocks too
     cur = fit_curvature(model, modules, encoded_pool, CurvatureSettings(kind=kind, damping=1e-3, batch_size=3),
                         pad_id=tok.pad_token_id)
-    A, S, G = _explicit_fisher_pieces(model, modules, layer, encoded_pool, tok)
+    A, S, G = explicit_fisher_pieces(model, modules, layer, encoded_pool, tok)
     QA, QS = cur.tensors[f"{layer}::QA"], cur.tensors[f"{layer}::QS"]
     assert rel_err(QA @ torch.diag(cur.tensors[f"{layer}::lamA"]) @ QA.T, A) <= CPU_PATH_REL_TOL
     assert rel_err(QS @ torch.diag(cur.tensors[f"{layer}::lamS"]) @ QS.T, S) <= CPU_PATH_REL_TOL

@@ -22,7 +22,7 @@ from prism_select.data.tokenize import collate, encode, token_losses  # noqa: E4
 from prism_select.preference import compute_preference  # noqa: E402
 from prism_select.scoring import score_encoded  # noqa: E402
 
-from test_theorem import POOL  # noqa: E402
+from tiny import ARITHMETIC_POOL as POOL  # noqa: E402
 
 MIN_SPEARMAN = 0.99
 # Every score within this fraction of the largest |score| of kronfluence's: both run in

@@ -10,8 +10,7 @@ from prism_select.curvature.base import apply_damping
 from prism_select.curvature.store import curvature_key
 from prism_select.errors import CacheError, ConfigError
 
-from reference import rel_err
-from test_numerics import _explicit_fisher_pieces
+from reference import explicit_fisher_pieces, rel_err
 
 # float64 end to end: summation order and the eigensolver only (as test_numerics' 1e-7)
 SHRINK_REL_TOL = 1e-7
@@ -26,7 +25,7 @@ def _fit(model, modules, encoded, **kw):
 def _explicit(cur, model, modules, tok, encoded):
     """Layer LAYER from explicit per-example gradients: A, S, the eigenbases the fit chose,
     Lambda and the variance of its estimate (summed over its entries)."""
-    A, S, G = _explicit_fisher_pieces(model, modules, LAYER, encoded, tok)
+    A, S, G = explicit_fisher_pieces(model, modules, LAYER, encoded, tok)
     QA, QS = cur.tensors[f"{LAYER}::QA"], cur.tensors[f"{LAYER}::QS"]
     R2 = (QS.T @ G @ QA) ** 2  # (n, out, in)
     var = float(R2.var(0, unbiased=True).sum()) / G.shape[0]  # variance of a mean of n examples

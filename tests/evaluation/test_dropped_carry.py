@@ -19,7 +19,7 @@ from prism_select.evaluation.config import load_config
 from prism_select.evaluation.experiment import paired_interval
 from prism_select.evaluation.repair import repair
 
-from test_evaluation import FAST_FT, _common, _InProcess, bbh_dir, gsm8k  # noqa: F401  (fixtures)
+from evaluation_data import FAST_FT, InProcessPool, bbh_dir, common_config, gsm8k  # noqa: F401  (fixtures)
 from tiny import save_tiny
 
 T_975_DF2 = 4.302652729749464  # Student's t, 97.5% quantile, 2 degrees of freedom
@@ -227,8 +227,8 @@ def test_config_checks_the_repair_extras(tmp_path):
 
 def test_repair_with_warm_up_finetune_seeds_partial_oracles_and_floors(tmp_path, tiny_dir, monkeypatch):
     from prism_select.evaluation import repair as repair_mod
-    monkeypatch.setattr(repair_mod, "ProcessPoolExecutor", _InProcess)
-    cfg = load_config(_common(
+    monkeypatch.setattr(repair_mod, "ProcessPoolExecutor", InProcessPool)
+    cfg = load_config(common_config(
         tiny_dir, data={"family": "dropped_carry", "pool_size": 20, "carry_share": 0.5},
         warmup={"n_records": 8, "finetune": {"preset": "repair", "overrides": FAST_FT}},
         probes={"n": 4, "checker": "numeric_final_answer", "capability_per_task": 2},
@@ -308,7 +308,7 @@ def test_a_ranking_run_copied_without_the_mixed_adapter_keeps_its_behaviour(tmp_
     harmful preference with the Mixed adapter; a copy without it keeps that measurement and
     the SFT's responses, so the SFT does not run again. A measurement of other responses is
     not kept: then the SFT runs again."""
-    cfg = load_config(_common(
+    cfg = load_config(common_config(
         tiny_dir, data={"family": "dropped_carry", "pool_size": 20, "carry_share": 0.5},
         warmup={"n_records": 8, "finetune": {"preset": "repair", "overrides": FAST_FT}},
         probes={"n": 4, "checker": "numeric_final_answer", "capability_per_task": 2},
@@ -417,7 +417,7 @@ def test_select_with_the_carry_target_task(tmp_path, tiny_dir, gsm8k, bbh_dir):
     model's own wrong answers as rejected responses, held-out carry problems outside the
     pool judged by their final number, the Task-records floor from the carry records."""
     from prism_select.evaluation.general_selection import select
-    cfg = load_config(_common(
+    cfg = load_config(common_config(
         tiny_dir, multitask={"gsm8k_train": str(gsm8k / "train.jsonl"), "bbh_dir": str(bbh_dir),
                              "tasks": ["colors"], "target_tasks": ["carry"], "n_gsm8k": 4, "n_per_task": 2,
                              "n_per_target_task": 6, "n_no_carry": 2, "mislabeled_share": 0.5, "n_targets": 2,

@@ -5,7 +5,6 @@ import json
 import shutil
 import random
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,8 @@ from prism_select.evaluation.ranking import ranking
 from prism_select.evaluation.repair import repair
 from prism_select.evaluation_metrics import MissingDependencyError, auprc, auroc, roc_points
 
+from evaluation_data import (FAST_FT, InProcessPool, bbh_dir, common_config, gsm8k,  # noqa: F401 (fixtures)
+                             gsm8k_rows, write_gsm8k)
 from tiny import save_tiny
 
 
@@ -35,49 +36,7 @@ def tiny_dir(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny-model"))
 
 
-# --------------------------------------------------------------------------- fixtures
-
-def gsm8k_rows(n: int, seed: int = 0) -> list:
-    """GSM8K-format problems: two calculator steps, the second using the first's result."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b, c = rng.randint(11, 40), rng.randint(41, 70), rng.randint(3, 9)
-        s, r = a + b, (a + b) * c
-        q = f"Ann has {a} pens and buys {b} more. Each pen costs ${c}. How much are all her pens worth?"
-        sol = (f"Ann has {a}+{b} = <<{a}+{b}={s}>>{s} pens.\n"
-               f"They are worth {s}*{c} = $<<{s}*{c}={r}>>{r}.\n#### {r}")
-        rows.append({"question": q, "answer": sol})
-    return rows
-
-
-def write_gsm8k(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-@pytest.fixture
-def gsm8k(tmp_path):
-    d = tmp_path / "data" / "gsm8k"
-    d.mkdir(parents=True)
-    write_gsm8k(d / "train.jsonl", gsm8k_rows(40, 0))
-    write_gsm8k(d / "test.jsonl", gsm8k_rows(10, 1))
-    return d
-
-
-@pytest.fixture
-def bbh_dir(tmp_path):
-    d = tmp_path / "data" / "bbh"
-    d.mkdir(parents=True)
-    opts = "\nOptions:\n(A) red\n(B) blue\n(C) green"
-    (d / "colors.json").write_text(json.dumps({"examples": [
-        {"input": f"Item {i} is which colour?{opts}", "target": "(" + "ABC"[i % 3] + ")"} for i in range(6)]}))
-    (d / "yesno.json").write_text(json.dumps({"examples": [
-        {"input": f"Is {i} even?", "target": "Yes" if i % 2 == 0 else "No"} for i in range(6)]}))
-    (d / "counting.json").write_text(json.dumps({"examples": [
-        {"input": f"Count to {i}.", "target": str(i)} for i in range(6)]}))
-    return d
-
+# --------------------------------------------------------------------------- builders
 
 NATALIA_Q = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
              "How many clips did Natalia sell altogether in April and May?")
@@ -361,15 +320,6 @@ def test_config_validation_names_the_field(tmp_path, gsm8k):
 
 # --------------------------------------------------------------------------- protocols
 
-FAST_FT = {"learning_rate": 0.03, "epochs": 1, "batch_size": 4, "grad_accum": 1, "lora_r": 4, "lora_alpha": 8,
-           "max_length": 512, "warmup_ratio": 0.0}
-
-
-def _common(tiny_dir, **kw):
-    return {"model": {"model": str(tiny_dir), "dtype": "float32", "device": "cpu"},
-            "score": {"max_length": 512, "batch_size": 8}, "curvature": {"kind": "ekfac"}, **kw}
-
-
 def _check_scores_and_auroc(exp: Path, run: dict, method: str):
     """AUROC recomputed independently (sklearn) from the written files."""
     from sklearn.metrics import roc_auc_score
@@ -383,7 +333,7 @@ def _check_scores_and_auroc(exp: Path, run: dict, method: str):
 
 
 def test_ranking_protocol_end_to_end(tmp_path, tiny_dir, gsm8k):
-    cfg = load_config(_common(
+    cfg = load_config(common_config(
         tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 10},
         targets=[{"name": "cf", "n_counterfactual": 3}, {"name": "mixed", "n_counterfactual": 3, "n_distractors": 2,
                                                          "methods": ["prism", "equal"]}],
@@ -419,7 +369,7 @@ def test_ranking_protocol_end_to_end(tmp_path, tiny_dir, gsm8k):
     assert len(one["runs"]) == 2 and all(r["seed"] == 0 for r in one["runs"])
     assert (out / res["runs"][0]["methods"]["prism"]["dir"] / "scores.jsonl").stat().st_mtime_ns == mtime
     # another harmful ratio in the same dir (one process per ratio): its own runs, the finished ones kept
-    other = load_config(_common(
+    other = load_config(common_config(
         tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 10},
         targets=[{"name": "cf", "n_counterfactual": 3}, {"name": "mixed", "n_counterfactual": 3, "n_distractors": 2,
                                                          "methods": ["prism", "equal"]}],
@@ -436,7 +386,7 @@ def test_ranking_protocol_end_to_end(tmp_path, tiny_dir, gsm8k):
 
 
 def test_ranking_records_method_errors(tmp_path, tiny_dir, gsm8k):
-    cfg = load_config(_common(
+    cfg = load_config(common_config(
         tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 6},
         targets=[{"n_counterfactual": 2}], harmful_ratios=[0.5], methods=["prism", "saefeat"],
         on_method_error="record", report=False), "ranking")
@@ -450,7 +400,7 @@ def test_ranking_records_method_errors(tmp_path, tiny_dir, gsm8k):
 
 
 def test_repair_protocol_end_to_end(tmp_path, tiny_dir, gsm8k):
-    cfg = load_config(_common(
+    cfg = load_config(common_config(
         tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 8},
         probes={"gsm8k_test": str(gsm8k / "test.jsonl"), "n": 4}, harmful_ratios=[0.25], seeds=[0],
         methods=["prism", "random"], finetune={"preset": "repair", "overrides": FAST_FT},
@@ -510,23 +460,15 @@ def _money_and_plain(n: int, seed: int) -> list:
     return rows
 
 
-class _InProcess(ThreadPoolExecutor):
-    """``repair``'s worker pool run in this process (one thread): the deferral, the
-    sharing of kept sets and the filling of rows, without the start-up of processes."""
-
-    def __init__(self, max_workers, mp_context, initializer, initargs):
-        super().__init__(max_workers=1, initializer=initializer, initargs=initargs)
-
-
 @pytest.mark.parametrize("processes", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_path, tiny_dir, gsm8k, bbh_dir,
                                                                            monkeypatch, processes, caplog):
     from prism_select.evaluation import repair as repair_mod
     if not processes:
-        monkeypatch.setattr(repair_mod, "ProcessPoolExecutor", _InProcess)
+        monkeypatch.setattr(repair_mod, "ProcessPoolExecutor", InProcessPool)
     write_gsm8k(gsm8k / "train.jsonl", _money_and_plain(40, 0))
     write_gsm8k(gsm8k / "test.jsonl", _money_and_plain(10, 1))
-    cfg = load_config(_common(
+    cfg = load_config(common_config(
         tiny_dir, data={"family": "refusal_trigger", "gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 12,
                         "bbh_dir": str(bbh_dir), "bbh_tasks": ["yesno"], "n_bbh_per_task": 2},
         probes={"gsm8k_test": str(gsm8k / "test.jsonl"), "n": 3, "checker": "no_refusal",
@@ -597,7 +539,7 @@ def test_jobs_are_for_the_repair_protocol(tmp_path):
 
 
 def test_repair_without_pairs_is_reported(tmp_path, tiny_dir, gsm8k):
-    cfg = load_config(_common(
+    cfg = load_config(common_config(
         tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 4},
         probes={"gsm8k_test": str(gsm8k / "test.jsonl"), "n": 2}, harmful_ratios=[0.5],
         methods=["prism"], finetune={"overrides": {**FAST_FT, "learning_rate": 1e-9}},
@@ -626,7 +568,7 @@ def test_select_protocol_end_to_end(tmp_path, tiny_dir, gsm8k, bbh_dir):
     pool = builders.mistake_math_pool(gsm8k / "train.jsonl", 8, 0.0, seed=0)
     pool_path = tmp_path / "pool.jsonl"
     builders.write_records(pool_path, pool)
-    cfg = load_config(_common(
+    cfg = load_config(common_config(
         tiny_dir, pool=str(pool_path), bbh={"dir": str(bbh_dir), "n_targets_per_task": 1, "n_heldout_per_task": 2},
         fraction=0.25, seeds=[0], methods=["prism", "random"],
         finetune={"preset": "general", "overrides": FAST_FT}, generation={"max_new_tokens": 4, "batch_size": 8}),
@@ -662,7 +604,7 @@ def test_select_protocol_end_to_end(tmp_path, tiny_dir, gsm8k, bbh_dir):
 
 
 def test_select_protocol_on_a_multitask_pool(tmp_path, tiny_dir, gsm8k, bbh_dir):
-    cfg = load_config(_common(
+    cfg = load_config(common_config(
         tiny_dir, multitask={"gsm8k_train": str(gsm8k / "train.jsonl"), "bbh_dir": str(bbh_dir),
                              "tasks": ["colors", "counting"], "target_task": "yesno", "n_gsm8k": 4,
                              "n_per_task": 2, "n_targets": 1, "n_heldout": 3},
@@ -696,7 +638,7 @@ def test_select_fine_tunes_each_selection_once_per_finetune_seed(tmp_path, tiny_
     """With ``finetune_seeds`` each selection is fine-tuned once per seed (its own folder and
     responses), a row's accuracy is their mean per task, and the spread table holds each
     selection's range over the seeds, recomputed here from the responses."""
-    raw = _common(
+    raw = common_config(
         tiny_dir, multitask={"gsm8k_train": str(gsm8k / "train.jsonl"), "bbh_dir": str(bbh_dir),
                              "tasks": ["colors", "counting"], "target_task": "yesno", "n_gsm8k": 4,
                              "n_per_task": 2, "n_targets": 1, "n_heldout": 3},
@@ -800,7 +742,7 @@ def test_multitask_pool_with_more_and_partly_mislabeled_target_records(gsm8k, bb
 
 
 def test_select_with_two_target_tasks_and_the_start_models_own_rejections(tmp_path, tiny_dir, gsm8k, bbh_dir):
-    cfg_raw = _common(
+    cfg_raw = common_config(
         tiny_dir, multitask={"gsm8k_train": str(gsm8k / "train.jsonl"), "bbh_dir": str(bbh_dir),
                              "tasks": ["colors"], "target_tasks": ["yesno", "counting"], "n_gsm8k": 4,
                              "n_per_task": 2, "n_targets": 1, "n_heldout": 2, "rejected": "start_model",
@@ -997,7 +939,7 @@ def test_report_html_for_experiment_and_score_run(tmp_path, tiny_dir):
     rows = [{**r, "question": "<b>Q</b> " + r["question"]} for r in gsm8k_rows(40, 0)]
     train = write_gsm8k(tmp_path / "train.jsonl", rows)
     exp = tmp_path / "exp"
-    run_experiment("ranking", _common(
+    run_experiment("ranking", common_config(
         tiny_dir, data={"gsm8k_train": str(train), "pool_size": 8},
         targets=[{"n_counterfactual": 2, "n_distractors": 1}], harmful_ratios=[0.25], methods=["prism", "random"],
         report=False), exp)
@@ -1168,7 +1110,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs the Debian package chromium")
 def test_report_renders_in_headless_chromium(tmp_path, tiny_dir, gsm8k):
     exp = tmp_path / "exp"
-    run_experiment("ranking", _common(
+    run_experiment("ranking", common_config(
         tiny_dir, data={"gsm8k_train": str(gsm8k / "train.jsonl"), "pool_size": 8},
         targets=[{"n_counterfactual": 2}], harmful_ratios=[0.25], methods=["prism", "random"]), exp)
     page = exp / "report.html"

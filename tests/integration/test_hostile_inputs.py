@@ -18,6 +18,7 @@ from prism_select.errors import ConfigError, InputError
 from prism_select.examples import make_example
 from prism_select.pipeline import ScoreSettings, check_before_loading, prepare_inputs
 
+from fake_runs import fake_run, write_jsonl_rows
 from tiny import save_tiny, tiny_tokenizer
 
 
@@ -152,27 +153,7 @@ def test_options_given_to_a_target_direction_are_refused(files, tmp_path, capsys
 # --------------------------------------------------------------------------- select and report
 
 
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def _fake_run(run, pool, targets=None, scores=None, **extra):
-    """A finished score run over ``pool`` as score writes it (absolute inputs, fingerprint)."""
-    from prism_select.io import sha256_file
-    from prism_select.selection import read_scores  # noqa: F401 (the format it must pass)
-    n = sum(1 for line in pool.read_text().splitlines() if line.strip())
-    recs = [json.loads(line) for line in pool.read_text().splitlines() if line.strip()]
-    ids = [r.get("id", i) for i, r in enumerate(recs)]
-    scores = scores if scores is not None else [float(n - i) for i in range(n)]
-    order = sorted(range(n), key=lambda i: -scores[i])
-    run.mkdir(parents=True)
-    _jsonl(run / "scores.jsonl", [{"id": ids[i], "score": scores[i], "rank": order.index(i) + 1} for i in range(n)])
-    info = {"status": "complete", "method": "prism", "counts": {"pool": n, "pairs": 1}, "timings": {"total_s": 1.0},
-            "inputs": {"pool": str(pool.absolute()), "targets": str(targets.absolute()) if targets else ""},
-            "fingerprints": {"pool_file": sha256_file(pool)}, **extra}
-    (run / "run.json").write_text(json.dumps(info))
-    return run
+_jsonl, _fake_run = write_jsonl_rows, fake_run
 
 
 @pytest.fixture
