@@ -84,6 +84,9 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--warmup-records", type=int, default=None,
+                    help="a smaller warm-up than the config's (its first records; a CPU's budget)")
+    ap.add_argument("--warmup-epochs", type=int, default=None, help="the warm-up's epochs (default: the config's)")
     args = ap.parse_args(argv)
     import dataclasses
 
@@ -118,10 +121,13 @@ def main(argv=None):
         row["start"] = gate_pi(lm, vpairs, max_length)
         if not args.no_warmup:
             with tempfile.TemporaryDirectory() as tmp:
-                warm = _rewrite(built["warmup"], form, ("response",))
+                n_warm = args.warmup_records or cfg.warmup.n_records
+                warm = _rewrite(verdict.warmup_records(n_warm), form, ("response",))
                 path = Path(tmp) / "warmup.jsonl"
                 path.write_text("".join(json.dumps(r) + "\n" for r in warm))
                 settings = finetune_settings(cfg.warmup.finetune, 0)
+                if args.warmup_epochs:
+                    settings = dataclasses.replace(settings, epochs=args.warmup_epochs)
                 res = finetune(lm, path, Path(tmp) / "sft", settings, overwrite=True)
                 warmed = PeftModel.from_pretrained(lm.model, str(res.adapter_dir))
                 row["warmup"] = {"n_records": len(warm), "finetune": dataclasses.asdict(settings)}
