@@ -105,6 +105,7 @@ def test_the_config_and_its_checks(tmp_path):
                      "targets": [{"name": "cf", "source": "counterfactual", "n_counterfactual": 2}]}, "repair")
 
 
+@pytest.mark.slow
 def test_repair_runs_the_family_with_the_weight_controls(tmp_path, tiny_dir):
     cfg = load_config(_common(
         tiny_dir, data={"family": "carry_verdict", "pool_size": 20, "carry_share": 0.5},
