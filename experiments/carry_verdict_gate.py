@@ -83,6 +83,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--n-pairs", type=int, default=None,
+                    help="the first N candidate pairs only (half of them wrong statements; default: all)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--warmup-records", type=int, default=None,
                     help="a smaller warm-up than the config's (its first records; a CPU's budget)")
@@ -104,6 +106,10 @@ def main(argv=None):
     pairs = verdict.candidate_pairs(built["probes"])
     for p, probe in zip(pairs, [q for q in built["probes"] if q["task"] == verdict.BEHAVIOUR_TASK]):
         p["stated_wrong"] = probe["reference"] == "no"
+    if args.n_pairs:  # the probes come wrong statements first, then true ones: take half of each
+        wrong = [p for p in pairs if p["stated_wrong"]]
+        right = [p for p in pairs if not p["stated_wrong"]]
+        pairs = wrong[:args.n_pairs // 2] + right[:args.n_pairs - args.n_pairs // 2]
     max_length = cfg.score.max_length
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -154,8 +160,9 @@ def _markdown(r: dict) -> str:
              f"{r['date']}, {r['device']}, torch {r['torch']}, commit {r['commit'][:10]}, seed {r['seed']}, "
              f"{r['n_pairs']} candidate pairs (probe, the dropped-carry rule's verdict, the right verdict); "
              f"config {r['config']}. Gate: IQR of pi above about {r['gate_iqr']}.", "",
-             "| variant | verdicts | model | IQR | q1 | median | q3 | p10 | p90 | max/min weight | prefers right |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| variant | verdicts | model | IQR | q1 | median | q3 | p10 | p90 | max/min weight | prefers right "
+             "| IQR, wrong statements (chosen yes) | IQR, true statements (chosen no) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in r["variants"].items():
         for model in ("start", "warmed"):
             if model not in row:
@@ -163,11 +170,24 @@ def _markdown(r: dict) -> str:
             s = row[model]
             lines.append(f"| {name} | {' / '.join(row['verdicts'])} | {model} | {s['iqr']:.3f} | {s['q1']:.3f} | "
                          f"{s['median']:.3f} | {s['q3']:.3f} | {s['p10']:.3f} | {s['p90']:.3f} | "
-                         f"{s['weight_ratio_max_min']:.1f} | {s['share_prefers_right']:.2f} |")
+                         f"{s['weight_ratio_max_min']:.1f} | {s['share_prefers_right']:.2f} | "
+                         + " | ".join(f"{s[k]['iqr']:.3f} (median {s[k]['median']:.3f})" if k in s else "-"
+                                      for k in ("wrong_statements", "true_statements")) + " |")
     lines += ["", "start: the embedded model as it is; warmed: after the clean warm-up SFT. prefers right: the "
-              "share of pairs with pi < 0.5."]
+              "share of pairs with pi < 0.5. The last two columns: the spread within the pairs of one chosen verdict "
+              "(what is left once the model's bias between the two words is taken out)."]
     return "\n".join(lines) + "\n"
 
 
+def render(path) -> None:
+    """Write the .md of a finished gate JSON again (``--render FILE.json``)."""
+    path = Path(path)
+    path.with_suffix(".md").write_text(_markdown(json.loads(path.read_text())))
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--render"]:
+        for f in sys.argv[2:]:
+            render(f)
+    else:
+        main()
