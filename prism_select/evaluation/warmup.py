@@ -33,7 +33,7 @@ def warm_start_settings(exp, cfg):
     base = exp.out / "start-model"
     base.mkdir(parents=True, exist_ok=True)
     records_path = base / "warmup.jsonl"
-    if cfg.data.family == "carry_verdict":
+    if getattr(getattr(cfg, "data", None), "family", None) == "carry_verdict":  # (a select config has no data)
         records = verdict.warmup_records(cfg.warmup.n_records)
     else:
         records = carry.warmup_records(cfg.warmup.n_records, cfg.warmup.carry_share)
