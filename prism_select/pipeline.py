@@ -4,7 +4,9 @@
 
 ``scores.jsonl``  ``id``, ``score``, ``rank`` (1 = highest score), one line a candidate,
                   and any per-candidate column a method adds (``RunContext.columns``);
-``pairs.jsonl``   ``id``, ``pi``, ``margin``, ``weight``, ``loss_chosen``, ``loss_rejected``;
+``pairs.jsonl``   ``id``, ``pi``, ``margin``, ``weight``, ``loss_chosen``, ``loss_rejected``
+                  (the controls of the weights add ``pi_before``, and ``prism_shuffled``
+                  ``weight_from``: the pair whose ``pi`` a pair got);
 ``run.json``      settings, versions, fingerprints, timings, counts, skipped records.
 
 While running, ``.partial/`` holds the finished score chunks and the preconditioned
@@ -74,9 +76,9 @@ from .model import (LoadedModel, ModelSettings, check_adapter_dir, check_finite_
 from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory, device_memory, gib,
                    held_elsewhere_note, host_share_bytes, make_plan, measure_example_bytes, stored_bytes)
 from .preference import METHODS as DIRECTION_METHODS
-from .preference import compute_preference
+from .preference import GIVEN_WEIGHTS, compute_preference, pair_margins, shuffled_weights, top_half_weights
 from .scoring import Chunking, score_directions, score_encoded, score_stream
-from .settings import DEFAULT_STREAM_WINDOW, STREAM_FIT_EXAMPLES, ScoreSettings, key_of  # noqa: F401 (re-exported)
+from .settings import DEFAULT_STREAM_WINDOW, DIRECTION_OPTIONS, STREAM_FIT_EXAMPLES, ScoreSettings, key_of  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -939,13 +941,15 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     # at 60 records, model and gradients included), for one more forward of the
     # rejected half without a graph
     one_graph = ctx.plan is not None and ctx.plan.bounded or ctx.lm.device.type == "cpu"
+    kernels = direction_kernels(ex.kernels)
     with direction_policy(ctx.lm.model, ex):
+        weights, given = _given_weights(ctx, kernels)
         pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
                                   method=ctx.settings.method, pad_id=ctx.pad_id,
                                   batch_size=ctx.direction_batch(),
                                   ids=[p.id for p in ctx.inputs.pairs], accumulate=accumulate,
                                   store=d.get("store", "device"), one_graph=one_graph,
-                                  execution=replace(ex, kernels=direction_kernels(ex.kernels)))
+                                  execution=replace(ex, kernels=kernels), weights=weights)
     ctx.timings["preference_s"] = time.perf_counter() - t
     ctx.stage_peak("direction")
     log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
@@ -955,9 +959,35 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     ctx.info["pi"] = _summary(pref.pi.tolist())
     pairs = [{"id": p.id, "pi": float(pref.pi[i]), "margin": float(pref.margin[i]),
               "weight": float(pref.weights[i]), "loss_chosen": float(pref.loss_chosen[i]),
-              "loss_rejected": float(pref.loss_rejected[i]), **({"task": p.task} if p.task else {})}
+              "loss_rejected": float(pref.loss_rejected[i]), **({"task": p.task} if p.task else {}),
+              **{k: v[i] for k, v in given.items()}}
              for i, p in enumerate(ctx.inputs.pairs)]
     return ctx.score_direction(_take_direction(pref), last=True), pairs
+
+
+def _given_weights(ctx: RunContext, kernels) -> tuple:
+    """``(weights, per-pair columns for pairs.jsonl)`` of a control of PRISM's weights
+    (``preference.GIVEN_WEIGHTS``), from every pair's ``pi`` by forward passes first;
+    ``(None, {})`` for the other directions. ``prism_shuffled``'s permutation is seeded by
+    the run's seed and its option ``shuffle_seed`` (``seed * 1000 + shuffle_seed``); each
+    pair's row names the pair whose ``pi`` it got (``weight_from``)."""
+    method = ctx.settings.method
+    if method not in GIVEN_WEIGHTS:
+        return None, {}
+    _, pi = pair_margins(ctx.lm.model, ctx.inputs.chosen, ctx.inputs.rejected, pad_id=ctx.pad_id,
+                         batch_size=ctx.direction_batch(), modules=ctx.modules, kernels=kernels)
+    ids = [p.id for p in ctx.inputs.pairs]
+    if method == "equal_top_half":
+        w = top_half_weights(pi)
+        ctx.info["weights"] = {"rule": "1 above the median pi, else 0", "median_pi": float(torch.quantile(pi, 0.5)),
+                               "n_weighted": int(w.sum())}
+        return w, {"pi_before": [float(x) for x in pi]}
+    shuffle_seed = ctx.settings.method_options.get("shuffle_seed", DIRECTION_OPTIONS[method]["shuffle_seed"][1])
+    seed = ctx.settings.seed * 1000 + shuffle_seed
+    w, perm = shuffled_weights(pi, seed)
+    ctx.info["weights"] = {"rule": "pi permuted across the pairs", "shuffle_seed": shuffle_seed,
+                           "permutation_seed": seed, "fixed_points": int((perm == torch.arange(len(perm))).sum())}
+    return w, {"pi_before": [float(x) for x in pi], "weight_from": [ids[j] for j in perm.tolist()]}
 
 
 def _take_direction(pref) -> dict:
@@ -1121,11 +1151,18 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
     Returns the read pool (None under ``stream``, whose own pass reads it)."""
     if targets_path is None and settings.method in DIRECTION_METHODS:
         raise ConfigError("targets", f"method {settings.method!r} needs target pairs", "pass --targets FILE")
-    if settings.method in DIRECTION_METHODS and settings.method_options:
-        raise ConfigError("method_options", f"method {settings.method!r} takes no options, got "
-                          f"{', '.join(map(str, settings.method_options))}",
+    own = DIRECTION_OPTIONS.get(settings.method, {})
+    extra = sorted(set(settings.method_options) - set(own)) if settings.method in DIRECTION_METHODS else []
+    if extra:
+        takes = f"takes only {', '.join(own)}" if own else "takes no options"
+        raise ConfigError("method_options", f"method {settings.method!r} {takes}, got {', '.join(map(str, extra))}",
                           "drop --option: options belong to the baselines (see `prism-select methods`); "
                           f"{settings.method}'s own settings are flags (see `prism-select score --help`)")
+    for k, (kind, _, _) in own.items():
+        v = settings.method_options.get(k)
+        if v is not None and (not isinstance(v, kind) or isinstance(v, bool) or v < 0):
+            raise ConfigError("method_options", f"{settings.method}'s {k} must be an integer >= 0, got {v!r}",
+                              f"e.g. --option {k}=1")
     for pattern in settings.modules or []:
         try:
             re.compile(pattern)

@@ -16,6 +16,16 @@ Ablations (paper Sec. 4.4):
               with ``pbar(y+|q) = exp(-lbar(q, y+))`` the length-normalised likelihood.
               It is ``-grad U`` for ``U = (1/|Q|) sum_q pbar(y+|q)``, the unpaired
               counterpart of ``K``: the weight comes from the positive likelihood alone.
+
+Controls of the weights (is it ``pi``'s assignment to the pairs that matters, or its spread?):
+
+``prism_shuffled``  ``g_KL`` with ``pi`` permuted across the pairs: pair ``q`` gets
+                    ``pi_{perm(q)}`` (:func:`shuffled_weights`, a seeded permutation), the
+                    same weights as PRISM's, another assignment.
+``equal_top_half``  ``g_0`` over the pairs whose ``pi`` is above the median (weight 1, the
+                    rest 0; :func:`top_half_weights`).
+Their weights need every pair's ``pi`` before the first backward: :func:`pair_margins`
+(forward passes) gives them, and :func:`compute_preference` takes them as ``weights``.
 """
 
 from __future__ import annotations
@@ -63,10 +73,37 @@ def _mean_losses(model, encoded: list, pad_id: int, device, modules: dict | None
     return total / count.clamp(min=1), count
 
 
+#: the directions whose weights are given (:func:`compute_preference`'s ``weights``)
+GIVEN_WEIGHTS = ("prism_shuffled", "equal_top_half")
+
+
+def shuffled_weights(pi: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, perm)``: ``weights[q] = pi[perm[q]]`` for a permutation ``perm`` of the
+    pairs drawn from ``seed`` (CPU generator: the same on every device)."""
+    g = torch.Generator().manual_seed(int(seed))
+    perm = torch.randperm(len(pi), generator=g)
+    return pi.detach().double().cpu()[perm], perm
+
+
+def top_half_weights(pi: torch.Tensor) -> torch.Tensor:
+    """1.0 for the pairs whose ``pi`` is above the median (``torch.quantile(pi, 0.5)``: the
+    mean of the two middle values for an even count), else 0.0."""
+    pi = pi.detach().double().cpu()
+    w = (pi > torch.quantile(pi, 0.5)).double()
+    if not w.any():
+        raise ConfigError("targets", f"equal_top_half needs pairs whose pi differ: all {len(pi)} pairs have pi "
+                          f"{float(pi[0]):.6g}", "use more target pairs, or another method")
+    return w
+
+
 def compute_preference(model, modules: dict, chosen: list, rejected: list, *, method: str = "prism",
                        pad_id: int, batch_size: int = 8, ids=None, accumulate: str = "device", store: str = "device",
-                       one_graph: bool = False, execution: ExecutionContext | None = None) -> Preference:
+                       one_graph: bool = False, execution: ExecutionContext | None = None,
+                       weights: torch.Tensor | None = None) -> Preference:
     """Margins, ``pi`` and the target direction for encoded pairs.
+
+    ``weights``: one weight per pair (float64), used in place of the method's own
+    (required, and only accepted, for the methods of :data:`GIVEN_WEIGHTS`).
 
     ``chosen[i]`` / ``rejected[i]`` are the :class:`~prism_select.data.tokenize.Encoded`
     ``(q, y+)`` and ``(q, y-)`` of pair ``i``; memory is bounded by ``batch_size``. A batch
@@ -96,6 +133,9 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
         raise ConfigError("method", f"unknown target direction {method!r}", f"use one of {', '.join(METHODS)}")
     if len(chosen) != len(rejected) or not chosen:
         raise ConfigError("targets", "need at least one target pair")
+    if (weights is not None) != (method in GIVEN_WEIGHTS) or (weights is not None and len(weights) != len(chosen)):
+        raise ConfigError("weights", f"method {method!r} takes {'one weight per pair' if method in GIVEN_WEIGHTS else 'no weights'}"
+                          f", got {'none' if weights is None else len(weights)} for {len(chosen)} pairs")
     execution = execution or ExecutionContext.of(model, kernels=DIRECTION_KERNELS)
     device, progress, kernels = execution.device, execution.progress, execution.kernels
     Q = len(chosen)
@@ -121,7 +161,9 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
             with torch.no_grad():
                 margin = (lr - lc).double()
                 pi = torch.sigmoid(margin)
-                if method == "prism":
+                if weights is not None:
+                    w = weights[s:s + len(ch)].to(device=pi.device, dtype=pi.dtype)
+                elif method == "prism":
                     w = pi
                 elif method == "equal":
                     w = torch.ones_like(pi)
@@ -163,6 +205,24 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
             check_finite(g, "the target direction", layer=n)
     cat = lambda xs: torch.cat([x.cpu() for x in xs])
     return Preference(cat(margins), cat(pis), cat(lcs), cat(lrs), cat(ws), direction, method)
+
+
+@torch.no_grad()
+def pair_margins(model, chosen: list, rejected: list, *, pad_id: int, batch_size: int = 32, device=None,
+                 modules: dict | None = None, kernels: Kernels = DIRECTION_KERNELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(margin, pi)`` of encoded pairs, float64, from forward passes alone (no gradient):
+    what :func:`compute_preference` reports for them, without the direction (``modules``
+    and ``kernels``: the loss route it takes, :func:`_mean_losses`)."""
+    if len(chosen) != len(rejected) or not chosen:
+        raise ConfigError("targets", "need at least one target pair")
+    device = device if device is not None else next(model.parameters()).device
+    margins = []
+    for s in range(0, len(chosen), batch_size):
+        lc, _ = _mean_losses(model, chosen[s:s + batch_size], pad_id, device, modules, kernels)
+        lr, _ = _mean_losses(model, rejected[s:s + batch_size], pad_id, device, modules, kernels)
+        margins.append((lr - lc).double().cpu())
+    margin = torch.cat(margins)
+    return margin, torch.sigmoid(margin)
 
 
 def _store_dtype(t: torch.Tensor) -> torch.dtype:

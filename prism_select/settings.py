@@ -41,7 +41,12 @@ GiB = 1 << 30
 
 #: the target directions of :mod:`prism_select.preference` (the baselines add their own
 #: methods, :mod:`prism_select.baselines`)
-DIRECTION_METHODS = ("prism", "equal", "unpaired")
+DIRECTION_METHODS = ("prism", "equal", "unpaired", "prism_shuffled", "equal_top_half")
+#: the directions that are controls of PRISM's weights, not selectors: left out of a
+#: config's ``methods: all`` (named, they run as any other)
+CONTROL_METHODS = ("prism_shuffled", "equal_top_half")
+#: the options a direction method takes (``method_options``): name -> (type, default, help)
+DIRECTION_OPTIONS = {"prism_shuffled": {"shuffle_seed": (int, 0, "the permutation's seed beside the run's --seed")}}
 #: arithmetic of a half-precision model while scoring (:mod:`prism_select.precision`)
 PRECISIONS = ("model", "residual32", "split32")
 #: CUDA graphs (:mod:`prism_select.graphs`)
@@ -165,7 +170,8 @@ BASELINE_METHODS = ("random", "ifguide", "ifguide_harmonic", "vecfilter", "projd
 class DirectionSettings:
     """The target direction: which method scores the pool, with which options and seed."""
 
-    method: str = setting("prism", help="prism, equal, unpaired, or a baseline (see `prism-select methods`)")
+    method: str = setting("prism", help="prism, equal, unpaired, the controls prism_shuffled and equal_top_half, "
+                          "or a baseline (see `prism-select methods`)")
     method_options: dict = setting(default_factory=dict, cli=False,
                                    help="a baseline method's settings (the CLI's --option KEY=VALUE); "
                                         "recorded in run.json")

@@ -41,6 +41,9 @@ CORE_DESCRIPTIONS = {
     "prism": "PRISM: g_z . H^-1 g_KL, target pairs weighted by the model's preference pi_q = sigmoid(margin)",
     "equal": "PRISM ablation: equal aggregation g_0 (every pi_q = 1)",
     "unpaired": "PRISM ablation: positive responses only, weighted by their length-normalised likelihood",
+    "prism_shuffled": "control of PRISM's weights: PRISM with pi permuted across the pairs (seeded; "
+                      "option shuffle_seed)",
+    "equal_top_half": "control of PRISM's weights: equal aggregation over the pairs whose pi is above the median",
 }
 
 REGISTRY: dict = {}

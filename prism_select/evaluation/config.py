@@ -78,9 +78,9 @@ class FinetuneConfig:
     overrides: dict = field(default_factory=dict)
 
 
-POOL_FAMILIES = ("mistake_math", "refusal_trigger", "dropped_carry")
+POOL_FAMILIES = ("mistake_math", "refusal_trigger", "dropped_carry", "carry_verdict")
 #: Families built without GSM8K (their records are generated).
-GENERATED_FAMILIES = ("dropped_carry",)
+GENERATED_FAMILIES = ("dropped_carry", "carry_verdict")
 
 
 @dataclass
@@ -94,7 +94,9 @@ class MistakeMathConfig:
         ``bbh_tasks`` from ``bbh_dir``, :func:`.builders.refusal_trigger_pool`; repair only)
         or ``dropped_carry`` (two-digit additions, the harmful ones carry problems answered
         with the carry dropped; ``carry_share`` of the clean records are carry problems
-        too; :mod:`.carry`; repair only, needs no data files).
+        too; :mod:`.carry`; repair only, needs no data files) or ``carry_verdict`` (stated
+        two-digit sums judged ``"Yes."`` / ``"No."``, the harmful ones carry problems judged
+        by the dropped-carry rule; :mod:`.verdict`; repair only, needs no data files).
     """
 
     gsm8k_train: str = ""
@@ -760,6 +762,9 @@ def _validate_repair(cfg):
         if t.distractor_kind not in ("shuffled_answer", "unrelated"):
             raise ConfigError(f"targets[{i}].distractor_kind", f"unknown value {t.distractor_kind!r}",
                               "use shuffled_answer or unrelated")
+        if t.source == "counterfactual" and cfg.data.family == "carry_verdict":
+            raise ConfigError(f"targets[{i}].source", "the carry_verdict family makes its target pairs from the "
+                              "probes only", "use source: probes")
         if t.distractor_kind != "shuffled_answer" and cfg.data.family != "dropped_carry":
             raise ConfigError(f"targets[{i}].distractor_kind", "unrelated distractors are built for the dropped_carry "
                               "family only", "leave distractor_kind out")

@@ -37,7 +37,7 @@ from ..errors import CacheError, ConfigError, InputError, OutputError, PrismErro
 from ..evaluation_metrics import auprc, auroc
 from ..io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_file, write_if_changed
 from ..model import free_cuda_cache
-from ..settings import BASELINE_METHODS, DIRECTION_METHODS
+from ..settings import BASELINE_METHODS, CONTROL_METHODS, DIRECTION_METHODS
 from . import builders
 from .config import config_to_dict, finetune_settings, score_settings
 
@@ -344,10 +344,11 @@ def available_methods() -> list:
 
 
 def resolve_methods(methods) -> list:
-    """A config's ``methods`` (``all`` or a list) as a list of known names, in order."""
+    """A config's ``methods`` (``all``: every method but the controls of PRISM's weights,
+    ``settings.CONTROL_METHODS``; or a list) as a list of known names, in order."""
     known = available_methods()
     if methods == "all":
-        return known
+        return [m for m in known if m not in CONTROL_METHODS]
     unknown = [m for m in methods if m not in known]
     if unknown:
         raise ConfigError("methods", f"unknown method(s) {', '.join(unknown)}", f"use some of {', '.join(known)}")

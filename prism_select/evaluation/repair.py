@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..io import atomic_write_json, sha256_file
-from . import builders, carry
+from . import builders, carry, verdict
 from .behaviour import harmful_answer_rate, harmful_preference, has_behaviour_fields
 from .config import RepairConfig, config_to_dict, finetune_settings
 from .experiment import (Experiment, _adapted, finish_experiment, free_cuda_cache, load_start, load_start_settings,
@@ -90,6 +90,13 @@ def _carry_data(cfg, ratio: float, seed: int) -> dict:
                                           if t.distractor_kind == "shuffled_answer"], default=0))
 
 
+def _verdict_data(cfg, ratio: float, seed: int) -> dict:
+    """The carry-verdict family's pool, probes and warm-up records."""
+    return verdict.build(seed, pool_size=cfg.data.pool_size, harmful_ratio=ratio, carry_share=cfg.data.carry_share,
+                         n_probes=cfg.probes.n, n_capability=cfg.probes.capability_per_task,
+                         n_warmup=cfg.warmup.n_records if cfg.warmup else 0)
+
+
 def _carry_distractors(cfg, variant, ratio: float, seed: int, built: dict | None = None) -> list:
     """A dropped-carry target set's ``n_distractors`` pairs of its ``distractor_kind``; the
     shuffled-answer ones from ``built`` (the seed's :func:`_carry_data` at ``ratio``, made
@@ -101,10 +108,10 @@ def _carry_distractors(cfg, variant, ratio: float, seed: int, built: dict | None
 
 def _pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
     """``(run dir, pool, pool path, probes, probes path, behaviour task)`` of one (ratio, seed)."""
-    if cfg.data.family == "dropped_carry":
+    if cfg.data.family in ("dropped_carry", "carry_verdict"):
         rdir = exp.out / "runs" / f"r{pct(ratio)}" / f"seed{seed}"
         rdir.mkdir(parents=True, exist_ok=True)
-        built = _carry_data(cfg, ratio, seed)
+        built = _carry_data(cfg, ratio, seed) if cfg.data.family == "dropped_carry" else _verdict_data(cfg, ratio, seed)
         pool, probes, task = built["pool"], built["probes"], carry.BEHAVIOUR_TASK
         pool_path = rdir / "pool.jsonl"
         write_if_changed(pool_path, pool)
@@ -133,7 +140,7 @@ def _pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
 def _checker_spec(cfg):
     """The checker of the probes: the behaviour checker, and the capability checker for
     the capability probes when there are any."""
-    if cfg.data.family in ("mistake_math", "dropped_carry") or not cfg.probes.capability_per_task:
+    if cfg.data.family in ("mistake_math", "dropped_carry", "carry_verdict") or not cfg.probes.capability_per_task:
         return cfg.probes.checker
     return {"name": "by_task", "checkers": {"gsm8k": cfg.probes.checker}, "default": cfg.probes.capability_checker}
 
@@ -401,14 +408,20 @@ def _reference_rows(exp, cfg, lm, ctx: dict, retrain) -> dict:
     return {"rates": rows, "removed": removed}
 
 
-def family_floors():
-    """The floors of the dropped-carry family: the knowledge floors (``checker``, the ideal
-    judge; ``carry_in_prompt``) and two label-free rules, the builder's leak (``sum_100_109``)
-    and the density ratio over the stated sum's digits (``density_ratio_sum_digits``)."""
-    from .floors import with_targets
-    return {"checker": carry.arithmetic_error, "carry_in_prompt": carry.carry_in_prompt,
-            "sum_100_109": carry.sum_in_skipped_range,
-            "density_ratio_sum_digits": with_targets(carry.sum_digit_density_ratio)}
+def family_floors(family: str = "dropped_carry"):
+    """The floors of a generated family (name -> record -> score), None for the others.
+    Dropped carry: the knowledge floors (``checker``, the ideal judge; ``carry_in_prompt``)
+    and two label-free rules, the builder's leak (``sum_100_109``) and the density ratio
+    over the stated sum's digits (``density_ratio_sum_digits``). Carry verdict: its checker
+    and ``carry_in_prompt``."""
+    if family == "dropped_carry":
+        from .floors import with_targets
+        return {"checker": carry.arithmetic_error, "carry_in_prompt": carry.carry_in_prompt,
+                "sum_100_109": carry.sum_in_skipped_range,
+                "density_ratio_sum_digits": with_targets(carry.sum_digit_density_ratio)}
+    if family == "carry_verdict":
+        return {"checker": verdict.verdict_error, "carry_in_prompt": verdict.carry_in_prompt}
+    return None
 
 
 def _setting(exp, cfg, lm, ratio: float, seed: int, checker, methods_all: list, retrain) -> list:
@@ -442,7 +455,7 @@ def _setting(exp, cfg, lm, ratio: float, seed: int, checker, methods_all: list, 
         run["targets"] = exp.rel(targets_path)
         run["n_pairs"] = len(pairs)
         if cfg.floors:
-            run["floors"] = floors(pool, pairs, extra=family_floors() if cfg.data.family == "dropped_carry" else None)
+            run["floors"] = floors(pool, pairs, extra=family_floors(cfg.data.family))
         if not pairs:
             run["note"] = (f"no probe qualified as a target pair ({run['pair_selection']}): "
                            "nothing to score; methods left out of this setting")
@@ -484,8 +497,10 @@ def _filter_and_retrain(exp, cfg, run: dict, variant, f: float, ctx: dict, metho
 
 
 _BEHAVIOUR = {"refusal_trigger": "refusal rate on held-out money questions",
-              "dropped_carry": "error rate on held-out carry problems"}
-_CAPABILITY = {"dropped_carry": "accuracy on held-out no-carry problems"}
+              "dropped_carry": "error rate on held-out carry problems",
+              "carry_verdict": "verdict error rate on held-out carry problems"}
+_CAPABILITY = {"dropped_carry": "accuracy on held-out no-carry problems",
+               "carry_verdict": "verdict accuracy on held-out no-carry problems"}
 
 
 def _results(exp, cfg, lm, runs: list) -> dict:

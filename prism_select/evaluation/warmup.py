@@ -21,7 +21,7 @@ from dataclasses import asdict
 from filelock import FileLock
 
 from ..io import sha256_file, write_if_changed
-from . import carry
+from . import carry, verdict
 from .config import config_to_dict, finetune_settings
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,11 @@ def warm_start_settings(exp, cfg):
     base = exp.out / "start-model"
     base.mkdir(parents=True, exist_ok=True)
     records_path = base / "warmup.jsonl"
-    write_if_changed(records_path, carry.warmup_records(cfg.warmup.n_records, cfg.warmup.carry_share))
+    if getattr(getattr(cfg, "data", None), "family", None) == "carry_verdict":  # (a select config has no data)
+        records = verdict.warmup_records(cfg.warmup.n_records)
+    else:
+        records = carry.warmup_records(cfg.warmup.n_records, cfg.warmup.carry_share)
+    write_if_changed(records_path, records)
     settings = finetune_settings(cfg.warmup.finetune, 0)
     key = {"records": sha256_file(records_path), "model": config_to_dict(cfg.model), "finetune": asdict(settings)}
     model_dir = base / "model"
