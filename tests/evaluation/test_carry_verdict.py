@@ -10,7 +10,7 @@ from prism_select.evaluation import floors, verdict
 from prism_select.evaluation.config import load_config
 from prism_select.evaluation.repair import family_floors, repair
 
-from test_evaluation import FAST_FT, _common  # noqa: F401  (fixtures)
+from evaluation_data import FAST_FT, common_config
 from tiny import save_tiny
 
 
@@ -107,7 +107,7 @@ def test_the_config_and_its_checks(tmp_path):
 
 @pytest.mark.slow
 def test_repair_runs_the_family_with_the_weight_controls(tmp_path, tiny_dir):
-    cfg = load_config(_common(
+    cfg = load_config(common_config(
         tiny_dir, data={"family": "carry_verdict", "pool_size": 20, "carry_share": 0.5},
         warmup={"n_records": 8, "finetune": {"preset": "repair", "overrides": FAST_FT}},
         probes={"n": 6, "checker": "leading_answer", "capability_per_task": 2},
