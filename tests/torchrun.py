@@ -1,6 +1,6 @@
 """Two CPU ranks under torchrun for test_distributed.py and test_sharding.py: a free port,
 the ranks' environment, a launch retried when its port was taken, and the one launch of
-two ranks that the session fixture ``two_ranks`` (conftest.py) makes for both files: the
+two ranks that the fixture ``two_ranks`` (conftest.py, scope="session") makes for both files: the
 CLI's run, the sharded runs and a worker of the library's own calls."""
 
 import json
