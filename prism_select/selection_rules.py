@@ -44,7 +44,7 @@ NUM_PERM = 128  # MinHash permutations
 MINHASH_SEED = 1
 PER_TASK = ("top", "max")
 KEEP_REASONS = ("budget", "quota", "task", "not_removed")
-INSTALL_HINT = "pip install datasketch  (or pip install 'prism-select[select]')"
+INSTALL_HINT = "pip install datasketch  (a dependency of prism-select: reinstall it)"
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ class Rules:
         if self.flag_overlap and not self.exclude_overlap and not self.eval_files:
             raise ConfigError("flag_overlap", "flags overlap, but no overlap check was asked for",
                               "add --exclude-overlap (or --eval FILE)")
-        if self.eval_files and not (self.exclude_overlap or self.flag_overlap):
-            object.__setattr__(self, "exclude_overlap", True)  # --eval FILE implies the check
+        if self.eval_files or self.flag_overlap:  # --eval FILE implies the check; flag changes its effect
+            object.__setattr__(self, "exclude_overlap", True)
 
     @property
     def mode(self) -> str:
@@ -218,21 +218,22 @@ def _count(amount, n: int, field_name: str) -> int:
     return count
 
 
-def largest_remainder(sizes: dict, total: int) -> dict:
+def largest_remainder(sizes: dict, total: int, cap: bool = True) -> dict:
     """Split ``total`` over the keys of ``sizes`` in proportion to their sizes: each gets the
     floor of its exact share, the rest go one each to the largest remainders (ties: the
-    key first in ``sizes``' order). No key gets more than its size."""
+    key first in ``sizes``' order). With ``cap``, no key gets more than its size."""
     n = sum(sizes.values())
     if not n:
         return {k: 0 for k in sizes}
     exact = {k: total * s / n for k, s in sizes.items()}
-    quota = {k: min(sizes[k], math.floor(e)) for k, e in exact.items()}
+    limit = sizes if cap else {k: total for k in sizes}
+    quota = {k: min(limit[k], math.floor(e)) for k, e in exact.items()}
     order = sorted(sizes, key=lambda k: -(exact[k] - math.floor(exact[k])))  # stable: ties keep order
     left = total - sum(quota.values())
     while left > 0:
         moved = False
         for k in order:
-            if left and quota[k] < sizes[k]:
+            if left and quota[k] < limit[k]:
                 quota[k] += 1
                 left -= 1
                 moved = True
@@ -355,7 +356,7 @@ def decide(scores: list[dict], rules: Rules, pool: dict | None = None,
                 used[k] += 1
                 picked[rid] = ("quota", {})
     elif rules.per_task == "top":
-        share = largest_remainder({t: 1 for t in tasks}, budget)
+        share = largest_remainder({t: 1 for t in tasks}, budget, cap=False)
         order = {t: sorted((r for r in act_on if t in (rows[r].get("scores") or {})),
                            key=lambda r: (-rows[r]["scores"][t], rows[r]["rank"])) for t in tasks}
         pos, got = Counter(), Counter()
