@@ -441,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_option_arg(sc)
     sc.set_defaults(func=cmd_score)
 
-    se = _parser(sub, "select", help="write the kept pool records in the pool's own format")
+    se = _parser(sub, "select", help="write the kept pool records in the pool's own format (or a trainer's), "
+                                     "with a decisions file and a manifest")
     se.add_argument("--run", required=True, help="a finished run directory (scores.jsonl)")
     se.add_argument("--pool", required=True, help="the pool file that was scored")
     se.add_argument("--out", required=True, help="output file (or directory for a datasets pool)")
@@ -457,8 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = _parser(sub, "explain", help="show a select's decisions: counts per reason, the first few of each")
     ex.add_argument("path", metavar="RUN_OR_DECISIONS",
-                    help="a *.decisions.jsonl, its *.manifest.json, the --out of a select, "
-                         "or a directory holding one decisions file")
+                    help="a *.decisions.jsonl, its *.manifest.json, the --out of a select, a directory "
+                         "holding one decisions file, or a run directory (its latest select's decisions, "
+                         "looked for beside the run and in the working directory)")
     ex.add_argument("--first", type=int, default=3, help="ids shown per reason")
     ex.set_defaults(func=cmd_explain)
 
@@ -491,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_rule_args(se):
     from .selection_rules import OUTPUT_FORMATS, PER_TASK
     r = se.add_argument_group("selection rules (applied in this order: overlap, duplicates, min-score, budget)")
-    r.add_argument("--min-score", type=float, default=None,
+    r.add_argument("--min-score", type=float, default=None, metavar="X",
                    help="keep only records scoring at least X (alone: keep all of them; with --remove: "
                         "remove only those)")
     r.add_argument("--stratify", metavar="FIELD", default=None,
@@ -501,7 +503,7 @@ def _add_rule_args(se):
                         "tasks (max, as LESS)")
     r.add_argument("--dedup", action="store_true",
                    help="drop exact and near duplicates (MinHash) of a better-ranked record")
-    r.add_argument("--dedup-threshold", type=float, default=0.8, help="MinHash Jaccard of a near duplicate")
+    r.add_argument("--dedup-threshold", type=float, default=0.8, metavar="J", help="MinHash Jaccard of a near duplicate")
     r.add_argument("--exclude-overlap", action="store_true",
                    help="drop records sharing a 13-gram or a MinHash neighbour with the run's targets "
                         "or an --eval file")
@@ -509,7 +511,7 @@ def _add_rule_args(se):
                    help="records to keep out of the selection (any form; repeat for several files)")
     r.add_argument("--flag-overlap", action="store_true",
                    help="only mark overlapping records in the decisions file, drop none")
-    r.add_argument("--overlap-threshold", type=float, default=0.8, help="MinHash Jaccard of an overlap")
+    r.add_argument("--overlap-threshold", type=float, default=0.8, metavar="J", help="MinHash Jaccard of an overlap")
     r.add_argument("--format", choices=OUTPUT_FORMATS, default=None,
                    help="trainer format of --out (default: the pool's own format, or --out's extension)")
 

@@ -11,7 +11,7 @@ applied in this order, each record's ``reason`` naming the first rule that decid
    ``eval:FILE:ID``). ``flag_overlap`` only marks it (``overlap`` field) and decides nothing.
 2. ``duplicate`` / ``near_duplicate`` (``dedup``): in rank order, a record whose
    normalised prompt + response equals (exact hash) or is a MinHash neighbour of
-   (Jaccard >= ``dedup_threshold``) a better-ranked record still in the selection is
+   (Jaccard >= ``dedup_threshold``) a better-ranked record that no earlier rule dropped is
    dropped (``of``: that record's id); the best-ranked record of each group stays.
 3. ``min_score``: in keep mode a record scoring below it is not kept; in remove mode only
    records scoring at least it are removed.
@@ -84,6 +84,7 @@ class Rules:
         if self.flag_overlap and not self.exclude_overlap and not self.eval_files:
             raise ConfigError("flag_overlap", "flags overlap, but no overlap check was asked for",
                               "add --exclude-overlap (or --eval FILE)")
+        object.__setattr__(self, "eval_files", tuple(self.eval_files))
         if self.eval_files or self.flag_overlap:  # --eval FILE implies the check; flag changes its effect
             object.__setattr__(self, "exclude_overlap", True)
 
@@ -558,6 +559,8 @@ def read_decisions(path) -> list[dict]:
     from .data.readers import iter_records
 
     p = Path(path)
+    if p.is_dir() and not any(p.glob("*.decisions.jsonl")) and (p / "run.json").is_file():
+        p = _latest_select_of(p)
     if p.is_dir():
         found = sorted(p.glob("*.decisions.jsonl"))
         if len(found) != 1:
@@ -572,3 +575,24 @@ def read_decisions(path) -> list[dict]:
         raise InputError("no decisions file", path=p,
                          fix="pass the decisions file (or the --out) that prism-select select wrote")
     return [rec for _, rec in iter_records(p)]
+
+
+def _latest_select_of(run_dir: Path) -> Path:
+    """The newest ``*.manifest.json`` beside ``run_dir`` or in the working directory whose
+    ``settings.run`` is ``run_dir``."""
+    import json
+
+    want = str(run_dir.absolute())
+    found = []
+    for folder in {run_dir.absolute().parent, Path.cwd()}:
+        for m in folder.glob("*.manifest.json"):
+            try:
+                run = json.loads(m.read_text(encoding="utf-8")).get("settings", {}).get("run")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if run == want:
+                found.append((m.stat().st_mtime, str(m)))
+    if not found:
+        raise InputError("no select of this run found beside it or in the working directory", path=run_dir,
+                         fix="pass the decisions file (or the --out) that prism-select select wrote")
+    return Path(max(found)[1])
