@@ -490,6 +490,14 @@ def apply_rules(run_dir: Path, run: dict, scores: list[dict], pool_path, out_pat
 
     if fmt is not None and fmt not in OUTPUT_FORMATS:
         raise ConfigError("format", f"unknown output format {fmt!r}", f"use one of {', '.join(OUTPUT_FORMATS)}")
+    from .errors import OutputError
+
+    inputs = [Path(pool_path), run_dir / "scores.jsonl", run_dir / "run.json", *map(Path, _targets_of(run)),
+              *map(Path, rules.eval_files)]
+    for side in side_paths(out_path):
+        if any(side.resolve() == p.resolve() for p in inputs):
+            raise OutputError(f"cannot write {side} (the record of --out {out_path}): it is an input of this "
+                              "select; choose another --out")
     ids = {s["id"] for s in scores}
     pool = _pool_texts(pool_path, ids) if (rules.dedup or rules.exclude_overlap or rules.stratify) else None
     targets = _targets_of(run)

@@ -253,3 +253,18 @@ def test_sharegpt_output_reads_back_as_a_pool(tmp_path):
     items = load_pool(out).items
     assert items[0].prompt == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
     assert items[0].response == "4" and items[2].response == "3"
+
+
+def test_the_record_never_replaces_an_input(tmp_path):
+    from prism_select.errors import OutputError
+
+    pool = [{"id": "a", "prompt": "p", "response": "r"}, {"id": "b", "prompt": "q", "response": "s"}]
+    run, _ = make_run(tmp_path, pool, ranked(["a", "b"]))
+    pool_path = tmp_path / "x.decisions.jsonl"
+    pool_path.write_text((tmp_path / "pool.jsonl").read_text())
+    (run / "run.json").write_text(json.dumps({"status": "complete", "inputs": {"pool": str(pool_path)},
+                                              "fingerprints": {"pool_file": sha256_file(pool_path)}}))
+    before = pool_path.read_bytes()
+    with pytest.raises(OutputError, match="it is an input"):
+        select(run, pool_path, tmp_path / "x.jsonl", keep="1")
+    assert pool_path.read_bytes() == before and not (tmp_path / "x.jsonl").exists()
