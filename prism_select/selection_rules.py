@@ -123,8 +123,17 @@ def _minhash_lib():
     return datasketch
 
 
+_PERMUTATIONS: dict = {}  # the seeded permutations, drawn once (MinHash draws them on each construction)
+
+
 def _minhash(ds, words: list[str]):
-    m = ds.MinHash(num_perm=NUM_PERM, seed=MINHASH_SEED)
+    if "kw" not in _PERMUTATIONS:
+        first = ds.MinHash(num_perm=NUM_PERM, seed=MINHASH_SEED)
+        kw = {"permutations": first.permutations}
+        if getattr(first, "scheme", None) is not None:  # datasketch >= 2 names its hashing scheme
+            kw["scheme"] = first.scheme
+        _PERMUTATIONS["kw"] = kw
+    m = ds.MinHash(num_perm=NUM_PERM, seed=MINHASH_SEED, **_PERMUTATIONS["kw"])
     m.update_batch(sorted(_shingles(words)))
     return m
 
