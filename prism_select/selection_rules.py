@@ -264,8 +264,16 @@ def task_scores(scores: list[dict]) -> list[str]:
     """The task names of per-task scores (``scores`` rows), in first-seen order; [] if none."""
     tasks: dict = {}
     for s in scores:
-        if isinstance(s.get("scores"), dict):
-            tasks.update(dict.fromkeys(s["scores"]))
+        per = s.get("scores")
+        if per is None:
+            continue
+        bad = [k for k, v in per.items() if not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 and math.isfinite(v))] if isinstance(per, dict) else [None]
+        if bad:
+            raise InputError(f"id {s['id']!r}: 'scores' must map each task to a finite number "
+                             f"(got {per!r})", path="scores.jsonl", field="scores",
+                             fix="use the scores.jsonl written by prism-select score")
+        tasks.update(dict.fromkeys(per))
     return list(tasks)
 
 

@@ -157,6 +157,14 @@ def test_per_task_top_and_max(tmp_path):
     assert [r["id"] for r in read(tmp_path / "m.jsonl")] == ["r0", "r3"]
 
 
+def test_per_task_scores_must_be_numbers():
+    from prism_select.errors import InputError
+
+    rows = ranked(["a", "b"], {"math": [1.0, float("nan")]})
+    with pytest.raises(InputError, match="'scores' must map each task to a finite number"):
+        decide(rows, Rules(keep="1", per_task="max"))
+
+
 def test_per_task_without_task_scores_is_a_named_error(tmp_path):
     pool = [{"id": "a", "prompt": "p", "response": "r"}, {"id": "b", "prompt": "q", "response": "s"}]
     run, pool_path = make_run(tmp_path, pool, ranked(["a", "b"]))
