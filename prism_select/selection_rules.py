@@ -364,6 +364,10 @@ def decide(scores: list[dict], rules: Rules, pool: dict | None = None,
         strata = {}
         for s in ranked:
             strata.setdefault(_stratum(pool[s["id"]][2].get(rules.stratify)), []).append(s["id"])
+        if list(strata) == ["(missing)"]:
+            fields = sorted({k for v in pool.values() for k in v[2]})
+            raise ConfigError("stratify", f"no scored record has a field {rules.stratify!r}",
+                              f"name one of the pool's fields: {', '.join(fields[:20])}")
         quota = largest_remainder({k: len(v) for k, v in strata.items()}, budget)
         used = Counter()
         stratum_of = {rid: k for k, v in strata.items() for rid in v}

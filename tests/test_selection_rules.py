@@ -71,6 +71,8 @@ def test_stratify_quota_counts(tmp_path):
     assert s["counts"]["keep"] == {"quota": 6} and s["counts"]["drop"] == {"quota": 6}
     dec = {d["id"]: d for d in read(tmp_path / "sel.decisions.jsonl")}
     assert dec["r3"] == {"id": "r3", "decision": "drop", "reason": "quota", "score": 9.0, "rank": 4, "stratum": "A"}
+    with pytest.raises(ConfigError, match="no scored record has a field 'sorce'.*source"):
+        select(run, pool_path, tmp_path / "typo.jsonl", keep="6", stratify="sorce")
     # plain top-k would keep r0..r5, all from A
     plain = select(run, pool_path, tmp_path / "plain.jsonl", keep="6")
     assert plain["counts"]["keep"] == {"budget": 6}
@@ -231,6 +233,18 @@ def test_llamafactory_format_and_dataset_info(tmp_path):
     assert len(ds) == 2 and entry["columns"]["messages"] in ds.column_names
     man = json.loads((tmp_path / "lf" / "prism_top.manifest.json").read_text())
     assert "dataset_info.json" in man["outputs"]
+    plain = [{"id": "p0", "instruction": "add", "input": "1 and 2", "output": "3"},
+             {"id": "p1", "prompt": "capital of France?", "response": "Paris"}]
+    (tmp_path / "plain").mkdir()
+    run2, pool2 = make_run(tmp_path / "plain", plain, ranked(["p0", "p1"]))
+    select(run2, pool2, tmp_path / "lf" / "plain_top.json", keep="2", fmt="llamafactory")
+    entry = json.loads((tmp_path / "lf" / "dataset_info.json").read_text())["plain_top"]  # beside prism_top
+    assert entry == {"file_name": "plain_top.json", "columns": {"prompt": "instruction", "query": "input",
+                                                                "response": "output", "system": "system",
+                                                                "history": "history"}}
+    rows = json.loads((tmp_path / "lf" / "plain_top.json").read_text())
+    assert rows[0] == {"instruction": "add\n\n1 and 2", "input": "", "output": "3", "system": "", "history": []}
+    assert "prism_top" in json.loads((tmp_path / "lf" / "dataset_info.json").read_text())
     with pytest.raises(ConfigError, match="give --out"):
         select(run, pool_path, tmp_path / "x.jsonl", keep="1", fmt="llamafactory")
 
