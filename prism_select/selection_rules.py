@@ -439,7 +439,7 @@ def explain_text(decisions: list[dict], first: int = 3) -> str:
     for (dec, reason), ds in sorted(groups.items(), key=lambda kv: (kv[0][0] != "keep", -len(kv[1]))):
         some = []
         for d in ds[:first]:
-            why = d.get("of") or d.get("task") or d.get("stratum") or ""
+            why = next((f"{k} {d[k]}" for k in ("of", "task", "stratum") if d.get(k) is not None), "")
             score = d.get("score")
             some.append(f"{d['id']} (#{d.get('rank')}, {score:.4g}{', ' + str(why) if why else ''})"
                         if isinstance(score, (int, float)) else f"{d['id']}")

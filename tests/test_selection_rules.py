@@ -200,7 +200,7 @@ def test_decisions_and_manifest_and_explain(tmp_path, capsys):
     capsys.readouterr()
     assert main(["explain", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "duplicate" in text and "r5 (#6, 1, r0)" in text and "budget" in text
+    assert "duplicate" in text and "r5 (#6, 1, of r0)" in text and "budget" in text
     assert main(["explain", str(run)]) == 0  # a run directory: its select found beside it
     assert capsys.readouterr().out == text
     assert explain_text(decisions).splitlines()[0].startswith("decision")
