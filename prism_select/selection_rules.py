@@ -482,21 +482,28 @@ def _targets_of(run: dict) -> list[str]:
     return [x for x in ([t] if isinstance(t, str) else t if isinstance(t, list) else []) if x]
 
 
-def _pool_texts(pool_path, ids: set) -> dict:
+def _pool_texts(pool_path, ids: set, texts: bool, field: str | None) -> dict:
+    """``{id: (prompt text, response, {field: value})}`` of the scored records; the texts
+    are empty unless ``texts``, and only ``field`` of each record is kept (memory)."""
     from .data.readers import detect_format, iter_records, parse_pool_record
 
     csv_pool = detect_format(pool_path) == "csv"
-    out = {}
+    out, fields = {}, set()
     for row, rec in iter_records(pool_path, on_invalid=lambda e: None):
         try:
             ex = parse_pool_record(rec, row, csv_pool)
         except InputError:
             continue
         if ex.id in ids:
-            out[ex.id] = (_text(ex.prompt), ex.response, rec)
+            fields.update(rec)
+            out[ex.id] = ((_text(ex.prompt), ex.response) if texts else ("", "")) + (
+                {field: rec[field]} if field in rec else {},)
     if missing := ids - out.keys():
         raise InputError(f"{len(missing)} scored ids are not in this pool", path=pool_path,
                          fix="pass the pool that was scored")
+    if field is not None and field not in fields:
+        raise ConfigError("stratify", f"no scored record has a field {field!r}",
+                          f"name one of the pool's fields: {', '.join(sorted(fields)[:20])}")
     return out
 
 
@@ -520,7 +527,8 @@ def apply_rules(run_dir: Path, run: dict, scores: list[dict], pool_path, out_pat
             raise OutputError(f"cannot write {side} (the record of --out {out_path}): it is an input of this "
                               "select; choose another --out")
     ids = {s["id"] for s in scores}
-    pool = _pool_texts(pool_path, ids) if (rules.dedup or rules.exclude_overlap or rules.stratify) else None
+    texts = rules.dedup or rules.exclude_overlap
+    pool = _pool_texts(pool_path, ids, texts, rules.stratify) if (texts or rules.stratify) else None
     targets = _targets_of(run)
     refs = None
     if rules.exclude_overlap:
