@@ -204,6 +204,9 @@ def test_decisions_and_manifest_and_explain(tmp_path, capsys):
     assert main(["explain", str(run)]) == 0  # a run directory: its select found beside it
     assert capsys.readouterr().out == text
     assert explain_text(decisions).splitlines()[0].startswith("decision")
+    from prism_select.evaluation.report import write_report
+    page = write_report(run).read_text()
+    assert "<h2>Selection</h2>" in page and "near_duplicate" not in page and "r5 (#6, 1, of r0)" in page
 
 
 # ------------------------------------------------------------------ formats
