@@ -293,3 +293,13 @@ def test_the_record_never_replaces_an_input(tmp_path):
     with pytest.raises(OutputError, match="it is an input"):
         select(run, pool_path, tmp_path / "x.jsonl", keep="1")
     assert pool_path.read_bytes() == before and not (tmp_path / "x.jsonl").exists()
+
+
+def test_without_datasketch_the_error_says_how_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasketch", None)  # import datasketch -> ImportError
+    texts = {"a": ("p", "r", {}), "b": ("q", "s", {})}
+    with pytest.raises(ConfigError, match="need the datasketch package.*pip install datasketch"):
+        decide(ranked(["a", "b"]), Rules(keep="1", dedup=True), texts)
+    assert [d["decision"] for d in decide(ranked(["a", "b"]), Rules(keep="1"), texts)] == ["keep", "drop"]
