@@ -179,11 +179,21 @@ def _print_summary(summary: dict, out: Path, top: int = 5):
 def cmd_select(a):
     from .selection import select
     from .selection import describe
+    from .selection_rules import describe_counts
     summary = select(a.run, a.pool, a.out, keep=a.keep, remove=a.remove, overwrite=a.overwrite,
-                     allow_other_pool=a.allow_other_pool)
+                     allow_other_pool=a.allow_other_pool, fmt=a.format, min_score=a.min_score,
+                     stratify=a.stratify, per_task=a.per_task, dedup=a.dedup, dedup_threshold=a.dedup_threshold,
+                     exclude_overlap=a.exclude_overlap, flag_overlap=a.flag_overlap,
+                     eval_files=tuple(a.eval or ()), overlap_threshold=a.overlap_threshold)
     for w in summary.get("warnings", []):
         print(f"prism-select: warning: {w}", file=sys.stderr)
     print(describe(summary))
+    print(describe_counts(summary))
+
+
+def cmd_explain(a):
+    from .selection_rules import explain_text, read_decisions
+    print(explain_text(read_decisions(a.path), first=a.first))
 
 
 def cmd_demo(a):
@@ -341,7 +351,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 EXAMPLES = {
     "score": "example:\n  prism-select score --model default --pool pool.jsonl --targets targets.jsonl --out runs/prism",
     "select": "examples:\n  prism-select select --run runs/prism --pool pool.jsonl --keep 5% --out selected.jsonl\n"
-              "  prism-select select --run runs/prism --pool pool.jsonl --remove 10% --out repaired.jsonl",
+              "  prism-select select --run runs/prism --pool pool.jsonl --remove 10% --out repaired.jsonl\n"
+              "  prism-select select --run runs/prism --pool pool.jsonl --keep 5% --stratify source --dedup "
+              "--exclude-overlap --out selected.jsonl",
+    "explain": "example:\n  prism-select explain selected.decisions.jsonl",
     "compare": "example:\n  prism-select compare --model default --pool pool.jsonl --targets targets.jsonl \\\n"
                "      --methods prism equal random --label harmful --out runs/compare",
     "methods": "example:\n  prism-select methods",
@@ -432,18 +445,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_option_arg(sc)
     sc.set_defaults(func=cmd_score)
 
-    se = _parser(sub, "select", help="write the kept pool records in the pool's own format")
+    se = _parser(sub, "select", help="write the kept pool records in the pool's own format (or a trainer's), "
+                                     "with a decisions file and a manifest")
     se.add_argument("--run", required=True, help="a finished run directory (scores.jsonl)")
     se.add_argument("--pool", required=True, help="the pool file that was scored")
     se.add_argument("--out", required=True, help="output file (or directory for a datasets pool)")
-    m = se.add_mutually_exclusive_group(required=True)
+    m = se.add_mutually_exclusive_group()
     m.add_argument("--keep", help="N or P%%: keep the top-ranked (general selection)")
     m.add_argument("--remove", help="N or P%%: remove the top-ranked (repair)")
     se.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     se.add_argument("--allow-other-pool", action="store_true",
                     help="accept a pool file other than the one scored, if every scored id is in it "
                          "(its unscored records are left out and listed)")
+    _add_rule_args(se)
     se.set_defaults(func=cmd_select)
+
+    ex = _parser(sub, "explain", help="show a select's decisions: counts per reason, the first few of each")
+    ex.add_argument("path", metavar="RUN_OR_DECISIONS",
+                    help="a *.decisions.jsonl, its *.manifest.json, the --out of a select, a directory "
+                         "holding one decisions file, or a run directory (its latest select's decisions, "
+                         "looked for beside the run and in the working directory)")
+    ex.add_argument("--first", type=int, default=3, help="ids shown per reason")
+    ex.set_defaults(func=cmd_explain)
 
     co = _parser(sub, "compare", help="score a pool with several methods (model loaded once, curvature shared)")
     co.add_argument("--pool", required=True, help=".jsonl/.json/.parquet/.csv file or a datasets directory")
@@ -469,6 +492,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluation_parsers(sub)
     _add_cache_parser(sub)
     return p
+
+
+def _add_rule_args(se):
+    from .selection_rules import OUTPUT_FORMATS, PER_TASK
+    r = se.add_argument_group("selection rules (applied in this order: overlap, duplicates, min-score, budget)")
+    r.add_argument("--min-score", type=float, default=None, metavar="X",
+                   help="keep only records scoring at least X (alone: keep all of them; with --remove: "
+                        "remove only those)")
+    r.add_argument("--stratify", metavar="FIELD", default=None,
+                   help="a quota per value of this pool field, proportional to its share (largest remainder)")
+    r.add_argument("--per-task", nargs="?", const="top", choices=PER_TASK, default=None,
+                   help="with per-task scores: each task its own top of the budget (top), or the max over "
+                        "tasks (max, as LESS)")
+    r.add_argument("--dedup", action="store_true",
+                   help="drop exact and near duplicates (MinHash) of a better-ranked record")
+    r.add_argument("--dedup-threshold", type=float, default=0.8, metavar="J", help="MinHash Jaccard of a near duplicate")
+    r.add_argument("--exclude-overlap", action="store_true",
+                   help="drop records sharing a 13-gram or a MinHash neighbour with the run's targets "
+                        "or an --eval file")
+    r.add_argument("--eval", action="append", metavar="FILE",
+                   help="records to keep out of the selection (any form; repeat for several files)")
+    r.add_argument("--flag-overlap", action="store_true",
+                   help="only mark overlapping records in the decisions file, drop none")
+    r.add_argument("--overlap-threshold", type=float, default=0.8, metavar="J", help="MinHash Jaccard of an overlap")
+    r.add_argument("--format", choices=OUTPUT_FORMATS, default=None,
+                   help="trainer format of --out (default: the pool's own format, or --out's extension)")
 
 
 def _add_cache_parser(sub):

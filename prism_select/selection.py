@@ -203,7 +203,7 @@ def write_subset(pool_path: str | os.PathLike, kept_ids: Iterable[Any],
 def select(run_dir: str | os.PathLike, pool_path: str | os.PathLike,
            out_path: str | os.PathLike, keep: str | int | None = None,
            remove: str | int | None = None, *, overwrite: bool = False,
-           allow_other_pool: bool = False) -> dict:
+           allow_other_pool: bool = False, fmt: str | None = None, **rules) -> dict:
     """Choose from ``run_dir/scores.jsonl`` and write the subset; returns a summary.
 
     The pool must be the one the run scored: its file bytes must match run.json's
@@ -213,7 +213,17 @@ def select(run_dir: str | os.PathLike, pool_path: str | os.PathLike,
     file when every scored id is in it; its records that were not scored are not
     written and are listed in the summary (``unscored``). An existing ``out_path`` is
     an :class:`OutputError` unless ``overwrite``.
+
+    ``rules`` are the other fields of :class:`prism_select.selection_rules.Rules`
+    (``min_score``, ``stratify``, ``per_task``, ``dedup``, ``exclude_overlap``,
+    ``eval_files``, ...); ``fmt`` a trainer format (``llamafactory``, ``trl``, ``sharegpt``,
+    ``alpaca``) or ``jsonl``. Beside ``out_path`` go ``<stem>.decisions.jsonl`` (one
+    line per pool record: ``id``, ``decision``, ``reason``, ``score``, ...) and
+    ``<stem>.manifest.json`` (sha256 of inputs and outputs, settings, counts per reason).
     """
+    from .selection_rules import Rules, apply_rules
+
+    rule_set = Rules(keep=keep, remove=remove, **rules)
     run_dir = Path(run_dir)
     run = read_run(run_dir)
     scores = read_scores(run_dir / "scores.jsonl")
@@ -224,12 +234,8 @@ def select(run_dir: str | os.PathLike, pool_path: str | os.PathLike,
                           "or choose another --out")
     warnings: list = []
     unscored = check_pool(run_dir, run, pool_path, {s["id"] for s in scores}, allow_other_pool, warnings)
-    kept = choose(scores, keep=keep, remove=remove)
-    written = write_subset(pool_path, kept, out_path)
-    return {"mode": "keep" if keep is not None else "remove",
-            "amount": str(keep if keep is not None else remove),
-            "scored": len(scores), "kept": written, "removed": len(scores) - written,
-            "unscored": unscored, "pool": str(pool_path), "out": str(out_path), "warnings": warnings}
+    return apply_rules(run_dir, run, scores, pool_path, out_path, rule_set, fmt=fmt, unscored=unscored,
+                       warnings=warnings)
 
 
 def _check_out(run_dir: Path, run: dict, pool_path, out_path) -> None:
@@ -250,6 +256,8 @@ def describe(summary: dict) -> str:
     """One readable line for a :func:`select` summary."""
     s = summary
     how = f"kept the top {s['amount']}" if s["mode"] == "keep" else f"removed the top {s['amount']}"
+    if s["amount"].startswith("score >="):
+        how = f"kept those with {s['amount']}"
     text = f"wrote {s['kept']} of {s['scored']} scored records to {s['out']} ({how} of {s['pool']})"
     if s.get("unscored"):
         some = ", ".join(map(repr, s["unscored"][:5])) + (", ..." if len(s["unscored"]) > 5 else "")

@@ -24,7 +24,7 @@ section "prism-select compare" compare >> "$OUT/compare.md.new"
 page "$OUT/commands.md" "prism-select: every other command"
 {
   section "prism-select"
-  for c in select methods demo experiment report cache build-data; do section "prism-select $c" "$c"; done
+  for c in select explain methods demo experiment report cache build-data; do section "prism-select $c" "$c"; done
   for c in mistake-math bbh; do section "prism-select build-data $c" build-data "$c"; done
   echo '## `prism-select methods` (its output)'
   echo; echo '```'; COLUMNS=100 PYTHONPATH="$PWD" "$PY" -m prism_select.cli methods; echo '```'

@@ -288,7 +288,7 @@ def test_select_refuses_existing_out(tmp_path):
     assert [r["id"] for r in records(out)] == ["ex0", "ex1"]
 
 
-def test_select_cli_summary_is_one_line(tmp_path, capsys):
+def test_select_cli_summary_is_two_lines(tmp_path, capsys):
     from prism_select.cli import main
 
     pool = write(tmp_path / "pool", "jsonl", POOL)
@@ -296,7 +296,9 @@ def test_select_cli_summary_is_one_line(tmp_path, capsys):
     out = tmp_path / "o.jsonl"
     assert main(["select", "--run", str(run), "--pool", str(pool), "--remove", "20%", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert text == f"wrote 8 of 10 scored records to {out} (removed the top 20% of {pool})\n"
+    decisions, manifest = tmp_path / "o.decisions.jsonl", tmp_path / "o.manifest.json"
+    assert text == (f"wrote 8 of 10 scored records to {out} (removed the top 20% of {pool})\n"
+                    f"keep not_removed: 8, drop removed: 2; decisions in {decisions}, manifest in {manifest}\n")
     assert main(["select", "--run", str(run), "--pool", str(pool), "--keep", "1", "--out", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
 

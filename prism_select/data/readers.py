@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from . import sharegpt
 from .records import InvalidRecord, Loaded, PoolExample, TargetPair
 
 FORMATS = ("jsonl", "json", "parquet", "csv", "arrow")
@@ -41,10 +42,11 @@ SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": 
 _SUPPORTED = ("JSON Lines (.jsonl/.ndjson), JSON (.json), Parquet (.parquet), CSV (.csv), "
               "or a directory written by datasets.Dataset.save_to_disk")
 POOL_FORMS = ("'messages' (chat turns ending with an assistant turn); 'prompt' + 'response' "
-              "(or 'completion'); 'instruction' [+ 'input'] + 'output'")
+              "(or 'completion'); 'instruction' [+ 'input'] + 'output'; ShareGPT 'conversations' "
+              "(from / value turns ending with a gpt turn)")
 TARGET_FORM = "'prompt' + 'chosen' + 'rejected' [+ 'id', 'task']"
 # Fields that may hold a JSON-encoded message list in a CSV cell.
-_JSON_CELLS = ("messages", "prompt", "chosen", "rejected")
+_JSON_CELLS = ("messages", "prompt", "chosen", "rejected", "conversations")
 
 OnInvalid = Callable[[InputError], None]
 
@@ -181,7 +183,7 @@ def _iter_json(path: Path) -> Iterator[tuple[int, int | None, Any]]:
                          fix="fix the JSON (values nested thousands deep are refused), or use JSON Lines") from e
     if isinstance(value, dict):
         lists = [k for k, v in value.items() if isinstance(v, list)]
-        if len(lists) != 1 or value.keys() & {"messages", "prompt", "instruction"}:
+        if len(lists) != 1 or value.keys() & {"messages", "prompt", "instruction", "conversations"}:
             raise InputError("expected a list of records, or an object with exactly one "
                              f"list-valued key such as {{\"data\": [...]}}; found keys "
                              f"{sorted(value)[:10]}", path=path,
@@ -487,6 +489,8 @@ def parse_pool_record(rec: dict, row: int, from_csv: bool = False) -> PoolExampl
     """Validate one pool record (see :func:`load_pool`); errors carry no path."""
     if from_csv:
         rec = _decode_cells(rec)
+    if sharegpt.is_sharegpt(rec):
+        rec = sharegpt.pool_record(rec)
     rid = record_id(rec, row)
     if "messages" in rec:
         msgs = _messages(rec["messages"], "messages")
@@ -530,6 +534,8 @@ def parse_target_record(rec: dict, row: int, from_csv: bool = False) -> TargetPa
     """Validate one target record (see :func:`load_targets`); errors carry no path."""
     if from_csv:
         rec = _decode_cells(rec)
+    if sharegpt.is_sharegpt(rec):
+        rec = sharegpt.target_record(rec)
     rid = record_id(rec, row)
     missing = [k for k in ("chosen", "rejected") if k not in rec]
     if missing:

@@ -171,3 +171,44 @@ def export_subset(pool_path, ids: Iterable[Any], out_dir, name: str, fmt: str = 
     atomic_write_json(info_path, info)
     return {"path": str(path), "count": len(rows), "format": fmt, "style": style,
             "dataset_info": str(info_path), "entry": entry}
+
+
+# ------------------------------------------------------------------ one file per format (select --format)
+
+SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
+
+
+def _sharegpt_conversations(ex) -> dict:
+    msgs = _messages(ex.prompt) + [{"role": "assistant", "content": ex.response}]
+    return {"conversations": [{"from": SHAREGPT_FROM.get(m["role"], m["role"]), "value": m["content"]}
+                              for m in msgs]}
+
+
+def write_trainer_file(pool_path, ids: Iterable[Any], out_path, fmt: str) -> dict:
+    """Write the examples of ``pool_path`` whose id is in ``ids`` to ``out_path`` in ``fmt``:
+
+    * ``llamafactory``: :func:`export_subset` into ``out_path``'s folder, the dataset named
+      by its stem (``out_path`` must end in ``.json``), with its ``dataset_info.json`` entry;
+    * ``trl``: :func:`export_subset`'s ``messages`` style (``out_path`` ends in ``.jsonl``);
+    * ``sharegpt``: ``{"conversations": [{"from": "human"|"gpt"|"system", "value"}, ...]}``;
+    * ``alpaca``: ``{"instruction", "input", "output", "system", "history"}`` as above.
+
+    ``sharegpt`` and ``alpaca`` are JSON Lines, or a JSON list when ``out_path`` ends in ``.json``.
+    Returns ``{"path", "count", "format"}`` (plus ``dataset_info`` for LLaMA-Factory).
+    """
+    out = Path(out_path)
+    if fmt in ("llamafactory", "trl"):
+        want = ".json" if fmt == "llamafactory" else ".jsonl"
+        if out.suffix != want:
+            raise ConfigError("out", f"--format {fmt} writes {want} files, got {out.name}",
+                              f"give --out {out.stem}{want}")
+        return export_subset(pool_path, ids, out.parent, out.stem, fmt)
+    if fmt not in ("sharegpt", "alpaca"):
+        raise ConfigError("format", f"unknown trainer format {fmt!r}", "use llamafactory, trl, sharegpt or alpaca")
+    examples = _select(pool_path, ids)
+    rows = [_sharegpt_conversations(ex) if fmt == "sharegpt" else _alpaca(ex) for ex in examples]
+    if out.suffix == ".json":
+        atomic_write_json(out, rows)
+    else:
+        atomic_write_jsonl(out, rows)
+    return {"path": str(out), "count": len(rows), "format": fmt}

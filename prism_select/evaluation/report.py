@@ -454,6 +454,7 @@ def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
     body.append("<h2>Scores</h2>")
     body.append(plots.score_hists({run.get("method", "method"): (s, y)}, "score distribution", "scores"))
     body.append(_examples_html(rows, pool, label if labels else None))
+    body.append(_selection_html(base))
     return _page("prism-select score run", body)
 
 
@@ -470,6 +471,20 @@ def _compare_methods(res: dict, path: Path) -> list:
             raise InputError(f"methods[{i}] names no method folder (got {name!r})", path=path,
                              field="methods", fix=fix)
     return rows
+
+
+def _selection_html(base: Path) -> str:
+    """The latest ``select`` of this run (its decisions, as ``prism-select explain`` prints
+    them), where one is found beside the run or in the working directory."""
+    from ..errors import InputError
+    from ..selection_rules import explain_text, read_decisions
+
+    try:
+        decisions = read_decisions(base)
+    except (InputError, OSError, ValueError):
+        return ""
+    return ("<h2>Selection</h2><p>the latest <code>prism-select select</code> of this run "
+            "(<code>prism-select explain</code>):</p><pre>" + _esc(explain_text(decisions)) + "</pre>")
 
 
 def _compare_report(base: Path, plots: _Plots, label: str | None) -> str:

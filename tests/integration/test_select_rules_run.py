@@ -1,0 +1,41 @@
+"""`select`'s rules on a real run: a tiny model scores a pool with a planted duplicate and a
+planted copy of a target pair, then `prism-select select` drops both and says why."""
+
+import json
+
+from prism_select.cli import main
+from prism_select.curvature import CurvatureSettings
+from prism_select.examples import make_example
+from prism_select.io import sha256_file
+from prism_select.model import ModelSettings
+from prism_select.pipeline import ScoreSettings, score_pool
+
+from tiny import save_tiny
+
+
+def test_select_rules_on_a_scored_run(tmp_path, capsys):
+    pool, targets = make_example(tmp_path / "data", n_pool=10, n_pairs=3)
+    rows = [json.loads(line) for line in pool.read_text().splitlines()]
+    t0 = json.loads(targets.read_text().splitlines()[0])
+    rows.append({**rows[0], "id": "dup"})
+    rows.append({"id": "leak", "prompt": t0["prompt"], "response": t0["chosen"], "harmful": False})
+    pool.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ms = ModelSettings(model=str(save_tiny(tmp_path / "model")), dtype="float32", device="cpu",
+                       cache_dir=str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    score_pool(ms, pool, targets, run, ScoreSettings(max_length=128, batch_size=4, progress=False),
+               CurvatureSettings(kind="ekfac"))
+    out = tmp_path / "selected.jsonl"
+    assert main(["select", "--run", str(run), "--pool", str(pool), "--keep", "100%", "--dedup",
+                 "--exclude-overlap", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "drop overlap: 1" in printed and "drop duplicate: 1" in printed
+    dec = {d["id"]: d for d in map(json.loads, (tmp_path / "selected.decisions.jsonl").read_text().splitlines())}
+    assert len(dec) == 12 and (dec["leak"]["reason"], dec["leak"]["of"]) == ("overlap", f"target:{t0['id']}")
+    first, second = sorted(["ex0000", "dup"], key=lambda i: dec[i]["rank"])
+    assert (dec[second]["reason"], dec[second]["of"]) == ("duplicate", first) and dec[first]["decision"] == "keep"
+    kept = {json.loads(line)["id"] for line in out.read_text().splitlines()}
+    assert kept == {i for i, d in dec.items() if d["decision"] == "keep"} and len(kept) == 10
+    manifest = json.loads((tmp_path / "selected.manifest.json").read_text())
+    assert manifest["inputs"]["targets"]["sha256"] == sha256_file(targets)
+    assert manifest["inputs"]["pool"]["sha256"] == sha256_file(pool)
