@@ -476,7 +476,6 @@ def _compare_methods(res: dict, path: Path) -> list:
 def _selection_html(base: Path) -> str:
     """The latest ``select`` of this run (its decisions, as ``prism-select explain`` prints
     them), where one is found beside the run or in the working directory."""
-    from ..errors import InputError
     from ..selection_rules import explain_text, read_decisions
 
     try:
