@@ -327,7 +327,8 @@ def test_a_select_killed_mid_write_leaves_no_temporary_file_after_the_next(files
     left = [p.name for p in kept.parent.iterdir()]
     assert len(left) == 1 and left[0].startswith(".kept.jsonl.") and left[0].endswith(".tmp")  # killed mid-write
     assert cli.main(argv) == 0
-    assert [p.name for p in kept.parent.iterdir()] == ["kept.jsonl"]
+    left = sorted(p.name for p in kept.parent.iterdir())  # the subset, its decisions and manifest
+    assert left == ["kept.decisions.jsonl", "kept.jsonl", "kept.manifest.json"]
     assert len(kept.read_text().splitlines()) == 3
 
 
