@@ -206,7 +206,7 @@ def cmd_demo(a):
     pool, targets = make_example(out / "data", n_pool=a.pool_size, seed=a.seed)  # --seed: the data and the run
     # scores from the fit's spill: the pool is the fit sample (docs/performance.md, "The CPU"), under
     # kronfluence's damping: the demo shows an EK-FAC fit, which the small-pool rule of the default
-    # (docs/methods.md) would replace by identity curvature on its 40 records
+    # (docs/small-pools.md) would replace by identity curvature on its 40 records
     s = settings_from_args(ScoreSettings, a, method="prism", max_length=DEMO_MAX_LENGTH, scores_from_fit=True)
     c = settings_from_args(CurvatureSettings, a, damping_rule="heuristic")
     summary = score_pool(_model_settings(a), pool, targets, out / "run", s, c)
