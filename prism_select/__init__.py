@@ -1,6 +1,61 @@
 """prism-select: PRISM, preference-aware influence-function data selection.
 
 Pipeline: data -> model -> preference -> gradients -> curvature -> scores -> selection.
+
+The public face, three calls (each imported on first use, so that ``import prism_select``
+and the CLI's ``--help`` stay fast)::
+
+    import prism_select as ps
+    ps.score("default", "pool.jsonl", "targets.jsonl", "runs/prism")
+    ps.select("runs/prism", "pool.jsonl", "selected.jsonl", keep="5%")
+
+``score`` (:func:`prism_select.pipeline.score_pool`, taking a model name or path as well as
+``ModelSettings`` or a loaded model), ``compare`` (several methods on one loaded model),
+``select``, ``load_model`` and the settings of each stage: ``ModelSettings``,
+``ScoreSettings``, ``CurvatureSettings``.
 """
 
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+#: public name -> (module, attribute)
+_PUBLIC = {
+    "load_model": ("prism_select.model", "load_model"),
+    "ModelSettings": ("prism_select.model", "ModelSettings"),
+    "ScoreSettings": ("prism_select.pipeline", "ScoreSettings"),
+    "CurvatureSettings": ("prism_select.curvature", "CurvatureSettings"),
+    "select": ("prism_select.selection", "select"),
+    "compare": ("prism_select.baselines.compare", "compare"),
+}
+
+__all__ = ["score", *_PUBLIC, "__version__"]
+
+
+def score(model, pool, targets, out, settings=None, curvature=None, **kw) -> dict:
+    """Score every record of ``pool`` against the target pairs of ``targets`` into the run
+    folder ``out``; returns the run's summary (its ``run.json``). ``model``: ``"default"``,
+    a Hugging Face directory, a ``.gguf`` file, a ``ModelSettings`` or a loaded model;
+    ``settings`` / ``curvature``: ``ScoreSettings`` / ``CurvatureSettings`` (defaults: PRISM
+    with EK-FAC). Other keywords go to :func:`prism_select.pipeline.score_pool`."""
+    from .model import ModelSettings
+    from .pipeline import score_pool
+
+    if isinstance(model, str) or hasattr(model, "__fspath__"):
+        model = ModelSettings(model=str(model))
+    return score_pool(model, pool, targets, out, settings, curvature, **kw)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        module, attr = _PUBLIC[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'prism_select' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_PUBLIC))
