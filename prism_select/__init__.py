@@ -9,7 +9,7 @@ and the CLI's ``--help`` stay fast)::
     ps.score("default", "pool.jsonl", "targets.jsonl", "runs/prism")
     ps.select("runs/prism", "pool.jsonl", "selected.jsonl", keep="5%")
 
-``score`` (:func:`prism_select.pipeline.score_pool`, taking a model name or path as well as
+``score`` (:func:`prism_select.api.score`: :func:`prism_select.pipeline.score_pool`, taking a model name or path as well as
 ``ModelSettings`` or a loaded model), ``compare`` (several methods on one loaded model),
 ``select``, ``load_model`` and the settings of each stage: ``ModelSettings``,
 ``ScoreSettings``, ``CurvatureSettings``.
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 
 #: public name -> (module, attribute)
 _PUBLIC = {
+    "score": ("prism_select.api", "score"),
     "load_model": ("prism_select.model", "load_model"),
     "ModelSettings": ("prism_select.model", "ModelSettings"),
     "ScoreSettings": ("prism_select.pipeline", "ScoreSettings"),
@@ -31,21 +32,7 @@ _PUBLIC = {
     "compare": ("prism_select.baselines.compare", "compare"),
 }
 
-__all__ = ["score", *_PUBLIC, "__version__"]
-
-
-def score(model, pool, targets, out, settings=None, curvature=None, **kw) -> dict:
-    """Score every record of ``pool`` against the target pairs of ``targets`` into the run
-    folder ``out``; returns the run's summary (its ``run.json``). ``model``: ``"default"``,
-    a Hugging Face directory, a ``.gguf`` file, a ``ModelSettings`` or a loaded model;
-    ``settings`` / ``curvature``: ``ScoreSettings`` / ``CurvatureSettings`` (defaults: PRISM
-    with EK-FAC). Other keywords go to :func:`prism_select.pipeline.score_pool`."""
-    from .model import ModelSettings
-    from .pipeline import score_pool
-
-    if isinstance(model, str) or hasattr(model, "__fspath__"):
-        model = ModelSettings(model=str(model))
-    return score_pool(model, pool, targets, out, settings, curvature, **kw)
+__all__ = [*_PUBLIC, "__version__"]
 
 
 def __getattr__(name: str):

@@ -134,6 +134,17 @@ def _oom_text(text: str) -> str:
     return "; ".join(parts)
 
 
+#: why a CUDA-graph capture in this process ran out of memory, if one did (appended by
+#: :mod:`prism_select.graphs`): the pool of a capture the allocator stopped stays held, so
+#: later scorers of the process run eagerly and an out-of-memory error says what to change
+CAPTURE_OOM: list = []
+
+
+def capture_out_of_memory() -> str | None:
+    """The error of a CUDA-graph capture that ran out of memory earlier in this process."""
+    return CAPTURE_OOM[0] if CAPTURE_OOM else None
+
+
 def resource_error(exc: BaseException, out_dir, curvature=None, stages=()) -> OutOfResourceError | None:
     """``exc`` as an :class:`OutOfResourceError` when it is an out-of-memory error (CUDA,
     MPS, or the host's ``MemoryError``) or a write that found the disk full; else None.
@@ -147,7 +158,6 @@ def resource_error(exc: BaseException, out_dir, curvature=None, stages=()) -> Ou
     oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
     if isinstance(exc, oom) or isinstance(exc, RuntimeError) and "out of memory" in str(exc):
         text = _oom_text(str(exc)) + after
-        from .graphs import capture_out_of_memory
         fix = "lower --batch-size, or cap the memory plan with --max-gpu-memory"
         if capture_out_of_memory():  # a lower cap would not help: the failed capture's pool is held
             fix = ("a CUDA-graph capture ran out of memory earlier in this process and its memory pool stays "

@@ -47,6 +47,8 @@ import logging
 
 import torch
 
+from . import errors as _errors
+from .errors import capture_out_of_memory  # noqa: F401 (re-exported)
 from .settings import GRAPH_MODES, check_graph_mode  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -55,15 +57,8 @@ log = logging.getLogger(__name__)
 MIN_BUCKET = 16
 #: extra length allowed by bucketing: ``1 / BUCKET_FRACTION`` of the next power of two
 BUCKET_FRACTION = 8
-#: why a capture in this process ran out of memory, if one did: the pool of a capture the
-#: allocator stopped stays held, so later scorers of the process run eagerly
-#: (:func:`capture_out_of_memory`) and an out-of-memory error says what to change
-_CAPTURE_OOM: list = []
-
-
-def capture_out_of_memory() -> str | None:
-    """The error of a CUDA-graph capture that ran out of memory earlier in this process."""
-    return _CAPTURE_OOM[0] if _CAPTURE_OOM else None
+# why a capture in this process ran out of memory, if one did: errors.CAPTURE_OOM (kept
+# there, so that errors.resource_error names the fix without importing this module)
 
 
 #: a shape is captured only where the process may still reserve this many times what its
@@ -175,7 +170,7 @@ class GraphedScorer:
         if b > self.rows:
             raise ValueError(f"batch of {b} rows exceeds the graphed batch size {self.rows}")
         length = bucket_length(t)
-        if not self.capture or self.failed or length in self.eager or _CAPTURE_OOM:
+        if not self.capture or self.failed or length in self.eager or _errors.CAPTURE_OOM:
             return self.inner.score(pad_batch(batch, self.rows, length, self.pad_id))[:b]
         entry = self.graphs.get(length)
         if entry is None:
@@ -225,8 +220,8 @@ class GraphedScorer:
                 out = self.inner.score(static)
         except Exception as exc:  # capture is an optimisation: fall back, keep the run going
             self.failed = _first_error(exc)
-            if "out of memory" in self.failed.lower() and not _CAPTURE_OOM:
-                _CAPTURE_OOM.append(self.failed)
+            if "out of memory" in self.failed.lower() and not _errors.CAPTURE_OOM:
+                _errors.CAPTURE_OOM.append(self.failed)
         else:
             self.captures += 1
             self.graphs[length] = (graph, static, out)

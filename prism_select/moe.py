@@ -327,15 +327,13 @@ def tracking_summary(model: nn.Module, modules: dict) -> dict:
     ``model_parameters``, ``tracked_share``, ``untracked_in_blocks`` (per kind of
     untracked parameter inside the decoder blocks: parameters) and ``warnings`` (each
     decoder block whose untracked share is above :data:`UNTRACKED_WARN_SHARE`)."""
-    from .gradients import layer_shape
-
     params = OrderedDict((n, p) for n, p in model.named_parameters())
     total = sum(p.numel() for p in params.values())
     kinds: dict = {}
     tracked_ids = set()
     for m in modules.values():
         k = _kind(m)
-        out, inp = layer_shape(m)
+        out, inp = m.out_features, m.in_features + int(getattr(m, "bias", None) is not None)
         entry = kinds.setdefault(k, {"modules": 0, "parameters": 0})
         entry["modules"] += 1
         entry["parameters"] += out * inp

@@ -11,7 +11,6 @@ import csv
 import json
 import math
 import os
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,28 +26,9 @@ from .data.readers import (
 )
 from .errors import ConfigError, InputError, OutputError
 from .io import atomic_open, atomic_write_dir, atomic_write_jsonl, remove_stale_temps
+from .selection_rules import Rules, apply_rules, parse_amount  # noqa: F401 (parse_amount re-exported)
 
 Amount = tuple[str, float]  # ("count", N) or ("fraction", f), as parse_amount returns
-
-
-def parse_amount(text: str | int, field: str = "keep") -> tuple[str, float]:
-    """Parse ``"N"`` (a positive integer count) or ``"P%"`` (0 < P <= 100).
-
-    Returns ``("count", N)`` with ``N`` an ``int``, or ``("fraction", P / 100)``.
-    """
-    s = str(text).strip()
-    fix = "give a positive whole number such as 1000, or a percentage such as 10%"
-    if s.endswith("%"):
-        try:
-            p = float(s[:-1].strip())
-        except ValueError:
-            raise ConfigError(field, f"'{text}' is not a percentage", fix) from None
-        if not 0 < p <= 100:
-            raise ConfigError(field, f"percentage {text} is outside (0, 100]", fix)
-        return "fraction", p / 100
-    if not re.fullmatch(r"[0-9]+", s) or int(s) < 1:
-        raise ConfigError(field, f"'{text}' is neither a positive count nor a percentage", fix)
-    return "count", int(s)
 
 
 def read_scores(path: str | os.PathLike) -> list[dict]:
@@ -221,8 +201,6 @@ def select(run_dir: str | os.PathLike, pool_path: str | os.PathLike,
     line per pool record: ``id``, ``decision``, ``reason``, ``score``, ...) and
     ``<stem>.manifest.json`` (sha256 of inputs and outputs, settings, counts per reason).
     """
-    from .selection_rules import Rules, apply_rules
-
     rule_set = Rules(keep=keep, remove=remove, **rules)
     run_dir = Path(run_dir)
     run = read_run(run_dir)
@@ -234,7 +212,7 @@ def select(run_dir: str | os.PathLike, pool_path: str | os.PathLike,
                           "or choose another --out")
     warnings: list = []
     unscored = check_pool(run_dir, run, pool_path, {s["id"] for s in scores}, allow_other_pool, warnings)
-    return apply_rules(run_dir, run, scores, pool_path, out_path, rule_set, fmt=fmt, unscored=unscored,
+    return apply_rules(run_dir, run, scores, pool_path, out_path, rule_set, write_subset, fmt=fmt, unscored=unscored,
                        warnings=warnings)
 
 

@@ -216,9 +216,28 @@ class OverlapIndex:
 
 # --------------------------------------------------------------------------- budgets
 
-def _count(amount, n: int, field_name: str) -> int:
-    from .selection import parse_amount
+def parse_amount(text: str | int, field: str = "keep") -> tuple[str, float]:
+    """Parse ``"N"`` (a positive integer count) or ``"P%"`` (0 < P <= 100).
 
+    Returns ``("count", N)`` with ``N`` an ``int``, or ``("fraction", P / 100)``.
+    """
+    s = str(text).strip()
+    fix = "give a positive whole number such as 1000, or a percentage such as 10%"
+    if s.endswith("%"):
+        try:
+            p = float(s[:-1].strip())
+        except ValueError:
+            raise ConfigError(field, f"'{text}' is not a percentage", fix) from None
+        if not 0 < p <= 100:
+            raise ConfigError(field, f"percentage {text} is outside (0, 100]", fix)
+        return "fraction", p / 100
+    if not re.fullmatch(r"[0-9]+", s) or int(s) < 1:
+        raise ConfigError(field, f"'{text}' is neither a positive count nor a percentage", fix)
+    return "count", int(s)
+
+
+
+def _count(amount, n: int, field_name: str) -> int:
     kind, value = amount if isinstance(amount, tuple) else parse_amount(amount, field_name)
     count = int(value) if kind == "count" else math.floor(value * n + 0.5)
     if field_name == "keep" and kind == "fraction" and n:
@@ -508,13 +527,13 @@ def _pool_texts(pool_path, ids: set, texts: bool, field: str | None) -> dict:
 
 
 def apply_rules(run_dir: Path, run: dict, scores: list[dict], pool_path, out_path, rules: Rules,
-                fmt: str | None = None, unscored: list | None = None, warnings: list | None = None) -> dict:
+                write_subset, fmt: str | None = None, unscored: list | None = None, warnings: list | None = None) -> dict:
     """Decide (:func:`decide`), write the kept records (in the pool's format, or ``fmt``),
     then ``<out>.decisions.jsonl`` and ``<out>.manifest.json`` beside them; returns the
-    summary :func:`prism_select.selection.select` documents."""
+    summary :func:`prism_select.selection.select` documents. ``write_subset``:
+    :func:`prism_select.selection.write_subset` (passed in: this module sits below selection)."""
     from . import __version__
     from .io import atomic_write_json, atomic_write_jsonl
-    from .selection import write_subset
 
     if fmt is not None and fmt not in OUTPUT_FORMATS:
         raise ConfigError("format", f"unknown output format {fmt!r}", f"use one of {', '.join(OUTPUT_FORMATS)}")

@@ -410,10 +410,10 @@ def test_a_capture_out_of_memory_turns_later_captures_off_and_names_the_fix(monk
     """After a capture ran out of memory, the process's later scorers run eagerly (no new
     capture, whose pool could not be given back either), and an out-of-memory error names
     --cuda-graphs off instead of a lower cap. CUDA calls stood in for on the CPU."""
-    from prism_select import graphs
+    from prism_select import errors, graphs
     from prism_select.errors import resource_error
 
-    monkeypatch.setattr(graphs, "_CAPTURE_OOM", [])
+    monkeypatch.setattr(errors, "CAPTURE_OOM", [])
     state = {"capturing": False}
     _stand_in_cuda(monkeypatch, state)
     monkeypatch.setattr("prism_select.plan.device_headroom", lambda device: 2**40)
