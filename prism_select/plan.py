@@ -520,16 +520,16 @@ class _Planner:
 
     def scoring(self, batch_size: int):
         """Scoring: V in the model's dtype next to the weights, and one batch. With ``k``
-        target sets: ``k`` directions' V, twice (the stacked V and the scorer's
-        ``out x (k in)`` layout of it), and in the backward of the widest layer its
-        ``V_k^T b_t`` for every token and direction, in the model's dtype and in the
-        accumulation dtype."""
+        target sets: ``k`` directions' V, at most twice (the stacked V and the scorer's
+        ``k x (out in)`` layout of it, a copy where the layers have a bias), and in the
+        backward of the largest layer each example's gradient of it, in the
+        accumulation dtype and in the model's (:class:`~prism_select.engine.linear.ScoringLinear`)."""
         k = self.k
         one = self.tracked * self.half if self.shards == 1 else 0
         self.v_bytes = v_bytes = one if k == 1 else 2 * k * one
-        per_token = 0 if k == 1 else k * self.max_dim * (self.half + self.acc)
+        per_example = 0 if k == 1 else self.largest * (self.half + self.acc)
         need_s = lambda bs: (self.weights + self.held + v_bytes + self.act(bs)  # noqa: E731
-                             + bs * self.longest * per_token)
+                             + bs * per_example)
         sbs = self.sbs = self.largest_batch(need_s, batch_size)
         if sbs is None:
             raise PlanError(f"scoring does not fit on {self.dev}: the weights ({gib(self.weights)}) and the "
