@@ -1134,13 +1134,20 @@ def run_tasks(inputs: Inputs, settings: ScoreSettings) -> list:
     every = [(None, list(range(len(inputs.pairs))))]
     if settings.method not in DIRECTION_METHODS or settings.combine_tasks or not groups:
         return every
-    if len(groups) > 1 and settings.method not in MULTI_TASK_METHODS:
+    _check_task_method(groups, settings)
+    return groups
+
+
+def _check_task_method(groups: list, settings: ScoreSettings) -> None:
+    """A control of PRISM's weights with several target sets is refused (it weighs
+    every pair at once): :func:`run_tasks`, and before the model loads."""
+    if (len(groups) > 1 and settings.method in DIRECTION_METHODS and settings.method not in MULTI_TASK_METHODS
+            and not settings.combine_tasks):
         raise ConfigError("targets", f"method {settings.method!r} weighs every target pair at once and scores one "
                           f"target set, but the targets hold {len(groups)} tasks "
                           f"({', '.join(str(t) for t, _ in groups[:4])}{', ...' if len(groups) > 4 else ''})",
                           "pass --combine-tasks (one direction from every pair), or use --method "
                           + " / ".join(MULTI_TASK_METHODS))
-    return groups
 
 
 def _method_fn(name: str):
@@ -1327,12 +1334,14 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
     if len(paths) > 1 and settings.method not in MULTI_TASK_METHODS and not settings.combine_tasks:
         raise ConfigError("targets", f"method {settings.method!r} scores one target set; several --targets files "
                           f"are scored by {', '.join(MULTI_TASK_METHODS)}",
-                          "pass one --targets file (its records' 'task' field groups the pairs), "
-                          f"or use --method {' / '.join(MULTI_TASK_METHODS)}")
+                          "pass one --targets file (its records' 'task' field groups the pairs), --combine-tasks "
+                          f"(the files' pairs as one set, each pair's task its file's stem), or use --method "
+                          f"{' / '.join(MULTI_TASK_METHODS)}")
     check_stems(paths)
+    pairs = []
     for path in paths:
-        tg = load_targets(path, skip_invalid=settings.skip_invalid)
-        name_tasks(tg.items, path, len(paths) > 1)
+        pairs += name_tasks(load_targets(path, skip_invalid=settings.skip_invalid).items, path, len(paths) > 1)
+    _check_task_method(task_groups(pairs), settings)
     return None if settings.stream else load_pool(pool_path, skip_invalid=settings.skip_invalid)
 
 

@@ -156,3 +156,21 @@ def test_the_memory_plan_counts_every_direction():
     largest = max(m.weight.numel() for m in modules.values())
     # and each example's gradient of the largest layer (float32, and in the model's dtype)
     assert four["peak"] - one["peak"] == four["v_bytes"] - one["v_bytes"] + 4 * largest * (4 + 4)
+
+
+def test_the_cli_takes_several_target_files(files, alone, tmp_path, capsys):
+    from prism_select.cli import main
+    args = ["score", "--model", str(files["model"]), "--pool", str(files["pool"]), "--targets",
+            *map(str, files["tasks"]), "--out", str(tmp_path / "run"), "--cache-dir", str(files["cache"]),
+            "--dtype", "float64", "--device", "cpu", "--max-length", "128", "--batch-size", "4", "--chunk-size", "4",
+            "--no-progress", "--curvature", "ekfac", "--damping-rule", "heuristic"]
+    assert main(args) == 0
+    _check_against_alone(_rows(tmp_path / "run"), alone)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["inputs"]["target_files"] == [str(Path(t).absolute()) for t in files["tasks"]]
+    capsys.readouterr()
+    assert main(["score", *args[1:args.index("--out")], "--out", str(tmp_path / "shuffled"),
+                 *args[args.index("--out") + 2:], "--method", "prism_shuffled"]) != 0
+    err = capsys.readouterr().err
+    assert "scores one target set" in err and "--combine-tasks" in err
+    assert not (tmp_path / "shuffled").exists()  # refused before the model loads
