@@ -16,7 +16,9 @@ fit, pass 2    (EK-FAC) ``Q_A``, ``Q_S`` in the model's dtype and ``Lambda`` (fl
                out x in') of the group, and one batch of rotated per-example gradients;
                layer by layer, the float32 eigenbases leave (to the host, unless the
                curvature stays on the device) before that layer's ``Lambda`` is allocated
-scoring        ``V`` (the preconditioned direction, model dtype) and one batch
+scoring        ``V`` (the preconditioned direction, model dtype) and one batch; with
+               ``k`` target sets, ``k`` directions and each example's gradient of the
+               largest tracked layer (:meth:`_Planner.scoring`)
 =============  ==========================================================================
 
 Activations are *measured*: one forward and activation backward of the longest example
