@@ -1148,6 +1148,11 @@ def _check_task_method(groups: list, settings: ScoreSettings) -> None:
                           f"({', '.join(str(t) for t, _ in groups[:4])}{', ...' if len(groups) > 4 else ''})",
                           "pass --combine-tasks (one direction from every pair), or use --method "
                           + " / ".join(MULTI_TASK_METHODS))
+    several = len(groups) > 1 and settings.method in MULTI_TASK_METHODS and not settings.combine_tasks
+    for name, flag, value in (("shard", "--shard", "fsdp"), ("precision", "--precision", "split32")):
+        if several and getattr(settings, name) == value:
+            raise ConfigError(name, f"{len(groups)} target sets are not scored in one pass under {flag} {value}",
+                              f"drop {flag}, score one task per run, or pass --combine-tasks")
 
 
 def _method_fn(name: str):

@@ -139,7 +139,9 @@ def test_invalid_task_sets_are_named_errors(files, tmp_path):
         _run(files, files["tasks"], tmp_path / "c", method="less")
     with pytest.raises(ConfigError, match="targets hold 3 tasks"):
         _run(files, files["tagged"], tmp_path / "d", method="prism_shuffled")
-    for out in "abcd":
+    with pytest.raises(ConfigError, match="not scored in one pass under --shard fsdp"):
+        _run(files, files["tasks"], tmp_path / "e", shard="fsdp")
+    for out in "abcde":
         assert not (tmp_path / out).exists()  # refused before any work is kept
 
 
