@@ -173,7 +173,8 @@ def main(argv=None):
         if ref is None:
             ref = s[:, 0].clone()
         err = float((s[:, 0] - ref).norm() / ref.norm())
-        row = {"k": k, "route": "several-set (stacked)" if stacked or k > 1 else "one-set", "seconds": dt, "examples_per_s": len(encoded) / dt, "ratio_to_k1": None,
+        row = {"k": k, "route": "several-set (stacked)" if stacked or k > 1 else "one-set", "seconds": dt,
+               "examples_per_s": len(encoded) / dt, "ratio_to_k1": None,
                "column0_rel_err_vs_k1": err, "v_bytes_plan": plan["v_bytes"], "scoring_peak_plan": plan["peak"],
                "host_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         if dev.type == "cuda":
@@ -215,7 +216,8 @@ def main(argv=None):
         if "seconds" not in r:
             lines.append(f"| {r['k']} | - | - | - | - | - | - | - | - | {r['skipped'][:60]} |")
             continue
-        peak = f"{r['gpu_peak_bytes'] / 2**30:.2f} GiB" if "gpu_peak_bytes" in r else f"RSS {r['host_maxrss_mib']:.0f} MiB"
+        peak = (f"{r['gpu_peak_bytes'] / 2**30:.2f} GiB" if "gpu_peak_bytes" in r
+                else f"RSS {r['host_maxrss_mib']:.0f} MiB")
         goal = f"<= {goals[r['k']]}x" if r["k"] in goals else ""
         label = f"{r['k']}s" if r["route"] != "one-set" and r["k"] == 1 else str(r["k"])
         lines.append(f"| {label} | {r['seconds']:.1f} | {r['examples_per_s']:.2f} | {ratio(r['ratio_to_k1'])} "
