@@ -176,3 +176,14 @@ def test_the_cli_takes_several_target_files(files, alone, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "scores one target set" in err and "--combine-tasks" in err
     assert not (tmp_path / "shuffled").exists()  # refused before the model loads
+
+
+@pytest.mark.parametrize("method", ["equal", "unpaired"])
+def test_the_other_directions_score_several_sets_as_separate_runs(files, tmp_path, method):
+    _run(files, files["tasks"][:2], tmp_path / "both", method=method)
+    rows = _rows(tmp_path / "both")
+    for t in files["tasks"][:2]:
+        _run(files, t, tmp_path / Path(t).stem, method=method)
+        ref = torch.tensor([r["score"] for r in _rows(tmp_path / Path(t).stem)])
+        got = torch.tensor([r["scores"][Path(t).stem] for r in rows])
+        assert torch.allclose(got, ref, rtol=TASK_SCORE_RTOL, atol=TASK_SCORE_ATOL), (method, t)
