@@ -1674,7 +1674,7 @@ def _score_locked(model, pool_path, targets_path, out_dir, settings: ScoreSettin
     tasks = run_tasks(inputs, settings)
     run_key = {"settings": settings.run_key(), "curvature": key_of(curvature), "fingerprints": fingerprints,
                "dtype": str(lm.dtype), "modules": sha256_json(list(modules))}
-    if any(t is not None for t, _ in tasks):  # which pair is in which target set, in order
+    if len(tasks) > 1:  # which pair is in which target set, in order (one set: the key of before)
         run_key["tasks"] = [[t, len(idx)] for t, idx in tasks]
     requested = curvature
     curvature, decided = small_pool_rule(curvature, _fit_size(inputs, curvature))

@@ -180,7 +180,9 @@ class DirectionSettings:
                                    help="a baseline method's settings (the CLI's --option KEY=VALUE); "
                                         "recorded in run.json")
     seed: int = setting(0, help="seeds every random choice of the run")
-    combine_tasks: bool = setting(False, help="one direction from every target pair, whatever its task (default: "
+    # not a key field: the run key names the target sets themselves (``tasks``), which
+    # this decides, so runs and caches made before it stay valid
+    combine_tasks: bool = setting(False, key=False, help="one direction from every target pair, whatever its task (default: "
                                   "each task of the targets, a file's stem or its records' 'task', its own "
                                   "direction and score column, all in one pass)")
 
