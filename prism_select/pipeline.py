@@ -1089,7 +1089,7 @@ def _prism_tasks(ctx: RunContext) -> tuple[torch.Tensor, list]:
             yield _take_direction(pref)
 
     scores = ctx.score_tasks(directions())
-    ctx.info["pi"] = _summary([x for i in sorted(rows) for x in [rows[i]["pi"]]])
+    ctx.info["pi"] = _summary([rows[i]["pi"] for i in sorted(rows)])
     ctx.info["target_sets"] = [{"task": task, "pairs": len(idx), "pi": pis[task]} for task, idx in ctx.tasks]
     return scores, [rows[i] for i in sorted(rows)]
 
