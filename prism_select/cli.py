@@ -138,7 +138,8 @@ def _score_settings(a):
 def cmd_score(a):
     from .pipeline import score_pool
     s, c = _score_settings(a)
-    summary = score_pool(_model_settings(a), a.pool, a.targets, a.out, s, c)
+    targets = a.targets[0] if a.targets and len(a.targets) == 1 else a.targets
+    summary = score_pool(_model_settings(a), a.pool, targets, a.out, s, c)
     if not _main_rank():
         return
     for w in summary.get("warnings", []):
@@ -439,7 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sc = _parser(sub, "score", help="score a pool against target pairs")
     sc.add_argument("--pool", required=True, help=".jsonl/.json/.parquet/.csv file or a datasets directory")
-    sc.add_argument("--targets", default=None, help="target pairs: prompt + chosen + rejected")
+    sc.add_argument("--targets", default=None, nargs="+", metavar="FILE",
+                    help="target pairs: prompt + chosen + rejected [+ task]; several files (each a task named by "
+                         "its stem), or one whose records carry 'task', score every task in one pass "
+                         "(scores.jsonl: 'scores' and 'ranks' per task)")
     sc.add_argument("--out", required=True, help="run directory")
     add_settings(sc, _model_stage(), *_score_stages())
     _add_option_arg(sc)
@@ -618,20 +622,26 @@ _PATH_ARGS = ("out", "run", "pool", "targets", "cache_dir", "model", "adapter")
 def _check_path_names(a) -> None:
     """A path argument with a name longer than its file system allows (ENAMETOOLONG) is a
     :class:`ConfigError` naming the flag, before anything is read or created."""
-    from .errors import ConfigError
     for name in _PATH_ARGS:
         value = getattr(a, name, None)
-        if not isinstance(value, str) or not value:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if len(os.fsencode(value)) >= _limit("PC_PATH_MAX", value, 4096):
-            raise ConfigError(name, f"{flag} is {len(value)} characters long, longer than a path may be here",
-                              "choose a shorter path")
-        limit = _limit("PC_NAME_MAX", value, 255)
-        long = [part for part in value.split(os.sep) if len(os.fsencode(part)) > limit]
-        if long:
-            raise ConfigError(name, f"{flag} holds a name of {len(long[0])} characters ({long[0][:40]}...), longer "
-                              f"than the {limit} this file system allows (ENAMETOOLONG)", "choose a shorter name")
+        for one in value if isinstance(value, list) else [value]:
+            _check_path_name(name, one)
+
+
+def _check_path_name(name: str, value) -> None:
+    """:func:`_check_path_names` for one value of the flag ``name``."""
+    from .errors import ConfigError
+    if not isinstance(value, str) or not value:
+        return
+    flag = "--" + name.replace("_", "-")
+    if len(os.fsencode(value)) >= _limit("PC_PATH_MAX", value, 4096):
+        raise ConfigError(name, f"{flag} is {len(value)} characters long, longer than a path may be here",
+                          "choose a shorter path")
+    limit = _limit("PC_NAME_MAX", value, 255)
+    long = [part for part in value.split(os.sep) if len(os.fsencode(part)) > limit]
+    if long:
+        raise ConfigError(name, f"{flag} holds a name of {len(long[0])} characters ({long[0][:40]}...), longer "
+                          f"than the {limit} this file system allows (ENAMETOOLONG)", "choose a shorter name")
 
 
 def _limit(what: str, value: str, default: int) -> int:

@@ -283,13 +283,14 @@ def all_or_nothing(flag: bool) -> bool:
 
 def gather_scores(n: int, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Every rank contributes ``values`` at pool positions ``index``; returns the full
-    (n,) float64 tensor in pool order on every rank."""
-    out = torch.full((n,), float("nan"), dtype=torch.float64)
+    ``(n,)`` float64 tensor in pool order on every rank (``(n, K)`` for ``(m, K)`` values:
+    one column per stacked direction)."""
+    out = torch.full((n, *values.shape[1:]), float("nan"), dtype=torch.float64)
     if not active():
         out[index] = values.double()
         return out
     dev = _comm_device(values)
-    full = torch.zeros(n, dtype=torch.float64, device=dev)
+    full = torch.zeros((n, *values.shape[1:]), dtype=torch.float64, device=dev)
     cnt = torch.zeros(n, dtype=torch.float64, device=dev)
     full[index.to(dev)] = values.double().to(dev)
     cnt[index.to(dev)] = 1

@@ -78,7 +78,9 @@ from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import GIVEN_WEIGHTS, compute_preference, pair_margins, shuffled_weights, top_half_weights
 from .scoring import Chunking, score_directions, score_encoded, score_stream
+from .tasks import check_stems, name_tasks, target_paths, task_groups
 from .settings import DEFAULT_STREAM_WINDOW, DIRECTION_OPTIONS, STREAM_FIT_EXAMPLES, ScoreSettings, key_of  # noqa: F401 (re-exported)
+from .settings import MULTI_TASK_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +152,8 @@ class Inputs:
     invalid: list  # InvalidRecord
     truncated: dict  # {"pool": n, "targets": n}
     pool_path: str = ""
-    targets_path: str = ""
+    targets_path: str = ""  # the one target file ("" with none or several: targets_paths)
+    targets_paths: list = field(default_factory=list)  # every target file, in order
     pool_format: str = ""
     pool_fingerprint: str = ""  # names the pool in the run key and run.json
     # Under stream (``pool`` and ``encoded`` stay empty): the curvature's fit sample
@@ -195,19 +198,23 @@ def _with_targets(tokenizer, targets_path, max_length: int, skip_invalid: bool, 
                   truncated_pool: int, **pool_fields) -> Inputs:
     """Inputs of an already read pool, with the target pairs read and tokenised."""
     pairs, chosen, rejected = [], [], []
-    if targets_path is not None:
-        tg = load_targets(targets_path, skip_invalid=skip_invalid)
+    paths = target_paths(targets_path)
+    check_stems(paths)
+    for path in paths:  # several files: each its own task (tasks.name_tasks)
+        tg = load_targets(path, skip_invalid=skip_invalid)
         invalid += tg.invalid
-        pairs, penc = _encode_all(tokenizer, tg.items, ["chosen", "rejected"], max_length, targets_path,
-                                  skip_invalid, invalid, check=_distinct_tokens)
-        chosen = [c for c, _ in penc]
-        rejected = [r for _, r in penc]
-        if not pairs:
-            raise InputError("no valid target pair left", path=targets_path)
+        kept, penc = _encode_all(tokenizer, name_tasks(tg.items, path, len(paths) > 1), ["chosen", "rejected"],
+                                 max_length, path, skip_invalid, invalid, check=_distinct_tokens)
+        if not kept:
+            raise InputError("no valid target pair left", path=path)
+        pairs += kept
+        chosen += [c for c, _ in penc]
+        rejected += [r for _, r in penc]
     truncated = {"pool": truncated_pool,
                  "targets": sum(c.truncated or r.truncated for c, r in zip(chosen, rejected))}
     return Inputs(pairs=pairs, chosen=chosen, rejected=rejected, invalid=invalid, truncated=truncated,
-                  targets_path=str(targets_path or ""), **pool_fields)
+                  targets_path=str(paths[0]) if len(paths) == 1 else "",
+                  targets_paths=[str(p) for p in paths], **pool_fields)
 
 
 def prepare_inputs(tokenizer, pool_path, targets_path=None, *, max_length: int = DEFAULT_MAX_LENGTH,
@@ -281,6 +288,13 @@ class RunContext:
     #: the fit's spill (:meth:`prism_select.curvature.spill._Spill.scores`) when it holds the
     #: scoring loss's gradients of every pool example (:meth:`_spill_scores_pool`)
     _spill: object | None = None
+    #: the target sets, ``[(task, [pair indices])]`` (:func:`run_tasks`); empty: one set
+    tasks: list = field(default_factory=list)
+
+    @property
+    def task_names(self) -> list:
+        """The named target sets' names, in order (empty for one unnamed set)."""
+        return [t for t, _ in self.tasks if t is not None]
 
     def __post_init__(self):
         if self.execution is None:
@@ -408,6 +422,7 @@ class RunContext:
         st, ex = self.settings, self.execution
         model = self.lm.model
         return (st.scores_from_fit and st.method in DIRECTION_METHODS and self._damping_rule() == "heuristic"
+                and len(self.tasks) <= 1
                 and self.inputs.fit_encoded is None and cs.kind == "ekfac" and cs.fisher == "empirical"
                 and len(fit_indices(len(self.inputs.encoded), cs)) == len(self.inputs.encoded)
                 and not (groups and len(groups) > 1) and not st.stream
@@ -831,6 +846,72 @@ class RunContext:
         self._record_scoring(tag, stats, time.perf_counter() - t)
         return s
 
+    def score_tasks(self, directions, tag: str = "scores") -> torch.Tensor | None:
+        """``g_z . H^-1 d_k`` for every pool example and each direction ``d_k`` that the
+        iterable ``directions`` yields (one per target set): ``(N, K)`` float64, or None
+        under ``settings.stream`` (as :meth:`score_direction`; the rows carry ``scores``
+        and ``ranks`` per task).
+
+        Each direction is preconditioned by the run's one curvature as it comes (one
+        float32 direction alive at a time), and the ``K`` preconditioned directions are
+        stacked per layer (``K x out x in [+1]``) and saved whole in ``.partial`` (a resumed
+        run reuses them; the directions are formed again for the pairs' rows). The pool
+        is then scored along all of them from one forward and one activation-only backward
+        per batch (:class:`~prism_select.engine.ExactScorer` with stacked ``V``), the
+        resumable chunk files holding ``K`` columns. Refused with a :class:`ConfigError`
+        under ``--shard fsdp``, a transient memory plan, ``--precision split32`` and
+        ``--damping-rule split-half``."""
+        self._check_tasks_supported()
+        partial = self.out_dir / ".partial"
+        v_path = partial / f"{tag}_v.safetensors"
+        info_path = partial / f"{tag}_curvature.json"
+        if v_path.exists():
+            v = load_file(str(v_path))
+            for _ in directions:  # the pairs' rows (pi, margins) come with the directions
+                pass
+            distributed.say(f"H^-1 directions ({tag}, {len(self.tasks)} tasks) reused from {partial}: no fit",
+                            self.settings.progress)
+            if "curvature" not in self.info and info_path.exists():
+                self.info["curvature"] = {**json.loads(info_path.read_text()), "resumed": True}
+        else:
+            vs = []
+            for direction in directions:
+                vs.append(self.precondition(direction, tag))
+                direction.clear()
+                del direction
+                release_host_memory()
+            v = {n: torch.stack([vk.pop(n) for vk in vs]) for n in self.modules}
+            del vs
+            if self.execution.main:
+                partial.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(info_path, self.info["curvature"])
+                _save_v(v, partial, f"{tag}_v", tag)
+            distributed.barrier()
+        self._curvature = None  # the fit stays in the cache
+        release_host_memory()
+        t = time.perf_counter()
+        s, stats = self._score_with(v, tag, None, True)
+        del v
+        self._record_scoring(tag, stats, time.perf_counter() - t)
+        return s
+
+    def _check_tasks_supported(self) -> None:
+        """The settings under which several target sets cannot be scored in one pass."""
+        ex, fix = self.execution, "score one task per run (--targets ONE_FILE), or pass --combine-tasks"
+        if ex.sharded:
+            raise ConfigError("shard", "several target sets are not scored under --shard fsdp (v lives sharded in "
+                              "the layers, one direction per layer)", fix + ", or drop --shard")
+        if self._transient():
+            raise ConfigError("targets", "several target sets need the fitted curvature kept while each set's "
+                              "direction is preconditioned; this run's memory plan fits it group by group "
+                              "(transient)", fix + ", or give the run more host memory")
+        if ex.precision == "split32":
+            raise ConfigError("precision", "several target sets are scored in the model's own arithmetic, not "
+                              "under --precision split32", fix + ", or drop --precision")
+        if self._damping_rule() == "split-half":
+            raise ConfigError("damping_rule", "the split-half damping rule is chosen along one direction, and "
+                              "this run has several target sets", fix + ", or use the heuristic damping rule")
+
     def _score_with(self, v: dict | None, tag: str, in_fit, last: bool) -> tuple:
         """``(scores, stats)`` of the pool along ``v`` (None: under FSDP, ``v`` is in the
         layers): streamed from the pool file, the fit's own scores (``in_fit``), scores
@@ -843,7 +924,7 @@ class RunContext:
             out = partial / f"{tag}.jsonl"
             res = score_stream(self.lm.model, self.lm.tokenizer, self.modules, v, self.inputs.pool_path, out,
                                max_length=st.max_length, window=st.stream_window, skip_invalid=st.skip_invalid,
-                               **common)
+                               tasks=self.task_names or None, **common)
             if not res["count"]:
                 raise InputError("no valid pool record left", path=self.inputs.pool_path)
             stats = {k: res.pop(k) for k in ("examples", "real_tokens", "padded_tokens") if k in res}
@@ -928,9 +1009,13 @@ def _versions() -> dict:
 
 
 def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
-    """PRISM and its ablations: scores and per-pair rows for pairs.jsonl."""
+    """PRISM and its ablations: scores and per-pair rows for pairs.jsonl. With several
+    target sets (``ctx.tasks``) each set gets its own direction and the scores are
+    ``(N, tasks)``: :func:`_prism_tasks`."""
     if not ctx.inputs.pairs:
         raise ConfigError("targets", f"method {ctx.settings.method!r} needs target pairs", "pass --targets FILE")
+    if len(ctx.tasks) > 1:
+        return _prism_tasks(ctx)
     t = time.perf_counter()
     d = ctx.plan.direction if ctx.plan is not None and ctx.plan.direction else {}
     # split32 accumulates its float32 gradients itself (precision.float32_grads)
@@ -965,6 +1050,50 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     return ctx.score_direction(_take_direction(pref), last=True), pairs
 
 
+def _prism_tasks(ctx: RunContext) -> tuple[torch.Tensor, list]:
+    """Several target sets in one pass: each task's pairs give their own ``pi``, margins and
+    direction (:func:`compute_preference` on that task's pairs alone, so each direction is
+    what a run on that task alone forms), each direction is preconditioned by the run's
+    one curvature, and the pool is scored along all of them from one forward and backward
+    per batch (:meth:`RunContext.score_tasks`). Returns ``(N, tasks)`` scores (None under
+    stream) and the pairs' rows, each with its task."""
+    ex = ctx.execution
+    d = ctx.plan.direction if ctx.plan is not None and ctx.plan.direction else {}
+    accumulate = d.get("accumulate", "device") if ex.precision != "split32" else "device"
+    one_graph = ctx.plan is not None and ctx.plan.bounded or ctx.lm.device.type == "cpu"
+    kernels = direction_kernels(ex.kernels)
+    method, inputs = ctx.settings.method, ctx.inputs
+    rows: dict = {}
+    pis: dict = {}
+
+    def directions():
+        for task, idx in ctx.tasks:
+            t = time.perf_counter()
+            with direction_policy(ctx.lm.model, ex):
+                pref = compute_preference(ctx.lm.model, ctx.modules, [inputs.chosen[i] for i in idx],
+                                          [inputs.rejected[i] for i in idx], method=method, pad_id=ctx.pad_id,
+                                          batch_size=ctx.direction_batch(), ids=[inputs.pairs[i].id for i in idx],
+                                          accumulate=accumulate, store=d.get("store", "device"),
+                                          one_graph=one_graph, execution=replace(ex, kernels=kernels))
+            dt = time.perf_counter() - t
+            ctx.timings["preference_s"] = ctx.timings.get("preference_s", 0) + dt
+            ctx.stage_peak("direction")
+            distributed.say(f"target direction ({method}, task {task}, {len(idx)} pairs): {dt:.1f} s",
+                            ctx.settings.progress)
+            pis[task] = _summary(pref.pi.tolist())
+            for j, i in enumerate(idx):
+                p = inputs.pairs[i]
+                rows[i] = {"id": p.id, "pi": float(pref.pi[j]), "margin": float(pref.margin[j]),
+                           "weight": float(pref.weights[j]), "loss_chosen": float(pref.loss_chosen[j]),
+                           "loss_rejected": float(pref.loss_rejected[j]), "task": p.task}
+            yield _take_direction(pref)
+
+    scores = ctx.score_tasks(directions())
+    ctx.info["pi"] = _summary([rows[i]["pi"] for i in sorted(rows)])
+    ctx.info["target_sets"] = [{"task": task, "pairs": len(idx), "pi": pis[task]} for task, idx in ctx.tasks]
+    return scores, [rows[i] for i in sorted(rows)]
+
+
 def _given_weights(ctx: RunContext, kernels) -> tuple:
     """``(weights, per-pair columns for pairs.jsonl)`` of a control of PRISM's weights
     (``preference.GIVEN_WEIGHTS``), from every pair's ``pi`` by forward passes first;
@@ -994,6 +1123,36 @@ def _take_direction(pref) -> dict:
     """``pref.direction``, no longer referenced by ``pref`` (so scoring can release it)."""
     direction, pref.direction = pref.direction, None
     return direction
+
+
+def run_tasks(inputs: Inputs, settings: ScoreSettings) -> list:
+    """The run's target sets: ``[(task, [pair indices])]`` (:func:`prism_select.tasks.task_groups`),
+    or one group ``(None, every pair)`` for a method that reads the pairs' tasks itself
+    (the baselines, e.g. LESS), under ``combine_tasks``, and for one unnamed set. The
+    controls of PRISM's weights (``preference.GIVEN_WEIGHTS``) take one set only."""
+    groups = task_groups(inputs.pairs)
+    every = [(None, list(range(len(inputs.pairs))))]
+    if settings.method not in DIRECTION_METHODS or settings.combine_tasks or not groups:
+        return every
+    _check_task_method(groups, settings)
+    return groups
+
+
+def _check_task_method(groups: list, settings: ScoreSettings) -> None:
+    """A control of PRISM's weights with several target sets is refused (it weighs
+    every pair at once): :func:`run_tasks`, and before the model loads."""
+    if (len(groups) > 1 and settings.method in DIRECTION_METHODS and settings.method not in MULTI_TASK_METHODS
+            and not settings.combine_tasks):
+        raise ConfigError("targets", f"method {settings.method!r} weighs every target pair at once and scores one "
+                          f"target set, but the targets hold {len(groups)} tasks "
+                          f"({', '.join(str(t) for t, _ in groups[:4])}{', ...' if len(groups) > 4 else ''})",
+                          "pass --combine-tasks (one direction from every pair), or use --method "
+                          + " / ".join(MULTI_TASK_METHODS))
+    several = len(groups) > 1 and settings.method in MULTI_TASK_METHODS and not settings.combine_tasks
+    for name, flag, value in (("shard", "--shard", "fsdp"), ("precision", "--precision", "split32")):
+        if several and getattr(settings, name) == value:
+            raise ConfigError(name, f"{len(groups)} target sets are not scored in one pass under {flag} {value}",
+                              f"drop {flag}, score one task per run, or pass --combine-tasks")
 
 
 def _method_fn(name: str):
@@ -1065,9 +1224,10 @@ def _prepare_out_dir(out_dir: Path, run_key: dict, overwrite: bool) -> bool:
 
 
 def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSettings,
-             curvature: CurvatureSettings) -> MemoryPlan:
+             curvature: CurvatureSettings, directions: int = 1) -> MemoryPlan:
     """The run's memory plan (:mod:`prism_select.plan`), from one measured example of the
-    longest length among the pool, the fit sample and the target pairs; logged."""
+    longest length among the pool, the fit sample and the target pairs; logged.
+    ``directions``: the target sets scored together (each its own ``v``)."""
     examples = list(inputs.encoded) + list(inputs.fit_encoded or []) + list(inputs.chosen) + list(inputs.rejected)
     longest = max(examples, key=lambda e: len(e.input_ids)) if examples else None
     nbytes = 0
@@ -1103,7 +1263,7 @@ def plan_run(lm: LoadedModel, modules: dict, inputs: Inputs, settings: ScoreSett
         plan = make_plan(lm.model, modules, kind=curvature.kind, device=lm.device, batch_size=settings.batch_size,
                          fit_batch_size=curvature.batch_size, example=example,
                          max_gpu_memory=settings.max_gpu_memory, weights=fixed, gpu_total=gpu_total,
-                         host_available=host, shards=shards)
+                         host_available=host, shards=shards, directions=directions)
     except PlanError as e:
         note = held_elsewhere_note(lm.device, elsewhere)
         if not note:
@@ -1175,8 +1335,18 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
         if model.adapter is not None:
             check_adapter_dir(Path(model.adapter).expanduser().resolve())
     detect_format(pool_path)
-    if targets_path is not None:
-        load_targets(targets_path, skip_invalid=settings.skip_invalid)
+    paths = target_paths(targets_path)
+    if len(paths) > 1 and settings.method not in MULTI_TASK_METHODS and not settings.combine_tasks:
+        raise ConfigError("targets", f"method {settings.method!r} scores one target set; several --targets files "
+                          f"are scored by {', '.join(MULTI_TASK_METHODS)}",
+                          "pass one --targets file (its records' 'task' field groups the pairs), --combine-tasks "
+                          f"(the files' pairs as one set, each pair's task its file's stem), or use --method "
+                          f"{' / '.join(MULTI_TASK_METHODS)}")
+    check_stems(paths)
+    pairs = []
+    for path in paths:
+        pairs += name_tasks(load_targets(path, skip_invalid=settings.skip_invalid).items, path, len(paths) > 1)
+    _check_task_method(task_groups(pairs), settings)
     return None if settings.stream else load_pool(pool_path, skip_invalid=settings.skip_invalid)
 
 
@@ -1293,6 +1463,10 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
                curvature: CurvatureSettings | None = None, *, reuse_finished: bool = False) -> dict:
     """Score every pool example and write ``scores.jsonl``, ``pairs.jsonl`` and ``run.json``.
 
+    ``targets_path``: one target file, or a list of them, each a target set named by its
+    stem; a file whose records carry ``task`` holds a set per task. Several sets are
+    scored in one pass (:mod:`prism_select.tasks`, :meth:`RunContext.score_tasks`).
+
     Returns the run summary (the content of run.json). ``reuse_finished``: a finished run
     in ``out_dir`` with the same inputs and settings (its ``run.json``'s ``run_key``) is
     returned as it is instead of refused (``prism-select compare`` resumed). Under
@@ -1374,16 +1548,15 @@ def _write_scores(ctx: RunContext, scores, pairs) -> tuple:
     if ctx.streamed is None:
         n_pool, invalid, truncated_pool = len(inputs.pool), [r.to_json() for r in inputs.invalid], inputs.truncated["pool"]
         if main:
-            rk = ranks(scores)
             cols = {}
             for name, values in ctx.columns.items():
-                if name in ("id", "score", "rank") or len(values) != n_pool:
+                if name in ("id", "score", "rank", "scores", "ranks") or len(values) != n_pool:
                     raise ValueError(f"column {name!r}: a new name and one value per pool record are needed")
                 cols[name] = [float(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
             atomic_write_jsonl(out_dir / "scores.jsonl",
-                               ({"id": ex.id, "score": float(scores[i]), "rank": rk[i],
-                                 **{name: vals[i] for name, vals in cols.items()}}
-                                for i, ex in enumerate(inputs.pool)))
+                               ({**row, **{name: vals[i] for name, vals in cols.items()}}
+                                for i, row in enumerate(score_rows([ex.id for ex in inputs.pool], scores,
+                                                                   ctx.task_names))))
     else:  # score_stream wrote the ranked file into .partial; the pool's skipped records come from it
         n_pool, truncated_pool = ctx.streamed["count"], ctx.streamed["truncated"]
         invalid = ctx.streamed["invalid"] + [r.to_json() for r in inputs.invalid]
@@ -1394,14 +1567,37 @@ def _write_scores(ctx: RunContext, scores, pairs) -> tuple:
     return n_pool, invalid, truncated_pool
 
 
+def score_rows(ids: list, scores, tasks: list):
+    """The rows of ``scores.jsonl``: ``id``, ``score`` and ``rank`` (1 is the highest; ties
+    in input order), and with named target sets ``scores`` (``{task: score}``) and
+    ``ranks`` (``{task: rank}``), ``score`` / ``rank`` being the first task's. ``scores``:
+    ``(N,)``, or ``(N, len(tasks))`` for several sets."""
+    scores = torch.as_tensor(scores, dtype=torch.float64)
+    cols = scores.reshape(len(ids), -1)
+    if tasks and cols.shape[1] != len(tasks):
+        raise ValueError(f"{cols.shape[1]} score columns for {len(tasks)} tasks")
+    rks = [ranks(cols[:, k]) for k in range(cols.shape[1])]
+    for i, rid in enumerate(ids):
+        row = {"id": rid, "score": float(cols[i, 0]), "rank": rks[0][i]}
+        if tasks:
+            row["scores"] = {t: float(cols[i, k]) for k, t in enumerate(tasks)}
+            row["ranks"] = {t: rks[k][i] for k, t in enumerate(tasks)}
+        yield row
+
+
 def _score_warnings(ctx: RunContext, scores) -> list:
     """What run.json warns of: scores all equal (the ranking is then the pool's order), and
     the method's own warnings (``ctx.info["method"]["warnings"]``, logged by the method)."""
     warnings = list((ctx.info.get("method") or {}).get("warnings") or [])
-    if ctx.streamed is None and len(scores) > 1 and bool((scores == scores[0]).all()):
-        warnings.append(f"every score is {float(scores[0])!r}, so the ranking is the pool's own order: the direction "
-                        "or the preconditioned curvature vanished (check the target pairs, --damping and pairs.jsonl)")
-        log.warning("%s", warnings[-1])
+    cols = scores.reshape(len(scores), -1) if ctx.streamed is None else None
+    names = ctx.task_names if cols is not None and len(ctx.task_names) == cols.shape[1] else [None]
+    for k in range(cols.shape[1] if cols is not None and len(scores) > 1 else 0):
+        if bool((cols[:, k] == cols[0, k]).all()):
+            of = f" of task {names[k]}" if names[k] is not None and len(names) > 1 else ""
+            warnings.append(f"every score{of} is {float(cols[0, k])!r}, so the ranking is the pool's own order: the "
+                            "direction or the preconditioned curvature vanished (check the target pairs, --damping "
+                            "and pairs.jsonl)")
+            log.warning("%s", warnings[-1])
     return warnings
 
 
@@ -1475,8 +1671,11 @@ def _score_locked(model, pool_path, targets_path, out_dir, settings: ScoreSettin
         log.warning("untracked parameters: %s", w)
     fingerprints = {"model": lm.fingerprint, "pool": inputs.pool_fingerprint,
                     "targets": encoded_fingerprint(inputs.chosen + inputs.rejected)}
+    tasks = run_tasks(inputs, settings)
     run_key = {"settings": settings.run_key(), "curvature": key_of(curvature), "fingerprints": fingerprints,
                "dtype": str(lm.dtype), "modules": sha256_json(list(modules))}
+    if len(tasks) > 1:  # which pair is in which target set, in order (one set: the key of before)
+        run_key["tasks"] = [[t, len(idx)] for t, idx in tasks]
     requested = curvature
     curvature, decided = small_pool_rule(curvature, _fit_size(inputs, curvature))
     if decided["rule"] == "small-pool":
@@ -1485,7 +1684,7 @@ def _score_locked(model, pool_path, targets_path, out_dir, settings: ScoreSettin
     if finished is not None:  # before the plan, which measures an example on the device
         distributed.say(f"reusing the finished run in {out_dir} (same inputs and settings)", settings.progress)
         return finished
-    plan = plan_run(lm, modules, inputs, settings, curvature)
+    plan = plan_run(lm, modules, inputs, settings, curvature, directions=len(tasks))
     if distributed.is_main():
         if _prepare_out_dir(out_dir, run_key, settings.overwrite):
             distributed.say(f"resuming the unfinished run in {out_dir}: its finished work in .partial is reused",
@@ -1494,7 +1693,7 @@ def _score_locked(model, pool_path, targets_path, out_dir, settings: ScoreSettin
     check_disk_for_v(plan, modules, lm.dtype, out_dir, distributed.world() if sharding.is_sharded(lm.model) else 1)
     ctx = RunContext(lm, modules, inputs, settings, curvature, out_dir, timings,
                      info={"run_key": run_key, "memory_plan": plan.to_json()},
-                     execution=resolve_execution(settings, lm.model, lm.device, plan))
+                     execution=resolve_execution(settings, lm.model, lm.device, plan), tasks=tasks)
     try:
         with sharding.weights_gathered(lm.model, plan.keep_gathered):
             scores, pairs = _method_fn(settings.method)(ctx)
@@ -1527,7 +1726,10 @@ def _score_locked(model, pool_path, targets_path, out_dir, settings: ScoreSettin
         "tracking": tracking,
         # absolute: `select` and `report` find the files from any working directory
         "inputs": {"pool": str(Path(inputs.pool_path).absolute()), "pool_format": inputs.pool_format,
-                   "targets": str(Path(inputs.targets_path).absolute()) if inputs.targets_path else ""},
+                   "targets": str(Path(inputs.targets_path).absolute()) if inputs.targets_path else "",
+                   **({"target_files": [str(Path(p).absolute()) for p in inputs.targets_paths]}
+                      if len(inputs.targets_paths) > 1 else {})},
+        **({"tasks": ctx.task_names} if ctx.task_names else {}),
         # pool_file: the pool's bytes, which `select` checks without loading a tokenizer
         "fingerprints": {**fingerprints, "pool_file": pool_sha},
         "versions": _versions(),

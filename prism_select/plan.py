@@ -16,7 +16,9 @@ fit, pass 2    (EK-FAC) ``Q_A``, ``Q_S`` in the model's dtype and ``Lambda`` (fl
                out x in') of the group, and one batch of rotated per-example gradients;
                layer by layer, the float32 eigenbases leave (to the host, unless the
                curvature stays on the device) before that layer's ``Lambda`` is allocated
-scoring        ``V`` (the preconditioned direction, model dtype) and one batch
+scoring        ``V`` (the preconditioned direction, model dtype) and one batch; with
+               ``k`` target sets, ``k`` directions and each example's gradient of the
+               largest tracked layer (:meth:`_Planner.scoring`)
 =============  ==========================================================================
 
 Activations are *measured*: one forward and activation backward of the longest example
@@ -394,7 +396,7 @@ class Shards:
 def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_batch_size: int,
               example: ExampleSize, max_gpu_memory: int | None = None, gpu_total: int | None = None,
               host_available: int | None = None, weights: int | None = None,
-              shards: Shards = Shards()) -> MemoryPlan:
+              shards: Shards = Shards(), directions: int = 1) -> MemoryPlan:
     """The plan for one run; :class:`PlanError` if it cannot fit.
 
     ``example``: the longest example's measured activations and logits
@@ -404,9 +406,12 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
     :func:`host_share_bytes`); ``weights``: device bytes already taken (default: what CUDA
     has allocated, i.e. the model). ``shards``: the FSDP sharding and its choices
     (:class:`Shards`); the choices made are ``fit["sums"]`` and ``keep_gathered``.
+    ``directions``: the target sets scored together (:mod:`prism_select.tasks`): each has
+    its own ``v``, and the scoring holds them all (:meth:`_Planner.scoring`).
     """
     planner = _Planner(model, modules, kind, torch.device(device), example, shards,
                        _host_figure(host_available), _device_figures(model, device, max_gpu_memory, gpu_total, weights))
+    planner.k = max(1, int(directions))
     planner.direction(batch_size)
     planner.scoring(batch_size)
     planner.fit(fit_batch_size)
@@ -435,6 +440,9 @@ def _device_figures(model, device, max_gpu_memory, gpu_total, weights) -> tuple:
 class _Planner:
     """The figures of one plan and its stages, each deciding its part of :attr:`plan` in
     turn (direction, scoring, fit, FSDP's kept weights, host memory)."""
+
+    #: the target sets scored together (:func:`make_plan`'s ``directions``)
+    k = 1
 
     def __init__(self, model, modules: dict, kind: str, dev: torch.device, example: ExampleSize, shards: Shards,
                  host_available: int, device_figures: tuple):
@@ -513,9 +521,17 @@ class _Planner:
             self.plan.notes.append(f"target pairs in batches of {bs} (not {batch_size}) to fit the device")
 
     def scoring(self, batch_size: int):
-        """Scoring: V in the model's dtype next to the weights, and one batch."""
-        self.v_bytes = v_bytes = self.tracked * self.half if self.shards == 1 else 0
-        need_s = lambda bs: self.weights + self.held + v_bytes + self.act(bs)  # noqa: E731
+        """Scoring: V in the model's dtype next to the weights, and one batch. With ``k``
+        target sets: ``k`` directions' V, at most twice (the stacked V and the scorer's
+        ``k x (out in)`` layout of it, a copy where the layers have a bias), and in the
+        backward of the largest layer each example's gradient of it, in the
+        accumulation dtype and in the model's (:class:`~prism_select.engine.linear.ScoringLinear`)."""
+        k = self.k
+        one = self.tracked * self.half if self.shards == 1 else 0
+        self.v_bytes = v_bytes = one if k == 1 else 2 * k * one
+        per_example = 0 if k == 1 else self.largest * (self.half + self.acc)
+        need_s = lambda bs: (self.weights + self.held + v_bytes + self.act(bs)  # noqa: E731
+                             + bs * per_example)
         sbs = self.sbs = self.largest_batch(need_s, batch_size)
         if sbs is None:
             raise PlanError(f"scoring does not fit on {self.dev}: the weights ({gib(self.weights)}) and the "
@@ -523,7 +539,7 @@ class _Planner:
                             f"{self.longest} tokens within {gib(self.usable)}; "
                             + _suggestions(len(self.names), "the preconditioned direction is as large as the "
                                                             "tracked weights"))
-        self.plan.scoring = {"batch_size": sbs, "peak": need_s(sbs), "v_bytes": v_bytes}
+        self.plan.scoring = {"batch_size": sbs, "peak": need_s(sbs), "v_bytes": v_bytes, "directions": k}
         if sbs < batch_size:
             self.plan.notes.append(f"scoring in batches of {sbs} (not {batch_size}) to fit the device")
 

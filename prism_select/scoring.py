@@ -365,7 +365,7 @@ def _finish_chunk(parts: list, chunk: list, ids) -> torch.Tensor:
     """One chunk's scores, float64 on the host (one device sync per chunk); a non-finite
     score raises, naming its records."""
     out = torch.cat(parts).to("cpu", torch.float64)
-    bad = (~torch.isfinite(out)).nonzero().flatten().tolist()
+    bad = (~torch.isfinite(out.reshape(len(out), -1))).any(1).nonzero().flatten().tolist()
     if bad:
         check_finite(out, "candidate scores", record=[ids[chunk[i]] if ids is not None else chunk[i] for i in bad])
     return out
@@ -430,20 +430,23 @@ def score_chunks(scorer, encoded: list, layout: ChunkLayout, *, pad_id: int, bat
     return results
 
 
-def _gather(n: int, layout: ChunkLayout, results: dict) -> torch.Tensor:
-    """Every rank's chunk scores of ``n`` examples, in input order, on every rank."""
+def _gather(n: int, layout: ChunkLayout, results: dict, columns: tuple = ()) -> torch.Tensor:
+    """Every rank's chunk scores of ``n`` examples, in input order, on every rank
+    (``(n,)``, or ``(n, K)`` for ``K`` stacked directions)."""
     if results:
         index = torch.cat([torch.as_tensor(layout.chunks[k], dtype=torch.int64) for k in results])
         values = torch.cat([results[k] for k in results])
     else:
-        index, values = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float64)
+        index, values = torch.zeros(0, dtype=torch.int64), torch.zeros((0, *columns), dtype=torch.float64)
     return distributed.gather_scores(n, index, values)
 
 
 def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, batch_size: int = 8,
                   chunking: Chunking = Chunking(), ids=None, impl: str = "auto", stats: dict | None = None,
                   execution: ExecutionContext | None = None) -> torch.Tensor:
-    """Scores ``g_z . V`` for every encoded example (float64, input order).
+    """Scores ``g_z . V`` for every encoded example (float64, input order): ``(N,)``, or
+    ``(N, K)`` when ``V`` stacks ``K`` directions per layer (``K x out x in [+1]``, all
+    scored from one forward and backward per batch).
 
     ``chunking``: the chunk size, and where finished chunks are kept for a later call
     (:class:`Chunking`). ``execution``: device, precision, CUDA graphs, kernels and
@@ -458,7 +461,13 @@ def score_encoded(model, modules: dict, encoded: list, V: dict, *, pad_id: int, 
     layout = ChunkLayout(chunks, owners, together=V is None)
     results = score_chunks(scorer, encoded, layout, pad_id=pad_id, batch_size=batch_size, execution=execution,
                            partial_dir=partial_dir, ids=ids, stats=stats)
-    return _gather(len(encoded), layout, results)
+    return _gather(len(encoded), layout, results, _columns(V))
+
+
+def _columns(V: dict | None) -> tuple:
+    """``(K,)`` when ``V`` stacks ``K`` directions per layer (``K x out x in [+1]``), else ``()``."""
+    first = next(iter(V.values()), None) if V else None
+    return (first.shape[0],) if first is not None and first.dim() == 3 else ()
 
 
 def score_directions(model, modules: dict, encoded: list, Vs: list, *, pad_id: int, batch_size: int = 8,
@@ -512,26 +521,36 @@ def _stream_windows(tokenizer, pool_path, window: int, max_length: int, skip_inv
         yield buf
 
 
-def _write_ranked(scores, ids_path, out_path) -> None:
+def _write_ranked(scores, ids_path, out_path, tasks: list | None = None) -> None:
     """``scores.jsonl`` lines (``id``, ``score``, ``rank``: 1 is the highest, ties in input
-    order), the ids streamed back from ``ids_path``; written by the main process."""
+    order), the ids streamed back from ``ids_path``; written by the main process. With
+    ``tasks`` (``scores`` is then ``(n, len(tasks))``), also ``scores`` (``{task: score}``)
+    and ``ranks`` (``{task: rank}``); ``score`` / ``rank`` are the first task's."""
     n = len(scores)
-    order = np.lexsort((np.arange(n), -scores))
-    rank = np.empty(n, dtype=np.int64)
-    rank[order] = np.arange(1, n + 1)
-    del order
+    cols = scores.reshape(n, -1) if n else scores.reshape(0, max(1, len(tasks or ())))
+    rank = np.empty(cols.shape, dtype=np.int64)
+    for k in range(cols.shape[1]):
+        order = np.lexsort((np.arange(n), -cols[:, k]))
+        rank[order, k] = np.arange(1, n + 1)
+        del order
     if distributed.is_main():
         with open(ids_path) as src, atomic_open(out_path) as dst:
             for i, line in enumerate(src):
-                dst.write(json.dumps({"id": json.loads(line), "score": float(scores[i]),
-                                      "rank": int(rank[i])}) + "\n")
+                row = {"id": json.loads(line), "score": float(cols[i, 0]), "rank": int(rank[i, 0])}
+                if tasks:
+                    row["scores"] = {t: float(cols[i, k]) for k, t in enumerate(tasks)}
+                    row["ranks"] = {t: int(rank[i, k]) for k, t in enumerate(tasks)}
+                dst.write(json.dumps(row) + "\n")
 
 
 def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, *, max_length: int = 2048,
                  batch_size: int = 8, window: int = 65536, chunking: Chunking = Chunking(),
-                 skip_invalid: bool = False, execution: ExecutionContext | None = None) -> dict:
+                 skip_invalid: bool = False, execution: ExecutionContext | None = None,
+                 tasks: list | None = None) -> dict:
     """Score a pool file without holding it in memory; write ``scores.jsonl`` lines
-    (``id``, ``score``, ``rank``) to ``out_path``.
+    (``id``, ``score``, ``rank``) to ``out_path``. ``V`` may stack one direction per
+    target set (``K x out x in [+1]``); ``tasks`` names them, and each line then also
+    carries ``scores`` and ``ranks`` per task (:func:`_write_ranked`).
 
     The file is read ``window`` records at a time; each window is tokenised, cut into
     length-sorted chunks (numbered globally, so resuming and sharding work as in
@@ -554,7 +573,10 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
     scorer = make_scorer(model, modules, V, pad_id=pad_id, batch_size=batch_size, execution=execution)
     max_tokens = chunk_token_limit(model, execution.device)
     invalid: list = []
-    scores = np.zeros(0, dtype=np.float64)
+    columns = _columns(V)
+    if tasks and columns != (len(tasks),) and not (len(tasks) == 1 and not columns):
+        raise ValueError(f"{columns or 1} stacked directions for {len(tasks)} tasks")
+    scores = np.zeros((0, *columns), dtype=np.float64)
     n, chunk_base, truncated = 0, 0, 0
     out_path = Path(out_path)
     fd, ids_path = tempfile.mkstemp(prefix=".ids-", suffix=".jsonl", dir=str(out_path.parent))
@@ -572,11 +594,11 @@ def score_stream(model, tokenizer, modules: dict, V: dict, pool_path, out_path, 
                 res = score_chunks(scorer, encoded, layout, pad_id=pad_id, batch_size=batch_size,
                                    execution=execution, partial_dir=partial_dir, stats=stats,
                                    ids=[r for r, _ in win])
-                scores = np.concatenate([scores, _gather(len(encoded), layout, res).numpy()])
+                scores = np.concatenate([scores, _gather(len(encoded), layout, res, columns).numpy()])
                 n += len(encoded)
                 chunk_base += len(chunks)
                 del encoded, win, chunks, layout, res
-        _write_ranked(scores, ids_path, out_path)
+        _write_ranked(scores, ids_path, out_path, tasks)
     finally:
         try:
             os.unlink(ids_path)

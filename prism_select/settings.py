@@ -42,6 +42,10 @@ GiB = 1 << 30
 #: the target directions of :mod:`prism_select.preference` (the baselines add their own
 #: methods, :mod:`prism_select.baselines`)
 DIRECTION_METHODS = ("prism", "equal", "unpaired", "prism_shuffled", "equal_top_half")
+#: the directions that score several target sets (tasks) in one pass, each its own ``pi``,
+#: ``g_KL`` and ``v`` (:mod:`prism_select.tasks`); the controls take their weights from
+#: every pair at once and score one target set
+MULTI_TASK_METHODS = ("prism", "equal", "unpaired")
 #: the directions that are controls of PRISM's weights, not selectors: left out of a
 #: config's ``methods: all`` (named, they run as any other)
 CONTROL_METHODS = ("prism_shuffled", "equal_top_half")
@@ -176,6 +180,11 @@ class DirectionSettings:
                                    help="a baseline method's settings (the CLI's --option KEY=VALUE); "
                                         "recorded in run.json")
     seed: int = setting(0, help="seeds every random choice of the run")
+    # not a key field: the run key names the target sets themselves (``tasks``), which
+    # this decides, so runs and caches made before it stay valid
+    combine_tasks: bool = setting(False, key=False, help="one direction from every target pair, whatever its task (default: "
+                                  "each task of the targets, a file's stem or its records' 'task', its own "
+                                  "direction and score column, all in one pass)")
 
     def __post_init__(self):
         known = set(DIRECTION_METHODS) | set(BASELINE_METHODS)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrun import cli_args
+from torchrun import cli_args, task_args
 
 def test_sharded_fit_and_scores_equal_single_process(two_ranks, tmp_path, monkeypatch):
     script = two_ranks / "worker.py"
@@ -54,6 +54,25 @@ def test_cli_under_torchrun_matches_single_process(two_ranks, tmp_path):
     s3 = read(tmp_path / "reuse")
     for k in s1:
         assert s3[k]["score"] == pytest.approx(s1[k]["score"], rel=1e-9, abs=1e-12)
+
+
+def test_several_target_sets_under_torchrun_match_single_process(two_ranks, tmp_path):
+    """Two target sets scored in one pass on two ranks: each rank's chunks hold both
+    columns, gathered in pool order, equal to one process's."""
+    from prism_select.cli import main
+    d = two_ranks
+    assert main(task_args(d, tmp_path / "single", tmp_path / "c1")) == 0
+
+    def read(d):
+        return [json.loads(l) for l in (d / "scores.jsonl").read_text().splitlines()]
+    s1, s2 = read(tmp_path / "single"), read(d / "multi-tasks")
+    assert [r["id"] for r in s1] == [r["id"] for r in s2]
+    assert list(s2[0]["scores"]) == ["tasks-a", "tasks-b"]
+    for a, b in zip(s1, s2):
+        for task in ("tasks-a", "tasks-b"):
+            assert b["scores"][task] == pytest.approx(a["scores"][task], rel=1e-9, abs=1e-12)
+    assert json.loads((d / "multi-tasks" / "run.json").read_text())["distributed"]["world_size"] == 2
+    assert any(a["scores"]["tasks-a"] != a["scores"]["tasks-b"] for a in s1)  # two directions, not one
 
 
 def test_contiguous_owners_balance_cost_and_keep_order():

@@ -111,9 +111,18 @@ def cli_args(d, out, cache):
             "--damping-rule", "heuristic"]  # a fitted curvature (auto ranks a pool this small with identity)
 
 
+def task_args(d, out, cache):
+    """:func:`cli_args` with two target sets (``tasks-a.jsonl``, ``tasks-b.jsonl``, the
+    pairs of ``targets.jsonl`` split in two) scored in one pass."""
+    args = cli_args(d, out, cache)
+    i = args.index("--targets")
+    return args[:i + 1] + [str(d / "tasks-a.jsonl"), str(d / "tasks-b.jsonl")] + args[i + 2:]
+
+
 def launch_two_ranks(d):
     """Write the CLI's inputs in ``d`` and run CHAIN on two ranks: WORKER's results in
-    ``d / "two.json"``; the CLI's run in ``d / "multi"`` (curvature cache ``d / "c2"``);
+    ``d / "two.json"``; the CLI's run in ``d / "multi"`` (curvature cache ``d / "c2"``),
+    with two target sets in ``d / "multi-tasks"`` (:func:`task_args`);
     the sharded runs of test_sharding.py (:func:`sharded_commands`). The
     fixture ``two_ranks`` (scope="session", conftest.py) calls it once."""
     sys.path.insert(0, str(HERE))
@@ -133,9 +142,13 @@ def launch_two_ranks(d):
     with open(d / "targets.jsonl", "w") as f:
         for q, c, r in PAIRS:
             f.write(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n")
+    half = (len(PAIRS) + 1) // 2
+    for name, part in (("tasks-a", PAIRS[:half]), ("tasks-b", PAIRS[half:])):
+        (d / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": q, "chosen": c, "rejected": r}) + "\n"
+                                                 for q, c, r in part))
     (d / "worker.py").write_text(WORKER.format(tests=str(HERE)))
     (d / "chain.py").write_text(CHAIN)
-    commands = [cli_args(d, d / "multi", d / "c2"), *sharded_commands(d)]
+    commands = [cli_args(d, d / "multi", d / "c2"), task_args(d, d / "multi-tasks", d / "c2"), *sharded_commands(d)]
     r = run_torchrun(2, [str(d / "chain.py"), str(d / "worker.py"), str(d / "two.json"), json.dumps(commands)], d)
     (d / "console.txt").write_text(r.stdout)
     (d / "commands.json").write_text(json.dumps(commands))

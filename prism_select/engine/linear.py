@@ -19,6 +19,14 @@ Each is an autograd function that replaces the layer's ``forward`` for the durat
     input, e.g. q/k/v or gate/up: no extra memory); the backward forms ``w_t = V^T b_t``
     and adds ``<w_t, a_t>``.
 
+    With ``K`` stacked directions (several target sets) the forward keeps ``a`` and the
+    backward forms each example's gradient of the layer, ``G = sum_t b_t a_t^T``
+    (accumulated in float32, float64 for a float64 model; ``B x out x in`` for the
+    batch), then ``<G, V_k>`` for all ``K`` directions in one product (in the model's
+    dtype, float32 accumulation): per example ``T + K`` products of the layer's size,
+    where forming ``V_k^T b_t`` for every token (the ``w`` order, kept as ``modes="w"``)
+    takes ``K T``.
+
     The backward computes input gradients only where an earlier layer needs them (no
     weight gradients, none below the first tracked layer: the graph is rooted at a
     zero-size ``anchor`` instead of the embeddings). Token dot products accumulate in
@@ -109,12 +117,17 @@ class _Layer:
             if self.k is None:
                 self._Vw = Vd[:, :module.in_features].contiguous()
                 self._Vb = Vd[:, -1].contiguous() if self.bias else None
-            else:  # out x (K in): one product gives every direction's V_k^T b_t; bias out x K
-                self._Vw = Vd[:, :, :module.in_features].permute(1, 0, 2).reshape(module.out_features, -1).contiguous()
-                self._Vb = Vd[:, :, -1].t().contiguous() if self.bias else None
-        # several directions: the "w" order, whose extra tensor is formed in the backward and
-        # let go at once (the "u" order would keep K outputs per layer until the backward)
-        self.mode = "w" if self.k is not None else (
+            else:
+                self._Vb = Vd[:, :, -1].t().contiguous() if self.bias else None  # out x K
+                if mode == "w":  # out x (K in): one product gives every direction's V_k^T b_t
+                    self._Vw = Vd[:, :, :module.in_features].permute(1, 0, 2).reshape(module.out_features, -1)
+                    self._Vw = self._Vw.contiguous()
+                else:  # K x (out in): each example's gradient against every direction at once
+                    self._Vw = Vd[:, :, :module.in_features].reshape(self.k, -1).contiguous()
+        # several directions: the "g" order by default (each example's gradient of the layer,
+        # then one product with the K directions: T + K products of the layer's size per
+        # example, against K T in the "w" order, which forms V_k^T b_t for every token)
+        self.mode = (mode if mode == "w" else "g") if self.k is not None else (
             mode or ("u" if module.out_features <= module.in_features else "w"))
         self.parts = state.parts
 
@@ -161,7 +174,15 @@ class ScoringLinear(torch.autograd.Function):
         ctx.t = None
         k = layer.state.kernels
         mm = (lambda a, b: cotangent_mm(a, b, k)) if ctx.split else torch.matmul
-        if layer.k is not None:  # (B, K): sum_t <V_k^T b_t, a_t> (+ the bias column) for each direction k
+        if layer.k is not None and layer.mode == "g":  # (B, K): <sum_t b_t a_t^T, V_k> (+ the bias column)
+            B, acc = g.shape[0], torch.float64 if g.dtype == torch.float64 else torch.float32
+            g3 = g.reshape(B, -1, g.shape[-1])
+            G = mm_acc(g3.transpose(1, 2), t.reshape(B, -1, t.shape[-1]), acc)  # B x out x in, accumulated
+            s = mm_acc(G.reshape(B, -1).to(layer.Vw.dtype), layer.Vw.t(), acc)  # in the model's dtype
+            del G
+            if layer.bias:
+                s = s + g3.sum(1, dtype=acc) @ layer.Vb.to(acc)
+        elif layer.k is not None:  # (B, K): sum_t <V_k^T b_t, a_t> (+ the bias column) for each direction k
             B, acc = g.shape[0], torch.float64 if g.dtype == torch.float64 else torch.float32
             z = mm(g, layer.Vw).unflatten(-1, (layer.k, -1))
             s = (z.to(acc) * t.to(acc).unsqueeze(-2)).sum(-1).reshape(B, -1, layer.k).sum(1)

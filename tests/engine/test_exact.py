@@ -63,22 +63,28 @@ def test_bias_layers(tok, encoded_pool):
     V2 = _direction(modules, 7)
     flat2 = torch.cat([torch.cat([V2[n][:, :m.in_features].reshape(-1), V2[n][:, -1]]) for n, m in modules.items()])
     ref2 = per_example_grads(model, modules, encoded_pool) @ flat2
-    with engine.ExactScorer(model, modules, {n: torch.stack([V[n], V2[n]]) for n in modules}) as sc:
-        got = sc.score(b)
-    assert rel_err(got[:, 0], ref) <= 1e-10 and rel_err(got[:, 1], ref2) <= 1e-10
+    for mode in ("g", "w"):  # each example's gradient against both, or V_k^T b_t per token
+        with engine.ExactScorer(model, modules, {n: torch.stack([V[n], V2[n]]) for n in modules},
+                                modes={n: mode for n in modules}) as sc:
+            assert sc.layers[next(iter(modules))].mode == mode
+            got = sc.score(b)
+        assert rel_err(got[:, 0], ref) <= 1e-10 and rel_err(got[:, 1], ref2) <= 1e-10
 
 
-@pytest.mark.parametrize("fused_loss", [False, True])
-def test_stacked_directions_equal_explicit_gradients(model, modules, tok, encoded_pool, fused_loss):
+@pytest.mark.parametrize("fused_loss,mode", [(False, None), (True, None), (False, "w")])
+def test_stacked_directions_equal_explicit_gradients(model, modules, tok, encoded_pool, fused_loss, mode):
     """K directions stacked per layer: (B, K) scores, each column the explicit
-    per-example gradients' product with its direction; score_directions keeps input order."""
+    per-example gradients' product with its direction (the default "g" order, and "w");
+    score_directions keeps input order."""
     from prism_select.scoring import score_directions
     Vs = [_direction(modules, seed) for seed in (3, 4, 5)]
     G = per_example_grads(model, modules, encoded_pool)
     ref = torch.stack([G @ flatten(V, modules) for V in Vs], dim=1)
     b = collate(encoded_pool, tok.pad_token_id)
     stacked = {n: torch.stack([V[n] for V in Vs]) for n in modules}
-    with engine.ExactScorer(model, modules, stacked, fused_loss=fused_loss) as sc:
+    with engine.ExactScorer(model, modules, stacked, fused_loss=fused_loss,
+                            modes=None if mode is None else {n: mode for n in modules}) as sc:
+        assert {layer.mode for layer in sc.layers.values()} == {mode or "g"}
         got = sc.score(b)
     assert got.shape == (len(encoded_pool), 3) and rel_err(got, ref) <= 1e-10
     got = score_directions(model, modules, encoded_pool, Vs, pad_id=tok.pad_token_id, batch_size=2)
