@@ -39,3 +39,29 @@ def test_select_rules_on_a_scored_run(tmp_path, capsys):
     manifest = json.loads((tmp_path / "selected.manifest.json").read_text())
     assert manifest["inputs"]["targets"]["sha256"] == sha256_file(targets)
     assert manifest["inputs"]["pool"]["sha256"] == sha256_file(pool)
+
+
+def test_two_target_sets_scored_in_one_pass_select_each_its_own_top(tmp_path):
+    """``score`` with two target files writes per-task scores; ``select --per-task`` keeps
+    each task's share of the budget from its own ranking, as the decisions file says."""
+    pool, targets = make_example(tmp_path / "data", n_pool=12, n_pairs=4)
+    pairs = targets.read_text().splitlines()
+    a, b = tmp_path / "data" / "alpha.jsonl", tmp_path / "data" / "beta.jsonl"
+    a.write_text("\n".join(pairs[:2]) + "\n")
+    b.write_text("\n".join(pairs[2:]) + "\n")
+    model = str(save_tiny(tmp_path / "model"))
+    run = tmp_path / "run"
+    assert main(["score", "--model", model, "--pool", str(pool), "--targets", str(a), str(b), "--out", str(run),
+                 "--cache-dir", str(tmp_path / "cache"), "--max-length", "128", "--batch-size", "4",
+                 "--no-progress", "--device", "cpu"]) == 0
+    rows = [json.loads(line) for line in (run / "scores.jsonl").read_text().splitlines()]
+    assert all(set(r["scores"]) == {"alpha", "beta"} for r in rows)
+    out = tmp_path / "selected.jsonl"
+    assert main(["select", "--run", str(run), "--pool", str(pool), "--keep", "4", "--per-task",
+                 "--out", str(out)]) == 0
+    kept = {json.loads(line)["id"] for line in out.read_text().splitlines()}
+    top = {task: sorted(rows, key=lambda r: -r["scores"][task]) for task in ("alpha", "beta")}
+    # each task's best record is kept, whatever the other task thinks of it
+    assert top["alpha"][0]["id"] in kept and top["beta"][0]["id"] in kept and len(kept) == 4
+    dec = [json.loads(line) for line in (tmp_path / "selected.decisions.jsonl").read_text().splitlines()]
+    assert {d["id"] for d in dec if d["decision"] == "keep"} == kept
