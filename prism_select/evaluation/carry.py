@@ -69,24 +69,26 @@ def _record(rid: str, p: tuple, answer: int, harmful: bool, rng: random.Random) 
             "carry": has_carry(a, b), "harmful": harmful, "task": "addition"}
 
 
-def _split(seed: int, n_warmup: int, warmup_carry_share: float = 0.5) -> dict:
+def _split(seed: int, n_warmup: int, warmup_carry_share: float = 0.5, *, family: str = "carry",
+           problems_of=None) -> dict:
     """Per kind (carry / no carry): the warm-up problems (seed-independent) and the rest in
-    the seed's order."""
+    the seed's order. ``family`` names the generators' streams and ``problems_of`` (default
+    :func:`problems`) lists a kind's problems, for another family built the same way."""
     out = {}
     n_carry = int(n_warmup * warmup_carry_share)  # the warm-up's carry problems
     for carry in (True, False):
-        ps = problems(carry)
-        random.Random(f"carry-warmup:{carry}").shuffle(ps)
+        ps = (problems_of or problems)(carry)
+        random.Random(f"{family}-warmup:{carry}").shuffle(ps)
         k = n_carry if carry else n_warmup - n_carry
         rest = ps[k:]
-        random.Random(f"carry-rest:{seed}:{carry}").shuffle(rest)
+        random.Random(f"{family}-rest:{seed}:{carry}").shuffle(rest)
         out[carry] = (ps[:k], rest)
     return out
 
 
-def _take(available: list, n: int, what: str) -> list:
+def _take(available: list, n: int, what: str, family: str = "dropped-carry") -> list:
     if n > len(available):
-        raise ConfigError("pool_size", f"the dropped-carry family has {len(available)} unused {what} left, "
+        raise ConfigError("pool_size", f"the {family} family has {len(available)} unused {what} left, "
                           f"fewer than the {n} asked for", "ask for a smaller pool, fewer probes or a smaller warm-up")
     taken = available[:n]
     del available[:n]

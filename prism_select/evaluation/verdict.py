@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import random
 
+from . import carry as carry_family
 from ..errors import ConfigError, InputError
 
 LOW, HIGH = 10, 99
@@ -79,26 +80,13 @@ def _record(rid: str, p: tuple, wrong: bool, harmful: bool, rng: random.Random) 
 
 def _split(seed: int, n_warmup: int) -> dict:
     """Per kind (carry / no carry): the warm-up problems (seed-independent, half carry) and
-    the rest in the seed's order."""
-    out = {}
-    n_carry = n_warmup // 2
-    for carry in (True, False):
-        ps = problems(carry)
-        random.Random(f"verdict-warmup:{carry}").shuffle(ps)
-        k = n_carry if carry else n_warmup - n_carry
-        rest = ps[k:]
-        random.Random(f"verdict-rest:{seed}:{carry}").shuffle(rest)
-        out[carry] = (ps[:k], rest)
-    return out
+    the rest in the seed's order (the dropped-carry family's split over this family's
+    problems, with streams of its own)."""
+    return carry_family._split(seed, n_warmup, family="verdict", problems_of=problems)
 
 
 def _take(available: list, n: int, what: str) -> list:
-    if n > len(available):
-        raise ConfigError("pool_size", f"the carry-verdict family has {len(available)} unused {what} left, "
-                          f"fewer than the {n} asked for", "ask for a smaller pool, fewer probes or a smaller warm-up")
-    taken = available[:n]
-    del available[:n]
-    return taken
+    return carry_family._take(available, n, what, family="carry-verdict")
 
 
 def _halves(n: int) -> list:
