@@ -9,14 +9,15 @@
 #                                                  # EXTRA: more packages to carry
 # The image holds torch, transformers, peft, pyarrow, xxhash, pytest and hypothesis
 # (see the device notes); it lacks datasets and two of its dependencies (dill,
-# multiprocess), gguf, and kronfluence's reference (kronfluence, einconv). The tree a
+# multiprocess), gguf, datasketch (select's near-duplicate rule) and kronfluence's reference
+# (kronfluence, einconv). The tree a
 # device call carries is capped at 64 MiB: the script prints the total and fails over
 # 60 MiB (pyarrow alone is about 40 MiB: carry it only if the image's is too old).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 W=.cache/gpu-tests/wheels
-MISSING="datasets dill multiprocess gguf kronfluence einconv"
+MISSING="datasets dill multiprocess gguf datasketch kronfluence einconv"
 rm -rf "$W"
 . experiments/device_wheels.sh
 # shellcheck disable=SC2086  # word splitting of the package lists is meant
