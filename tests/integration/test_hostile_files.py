@@ -14,17 +14,8 @@ import pytest
 from prism_select import cache, cli
 from prism_select.examples import make_example
 
+from cli_errors import fails as _fails
 from tiny import save_tiny
-
-
-def _fails(argv, capsys, *needles) -> str:
-    """``prism-select argv`` exits 2 with a named error that holds every ``needle``."""
-    assert cli.main([str(a) for a in argv]) == 2
-    err = capsys.readouterr().err
-    assert err.splitlines()[-1].startswith("prism-select: error: "), err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 def _old(path, age_s=7200):

@@ -18,6 +18,7 @@ from prism_select.errors import ConfigError, InputError
 from prism_select.examples import make_example
 from prism_select.pipeline import ScoreSettings, check_before_loading, prepare_inputs
 
+from cli_errors import fails as _fails
 from fake_runs import fake_run, write_jsonl_rows
 from tiny import save_tiny, tiny_tokenizer
 
@@ -33,16 +34,6 @@ def _score_argv(model, pool, targets, out, *extra):
     return ["score", "--model", str(model), "--pool", str(pool), "--targets", str(targets), "--out", str(out),
             "--device", "cpu", "--dtype", "float32", "--max-length", "128", "--no-progress",
             "--cache-dir", str(Path(out).parent / "cache"), "--damping-rule", "heuristic", *extra]
-
-
-def _fails(argv, capsys, *needles) -> str:
-    """``prism-select argv`` exits 2 with a named error that holds every ``needle``."""
-    assert cli.main([str(a) for a in argv]) == 2
-    err = capsys.readouterr().err
-    assert err.splitlines()[-1].startswith("prism-select: error: "), err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 # --------------------------------------------------------------------------- memory runaways
