@@ -542,6 +542,7 @@ def test_transient_run_without_disk_for_v_fails_before_the_fit(run_files, monkey
 
     from prism_select.curvature import fit as fitmod
     from prism_select.errors import OutOfResourceError
+    from prism_select.run import preflight
     _forced_plan(monkeypatch, "transient")
     fitted = []
     monkeypatch.setattr(fitmod, "_fit_group", lambda *a, **kw: fitted.append(1))
