@@ -11,8 +11,9 @@ and the CLI's ``--help`` stay fast)::
 
 ``score`` (:func:`prism_select.api.score`: :func:`prism_select.run.score_pool`, taking a model name or path as well as
 ``ModelSettings`` or a loaded model), ``compare`` (several methods on one loaded model),
-``select``, ``load_model`` and the settings of each stage: ``ModelSettings``,
-``ScoreSettings``, ``CurvatureSettings``.
+``select``, ``load_model``, the settings of each stage: ``ModelSettings``,
+``ScoreSettings``, ``CurvatureSettings``, and ``Run`` (a run folder's ``run.json``, typed:
+``ps.Run.from_json("runs/prism/run.json")``).
 """
 
 from __future__ import annotations

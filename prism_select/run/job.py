@@ -66,7 +66,8 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
 
     ``targets_path``: one target file, or a list of them, each a target set named by its
     stem; a file whose records carry ``task`` holds a set per task. Several sets are
-    scored in one pass (:mod:`prism_select.tasks`, :meth:`RunContext.score_tasks`).
+    scored in one pass (:mod:`prism_select.tasks`,
+    :meth:`prism_select.run.scorer.Scorer.score_tasks`).
 
     Returns the run summary (the content of run.json). ``reuse_finished``: a finished run
     in ``out_dir`` with the same inputs and settings (its ``run.json``'s ``run_key``) is
