@@ -62,7 +62,8 @@ def main():
                          "with the stage running, go to --json as rss_trace")
     ap.add_argument("argv", nargs="+", help="the prism-select command line (after --)")
     a = ap.parse_args()
-    from prism_select import cli, pipeline
+    from prism_select import cli
+    from prism_select.run import _prism_block, curvature_provider, job, scorer, split_half
     from prism_select.curvature import base, fit, store
 
     rec: dict = {}
@@ -102,8 +103,8 @@ def main():
                 r["peak_rss_mib_so_far"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         setattr(owner, name, g)
 
-    wrap(pipeline, "load_model", "load model")
-    wrap(pipeline, "compute_preference", "target direction")
+    wrap(job, "load_model", "load model")
+    wrap(_prism_block, "compute_preference", "target direction")
     wrap(fit, "_passes", lambda args: "fit: " + args[7].split(" (")[0])
     if hasattr(fit, "_spilled_pass"):  # the eigenvalue pass read from the factor pass's spill
         wrap(fit, "_spilled_pass", lambda args: "fit: " + args[3].split(" (")[0])
@@ -115,9 +116,11 @@ def main():
     wrap(store, "fit_curvature", "fit_curvature (all)")
     wrap(fit, "apply_damping", "apply damping")  # the fit's
     wrap(store, "apply_damping", "apply damping")  # a reused fit's
-    wrap(pipeline, "load_or_fit_curvature", "curvature (all)")
+    wrap(curvature_provider, "load_or_fit_curvature", "curvature (all)")
+    wrap(split_half, "load_or_fit_curvature", "curvature (all)")  # the split-half check's halves
     wrap(base.Curvature, "precondition", "precondition")
-    wrap(pipeline, "score_encoded", "scoring")
+    wrap(scorer, "score_encoded", "scoring")
+    wrap(split_half, "score_encoded", "scoring")  # the split-half check's sample
     wrap(base.Curvature, "load", "curvature load (cache)")
     from prism_select.baselines import ifguide  # IF-Guide's own stages (score --method ifguide)
     wrap(ifguide, "contrastive_target", "IF-Guide target")

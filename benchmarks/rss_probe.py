@@ -101,7 +101,7 @@ def score(self, b):
 fit._FitStep.score = score
 
 from prism_select.curvature import base as _base
-from prism_select import pipeline as _pl
+from prism_select.run import _prism_block, scorer, split_half
 def _wrapstage(owner, name, label):
     f = getattr(owner, name)
     def g(*args, **kw):
@@ -120,8 +120,9 @@ trims = []
 def _timed_trim():
     t = time.perf_counter(); _rh(); trims.append(time.perf_counter() - t)
 _base.release_host_memory = _timed_trim
-_wrapstage(_pl, "score_encoded", "scoring")
-_wrapstage(_pl, "compute_preference", "target direction")
+_wrapstage(scorer, "score_encoded", "scoring")
+_wrapstage(split_half, "score_encoded", "scoring")  # the split-half check's sample
+_wrapstage(_prism_block, "compute_preference", "target direction")
 _wrapstage(_base.Curvature, "save", "curvature save")
 orig_fin = fit._finish_lambda
 def fin(*args, **kw):

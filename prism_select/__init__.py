@@ -9,10 +9,11 @@ and the CLI's ``--help`` stay fast)::
     ps.score("default", "pool.jsonl", "targets.jsonl", "runs/prism")
     ps.select("runs/prism", "pool.jsonl", "selected.jsonl", keep="5%")
 
-``score`` (:func:`prism_select.api.score`: :func:`prism_select.pipeline.score_pool`, taking a model name or path as well as
+``score`` (:func:`prism_select.api.score`: :func:`prism_select.run.score_pool`, taking a model name or path as well as
 ``ModelSettings`` or a loaded model), ``compare`` (several methods on one loaded model),
-``select``, ``load_model`` and the settings of each stage: ``ModelSettings``,
-``ScoreSettings``, ``CurvatureSettings``.
+``select``, ``load_model``, the settings of each stage: ``ModelSettings``,
+``ScoreSettings``, ``CurvatureSettings``, and ``Run`` (a run folder's ``run.json``, typed:
+``ps.Run.from_json("runs/prism/run.json")``).
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ _PUBLIC = {
     "score": ("prism_select.api", "score"),
     "load_model": ("prism_select.model", "load_model"),
     "ModelSettings": ("prism_select.model", "ModelSettings"),
-    "ScoreSettings": ("prism_select.pipeline", "ScoreSettings"),
+    "ScoreSettings": ("prism_select.settings", "ScoreSettings"),
     "CurvatureSettings": ("prism_select.curvature", "CurvatureSettings"),
     "select": ("prism_select.selection", "select"),
     "compare": ("prism_select.baselines.compare", "compare"),
+    "Run": ("prism_select.run", "Run"),
 }
 
 __all__ = [*_PUBLIC, "__version__"]

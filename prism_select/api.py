@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from .model import ModelSettings
-from .pipeline import score_pool
+from .run import score_pool
 
 
 def score(model, pool, targets, out, settings=None, curvature=None, **kw) -> dict:
@@ -12,7 +12,7 @@ def score(model, pool, targets, out, settings=None, curvature=None, **kw) -> dic
     folder ``out``; returns the run's summary (its ``run.json``). ``model``: ``"default"``,
     a Hugging Face directory, a ``.gguf`` file, a ``ModelSettings`` or a loaded model;
     ``settings`` / ``curvature``: ``ScoreSettings`` / ``CurvatureSettings`` (defaults: PRISM
-    with EK-FAC). Other keywords go to :func:`prism_select.pipeline.score_pool`."""
+    with EK-FAC). Other keywords go to :func:`prism_select.run.score_pool`."""
 
     if isinstance(model, str) or hasattr(model, "__fspath__"):
         model = ModelSettings(model=str(model))

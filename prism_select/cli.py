@@ -130,13 +130,13 @@ def _options(pairs: list) -> dict:
 def _score_settings(a):
     """The run's :class:`ScoreSettings` and :class:`CurvatureSettings` from the options."""
     from .curvature import CurvatureSettings
-    from .pipeline import ScoreSettings
+    from .settings import ScoreSettings
     s = settings_from_args(ScoreSettings, a, method_options=_options(getattr(a, "option", [])))
     return s, settings_from_args(CurvatureSettings, a)
 
 
 def cmd_score(a):
-    from .pipeline import score_pool
+    from .run import score_pool
     s, c = _score_settings(a)
     targets = a.targets[0] if a.targets and len(a.targets) == 1 else a.targets
     summary = score_pool(_model_settings(a), a.pool, targets, a.out, s, c)
@@ -167,7 +167,7 @@ def _print_summary(summary: dict, out: Path, top: int = 5):
         from .moe import summary_lines
         print("\n".join(summary_lines(summary["tracking"])))
     if summary.get("curvature_applied"):
-        from .pipeline import describe_applied
+        from .run.preflight import describe_applied
         print(f"curvature: {describe_applied(summary['curvature_applied'])}")
     rows = sorted(read_scores(out / "scores.jsonl"), key=lambda r: r["rank"])
     print(f"top {min(top, len(rows))} (rank, id, score):")
@@ -202,7 +202,8 @@ def cmd_demo(a):
     from .curvature import CurvatureSettings
     from .evaluation_metrics import auroc_from_files
     from .examples import make_example
-    from .pipeline import ScoreSettings, score_pool
+    from .run import score_pool
+    from .settings import ScoreSettings
     out = Path(a.out)
     pool, targets = make_example(out / "data", n_pool=a.pool_size, seed=a.seed)  # --seed: the data and the run
     # scores from the fit's spill: the pool is the fit sample (docs/performance.md, "The CPU"), under

@@ -7,10 +7,10 @@ They are explicit arguments of the functions that use them (:func:`prism_select.
 :func:`prism_select.engine.arith.rowdot`, ...), with :data:`DEFAULT_KERNELS` as the default;
 benchmarks pass others to compare them.
 
-:class:`ExecutionContext` is what the pipeline resolves once, after the model is loaded
+:class:`ExecutionContext` is what a run (:mod:`prism_select.run`) resolves once, after the model is loaded
 and the memory plan made: the device, the precision policy, the CUDA-graph mode, the
 process group (rank and world size), the memory plan and the kernels. The stages read
-it from :attr:`prism_select.pipeline.RunContext.execution` instead of re-deriving it.
+it from :attr:`prism_select.run.RunContext.execution` instead of re-deriving it.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class ExecutionContext:
 
     device: where the model is. precision, cuda_graphs, shard: from
     :class:`~prism_select.settings.ExecutionSettings`, checked here once for callers
-    below the pipeline that build a context themselves (:meth:`of`). rank, world: this
+    below the run that build a context themselves (:meth:`of`). rank, world: this
     process's place in the process group (0 and 1 without torchrun). sharded: the model
     is sharded with FSDP2. plan: the memory plan (:class:`prism_select.plan.MemoryPlan`),
     None until made. kernels: the kernel choices. progress: progress bars and console lines.
@@ -111,7 +111,7 @@ class ExecutionContext:
     def of(cls, model, device=None, **fields) -> "ExecutionContext":
         """The context of one process running ``model`` on ``device`` (default: where its
         parameters are); ``fields`` set the others (precision, cuda_graphs, kernels,
-        progress, ...). What a caller outside the pipeline passes to the scoring functions."""
+        progress, ...). What a caller outside a run passes to the scoring functions."""
         return cls(device=device if device is not None else next(model.parameters()).device, **fields)
 
     @property

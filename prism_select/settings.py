@@ -199,7 +199,7 @@ class DirectionSettings:
 class ScoringSettings:
     """What is scored and how: example length, tracked layers and batch size.
 
-    scores_from_fit: see :meth:`prism_select.pipeline.RunContext.score_direction` (the demo sets it).
+    scores_from_fit: see :meth:`prism_select.run.scorer.Scorer.score_direction` (the demo sets it).
     """
 
     max_length: int = setting(DEFAULT_MAX_LENGTH, help="tokens per example; a longer prompt is cut from the left")

@@ -6,7 +6,7 @@ task named by the file's stem (``A`` for ``A.jsonl``); records that carry ``task
 the task they name. A direction method (prism, equal, unpaired) gives each task its own
 ``pi``, ``g_KL`` and ``v = H^-1 g_KL``, all preconditioned by the run's one curvature and
 all scored in the same forward and backward of each pool batch
-(:meth:`prism_select.pipeline.RunContext.score_tasks`). ``scores.jsonl`` then carries
+(:meth:`prism_select.run.scorer.Scorer.score_tasks`). ``scores.jsonl`` then carries
 ``scores`` (``{task: score}``) and ``ranks`` (``{task: rank}``) beside ``score`` and
 ``rank``, which are the first task's.
 

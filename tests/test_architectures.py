@@ -294,7 +294,8 @@ def test_score_runs_a_saved_model_with_experts_and_conv1d_in_float64(arch, tok, 
     forward refuses float64) and Conv1D layers are tracked, and run.json says so."""
     from prism_select.examples import make_example
     from prism_select.model import ModelSettings
-    from prism_select.pipeline import ScoreSettings, score_pool
+    from prism_select.run import score_pool
+    from prism_select.settings import ScoreSettings
 
     model = build(arch, len(tok)).float()
     model.save_pretrained(tmp_path / "model")

@@ -145,7 +145,7 @@ def test_score_options_are_generated_from_the_settings_fields(capsys):
     import dataclasses
 
     from prism_select.curvature import CurvatureSettings
-    from prism_select.pipeline import ScoreSettings
+    from prism_select.settings import ScoreSettings
     base = ["score", "--pool", "p.jsonl", "--out", "o"]
     a = cli.build_parser().parse_args(base)
     s, c = cli._score_settings(a)
@@ -172,7 +172,7 @@ def test_score_options_are_generated_from_the_settings_fields(capsys):
 
 def test_keys_hold_exactly_the_fields_that_change_the_artifact():
     from prism_select.curvature import CurvatureSettings, FitSettings
-    from prism_select.pipeline import ScoreSettings
+    from prism_select.settings import ScoreSettings
     from prism_select.settings import key_of
     a, b = ScoreSettings(), ScoreSettings(batch_size=2, overwrite=True, progress=False, max_gpu_memory=1 << 30,
                                           cache_max_gb=5.0)

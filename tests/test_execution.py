@@ -6,7 +6,7 @@ import torch
 
 from prism_select.errors import ConfigError
 from prism_select.execution import DEFAULT_KERNELS, Kernels, resolve
-from prism_select.pipeline import ScoreSettings
+from prism_select.settings import ScoreSettings
 
 
 @pytest.mark.parametrize("field,value", [("split_gemm", "three"), ("rowdot", "einsum"), ("split_backward", 1)])

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prism_select import pipeline, plan
+from prism_select import plan
+from prism_select.run import preflight
 from prism_select.curvature import CurvatureSettings
 from prism_select.settings import ScoreSettings
 
@@ -38,15 +39,15 @@ def test_the_plan_gets_the_memory_left_and_its_error_names_what_others_hold(monk
         seen.update(kw)
         raise plan.PlanError("the target direction does not fit on cuda:0")
 
-    monkeypatch.setattr(pipeline, "make_plan", make_plan)
-    monkeypatch.setattr(pipeline, "device_memory", lambda d: (63 * GIB, 17 * GIB))
+    monkeypatch.setattr(preflight, "make_plan", make_plan)
+    monkeypatch.setattr(preflight, "device_memory", lambda d: (63 * GIB, 17 * GIB))
     with pytest.raises(plan.PlanError, match=r"17\.0 GiB of cuda:0 are held outside this run .*other processes"):
-        pipeline.plan_run(_fake_cuda_lm(), {}, _no_examples(), ScoreSettings(), CurvatureSettings())
+        preflight.plan_run(_fake_cuda_lm(), {}, _no_examples(), ScoreSettings(), CurvatureSettings())
     assert seen["gpu_total"] == 63 * GIB
     # little held elsewhere: the error is the plan's own
-    monkeypatch.setattr(pipeline, "device_memory", lambda d: (79 * GIB, GIB // 2))
+    monkeypatch.setattr(preflight, "device_memory", lambda d: (79 * GIB, GIB // 2))
     with pytest.raises(plan.PlanError) as e:
-        pipeline.plan_run(_fake_cuda_lm(), {}, _no_examples(), ScoreSettings(), CurvatureSettings())
+        preflight.plan_run(_fake_cuda_lm(), {}, _no_examples(), ScoreSettings(), CurvatureSettings())
     assert str(e.value) == "the target direction does not fit on cuda:0"
 
 

@@ -102,7 +102,7 @@ def test_policy_is_a_no_op_in_float64_and_validated():
 
 
 def test_score_settings_reject_unknown_precision():
-    from prism_select.pipeline import ScoreSettings
+    from prism_select.settings import ScoreSettings
     with pytest.raises(ConfigError, match="precision"):
         ScoreSettings(precision="half")
     assert ScoreSettings(precision="split32").precision == "split32"

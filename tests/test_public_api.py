@@ -48,15 +48,15 @@ def test_readme_example_is_three_lines_and_runs(tmp_path, monkeypatch):
 def test_public_names_resolve_and_import_is_light():
     import prism_select as ps
     from prism_select.baselines.compare import compare
-    from prism_select.pipeline import ScoreSettings
+    from prism_select.settings import ScoreSettings
     from prism_select.selection import select
 
     assert ps.select is select and ps.compare is compare and ps.ScoreSettings is ScoreSettings
     assert set(ps.__all__) <= set(dir(ps))
     with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
         ps.nonesuch
-    # importing the package alone loads neither torch nor the pipeline
+    # importing the package alone loads neither torch nor the score job (prism_select.run)
     out = subprocess.run([sys.executable, "-c", "import sys, prism_select; "
-                          "print('torch' in sys.modules, 'prism_select.pipeline' in sys.modules)"],
+                          "print('torch' in sys.modules, 'prism_select.run' in sys.modules)"],
                          capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
     assert out == ["False", "False"]

@@ -11,7 +11,7 @@ import torch
 from prism_select.curvature import stats as stats_mod
 from prism_select import sharding
 from prism_select.errors import ConfigError
-from prism_select.pipeline import ScoreSettings
+from prism_select.settings import ScoreSettings
 
 from torchrun import SHARDED_RUNS, moe_args, free_port, run_torchrun, score_args, sharded_dir, torchrun_env
 
@@ -67,11 +67,11 @@ def test_fsdp_scores_equal_one_process(runs, curvature, transfers):
 
 GROUPED = r"""
 import os, sys
-import prism_select.pipeline as pipeline
+import prism_select.run.preflight as preflight
 from prism_select import cli, distributed
 from prism_select.curvature import fit as fitmod
 
-planned = pipeline.make_plan
+planned = preflight.make_plan
 
 
 def three_groups(model, modules, **kw):  # a transient plan in three groups, as a small GPU makes it
@@ -83,7 +83,7 @@ def three_groups(model, modules, **kw):  # a transient plan in three groups, as 
     return plan
 
 
-pipeline.make_plan = three_groups
+preflight.make_plan = three_groups
 fitted = fitmod._fit_group
 calls = []
 

@@ -15,7 +15,8 @@ from prism_select.curvature import CurvatureSettings
 from prism_select.errors import ConfigError, InputError
 from prism_select.examples import make_example
 from prism_select.model import ModelSettings
-from prism_select.pipeline import ScoreSettings, score_pool
+from prism_select.run import score_pool
+from prism_select.settings import ScoreSettings
 from prism_select.plan import ExampleSize, make_plan
 
 from tiny import save_tiny, tiny_llama, tiny_tokenizer

@@ -9,7 +9,8 @@ from prism_select.curvature import CurvatureSettings
 from prism_select.errors import ConfigError
 from prism_select.evaluation.experiment import resolve_methods
 from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
-from prism_select.pipeline import ScoreSettings, score_pool
+from prism_select.run import score_pool
+from prism_select.settings import ScoreSettings
 from prism_select.preference import compute_preference, pair_margins, shuffled_weights, top_half_weights
 
 from conftest import write_inputs

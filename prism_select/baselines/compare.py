@@ -1,6 +1,6 @@
 """``prism-select compare``: several scoring methods on one pool, side by side.
 
-The model is loaded once; each method runs through :func:`prism_select.pipeline.score_pool`
+The model is loaded once; each method runs through :func:`prism_select.run.score_pool`
 into ``<out>/<method>/`` (its own scores.jsonl, pairs.jsonl, run.json). Gradient methods
 share one curvature: the first fits it and saves it in the curvature cache (keyed by
 model, pool, tracked layers and curvature settings), the next ones load it
@@ -8,7 +8,7 @@ model, pool, tracked layers and curvature settings), the next ones load it
 (nothing to fit). Wall time per method therefore includes the curvature fit only for
 the first gradient method that needs it. Which curvature is applied is decided from the
 curvature settings and the fit sample's size alone
-(:func:`prism_select.pipeline.small_pool_rule`), the same for every method;
+(:func:`prism_select.run.preflight.small_pool_rule`), the same for every method;
 ``compare.json``'s ``curvature_applied`` and ``compare.md`` name it (``--damping-rule
 split-half``, which decides from each method's own direction, is refused for more than
 one method).
@@ -72,7 +72,7 @@ def options_for(method: str, options: dict, known: list | None = None) -> dict:
 def _curvature_line(result: dict) -> str:
     """The curvature every method that uses one applied (one decision, shared), else the
     one asked for (no method used a curvature)."""
-    from ..pipeline import describe_applied
+    from ..run.preflight import describe_applied
     applied = result.get("curvature_applied")
     if applied is None:
         return f"{result['curvature_settings']['kind']} (asked for; no method used a curvature)"
@@ -128,12 +128,13 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
 
     ``model``: :class:`~prism_select.model.ModelSettings` or an already
     :class:`~prism_select.model.LoadedModel` (loaded once either way). ``settings``: a
-    :class:`~prism_select.pipeline.ScoreSettings` whose ``method`` is replaced per
+    :class:`~prism_select.settings.ScoreSettings` whose ``method`` is replaced per
     method. A finished run in ``<out>/<method>/`` with the same inputs and settings is
     reused (a compare stopped after some methods resumes with the same call); one with
     others is an error unless ``settings.overwrite``.
     """
-    from ..pipeline import ScoreSettings, score_pool
+    from ..run import score_pool
+    from ..settings import ScoreSettings
 
     settings = settings or ScoreSettings(progress=False)
     curvature = curvature or CurvatureSettings()
@@ -169,7 +170,7 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
                              "in the pool; AUROC/AUPRC need both", path=pool, field=label,
                              fix="name a boolean field with both true and false records")
     if not isinstance(model, LoadedModel):
-        from ..pipeline import check_cache_dir
+        from ..run.preflight import check_cache_dir
         check_cache_dir(model.resolved_cache_dir())
     check_writable_dir(out_dir)  # after the checks of the inputs: a refused command leaves no --out
     t = time.perf_counter()

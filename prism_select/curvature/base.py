@@ -26,7 +26,7 @@ SHRINKAGE_MODES = ("off", "auto")
 #: how the damping factor is chosen: ``heuristic`` (``damping_factor``), ``split-half``
 #: (:mod:`prism_select.curvature.support`), ``auto`` (identity curvature in place of a small
 #: EK-FAC fit that no damping option shapes, else heuristic:
-#: :func:`prism_select.pipeline.small_pool_rule`)
+#: :func:`prism_select.run.preflight.small_pool_rule`)
 DAMPING_RULES = ("auto", "heuristic", "split-half")
 DEFAULT_DAMPING_RULE = "auto"
 DEFAULT_SHRINKAGE = "off"
@@ -104,9 +104,9 @@ class PreconditionSettings:
         (it shrinks as ``1/N``: few fit examples pull toward K-FAC, many leave EK-FAC);
         a number in [0, 1]: that ``rho`` for every layer.
     damping_rule: ``auto``: an EK-FAC fit on fewer than
-        :data:`~prism_select.pipeline.SMALL_FIT_EXAMPLES` (300) examples that none of
+        :data:`~prism_select.run.preflight.SMALL_FIT_EXAMPLES` (300) examples that none of
         ``damping``, ``damping_factor``, ``damping_noise``, ``shrinkage`` shapes is not
-        made: the run ranks with identity curvature (:func:`~prism_select.pipeline.small_pool_rule`);
+        made: the run ranks with identity curvature (:func:`~prism_select.run.preflight.small_pool_rule`);
         else ``heuristic``;
         ``heuristic`` (``damping_factor`` x mean eigenvalue; EK-FAC as kronfluence computes it); ``split-half``
         (EK-FAC): EK-FAC is also fitted on two random halves of the fit sample, and the

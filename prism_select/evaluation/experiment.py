@@ -358,7 +358,7 @@ def resolve_methods(methods) -> list:
 def score_methods(exp: Experiment, lm, pool_path: Path, targets_path: Path | None, run_dir: Path,
                   methods: list, seed: int, label: str = "harmful") -> dict:
     """Score the pool with each method (reusing finished runs); metrics from the files."""
-    from ..pipeline import score_pool
+    from ..run import score_pool
     cfg = exp.cfg
     out = {}
     inputs = {"pool": sha256_file(pool_path), "targets": sha256_file(targets_path) if targets_path else None,

@@ -1,6 +1,6 @@
 """The ranking protocol (the paper's Sec. 3): for every harmful ratio and seed, a
 GSM8K mistake-math pool and target pairs (:mod:`.builders`), scored by every method
-through :func:`prism_select.pipeline.score_pool` (the model is loaded once); AUROC and
+through :func:`prism_select.run.score_pool` (the model is loaded once); AUROC and
 AUPRC of the ``harmful`` flag, computed from the written ``scores.jsonl`` and
 ``pool.jsonl``. Several target variants (e.g. counterfactual pairs alone, and with
 distractor pairs) share each pool. The experiment directory: :mod:`.experiment`.

@@ -22,7 +22,8 @@ from prism_select.data.records import PoolExample, TargetPair
 from prism_select.data.tokenize import Encoded, encode
 from prism_select.errors import ConfigError, InputError, OutputError
 from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
-from prism_select.pipeline import Inputs, RunContext, ScoreSettings, score_pool
+from prism_select.run import Inputs, RunContext, score_pool
+from prism_select.settings import ScoreSettings
 from prism_select.selection import read_scores
 
 from reference import example_loss, flat_grad, flatten, per_example_grads
@@ -287,18 +288,18 @@ def test_last_use_fits_with_the_direction_on_disk_and_frees_the_curvature(module
     import errno
     import tempfile
 
-    from prism_select import pipeline
+    from prism_select.run import curvature_provider
     g = {n: torch.randn(m.weight.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
          for i, (n, m) in enumerate(modules.items())}
     given = dict(g)
     held_during_fit = []
-    real = pipeline.load_or_fit_curvature
+    real = curvature_provider.load_or_fit_curvature
 
     def spy(*a, **kw):
         held_during_fit.append(len(given))
         return real(*a, **kw)
 
-    monkeypatch.setattr(pipeline, "load_or_fit_curvature", spy)
+    monkeypatch.setattr(curvature_provider, "load_or_fit_curvature", spy)
     if disk == "full":
         def refuse(**kw):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -306,7 +307,7 @@ def test_last_use_fits_with_the_direction_on_disk_and_frees_the_curvature(module
     ctx = make_ctx("prism", curvature="ekfac", damping_rule="heuristic")
     v = ctx.last_use(given)
     assert held_during_fit == [0 if disk == "writable" else len(g)]
-    assert given == {} and ctx._curvature is None
+    assert given == {} and ctx.curvatures._curvature is None
     ref = make_ctx("prism", curvature="ekfac", damping_rule="heuristic").curvature().precondition(dict(g))  # cached
     assert list(v) == list(ref) and all(torch.equal(v[n], ref[n]) for n in ref)
 
@@ -315,18 +316,18 @@ def test_cpu_direction_holds_one_half_of_a_batch_at_a_time(make_ctx, monkeypatch
     """On the CPU the direction differentiates the chosen and the rejected half each with
     its own forward (``one_graph``): both halves' activations alive at once were the
     stage's host-memory peak."""
-    from prism_select import pipeline
+    from prism_select.run import _prism_block
     seen = []
-    real = pipeline.compute_preference
+    real = _prism_block.compute_preference
 
     def spy(*a, **kw):
         seen.append(kw.get("one_graph"))
         return real(*a, **kw)
 
-    monkeypatch.setattr(pipeline, "compute_preference", spy)
+    monkeypatch.setattr(_prism_block, "compute_preference", spy)
     ctx = make_ctx("prism")
     assert ctx.lm.device.type == "cpu"
-    pipeline.prism_method(ctx)
+    _prism_block.prism_method(ctx)
     assert seen == [True]
 
 
@@ -601,7 +602,7 @@ def test_saefeat_errors(make_ctx, tmp_path):
         run(sae=str(tmp_path / "ok.safetensors"), latent=12)
 
 
-# --------------------------------------------------------------------------- pipeline and compare
+# --------------------------------------------------------------------------- score_pool and compare
 
 POOL_LABELS = [False, True, False, False, False, True, False, False]
 
@@ -709,25 +710,25 @@ def test_a_stopped_compare_resumes_reusing_its_finished_methods(lm, tmp_path, po
                                                                 monkeypatch):
     """A compare killed after its first method: the same call reuses that method's finished
     run (no second scoring) and scores the rest; other settings are refused as before."""
-    from prism_select import pipeline
+    from prism_select.run import job
     pool, targets = _write_inputs(tmp_path, pool_examples, pair_examples)
     s = ScoreSettings(batch_size=4, progress=False)
     c = CurvatureSettings(kind="identity")
     out = tmp_path / "cmp"
-    real, calls = pipeline._score_pool, []
+    real, calls = job._score_pool, []
 
     def stop_at_second(*a, **k):
         calls.append(a[4].method)
         if len(calls) == 2:
             raise KeyboardInterrupt
         return real(*a, **k)
-    monkeypatch.setattr(pipeline, "_score_pool", stop_at_second)
+    monkeypatch.setattr(job, "_score_pool", stop_at_second)
     with pytest.raises(KeyboardInterrupt):
         compare(lm, pool, targets, out, ["random", "prism"], s, c)
     first = (out / "random" / "scores.jsonl").read_bytes()
-    monkeypatch.setattr(pipeline, "_score_pool", real)
+    monkeypatch.setattr(job, "_score_pool", real)
     scored = []
-    monkeypatch.setattr(pipeline, "_method_fn", lambda m, f=pipeline._method_fn: (scored.append(m), f(m))[1])
+    monkeypatch.setattr(job, "_method_fn", lambda m, f=job._method_fn: (scored.append(m), f(m))[1])
     res = compare(lm, pool, targets, out, ["random", "prism"], s, c)
     assert scored == ["prism"]  # random's finished run was reused, not scored again
     assert [r["method"] for r in res["methods"]] == ["random", "prism"]

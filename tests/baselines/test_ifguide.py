@@ -13,7 +13,8 @@ from prism_select.data.tokenize import Encoded, encode
 from prism_select.errors import ConfigError
 from prism_select.evaluation import carry
 from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
-from prism_select.pipeline import Inputs, RunContext, ScoreSettings
+from prism_select.run import Inputs, RunContext
+from prism_select.settings import ScoreSettings
 
 IFGUIDE = REGISTRY["ifguide"]
 

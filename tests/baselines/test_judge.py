@@ -13,7 +13,8 @@ from prism_select.data.records import PoolExample, TargetPair
 from prism_select.data.tokenize import encode
 from prism_select.errors import ConfigError, PrismError
 from prism_select.model import LoadedModel, ModelSettings, load_model, model_fingerprint
-from prism_select.pipeline import Inputs, RunContext, ScoreSettings
+from prism_select.run import Inputs, RunContext
+from prism_select.settings import ScoreSettings
 
 from conftest import PAIRS, POOL
 from tiny import save_tiny, tiny_llama, tiny_tokenizer
@@ -244,7 +245,7 @@ def test_endpoint_errors_are_clear_and_keyless(tmp_path, monkeypatch):
 def test_judge_through_score_pool_never_writes_the_key(tmp_path, monkeypatch, caplog):
     import logging
 
-    from prism_select.pipeline import score_pool
+    from prism_select.run import score_pool
 
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)
     caplog.set_level(logging.DEBUG)

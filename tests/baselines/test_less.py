@@ -15,7 +15,8 @@ from prism_select.data.records import PoolExample, TargetPair
 from prism_select.data.tokenize import encode
 from prism_select.errors import ConfigError, InputError
 from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
-from prism_select.pipeline import Inputs, RunContext, ScoreSettings
+from prism_select.run import Inputs, RunContext
+from prism_select.settings import ScoreSettings
 
 from conftest import PAIRS, POOL
 from reference import example_loss
@@ -448,7 +449,7 @@ def test_option_errors(tmp_path, two_checkpoints):
 
 @pytest.mark.skipif("less" not in REGISTRY, reason="prism_select.baselines.REGISTRY has no 'less' yet")
 def test_less_through_score_pool(tmp_path, two_checkpoints):
-    from prism_select.pipeline import score_pool
+    from prism_select.run import score_pool
 
     tok = tiny_tokenizer()
     d = tmp_path / "tiny"

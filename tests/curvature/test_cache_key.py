@@ -9,7 +9,8 @@ import random
 import pytest
 from conftest import POOL
 
-from prism_select import cli, pipeline
+from prism_select import cli
+from prism_select.run import inputs as run_inputs
 from prism_select.curvature import CurvatureSettings, FitCache, load_or_fit_curvature
 from prism_select.curvature.base import FitSettings
 from prism_select.curvature.store import curvature_key
@@ -96,19 +97,19 @@ def test_a_streamed_run_fits_on_the_sample_drawn_with_its_seed(tmp_path, monkeyp
 
     pool, targets = make_example(tmp_path / "data", n_pool=12, n_pairs=2)
     seen = {}
-    real = pipeline.prepare_stream_inputs
+    real = run_inputs.prepare_stream_inputs
 
     def spy(tokenizer, *a, **kw):
         seen["tok"], seen["inputs"] = tokenizer, real(tokenizer, *a, **kw)
         return seen["inputs"]
 
-    monkeypatch.setattr(pipeline, "prepare_stream_inputs", spy)
+    monkeypatch.setattr(run_inputs, "prepare_stream_inputs", spy)
     argv = ["score", "--model", save_tiny(tmp_path / "model"), "--pool", pool, "--targets", targets,
             "--out", tmp_path / "run", "--device", "cpu", "--dtype", "float32", "--max-length", "128", "--no-progress",
             "--stream", "--fit-examples", "3", "--seed", "7", "--curvature", "diagonal",
             "--cache-dir", tmp_path / "cache"]
     assert cli.main([str(a) for a in argv]) == 0
-    whole = pipeline.prepare_inputs(seen["tok"], pool, max_length=128).encoded
+    whole = run_inputs.prepare_inputs(seen["tok"], pool, max_length=128).encoded
     want = [whole[i].input_ids for i in _algorithm_r(len(whole), 3, 7)]
     assert [e.input_ids for e in seen["inputs"].fit_encoded] == want
     assert want != [whole[i].input_ids for i in _algorithm_r(len(whole), 3, 8)]  # the seed matters here

@@ -413,7 +413,8 @@ def test_run_scores_from_the_fit_spill_only_when_it_holds_the_scoring_gradients(
     import json
 
     from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
-    from prism_select.pipeline import ScoreSettings, score_pool
+    from prism_select.run import score_pool
+    from prism_select.settings import ScoreSettings
 
     pool, targets = write_inputs(tmp_path, pool_examples, pair_examples)
     monkeypatch.setattr(spill_mod, "FIT_SCORES_MAX_BYTES", 0)  # not inside the fit (test_run_scores_inside_the_fit)
@@ -496,7 +497,8 @@ def test_run_scores_inside_the_fit(model, tok, tmp_path, pool_examples, pair_exa
     import json
 
     from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
-    from prism_select.pipeline import ScoreSettings, score_pool
+    from prism_select.run import score_pool
+    from prism_select.settings import ScoreSettings
 
     pool, targets = write_inputs(tmp_path, pool_examples, pair_examples)
     cs = CurvatureSettings(kind="ekfac", batch_size=3, damping_rule="heuristic")  # the spill route needs it

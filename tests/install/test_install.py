@@ -24,7 +24,8 @@ from prism_select import cli
 from prism_select.curvature import CurvatureSettings  # noqa: F401 (cmd_demo's imports)
 from prism_select.evaluation_metrics import auroc_from_files  # noqa: F401
 from prism_select.examples import make_example
-from prism_select.pipeline import ScoreSettings, score_pool  # noqa: F401
+from prism_select.run import score_pool  # noqa: F401
+from prism_select.settings import ScoreSettings  # noqa: F401
 d = Path(sys.argv[1])
 pool, _ = make_example(d / "data", n_pool=8)
 recs = [json.loads(x) for x in pool.read_text().splitlines()]

@@ -19,7 +19,8 @@ from prism_select.errors import OutOfResourceError
 from prism_select.examples import make_example
 from prism_select.engine import ExactScorer
 from prism_select.model import ModelSettings
-from prism_select.pipeline import ScoreSettings, score_pool
+from prism_select.run import score_pool
+from prism_select.settings import ScoreSettings
 
 from tiny import save_tiny
 

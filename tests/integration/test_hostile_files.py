@@ -208,41 +208,42 @@ def test_a_link_planted_inside_an_unfinished_run_is_refused(files, tmp_path, cap
 
 def test_a_second_run_with_the_same_out_is_refused_while_the_first_holds_it(files, reference, tmp_path, capsys,
                                                                             monkeypatch):
-    from prism_select import locks, pipeline
+    from prism_select import locks
+    from prism_select.run import folder, job
 
     out = tmp_path / "run"
     out.mkdir()
     loaded = []
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: loaded.append(1) / 0)
-    with locks.held(out / pipeline.RUN_LOCK):  # another run holds it (a lock is per open file)
+    monkeypatch.setattr(job, "load_model", lambda *a, **k: loaded.append(1) / 0)
+    with locks.held(out / folder.RUN_LOCK):  # another run holds it (a lock is per open file)
         _fails(_score_argv(files, out), capsys, f"{out} is in use by another prism-select run",
                f"process {os.getpid()}")
     assert loaded == [] and list(out.iterdir()) == []  # refused before the model loads, nothing left
     monkeypatch.undo()
-    (out / pipeline.RUN_LOCK).write_text("4194304 on elsewhere\n")  # a dead process's lock file
+    (out / folder.RUN_LOCK).write_text("4194304 on elsewhere\n")  # a dead process's lock file
     assert cli.main(_score_argv(files, out)) == 0
-    assert _scores(out) == _scores(reference) and not (out / pipeline.RUN_LOCK).exists()
+    assert _scores(out) == _scores(reference) and not (out / folder.RUN_LOCK).exists()
 
 
 def test_a_finished_run_is_reported_before_the_model_loads(files, reference, tmp_path, capsys, monkeypatch):
     import shutil
 
-    from prism_select import pipeline
+    from prism_select.run import job
 
     out = tmp_path / "run"
     shutil.copytree(reference, out)
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(job, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     _fails(_score_argv(files, out), capsys, "already holds a finished run", "--overwrite")
 
 
 def test_a_pool_rewritten_while_it_is_scored_stops_the_run(files, tmp_path, capsys, monkeypatch):
     import shutil
 
-    from prism_select import pipeline
+    from prism_select.run import job
 
     pool = tmp_path / "pool.jsonl"
     shutil.copy(files[1], pool)
-    real = pipeline._method_fn
+    real = job._method_fn
 
     def rewriting(name):
         fn = real(name)
@@ -254,7 +255,7 @@ def test_a_pool_rewritten_while_it_is_scored_stops_the_run(files, tmp_path, caps
             return out
         return run
 
-    monkeypatch.setattr(pipeline, "_method_fn", rewriting)
+    monkeypatch.setattr(job, "_method_fn", rewriting)
     out = tmp_path / "run"
     _fails(_score_argv(files, out, pool=pool), capsys, str(pool), "changed while the run read and scored it")
     assert not (out / "scores.jsonl").exists() and not (out / "run.json").exists()
@@ -283,13 +284,13 @@ def test_sigterm_is_handled_as_ctrl_c(files, tmp_path, capsys, monkeypatch):
     run folder's lock released, and the handler before the command restored after it."""
     import signal
 
-    from prism_select import pipeline
+    from prism_select.run import job
 
     def unhandled(signum, frame):
         raise RuntimeError("SIGTERM reached the handler outside the command")
 
     out = tmp_path / "run"
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(job, "load_model", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
     before = signal.signal(signal.SIGTERM, unhandled)
     try:
         assert cli.main([str(a) for a in _score_argv(files, out)]) == 143

@@ -16,7 +16,9 @@ from prism_select.data import load_pool
 from prism_select.data.tokenize import encode, render
 from prism_select.errors import ConfigError, InputError
 from prism_select.examples import make_example
-from prism_select.pipeline import ScoreSettings, check_before_loading, prepare_inputs
+from prism_select.run import prepare_inputs
+from prism_select.run.preflight import check_before_loading
+from prism_select.settings import ScoreSettings
 
 from cli_errors import fails as _fails
 from fake_runs import fake_run, write_jsonl_rows
@@ -454,12 +456,12 @@ def test_compare_refuses_an_option_that_no_compared_method_takes(files, tmp_path
 
 
 def test_scores_that_are_all_equal_are_warned_about(files, reference_run, tmp_path, capsys, monkeypatch):
-    from prism_select import pipeline
+    from prism_select.run import job
 
     model, pool, targets = files
     _, cache = reference_run
     n = sum(1 for line in Path(pool).read_text().splitlines() if line.strip())
-    monkeypatch.setattr(pipeline, "_method_fn", lambda name: lambda ctx: (torch.zeros(n, dtype=torch.float64), []))
+    monkeypatch.setattr(job, "_method_fn", lambda name: lambda ctx: (torch.zeros(n, dtype=torch.float64), []))
     out = tmp_path / "run"
     argv = _score_argv(model, pool, targets, out)
     argv[argv.index("--cache-dir") + 1] = str(cache)

@@ -61,7 +61,7 @@ def test_text_no_tokenizer_takes_is_a_named_error_of_its_record(tmp_path, record
 
 @pytest.mark.parametrize("where", ["pool", "targets"])
 def test_score_names_a_lone_surrogate_before_the_model_loads(tmp_path, where, capsys, monkeypatch):
-    import prism_select.pipeline as pipeline
+    from prism_select.run import job
 
     pool, targets = make_example(tmp_path / "data", n_pool=4, n_pairs=2)
     path = pool if where == "pool" else targets
@@ -71,7 +71,7 @@ def test_score_names_a_lone_surrogate_before_the_model_loads(tmp_path, where, ca
 
     def no_loading(*a, **k):
         raise AssertionError("the model was loaded")
-    monkeypatch.setattr(pipeline, "load_model", no_loading)
+    monkeypatch.setattr(job, "load_model", no_loading)
     out = tmp_path / "run"
     argv = ["score", "--model", str(save_tiny(tmp_path / "model")), "--pool", str(pool), "--targets", str(targets),
             "--out", str(out), "--device", "cpu", "--no-progress", "--cache-dir", str(tmp_path / "cache")]
@@ -149,9 +149,9 @@ def test_a_seed_outside_what_the_generators_take_is_refused(seed):
 
 
 def test_score_refuses_a_huge_seed_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    import prism_select.pipeline as pipeline
+    from prism_select.run import job
     pool, targets = make_example(tmp_path / "data", n_pool=4, n_pairs=2)
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(job, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     argv = ["score", "--model", str(save_tiny(tmp_path / "model")), "--pool", str(pool), "--targets", str(targets),
             "--out", str(tmp_path / "run"), "--device", "cpu", "--no-progress", "--seed", str(10**23)]
     assert cli.main(argv) == 2

@@ -16,7 +16,8 @@ from prism_select.curvature import CurvatureSettings
 from prism_select.errors import CacheError, ConfigError, InputError, ModelError, NumericalError, OutputError
 from prism_select.examples import make_example
 from prism_select.model import ModelSettings
-from prism_select.pipeline import ScoreSettings, prepare_inputs, score_pool
+from prism_select.run import prepare_inputs, score_pool
+from prism_select.settings import ScoreSettings
 
 from tiny import save_tiny, tiny_llama, tiny_tokenizer
 
@@ -205,7 +206,7 @@ def test_unwritable_output_fails_before_work(tmp_path, model_dir, data, monkeypa
     blocker = tmp_path / "file"
     blocker.write_text("x")
     called = []
-    monkeypatch.setattr("prism_select.pipeline.load_model", lambda *a: called.append(1))
+    monkeypatch.setattr("prism_select.run.job.load_model", lambda *a: called.append(1))
     with pytest.raises(OutputError):
         run(tmp_path, model_dir, *data, blocker / "run")
     assert not called
@@ -215,7 +216,7 @@ def test_unwritable_output_fails_before_work(tmp_path, model_dir, data, monkeypa
                                   "adapter_missing", "bad_modules_regex"])
 def test_inputs_are_checked_before_the_model_loads(tmp_path, model_dir, data, monkeypatch, case):
     called = []
-    monkeypatch.setattr("prism_select.pipeline.load_model", lambda *a: called.append(1))
+    monkeypatch.setattr("prism_select.run.job.load_model", lambda *a: called.append(1))
     pool, targets = data
     bad = tmp_path / "bad.jsonl"
     ms = settings(tmp_path, model_dir)
@@ -248,7 +249,7 @@ def test_failure_before_the_first_chunk_does_not_block_the_corrected_command(tmp
 
     def fail(*a, **k):
         raise NumericalError("non-finite values (NaN or inf) in the training loss")
-    monkeypatch.setattr("prism_select.pipeline.compute_preference", fail)
+    monkeypatch.setattr("prism_select.run._prism_block.compute_preference", fail)
     with pytest.raises(NumericalError):
         run(tmp_path, model_dir, *data, out)
     assert not (out / ".partial").exists()
@@ -355,7 +356,7 @@ def test_same_seed_gives_identical_scores_on_cpu(tmp_path, model_dir, data):
 def test_ctrl_c_message_says_how_to_resume(tmp_path, model_dir, data, capsys, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr("prism_select.pipeline.score_pool", interrupted)
+    monkeypatch.setattr("prism_select.run.score_pool", interrupted)
     code = main(["score", "--model", str(model_dir), "--pool", str(data[0]), "--targets", str(data[1]),
                  "--out", str(tmp_path / "run")])
     assert code == 130

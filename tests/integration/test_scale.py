@@ -408,7 +408,7 @@ def test_saving_a_curvature_copies_no_host_tensor_but_shared_ones(tmp_path, monk
     assert all(torch.equal(back.tensors[k], t[k]) for k in t)
 
 
-# ----------------------------------------------------------------------------- pipeline
+# ----------------------------------------------------------------------------- score_pool
 
 @pytest.fixture
 def run_files(tmp_path, tok):
@@ -430,7 +430,8 @@ def run_files(tmp_path, tok):
 def _score(d, out, **kw):
     from prism_select.curvature import CurvatureSettings
     from prism_select.model import ModelSettings
-    from prism_select.pipeline import ScoreSettings, score_pool
+    from prism_select.run import score_pool
+    from prism_select.settings import ScoreSettings
     ms = ModelSettings(model=str(d / "model"), dtype="float64", device="cpu", cache_dir=str(d / "cache"))
     kw.setdefault("damping_rule", "heuristic")  # the routes compare under one rule; auto is tested on its own
     cs = CurvatureSettings(**{k: kw.pop(k) for k in list(kw)
@@ -444,9 +445,9 @@ def _score(d, out, **kw):
 def _forced_plan(monkeypatch, store):
     """A plan as a small device would make it: the fit in three groups, the curvature kept on
     the host or not at all, the direction accumulated and kept in host memory."""
-    import prism_select.pipeline as pipeline
+    from prism_select.run import preflight
 
-    real = pipeline.make_plan
+    real = preflight.make_plan
 
     def fake(model, modules, **kw):
         plan = real(model, modules, **kw)
@@ -455,7 +456,7 @@ def _forced_plan(monkeypatch, store):
         plan.direction.update(accumulate="host", store="host")
         return plan
 
-    monkeypatch.setattr(pipeline, "make_plan", fake)
+    monkeypatch.setattr(preflight, "make_plan", fake)
 
 
 @pytest.mark.parametrize("store", ["host", "transient"])
@@ -490,8 +491,8 @@ def test_transient_run_resumes_finished_groups(run_files, monkeypatch):
                      "scores_v_group0001.json", "scores_v_group0001.safetensors", "scores_v_groups.json"]
     calls.clear()
     monkeypatch.setattr(fitmod, "_fit_group", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    import prism_select.pipeline as pipeline
-    planned = pipeline.make_plan
+    from prism_select.run import preflight
+    planned = preflight.make_plan
 
     def regrouped(model, modules, **kw):  # the resumed process would group differently
         plan = planned(model, modules, **kw)
@@ -499,7 +500,7 @@ def test_transient_run_resumes_finished_groups(run_files, monkeypatch):
         plan.fit["groups"] = [names[:7], names[7:]]
         return plan
 
-    monkeypatch.setattr(pipeline, "make_plan", regrouped)
+    monkeypatch.setattr(preflight, "make_plan", regrouped)
     summary, got = _score(run_files, "run")
     assert len(calls) == 1  # only the unfinished group is fitted again
     assert summary["curvature"]["resumed_groups"] == 2
@@ -511,22 +512,22 @@ def test_transient_run_keeps_v_once_on_disk_and_resumes_after_the_fit(run_files,
     merged copy of v (26 GiB) beside its group files (26 GiB). The group files are v's one
     saved copy; a run stopped after the fit (here: in scoring) refits nothing and gives
     the same scores and the same curvature record."""
-    import prism_select.pipeline as pipeline
     from prism_select.curvature import fit as fitmod
+    from prism_select.run import scorer
     _, ref = _score(run_files, "ref")
     _forced_plan(monkeypatch, "transient")
-    real_score = pipeline.score_encoded
+    real_score = scorer.score_encoded
 
     def dying(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline, "score_encoded", dying)
+    monkeypatch.setattr(scorer, "score_encoded", dying)
     with pytest.raises(KeyboardInterrupt):
         _score(run_files, "run")
     partial = run_files / "run" / ".partial"
     assert not (partial / "scores_v.safetensors").exists()
     assert len(list(partial.glob("scores_v_group*.safetensors"))) == 3
-    monkeypatch.setattr(pipeline, "score_encoded", real_score)
+    monkeypatch.setattr(scorer, "score_encoded", real_score)
     real_fit, fitted = fitmod._fit_group, []
     monkeypatch.setattr(fitmod, "_fit_group", lambda *a, **kw: (fitted.append(1), real_fit(*a, **kw))[1])
     summary, got = _score(run_files, "run")
@@ -539,14 +540,14 @@ def test_transient_run_keeps_v_once_on_disk_and_resumes_after_the_fit(run_files,
 def test_transient_run_without_disk_for_v_fails_before_the_fit(run_files, monkeypatch):
     from collections import namedtuple
 
-    import prism_select.pipeline as pipeline
     from prism_select.curvature import fit as fitmod
     from prism_select.errors import OutOfResourceError
+    from prism_select.run import preflight
     _forced_plan(monkeypatch, "transient")
     fitted = []
     monkeypatch.setattr(fitmod, "_fit_group", lambda *a, **kw: fitted.append(1))
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 1 << 20))
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 1 << 20))
     with pytest.raises(OutOfResourceError, match="preconditioned direction") as e:
         _score(run_files, "run")
     assert e.value.resource == "disk" and fitted == []
@@ -557,10 +558,10 @@ def test_resumed_transient_run_fits_its_own_plan_where_no_group_finished(run_fil
     (uncapped) process, planned in 2 groups, had been killed before any group finished,
     and fitted the saved 2-group layout instead of its own 5 groups (out of GPU memory in
     the first group). A resumed run keeps only the finished groups of the saved layout."""
-    import prism_select.pipeline as pipeline
     from prism_select.curvature import fit as fitmod
+    from prism_select.run import job, preflight
     _, ref = _score(run_files, "ref")
-    real_plan, real_fit = pipeline.make_plan, fitmod._fit_group
+    real_plan, real_fit = preflight.make_plan, fitmod._fit_group
     names = []
 
     def one_group(model, modules, **kw):  # the first process: a larger device, one group
@@ -572,9 +573,9 @@ def test_resumed_transient_run_fits_its_own_plan_where_no_group_finished(run_fil
     def dying(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline, "make_plan", one_group)
+    monkeypatch.setattr(preflight, "make_plan", one_group)
     monkeypatch.setattr(fitmod, "_fit_group", dying)
-    monkeypatch.setattr(pipeline, "_drop_partial_without_chunks", lambda d: None)  # killed: nothing cleaned
+    monkeypatch.setattr(job, "drop_partial_without_chunks", lambda d: None)  # killed: nothing cleaned
     with pytest.raises(KeyboardInterrupt):
         _score(run_files, "run")
     assert json.loads((run_files / "run" / ".partial" / "scores_v_groups.json").read_text()) == [names]
@@ -588,7 +589,7 @@ def test_resumed_transient_run_fits_its_own_plan_where_no_group_finished(run_fil
 
 
 def test_resume_groups_keeps_finished_groups_and_regroups_the_rest():
-    from prism_select.pipeline import resume_groups
+    from prism_select.run.folder import resume_groups
     saved = [["a", "b", "c"], ["d", "e", "f"], ["g", "h"]]
     planned = [["a", "b"], ["c", "d"], ["e"], ["f", "g"], ["h"]]
     got = resume_groups(saved, planned, lambda k: k == 1)  # only the second group finished
@@ -629,14 +630,15 @@ def test_split_half_damping_rule(run_files):
 def test_split_half_scores_a_bounded_sample_and_reuses_the_half_fits(run_files, monkeypatch):
     """The halves are compared on at most AGREEMENT_EXAMPLES fit examples, and their fits
     come from the curvature cache in a later run on the same pool."""
-    from prism_select import pipeline
     from prism_select.curvature import store, support
+    from prism_select.run import scorer, split_half
     monkeypatch.setattr(support, "AGREEMENT_EXAMPLES", 10)
     scored, stacked, fitted = [], [], []
-    real_score, real_many, real_fit = pipeline.score_encoded, pipeline.score_directions, store.fit_curvature
-    monkeypatch.setattr(pipeline, "score_encoded", lambda m, mods, enc, *a, **kw: (scored.append(len(enc)),
-                                                                                    real_score(m, mods, enc, *a, **kw))[1])
-    monkeypatch.setattr(pipeline, "score_directions", lambda m, mods, enc, vs, **kw: (
+    real_score, real_many, real_fit = scorer.score_encoded, split_half.score_directions, store.fit_curvature
+    for module in (scorer, split_half):  # the pool's scoring and the check's sample
+        monkeypatch.setattr(module, "score_encoded", lambda m, mods, enc, *a, **kw: (
+            scored.append(len(enc)), real_score(m, mods, enc, *a, **kw))[1])
+    monkeypatch.setattr(split_half, "score_directions", lambda m, mods, enc, vs, **kw: (
         stacked.append((len(enc), len(vs))), real_many(m, mods, enc, vs, **kw))[1])
     monkeypatch.setattr(store, "fit_curvature", lambda m, mods, enc, *a, **kw: (fitted.append(len(enc)),
                                                                                  real_fit(m, mods, enc, *a, **kw))[1])
@@ -661,7 +663,7 @@ def test_split_half_scores_a_bounded_sample_and_reuses_the_half_fits(run_files, 
     # k rungs a pass (what a bounded plan has room for): the walk's rungs in chunks of k, the same check
     monkeypatch.setattr(support, "STACKED_LADDER_MAX_ELEMENTS", 1 << 30)
     for k in (1, 3):
-        monkeypatch.setattr(pipeline.RunContext, "_ladder_rungs", lambda self, direction, k=k: k)
+        monkeypatch.setattr(split_half.SplitHalfCheck, "_ladder_rungs", lambda self, direction, k=k: k)
         scored.clear()
         stacked.clear()
         s4, d = _score(run_files, f"sh-k{k}", damping_rule="split-half")
@@ -676,9 +678,9 @@ def test_split_half_runs_at_the_plans_batches(run_files, monkeypatch, stage):
     """The half fits run at the memory plan's fit batch and the check scores its sample at
     the plan's scoring batch, as the run's own fit and scoring do, not at the settings'
     batch (a plan under --max-gpu-memory may have chosen smaller ones)."""
-    from prism_select import pipeline
     from prism_select.curvature import store
-    real_plan, real_fit, real_many = pipeline.make_plan, store.fit_curvature, pipeline.score_directions
+    from prism_select.run import preflight, split_half
+    real_plan, real_fit, real_many = preflight.make_plan, store.fit_curvature, split_half.score_directions
     fits, scorings = [], []
 
     def small_batch_plan(model, modules, **kw):
@@ -686,10 +688,10 @@ def test_split_half_runs_at_the_plans_batches(run_files, monkeypatch, stage):
         getattr(plan, stage)["batch_size"] = 3
         return plan
 
-    monkeypatch.setattr(pipeline, "make_plan", small_batch_plan)
+    monkeypatch.setattr(preflight, "make_plan", small_batch_plan)
     monkeypatch.setattr(store, "fit_curvature", lambda m, mods, enc, cs, **kw: (fits.append((len(enc), cs.batch_size)),
                                                                                  real_fit(m, mods, enc, cs, **kw))[1])
-    monkeypatch.setattr(pipeline, "score_directions", lambda m, mods, enc, vs, **kw: (
+    monkeypatch.setattr(split_half, "score_directions", lambda m, mods, enc, vs, **kw: (
         scorings.append(kw["batch_size"]), real_many(m, mods, enc, vs, **kw))[1])
     _score(run_files, f"sh-{stage}-batch", damping_rule="split-half")
     if stage == "fit":
@@ -704,12 +706,12 @@ def test_split_half_on_a_capped_gpu_fits_its_halves_into_host_memory(run_files, 
     the run's own curvature waits in host memory while they are fitted and is back on the
     device when the check ends (then preconditions once and is released: the run's last
     use of it), and run.json records the check's GPU peak."""
-    from prism_select import pipeline
     from prism_select.curvature import CurvatureSettings
     from prism_select.model import ModelSettings
-    from prism_select.pipeline import ScoreSettings, score_pool
-    real_fit, fitted, run_curvature_at = pipeline.load_or_fit_curvature, [], []
-    real_stage, at_check_end = pipeline.RunContext.stage_peak, []
+    from prism_select.run import curvature_provider, meter, score_pool, split_half
+    from prism_select.settings import ScoreSettings
+    real_fit, fitted, run_curvature_at = curvature_provider.load_or_fit_curvature, [], []
+    real_stage, at_check_end = meter.StageMeter.stage_peak, []
 
     def fit(*a, **kw):
         if fitted:  # a half: where the run's curvature (the first fit) waits meanwhile
@@ -717,13 +719,14 @@ def test_split_half_on_a_capped_gpu_fits_its_halves_into_host_memory(run_files, 
         fitted.append(r := real_fit(*a, **kw))
         return r
 
-    def stage_peak(ctx, stage):
+    def stage_peak(m, stage):
         if stage == "split_half":  # the check is over: where every fit is now
             at_check_end.append([{t.device.type for t in cur.tensors.values()} for cur, _, _ in fitted])
-        return real_stage(ctx, stage)
+        return real_stage(m, stage)
 
-    monkeypatch.setattr(pipeline, "load_or_fit_curvature", fit)
-    monkeypatch.setattr(pipeline.RunContext, "stage_peak", stage_peak)
+    for module in (curvature_provider, split_half):  # the run's fit and the check's halves
+        monkeypatch.setattr(module, "load_or_fit_curvature", fit)
+    monkeypatch.setattr(meter.StageMeter, "stage_peak", stage_peak)
     ms = ModelSettings(model=str(run_files / "model"), dtype="float32", device="cuda",
                        cache_dir=str(run_files / "cache"))
     summary = score_pool(ms, run_files / "pool.jsonl", run_files / "targets.jsonl", run_files / "sh-gpu",
@@ -741,15 +744,15 @@ def test_split_half_keeps_its_halves_in_host_memory_under_a_bounded_gpu_plan():
     """The plan counts one curvature on the device (the run's): under a bounded plan on a
     GPU the two half fits wait in host memory; elsewhere they stay where they are fitted."""
     from types import SimpleNamespace
-    from prism_select import pipeline
+    from prism_select.run.split_half import SplitHalfCheck
     ctx = SimpleNamespace(lm=SimpleNamespace(device=torch.device("cuda", 0)), plan=SimpleNamespace(bounded=True))
-    assert pipeline.RunContext._half_fit_layout(ctx).store == "host"
+    assert SplitHalfCheck._half_fit_layout(ctx).store == "host"
     ctx.plan = SimpleNamespace(bounded=False)
-    assert pipeline.RunContext._half_fit_layout(ctx).store == "device"
+    assert SplitHalfCheck._half_fit_layout(ctx).store == "device"
     ctx.lm, ctx.plan = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(bounded=True)
-    assert pipeline.RunContext._half_fit_layout(ctx).store == "device"
+    assert SplitHalfCheck._half_fit_layout(ctx).store == "device"
     ctx.plan = None
-    assert pipeline.RunContext._half_fit_layout(ctx).store == "device"
+    assert SplitHalfCheck._half_fit_layout(ctx).store == "device"
 
 
 def test_ladder_rungs_stacked_as_many_as_fit_beside_a_scoring_batch(monkeypatch):
@@ -758,8 +761,8 @@ def test_ladder_rungs_stacked_as_many_as_fit_beside_a_scoring_batch(monkeypatch)
     (the plan's scoring peak less the weights and one v). Counting the directions alone,
     an H200 run under an 11 GiB cap peaked at 9.9 GiB in the check against the plan's 6.8."""
     from types import SimpleNamespace
-    from prism_select import pipeline
     from prism_select.curvature import support
+    from prism_select.run.split_half import SplitHalfCheck
     mib = 1 << 20
     direction = {"a": torch.zeros(1024, 1024), "b": torch.zeros(1024, 1024)}  # 8 MiB
     per_rung = support.STACKED_LADDER_COPIES * 2 * 8 * mib
@@ -769,7 +772,7 @@ def test_ladder_rungs_stacked_as_many_as_fit_beside_a_scoring_batch(monkeypatch)
                           plan=SimpleNamespace(bounded=True, usable=usable, weights=weights,
                                                scoring={"peak": weights + v + activations, "v_bytes": v}),
                           modules={}, settings=SimpleNamespace(max_length=64), scoring_batch=lambda: 8)
-    rungs = pipeline.RunContext._ladder_rungs
+    rungs = SplitHalfCheck._ladder_rungs
     for held, k in ((usable - activations - 4 * per_rung, 4), (usable - activations - 2 * per_rung, 2),
                     (usable - activations - 2 * per_rung + 1, 1), (usable - activations - per_rung + 1, 0),
                     # the directions alone fit beside what is held, not with the activations
@@ -810,7 +813,7 @@ def test_a_fitted_curvature_takes_the_split_half_check_only_where_asked():
     tests/integration/test_small_pool_rule.py); a fit is damped by the heuristic unless
     split-half is asked for."""
     from prism_select.curvature import CurvatureSettings
-    from prism_select.pipeline import damping_rule_of
+    from prism_select.run.curvature_provider import damping_rule_of
     for kw in ({}, {"kind": "kfac"}, {"damping_noise": True}, {"damping_rule": "heuristic"}):
         assert damping_rule_of(CurvatureSettings(**kw)) == "heuristic", kw
     assert damping_rule_of(CurvatureSettings(damping_rule="split-half")) == "split-half"
@@ -929,20 +932,20 @@ def test_deterministic_run_scores_as_the_default_and_is_keyed(run_files, monkeyp
     """``deterministic`` reaches the whole run (the kernels are deterministic while the
     model runs) without changing the scores of a float64 CPU run; it is part of the run's
     key, so a resume with the other setting is refused."""
-    import prism_select.pipeline as pipeline
+    from prism_select.run import job
     seen = []
-    real = pipeline._score_pool
+    real = job._score_pool
 
     def spy(*a, **kw):
         seen.append(torch.are_deterministic_algorithms_enabled())
         return real(*a, **kw)
 
-    monkeypatch.setattr(pipeline, "_score_pool", spy)
+    monkeypatch.setattr(job, "_score_pool", spy)
     summary, got = _score(run_files, "det", deterministic=True)
     _, ref = _score(run_files, "ref")
     assert seen == [True, False] and not torch.are_deterministic_algorithms_enabled()
     assert torch.equal(got, ref)
-    from prism_select.pipeline import ScoreSettings
+    from prism_select.settings import ScoreSettings
     assert summary["settings"]["deterministic"] is True
     assert ScoreSettings(deterministic=True).run_key() != ScoreSettings().run_key()
 

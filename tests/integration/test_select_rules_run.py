@@ -8,7 +8,8 @@ from prism_select.curvature import CurvatureSettings
 from prism_select.examples import make_example
 from prism_select.io import sha256_file
 from prism_select.model import ModelSettings
-from prism_select.pipeline import ScoreSettings, score_pool
+from prism_select.run import score_pool
+from prism_select.settings import ScoreSettings
 
 from tiny import save_tiny
 

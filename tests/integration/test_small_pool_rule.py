@@ -14,7 +14,8 @@ from prism_select.curvature import CurvatureSettings
 from prism_select.errors import ConfigError
 from prism_select.examples import make_example
 from prism_select.model import ModelSettings
-from prism_select.pipeline import ScoreSettings, score_pool
+from prism_select.run import score_pool
+from prism_select.settings import ScoreSettings
 
 from tiny import save_tiny
 
@@ -36,7 +37,7 @@ def _cli(tmp_path, model_dir, pool, targets, out, *extra):
 
 
 def test_the_rule_takes_identity_below_the_threshold_and_plain_ekfac_from_it():
-    from prism_select.pipeline import SMALL_FIT_EXAMPLES, small_pool_rule
+    from prism_select.run.preflight import SMALL_FIT_EXAMPLES, small_pool_rule
     small, at = SMALL_FIT_EXAMPLES - 1, SMALL_FIT_EXAMPLES
     cs, rec = small_pool_rule(CurvatureSettings(), small)
     assert cs.kind == "identity" and rec == {"requested": "ekfac", "kind": "identity", "n_fit": small,

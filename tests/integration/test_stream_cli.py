@@ -11,11 +11,13 @@ import torch
 from conftest import PAIRS, POOL
 from tiny import save_tiny, tiny_tokenizer
 
-from prism_select import pipeline, scoring
+from prism_select import scoring
 from prism_select.cli import main
 from prism_select.data.readers import reservoir_sample, scan_pool
 from prism_select.errors import ConfigError
-from prism_select.pipeline import ScoreSettings
+from prism_select.run import curvature_provider
+from prism_select.run import inputs as run_inputs
+from prism_select.settings import STREAM_FIT_EXAMPLES, ScoreSettings
 
 N_POOL = 12
 # Streamed and in-memory scores are the same function of the same tokens and the same v;
@@ -81,7 +83,7 @@ def test_stream_gives_the_in_memory_scores(data, in_memory, tmp_path, window):
 
 def test_default_fit_sample_is_recorded(data, tmp_path):
     _, run = _score(data, tmp_path / "run", "--stream")
-    assert run["curvature_settings"]["fit_examples"] == pipeline.STREAM_FIT_EXAMPLES
+    assert run["curvature_settings"]["fit_examples"] == STREAM_FIT_EXAMPLES
     assert run["fit_sample"]["default_size"] is True
     assert run["fit_sample"]["drawn"] == N_POOL
 
@@ -176,7 +178,7 @@ def test_interrupted_stream_resumes_to_identical_output(data, tmp_path, monkeypa
         raise AssertionError("a resumed run must reuse the saved v, not fit the curvature again")
 
     monkeypatch.setattr(scoring, "_load_chunk", counting_load)
-    monkeypatch.setattr(pipeline.RunContext, "curvature", no_refit)
+    monkeypatch.setattr(curvature_provider.CurvatureProvider, "curvature", no_refit)
     assert main(_argv(data, out, None, *extra)) == 0
     assert sum(reused) == 4
     assert (out / "scores.jsonl").read_text() == (tmp_path / "ref" / "scores.jsonl").read_text()
@@ -216,12 +218,12 @@ def test_stream_pool_fingerprint_follows_file_bytes_tokenizer_and_max_length(dat
     b.write_text(text.replace("Blue.", "Blue!"))
 
     def fp(pool, max_length=128, tokenizer=tok):
-        return pipeline.prepare_stream_inputs(tokenizer, pool, max_length=max_length, fit_examples=4).pool_fingerprint
+        return run_inputs.prepare_stream_inputs(tokenizer, pool, max_length=max_length, fit_examples=4).pool_fingerprint
 
     assert fp(a) == fp(data / "pool.jsonl")
     assert len({fp(a), fp(b), fp(a, max_length=64), fp(a, tokenizer=tiny_tokenizer(chat_template=False))}) == 4
     ds = tmp_path / "ds"  # a datasets directory: every file is hashed
     Dataset.from_list([json.loads(line) for line in text.splitlines()]).save_to_disk(str(ds))
-    inputs = pipeline.prepare_stream_inputs(tok, ds, max_length=128, fit_examples=4)
+    inputs = run_inputs.prepare_stream_inputs(tok, ds, max_length=128, fit_examples=4)
     assert inputs.pool_format == "arrow" and inputs.fit_sample["valid_records"] == N_POOL
     assert len(inputs.fit_encoded) == 4 and inputs.pool == [] and inputs.encoded == []
