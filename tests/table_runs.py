@@ -7,8 +7,7 @@ import random
 from pathlib import Path
 
 from prism_select.evaluation import carry
-from prism_select.evaluation import repair as _repair
-retrain_dir = getattr(_repair, "retrain_dir", None) or _repair._retrain_dir  # TEMP
+from prism_select.evaluation.repair import retrain_dir
 
 #: the start model's fingerprint in the step records; a retraining of another model is left out
 MODEL = "m" * 16

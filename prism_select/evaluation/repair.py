@@ -189,7 +189,7 @@ def _retrains(spec, fraction: float, method: str) -> bool:
     return spec is None or method in spec
 
 
-def _retrain_dir(rdir: Path, kept_path: Path, ft_seed: int | None = None) -> Path:
+def retrain_dir(rdir: Path, kept_path: Path, ft_seed: int | None = None) -> Path:
     """``retrain/<hash of the kept ids>[-ft<seed>]``: rows keeping the same records share it
     (one per fine-tuning seed when the config lists ``finetune_seeds``)."""
     ids = sorted(r["id"] for r in read_jsonl(kept_path))
@@ -259,7 +259,7 @@ def _retrain_one(exp, lm, rdir: Path, kept_path: Path, probes_path: Path, checke
     A finished retraining is recognised by its inputs alone (the kept records, the start
     model, the SFT settings, the probes, decoding and checker: ``.retrain-step.json``), so a
     run copied without its adapters, to another machine, resumes without training again."""
-    tdir = _retrain_dir(rdir, kept_path, ft_seed if named else None)
+    tdir = retrain_dir(rdir, kept_path, ft_seed if named else None)
     tdir.mkdir(parents=True, exist_ok=True)
     pool_copy = tdir / "kept.jsonl"
     write_if_changed(pool_copy, read_jsonl(kept_path))
@@ -339,7 +339,7 @@ def _retrain_in_processes(exp, cfg, requests: list, jobs: int):
     ``jobs`` worker processes, one per SFT (rows keeping the same records share theirs);
     their times go to ``exp``'s timings."""
     singles = [j for a in requests for j in _retrain_jobs(cfg, *a)]
-    unique = list({_retrain_dir(j[0], j[1], j[4] if j[7] else None): j for j in singles}.values())
+    unique = list({retrain_dir(j[0], j[1], j[4] if j[7] else None): j for j in singles}.values())
     log.info("retraining %d SFTs in %d processes", len(unique), min(jobs, len(unique)))
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     gpus = visible_gpus()

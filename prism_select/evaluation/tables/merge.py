@@ -7,21 +7,32 @@ false``. This script copies the later run's rows of ``--methods`` into the first
 results, seed by seed, after checking that the two runs share their data: every row the
 two hold in common (the control) must have the same accuracies, and with ``--dirs`` the
 seed's pool, target pairs and held-out probes must be byte-identical. The merged files
-then go to `aggregate_seeds.py` as any other.
+then go to :func:`aggregate` as any other.
 
-    python experiments/merge_method_rows.py MAIN/results.json LATER/results.json --methods saefeat \
-        [--dirs MAIN LATER] --out merged/results.json
+    prism-select experiment merge MAIN/results.json LATER/results.json --methods saefeat \
+        [--dirs MAIN LATER] --json merged/results.json
+
+:func:`aggregate` (``prism-select experiment aggregate A/results.json B/results.json
+--json FILE``) combines the results.json files of a select experiment run one seed per
+call (only its results.json comes back from a device call; the adapters stay on the
+machine, so a rerun here would fine-tune again): with
+:func:`~prism_select.evaluation.general_selection.combine_seeds` (the same tables, mean
+and sample std over seeds, as the experiment writes), plus the paired differences from
+some rows (the seeds share their pool and probes within a seed, so row minus row is taken
+seed by seed; ``paired_differences``), and, for a multitask pool, how the target-task
+share of a selection goes with its gain over random (``share_vs_gain``).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
+import statistics
 from pathlib import Path
 
-from prism_select.errors import InputError, run_script
-from prism_select.evaluation.general_selection import read_results
-from prism_select.io import atomic_write_json, sha256_file
+from ...errors import InputError
+from ...io import sha256_file
+from ..experiment import paired_interval
+from ..general_selection import combine_seeds
 
 #: per-run keys that hold one entry per row or method (``*_by_task``: one per task, then method)
 ROW_KEYS = ("accuracy", "balanced_accuracy", "target_task_share", "mislabeled_share", "methods")
@@ -115,24 +126,105 @@ def merge(main: dict, later: dict, methods: list, dirs: tuple | None = None, suf
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("main", help="results.json of the first run")
-    ap.add_argument("later", help="results.json of the run that scored --methods")
-    ap.add_argument("--methods", nargs="+", required=True, help="the later run's rows to add")
-    ap.add_argument("--dirs", nargs=2, metavar=("MAIN_DIR", "LATER_DIR"),
-                    help="the two experiment folders: check that their data files are identical")
-    ap.add_argument("--suffix", default="", help="append this to the added rows' names, e.g. ' (CPU)'")
-    ap.add_argument("--out", required=True, help="merged results.json")
-    args = ap.parse_args(argv)
-    merged = merge(*read_results([args.main, args.later]), args.methods, tuple(args.dirs) if args.dirs else None,
-                   args.suffix)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(Path(args.out), merged)
-    print(f"wrote {args.out}: {', '.join(m + args.suffix for m in args.methods)} added; checked by "
-          + "; ".join(f"seed {s}: {', '.join(r)}" for s, r in merged["merged"][-1]["checked_rows"].items()))
-    return 0
+def _f(v, digits=3):
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
-if __name__ == "__main__":
-    run_script(main)
+def _ms(c):
+    if c["mean"] is None:
+        return "-"
+    return _f(c["mean"]) + ("" if c["std"] is None else f" +- {_f(c['std'])}")
+
+
+def _ci(c):
+    if c["mean"] is None:
+        return "-"
+    return f"{c['mean']:+.3f}" + ("" if not c.get("ci") else f" [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]")
+
+
+def paired(res: dict, against: str, task: str = "mean", metric: str = "accuracy") -> dict:
+    """Each ``metric`` row minus the row ``against``, seed by seed: ``{row: paired_interval}``
+    (mean, std and a 95% t interval over the seeds)."""
+    out = {}
+    for label in dict.fromkeys(k for r in res["runs"] for k in r.get(metric) or {}):
+        if label == against:
+            continue
+        d = []
+        for r in res["runs"]:
+            a, b = (((r.get(metric) or {}).get(k) or {}).get(task) for k in (label, against))
+            d.append(None if a is None or b is None else a - b)
+        out[label] = paired_interval(d)
+    return out
+
+
+def share_vs_gain(res: dict, against: str = "random", task: str = "mean") -> dict | None:
+    """Pearson r, over every (method, seed), between the target-task share of the
+    selection and its accuracy minus ``against``'s in that seed (None without shares)."""
+    xs, ys = [], []
+    for r in res["runs"]:
+        ref = (r["accuracy"].get(against) or {}).get(task)
+        for m, sh in (r.get("target_task_share") or {}).items():
+            a = (r["accuracy"].get(m) or {}).get(task)
+            if m != against and sh is not None and a is not None and ref is not None:
+                xs.append(sh)
+                ys.append(a - ref)
+    if len(xs) < 3:
+        return None
+    try:
+        r = statistics.correlation(xs, ys)
+    except statistics.StatisticsError:  # a constant share or gain: no correlation to state
+        r = None
+    return {"against": against, "n": len(xs), "pearson_r": r}
+
+
+def markdown(res: dict, against: list, task: str = "mean", metric: str = "accuracy") -> str:
+    """The ``metric`` table (column ``task``): each seed, mean +- std, the paired
+    differences from the rows ``against`` (mean [95% t interval]), and the target-task
+    share beside it."""
+    runs = res["runs"]
+    seeds = [r["seed"] for r in runs]
+    acc = next(t for t in res["tables"] if t["name"] == metric)
+    share = {r["label"]: r["cells"][0] for t in res["tables"] if t["name"] == "target_task_share" for r in t["rows"]}
+    col = acc["columns"].index(task)
+    diffs = {a: paired(res, a, task, metric) for a in against}
+    head = (["row"] + [f"seed {s}" for s in seeds] + [f"mean +- std ({len(seeds)})"]
+            + [f"minus {a}, paired" for a in against] + (["target-task share, per seed; mean"] if share else []))
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in acc["rows"]:
+        label = row["label"]
+        vals = [((r.get(metric) or {}).get(label) or {}).get(task) for r in runs]
+        out = [label] + [_f(v, 2) for v in vals] + [_ms(row["cells"][col])]
+        out += ["-" if label == a else _ci(diffs[a][label]) for a in against]
+        if share:
+            c = share.get(label)
+            out.append("-" if not c or c["mean"] is None else
+                       " / ".join(_f(v, 2) for v in c["values"]) + f"; {_f(c['mean'], 2)}")
+        lines.append("| " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
+def aggregate(results: list, allow: tuple = (), against: tuple = ("random", "Full data"), sources: list = ()) -> dict:
+    """The select results ``results`` (one per seed) combined (module docstring);
+    ``sources``: the files they came from, kept under ``sources``."""
+    res = combine_seeds(results, allow=tuple(allow))
+    res["sources"] = [str(p) for p in sources]
+    res["paired_differences"] = {a: paired(res, a) for a in against}
+    res["share_vs_gain"] = share_vs_gain(res)
+    if any(t["name"] == "balanced_accuracy" for t in res["tables"]):
+        res["paired_differences_balanced"] = {a: paired(res, a, metric="balanced_accuracy") for a in against}
+    return res
+
+
+def aggregate_text(res: dict, against: list, task: str = "mean") -> str:
+    """What ``experiment aggregate`` prints: :func:`markdown` of the accuracy (and the
+    balanced accuracy), the config keys that differ, and the share-gain correlation."""
+    lines = [markdown(res, against, task)]
+    if any(t["name"] == "balanced_accuracy" for t in res["tables"]):
+        lines += ["\nbalanced over the reference answers:", markdown(res, against, task, metric="balanced_accuracy")]
+    for key, groups in res["config_differences"].items():
+        lines.append(f"config {key}: " + "; ".join(f"{g['value']} (seeds {g['seeds']})" for g in groups))
+    if res["share_vs_gain"] and res["share_vs_gain"]["pearson_r"] is not None:
+        c = res["share_vs_gain"]
+        lines.append(f"target-task share vs accuracy minus {c['against']}: Pearson r {c['pearson_r']:.2f} "
+                     f"over {c['n']} (method, seed) pairs")
+    return "\n".join(lines)

@@ -5,7 +5,7 @@ summary of each run (in the table: its range over the seeds and the mean of the 
 means). It needs only the scoring steps to have finished (no retraining), so it reads an
 experiment cut short before its retrainings as well as a finished one.
 
-    python experiments/rankings_of_runs.py RUN_DIR [--json OUT.json] [--fractions 0.05,0.1,0.2] [--floors]
+    prism-select experiment rows rankings RUN_DIR [--json OUT.json] [--fractions 0.05,0.1,0.2] [--floors]
 
 ``--floors`` adds the floors of each pool and target set as rows ``floor: NAME`` (AUROC
 only): the keyword, length and TF-IDF neighbour rules (:mod:`prism_select.evaluation.floors`)
@@ -27,20 +27,20 @@ RUN_DIR is an experiment's ``--out`` folder (``runs/<setting>/seed<k>/<targets>/
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from prism_select.evaluation.experiment import (FLOOR_TITLES, mean_std, paired_interval, row_title,  # noqa: E402
-                                                score_columns)
-from prism_select.evaluation_metrics import auroc, labels_by_id  # noqa: E402
-from prism_select.selection import read_scores  # noqa: E402
+from ...errors import InputError
+from ...evaluation_metrics import auroc, labels_by_id
+from ...selection import read_scores
+from ..experiment import FLOOR_TITLES, mean_std, paired_interval, read_jsonl, row_title, score_columns
+from ..floors import floors
+from ..repair import family_floors
 
 
 def rankings(run_dir: Path, fractions: list, label: str = "harmful", scored_model: str = "the scored model") -> list:
+    """One row per (setting, seed, targets, method or ``METHOD:COLUMN``) with a scores file:
+    its AUROC of ``label``, recall at each fraction, and the run's ``pi`` summary."""
     rows = []
     for seed_dir in sorted(run_dir.glob("runs/*/seed*")):
         labels = labels_by_id(seed_dir / "pool.jsonl", label)
@@ -70,9 +70,6 @@ def rankings(run_dir: Path, fractions: list, label: str = "harmful", scored_mode
 
 def floor_rows(run_dir: Path, label: str = "harmful", family: str | None = None) -> list:
     """One row per floor, pool and target set (``floor: NAME``, its AUROC)."""
-    from prism_select.evaluation.experiment import read_jsonl
-    from prism_select.evaluation.floors import floors
-    from prism_select.evaluation.repair import family_floors
     extra = family_floors() if family == "dropped_carry" else None
     rows = []
     for seed_dir in sorted(run_dir.glob("runs/*/seed*")):
@@ -86,6 +83,7 @@ def floor_rows(run_dir: Path, label: str = "harmful", family: str | None = None)
 
 
 def summary(rows: list, fractions: list) -> list:
+    """Per (setting, targets, method): the seeds, mean and sd of each column, the ``pi`` range."""
     keys = ["auroc"] + [f"recall@{f:g}" for f in fractions]
     groups: dict = {}
     for r in rows:
@@ -136,64 +134,40 @@ def _interval_cell(d) -> str:
     return f"{d['mean']:+.3f}{ci}"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--fractions", default="0.05,0.1,0.2")
-    ap.add_argument("--label", default="harmful")
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--floors", action="store_true", help="add the floors of every pool and target set")
-    ap.add_argument("--family", choices=["dropped_carry"], help="with --floors: that family's knowledge floors too")
-    ap.add_argument("--add", type=Path, nargs="*", default=[], metavar="JSON",
-                    help="the rows of earlier --json files too (runs of the same config in other folders, e.g. "
-                         "other seeds); a (setting, targets, method, seed) this folder also has is refused")
-    ap.add_argument("--add-methods", nargs="+", metavar="METHOD",
-                    help="with --add: only these methods' rows of the added files (a run that re-scored some "
-                         "methods on the same pools also holds random's and the floors' rows)")
-    ap.add_argument("--scored-model", default="the scored model",
-                    help="what the scored model is, for the judge's row when it judges with it (e.g. 'the start model')")
-    ap.add_argument("--paired", metavar="METHOD",
-                    help="that method minus every other row, paired by seed, with 95%% t intervals")
-    a = ap.parse_args(argv)
-    fractions = [float(x) for x in a.fractions.split(",")]
-    rows = rankings(a.run_dir, fractions, a.label, a.scored_model)
-    if a.floors:
-        rows += floor_rows(a.run_dir, a.label, a.family)
+def add_rows(rows: list, paths: list, methods: list | None = None) -> list:
+    """``rows`` and the rows of earlier ``--json`` files (only ``methods``' where given); a
+    (setting, targets, method, seed) both hold is an :class:`InputError`."""
     key = lambda r: (r["setting"], r["targets"], r["method"], r["seed"])  # noqa: E731
-    for path in a.add:
-        earlier = [r for r in json.loads(path.read_text())["rows"]
-                   if not a.add_methods or r["method"] in a.add_methods]
+    rows = list(rows)
+    for path in paths:
+        earlier = [r for r in json.loads(Path(path).read_text())["rows"] if not methods or r["method"] in methods]
         twice = sorted({key(r) for r in earlier} & {key(r) for r in rows})
         if twice:
-            print(f"{path}: rows this folder has too: {twice[:3]}", file=sys.stderr)
-            return 1
+            raise InputError(f"{path}: rows this folder has too: {twice[:3]}")
         rows += earlier
-    if not rows:
-        print(f"no scored methods under {a.run_dir}/runs/*/seed*/", file=sys.stderr)
-        return 1
-    summ = summary(rows, fractions)
+    return rows
+
+
+def summary_markdown(summ: list, fractions: list) -> str:
+    """:func:`summary` as a markdown table (its title where a row has one)."""
     cols = ["auroc"] + [f"recall@{f:g}" for f in fractions]
-    print("| setting | targets | method | seeds | " + " | ".join(cols) + " | pi: min / mean / max |")
-    print("|---|---|---|---|" + "---|" * len(cols) + "---|")
+    lines = ["| setting | targets | method | seeds | " + " | ".join(cols) + " | pi: min / mean / max |",
+             "|---|---|---|---|" + "---|" * len(cols) + "---|"]
     for s in summ:
         cells = [f"{s[c]:.3f} ± {s[c + '_std']:.3f}" if s[c] is not None else "" for c in cols]
         pi = s["pi"]
         pi_cell = f"{pi['min']:.2f} / {pi['mean']:.2f} / {pi['max']:.2f}" if pi else "-"
-        print(f"| {s['setting']} | {s['targets']} | {s['title'] or s['method']} | {','.join(map(str, s['seeds']))} | "
-              + " | ".join(cells) + f" | {pi_cell} |")
-    extra = {}
-    if a.paired:
-        extra["paired"] = diffs = paired(rows, fractions, a.paired)
-        print(f"\n{a.paired} minus each row, paired by seed (mean, 95% t interval):\n")
-        print("| setting | targets | minus | seeds | " + " | ".join(cols) + " |")
-        print("|---|---|---|---|" + "---|" * len(cols))
-        for d in diffs:
-            print(f"| {d['setting']} | {d['targets']} | {d['minus']} | {','.join(map(str, d['seeds']))} | "
-                  + " | ".join(_interval_cell(d[c]) for c in cols) + " |")
-    if a.json:
-        a.json.write_text(json.dumps({"rows": rows, "summary": summ, **extra}, indent=1) + "\n")
-    return 0
+        lines.append(f"| {s['setting']} | {s['targets']} | {s['title'] or s['method']} | "
+                     f"{','.join(map(str, s['seeds']))} | " + " | ".join(cells) + f" | {pi_cell} |")
+    return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def paired_markdown(diffs: list, fractions: list, method: str) -> str:
+    """:func:`paired`'s rows as a markdown table under a line naming ``method``."""
+    cols = ["auroc"] + [f"recall@{f:g}" for f in fractions]
+    lines = [f"\n{method} minus each row, paired by seed (mean, 95% t interval):\n",
+             "| setting | targets | minus | seeds | " + " | ".join(cols) + " |", "|---|---|---|---|" + "---|" * len(cols)]
+    for d in diffs:
+        lines.append(f"| {d['setting']} | {d['targets']} | {d['minus']} | {','.join(map(str, d['seeds']))} | "
+                     + " | ".join(_interval_cell(d[c]) for c in cols) + " |")
+    return "\n".join(lines)

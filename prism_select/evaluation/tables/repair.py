@@ -3,29 +3,32 @@
 `prism-select experiment repair` writes results.json at the end; a run stopped before
 (a device call's time ran out) still holds every finished step: per seed the Start and
 Mixed responses, each method's scores, and each retraining's responses and behaviour
-measurements under ``retrain/<hash of the kept ids>[-ft<seed>]``. This script finds, for
-every row (Start, Mixed, Oracle and partial Oracles, each method's removal at each
-fraction), the retrainings that finished, and writes the tables: ranking AUROC with the
-floors, behaviour per row (mean over fine-tuning seeds per data seed, then mean, sd and n
-over data seeds), and paired differences with 95% t intervals over data seeds. A row
-whose retrainings did not all finish on a seed leaves that seed out, and says so (n).
+measurements under ``retrain/<hash of the kept ids>[-ft<seed>]``. Two tables come from
+these folders:
 
-    python experiments/repair_rows_from_files.py RUN_DIR --config experiments/dropped_carry.yaml \
-        --json rows.json --markdown rows.md --plot dose-response.png
-Nothing is trained or scored; adapters are not needed.
+* :func:`collect` + :func:`tables` (``prism-select experiment rows repair RUN_DIR
+  --config C``): for every row (Start, Mixed, Oracle and partial Oracles, each method's
+  removal at each fraction), the retrainings that finished; ranking AUROC with the floors,
+  behaviour per row (mean over fine-tuning seeds per data seed, then mean, sd and n over
+  data seeds), and paired differences with 95% t intervals over data seeds. A row whose
+  retrainings did not all finish on a seed leaves that seed out, and says so (n).
+* :func:`retrained_rows` + :func:`retrained_summary` (``experiment rows retrained
+  RUN_DIR``, no config): behaviour rate and capability per (setting, seed, targets,
+  fraction, method) of an experiment without ``finetune_seeds``.
+
+Every retraining folder is read by :func:`finished_responses`. Nothing is trained or
+scored; adapters are not needed.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from prism_select.evaluation.config import load_config
-from prism_select.evaluation.experiment import (FLOOR_TITLES, mean_std, paired_interval, pct, ranking_metrics,
-                                                read_jsonl, row_title)
-from prism_select.evaluation.floors import floors
-from prism_select.evaluation.repair import family_floors, _retrain_dir, rates_by_task
+from ..experiment import (FLOOR_TITLES, mean_std, paired_interval, pct, ranking_metrics, rates_by_task, read_jsonl,
+                          row_title)
+from ..floors import floors
+from ..repair import family_floors, retrain_dir
 
 METRICS = ("behaviour_rate", "harmful_answer_rate", "harmful_preference", "capability")
 #: the paired differences' metrics: the behaviour's three (lower is better) and the capability
@@ -33,11 +36,26 @@ METRICS = ("behaviour_rate", "harmful_answer_rate", "harmful_preference", "capab
 PAIRED = ("harmful_preference", "harmful_answer_rate", "behaviour_rate", "capability")
 
 
-def _measure(tdir: Path, task: str) -> dict | None:
-    """A finished retraining's (or start/mixed folder's) rates, None when unfinished."""
-    if not (tdir / "responses.jsonl").is_file() or not (tdir / "behaviour.json").is_file():
+def finished_responses(step_dir: Path, step: bool = True, behaviour: bool = False,
+                       model: str | None = None) -> Path | None:
+    """``step_dir/responses.jsonl`` of a finished responses step, else None: with ``step``
+    its step record (``.responses-step.json``) must be there, with ``behaviour`` its
+    behaviour measurement (``behaviour.json``), and with ``model`` the retraining must
+    have started from that start model (:func:`started_from`)."""
+    resp = step_dir / "responses.jsonl"
+    if not resp.is_file() or (step and not (step_dir / ".responses-step.json").is_file()):
         return None
-    return {**rates_by_task(tdir / "responses.jsonl", task), **json.loads((tdir / "behaviour.json").read_text())}
+    if behaviour and not (step_dir / "behaviour.json").is_file():
+        return None
+    return resp if model is None or started_from(step_dir, model) else None
+
+
+def measure(tdir: Path, task: str) -> dict | None:
+    """A finished retraining's (or start/mixed folder's) rates, None when unfinished."""
+    resp = finished_responses(tdir, step=False, behaviour=True)
+    if resp is None:
+        return None
+    return {**rates_by_task(resp, task), **json.loads((tdir / "behaviour.json").read_text())}
 
 
 def start_model(rdir: Path) -> str | None:
@@ -53,10 +71,12 @@ def started_from(tdir: Path, model: str | None) -> bool:
     return model is None or not step.is_file() or json.loads(step.read_text()).get("model") == model
 
 
-def _kept_row(rdir: Path, kept: Path, ft_seeds: list, task: str) -> dict | None:
+def kept_row(rdir: Path, kept: Path, ft_seeds: list, task: str) -> dict | None:
+    """The mean of one kept set's finished retrainings over ``ft_seeds`` (None while one is
+    unfinished or started from another model)."""
     model = start_model(rdir)
-    dirs = [_retrain_dir(rdir, kept, s) for s in ft_seeds]
-    rows = [_measure(d, task) if started_from(d, model) else None for d in dirs]
+    dirs = [retrain_dir(rdir, kept, s) for s in ft_seeds]
+    rows = [measure(d, task) if started_from(d, model) else None for d in dirs]
     if any(r is None for r in rows):
         return None
     return {k: sum(r[k] for r in rows) / len(rows) for k in METRICS if all(r.get(k) is not None for r in rows)}
@@ -66,16 +86,16 @@ def seed_rows(rdir: Path, cfg, variant: str, task: str) -> dict:
     """Every row of one seed and target set that finished: name -> fraction -> metrics."""
     ft = cfg.finetune_seeds or [None]  # None: one SFT per kept set, named by its records alone
     fr = [pct(f) for f in cfg.remove_fractions]
-    mixed = _kept_row(rdir, rdir / "pool.jsonl", ft, task) if cfg.finetune_seeds else _measure(rdir / "mixed", task)
-    out = {"Start": dict.fromkeys(fr, _measure(rdir / "start", task)), "Mixed": dict.fromkeys(fr, mixed)}
+    mixed = kept_row(rdir, rdir / "pool.jsonl", ft, task) if cfg.finetune_seeds else measure(rdir / "mixed", task)
+    out = {"Start": dict.fromkeys(fr, measure(rdir / "start", task)), "Mixed": dict.fromkeys(fr, mixed)}
     for q in list(cfg.partial_oracles) + [1.0]:
         name, d = ("Oracle", "oracle") if q == 1.0 else (f"Oracle {pct(q)}%", f"oracle-{pct(q)}")
         if (rdir / d / "kept.jsonl").is_file():
-            out[name] = dict.fromkeys(fr, _kept_row(rdir, rdir / d / "kept.jsonl", ft, task))
+            out[name] = dict.fromkeys(fr, kept_row(rdir, rdir / d / "kept.jsonl", ft, task))
     removal = rdir / variant / "removal"
     for f in fr:
         for mdir in sorted((removal / f"k{f}").glob("*")) if (removal / f"k{f}").is_dir() else []:
-            out.setdefault(mdir.name, {})[f] = _kept_row(rdir, mdir / "kept.jsonl", ft, task)
+            out.setdefault(mdir.name, {})[f] = kept_row(rdir, mdir / "kept.jsonl", ft, task)
     return out
 
 
@@ -110,6 +130,7 @@ def collect(run_dir: Path, cfg, variant: str, task: str) -> dict:
 
 
 def tables(seeds: dict, cfg) -> dict:
+    """The tables of :func:`collect`'s seeds: rows, AUROC, recall, floors and paired differences."""
     names = list(dict.fromkeys(n for s in seeds.values() for n in s["rows"]))
     fr = [pct(f) for f in cfg.remove_fractions]
     out = {"rows": {}, "paired": {}, "auroc": {}, "recall": {}, "floors": {},
@@ -152,6 +173,7 @@ def _fmt(c: dict, ci: bool = False) -> str:
 
 
 def markdown(t: dict, cfg) -> str:
+    """:func:`tables` as markdown."""
     fr = [pct(f) for f in cfg.remove_fractions]
     titles = t.get("titles") or {}
 
@@ -226,28 +248,74 @@ def plot(seeds: dict, t: dict, cfg, path: Path, metric: str = "harmful_preferenc
     fig.savefig(path, dpi=120)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--variant", default="probes")
-    ap.add_argument("--task", default="carry", help="the behaviour probes' task")
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--markdown", type=Path)
-    ap.add_argument("--plot", type=Path, help="a PNG of the dose-response")
-    a = ap.parse_args()
-    cfg = load_config(a.config, "repair")
-    seeds = collect(a.run_dir, cfg, a.variant, a.task)
-    t = tables(seeds, cfg)
-    if a.json:
-        a.json.write_text(json.dumps({"seeds": seeds, "tables": t}, indent=1, default=str))
-    md = markdown(t, cfg)
-    if a.markdown:
-        a.markdown.write_text(md)
-    if a.plot:
-        plot(seeds, t, cfg, a.plot)
-    print(md)
+def several_finetune_seeds(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds retrainings under several fine-tuning seeds
+    (``retrain/<hash>-ft<seed>``), which :func:`retrained_rows` does not read."""
+    return any(Path(run_dir).glob("runs/*/seed*/retrain/*-ft*"))
 
 
-if __name__ == "__main__":
-    main()
+def retrained_rows(run_dir: Path, task: str) -> list:
+    """One row per (setting, seed, targets, fraction, method) with a finished retraining:
+    a removal is found by its kept set (``runs/<setting>/seed<k>/<targets>/removal/
+    k<pct>/<method>/kept.jsonl``), its SFT and responses in ``retrain/<hash of the kept
+    ids>/``, shared by every removal that keeps the same records (a method whose top k% is
+    exactly the harmful set shares the Oracle's)."""
+    rows = []
+    for seed_dir in sorted(run_dir.glob("runs/*/seed*")):
+        base = {"setting": seed_dir.parent.name, "seed": int(seed_dir.name[4:])}
+        fixed = {"Start": finished_responses(seed_dir / "start"), "Mixed": finished_responses(seed_dir / "mixed")}
+        oracle_kept = seed_dir / "oracle" / "kept.jsonl"
+        oracle_dir = retrain_dir(seed_dir, oracle_kept) if oracle_kept.is_file() else None
+        fixed["Oracle"] = finished_responses(oracle_dir) if oracle_dir else None
+        for kdir in sorted(seed_dir.glob("*/removal/k*")):
+            targets, frac = kdir.parent.parent.name, kdir.name[1:]
+            found = dict(fixed)
+            for mdir in sorted(p for p in kdir.iterdir() if (p / "kept.jsonl").is_file()):
+                tdir = retrain_dir(seed_dir, mdir / "kept.jsonl")
+                found[mdir.name] = finished_responses(tdir)
+            for method, resp in found.items():
+                if resp is None:
+                    continue
+                rows.append({**base, "targets": targets, "fraction": frac, "method": method,
+                             "same_as_oracle": method not in fixed and oracle_dir is not None
+                             and resp.parent == oracle_dir,
+                             "dir": str(resp.parent.relative_to(run_dir)), **rates_by_task(resp, task)})
+    return rows
+
+
+def retrained_summary(rows: list) -> list:
+    """Per (setting, targets, fraction, method): the seeds, and the mean and sd of the
+    behaviour rate and capability over them."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["setting"], r["targets"], r["fraction"], r["method"]), []).append(r)
+    out = []
+    for (setting, targets, frac, method), rs in groups.items():
+        s = {"setting": setting, "targets": targets, "fraction": frac, "method": method,
+             "seeds": sorted(r["seed"] for r in rs), "same_as_oracle": sorted(r["seed"] for r in rs if r["same_as_oracle"])}
+        for k in ("behaviour_rate", "capability"):
+            ms = mean_std([r[k] for r in rs if r[k] is not None])
+            s[k], s[k + "_std"] = ms["mean"], ms["std"]
+        out.append(s)
+    order = {"Start": 0, "Mixed": 1, "Oracle": 3}
+    return sorted(out, key=lambda s: (s["setting"], s["targets"], int(s["fraction"]), order.get(s["method"], 2),
+                                      s["method"]))
+
+
+def _cell(s: dict, k: str) -> str:
+    if s[k] is None:
+        return "-"
+    return f"{s[k]:.3f}" + (f" ± {s[k + '_std']:.3f}" if s[k + "_std"] is not None else "")
+
+
+def retrained_markdown(summary: list) -> str:
+    """:func:`retrained_summary` as a markdown table."""
+    lines = ["| setting | targets | remove top % | row | seeds | behaviour rate | capability |",
+             "|---|---|---|---|---|---|---|"]
+    for s in summary:
+        seeds = ",".join(map(str, s["seeds"])) + (" (kept set = Oracle's)" if s["same_as_oracle"] == s["seeds"]
+                                                    else f" (= Oracle's for {s['same_as_oracle']})"
+                                                    if s["same_as_oracle"] else "")
+        lines.append(f"| {s['setting']} | {s['targets']} | {s['fraction']} | {s['method']} | {seeds} | "
+                     f"{_cell(s, 'behaviour_rate')} | {_cell(s, 'capability')} |")
+    return "\n".join(lines)

@@ -1,0 +1,9 @@
+"""`prism-select experiment merge` under this script's old name (the tables live in
+:mod:`prism_select.evaluation.tables`; `prism-select experiment merge --help` for the options)."""
+
+import sys
+
+from prism_select.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["experiment", "merge", *sys.argv[1:]]))
