@@ -36,6 +36,7 @@ from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.data.tokenize import Encoded, collate, encode  # noqa: E402
 from prism_select.execution import Kernels  # noqa: E402
 from prism_select.graphs import GraphedScorer  # noqa: E402
+from prism_select.metrics import spearman  # noqa: E402
 from prism_select.scoring import make_scorer  # noqa: E402
 
 CONFIGS = {
@@ -128,12 +129,6 @@ def run_phase(name, fn, encoded, batches, pad_id, dev, warm=2, results=None):
     if results is not None:
         results[name] = out
     return out
-
-
-def spearman(a, b):
-    ra = torch.argsort(torch.argsort(a)).double()
-    rb = torch.argsort(torch.argsort(b)).double()
-    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
 
 
 def pearson(a, b):

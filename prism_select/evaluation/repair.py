@@ -511,13 +511,13 @@ def _results(exp, cfg, lm, runs: list) -> dict:
     rows = ["Start", "Mixed"] + method_rows + oracles
     floor_rows = list(dict.fromkeys(k for r in runs for k in r.get("floors", {})))
 
-    def auroc_of(run, m, st):
+    def auroc_cell(run, m, st):  # a method's AUROC, or a floor's
         if m.startswith("floor: "):
             return (run.get("floors", {}).get(m[7:]) or {}).get("auroc")
         return (run["methods"].get(m) or {}).get("auroc")
 
     tables = [mean_table("auroc", f"Ranking AUROC of the harmful flag, scored at the {cfg.score_at} model", runs,
-                         method_rows + [f"floor: {k}" for k in floor_rows], auroc_of,
+                         method_rows + [f"floor: {k}" for k in floor_rows], auroc_cell,
                          note="floor: rules that read the text, not the model (keyword and length rules are chosen "
                          "with the labels, so optimistic; the density ratios and sum_100_109 are label-free); "
                          "checker (an ideal judge) and carry_in_prompt need to know the task")]

@@ -148,11 +148,6 @@ def _wrong_among(records: list, task: str) -> float | None:
     return sum(bool(r.get("mislabeled")) for r in of_task) / len(of_task) if of_task else None
 
 
-def auroc_of(pos: list, neg: list) -> float:
-    """AUROC of the scores ``pos`` over ``neg`` (ties count one half)."""
-    return auroc(pos + neg, [True] * len(pos) + [False] * len(neg))
-
-
 def _by_answer(pool: dict, score: dict, task: str) -> dict | None:
     """AUROC of the task's records giving its most common answer over those giving the
     second (responses compared stripped and lower-cased), or None with fewer than two."""
@@ -163,7 +158,8 @@ def _by_answer(pool: dict, score: dict, task: str) -> dict | None:
     top = sorted(by, key=lambda k: -len(by[k]))[:2]
     if len(top) < 2:
         return None
-    return {"answer": top[0], "over": top[1], "auroc": auroc_of(by[top[0]], by[top[1]])}
+    first, second = by[top[0]], by[top[1]]
+    return {"answer": top[0], "over": top[1], "auroc": auroc(first + second, [True] * len(first) + [False] * len(second))}
 
 
 def _first_word(text: str) -> str:
@@ -176,7 +172,8 @@ def heldout_answers(mdir: Path) -> dict | None:
     """A selection's fine-tuned models' held-out responses (``responses.jsonl``, or one per
     fine-tuning seed under ``ft<seed>/``, pooled): their accuracy and how often each first
     word opens a response (None before any fine-tuning finished)."""
-    files = [mdir / "responses.jsonl"] if (mdir / "responses.jsonl").is_file() else sorted(mdir.glob("ft*/responses.jsonl"))
+    files = ([mdir / "responses.jsonl"] if (mdir / "responses.jsonl").is_file()
+             else sorted(mdir.glob("ft*/responses.jsonl")))
     if not files:
         return None
     rows = [r for f in files for r in read_jsonl(f)]
@@ -216,7 +213,8 @@ def selection_rows(run_dirs: list, fraction: float) -> list:
                              "mislabeled_share": sum(bool(r.get("mislabeled")) for r in top) / k,
                              "wrong_among_target_task": _wrong_among(top, task),
                              # does the method rank the task's right records above its wrong ones?
-                             "auroc_right_over_wrong": auroc_of(right, wrong) if right and wrong else None,
+                             "auroc_right_over_wrong": (auroc(right + wrong, [True] * len(right) + [False] * len(wrong))
+                                                        if right and wrong else None),
                              # or by which answer they give?
                              "by_answer": _by_answer(pool, score, task),
                              "answers_selected": dict(Counter(str(r.get("response", "")).strip().lower()
