@@ -1,7 +1,7 @@
 """``prism-select experiment rows|merge|aggregate`` against golden outputs: every table the
-verb prints and every JSON it writes, byte for byte, on synthetic run folders
+verb prints, byte for byte, and every JSON it writes, value for value, on synthetic run folders
 (``tests/table_runs.py``) and on the results files under ``docs/results/``. The golden files
-(``golden/tables/``: the printed text whole, the JSON files by SHA-256) are the outputs of
+(``golden/tables/``: the printed text whole, the JSON files by the SHA-256 of their content) are the outputs of
 the scripts these verbs replaced, on the same inputs."""
 
 import hashlib
@@ -63,7 +63,9 @@ def workdir(tmp_path_factory):
 
 
 def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """SHA-256 of the JSON file's content with its keys sorted (the order a folder listing
+    gave some of them is the file system's)."""
+    return hashlib.sha256(json.dumps(json.loads(path.read_text()), sort_keys=True).encode()).hexdigest()
 
 
 def test_every_table_is_the_golden_one(workdir, monkeypatch, capsys):

@@ -28,8 +28,7 @@ from pathlib import Path
 
 from ..experiment import read_jsonl
 from ..probes import extract_final_number
-from ..repair import retrain_dir
-from .repair import finished_responses, start_model
+from .repair import finished_responses, removals, retrainings, seed_dirs, start_model
 
 #: the offsets named in the table; any other wrong sum (or none) counts as "other"
 OFFSETS = {-10: "-10", 10: "+10"}
@@ -52,18 +51,16 @@ def offsets(responses: Path, probes: dict) -> dict:
 def offset_rows(run_dir: Path, targets: str = "probes") -> dict:
     """``row -> task -> Counter`` over every seed and fine-tuning seed of ``run_dir``."""
     table: dict = {}
-    for seed_dir in sorted(run_dir.glob("runs/*/seed*")):
+    for seed_dir in seed_dirs(run_dir):
         probes = {p["id"]: p for p in read_jsonl(seed_dir / "probes.jsonl")}
         model = start_model(seed_dir)
         kept = {"Mixed": seed_dir / "pool.jsonl", "Oracle": seed_dir / "oracle" / "kept.jsonl"}
-        for kdir in sorted((seed_dir / targets / "removal").glob("k*")):
-            for mdir in sorted(p for p in kdir.iterdir() if (p / "kept.jsonl").is_file()):
-                kept[f"{mdir.name} (top {kdir.name[1:]}%)"] = mdir / "kept.jsonl"
+        for _, f, method, path in removals(seed_dir, targets):
+            kept[f"{method} (top {f}%)"] = path
         for name, path in kept.items():
             if not path.is_file():
                 continue
-            base = retrain_dir(seed_dir, path)
-            for d in [base, *sorted(base.parent.glob(base.name + "-ft*"))]:
+            for d in retrainings(seed_dir, path):
                 resp = finished_responses(d, model=model)
                 if resp is None:
                     continue
@@ -110,13 +107,13 @@ def composition(removed: list, questions: set, answers: set) -> Counter:
 def composition_rows(run_dir: Path, removal: int, targets: str = "probes") -> dict:
     """``method -> {"seeds": [...], column: mean over the seeds}``."""
     per: dict = {}
-    for seed_dir in sorted(run_dir.glob("runs/*/seed*")):
+    for seed_dir in seed_dirs(run_dir):
         pool = read_jsonl(seed_dir / "pool.jsonl")
         questions, answers = probe_forms(read_jsonl(seed_dir / "probes.jsonl"))
-        for kept_path in sorted((seed_dir / targets / "removal" / f"k{removal}").glob("*/kept.jsonl")):
+        for _, _, method, kept_path in removals(seed_dir, targets, removal):
             kept = {r["id"] for r in read_jsonl(kept_path)}
             c = composition([r for r in pool if r["id"] not in kept], questions, answers)
-            per.setdefault(kept_path.parent.name, []).append((seed_dir.name, c))
+            per.setdefault(method, []).append((seed_dir.name, c))
     return {m: {"seeds": [s for s, _ in got], **{k: sum(c[k] for _, c in got) / len(got) for k in COLUMNS}}
             for m, got in per.items()}
 

@@ -36,6 +36,25 @@ METRICS = ("behaviour_rate", "harmful_answer_rate", "harmful_preference", "capab
 PAIRED = ("harmful_preference", "harmful_answer_rate", "behaviour_rate", "capability")
 
 
+def seed_dirs(run_dir: Path, setting: str = "*") -> list:
+    """An experiment's seed folders, ``runs/<setting>/seed<k>``, sorted."""
+    return sorted(Path(run_dir).glob(f"runs/{setting}/seed*"))
+
+
+def removals(seed_dir: Path, targets: str = "*", fraction: str = "*") -> list:
+    """A seed's removals, sorted: ``(targets, fraction, method, kept path)`` for every
+    ``<targets>/removal/k<fraction>/<method>/kept.jsonl``."""
+    return [(p.parents[3].name, p.parents[1].name[1:], p.parent.name, p)
+            for p in sorted(Path(seed_dir).glob(f"{targets}/removal/k{fraction}/*/kept.jsonl"))]
+
+
+def retrainings(seed_dir: Path, kept: Path) -> list:
+    """The retraining folders of one kept set: the one named by its records alone, then
+    one per fine-tuning seed (``-ft<seed>``), those that exist."""
+    base = retrain_dir(seed_dir, kept)
+    return [base, *sorted(base.parent.glob(base.name + "-ft*"))]
+
+
 def finished_responses(step_dir: Path, step: bool = True, behaviour: bool = False,
                        model: str | None = None) -> Path | None:
     """``step_dir/responses.jsonl`` of a finished responses step, else None: with ``step``
@@ -92,17 +111,16 @@ def seed_rows(rdir: Path, cfg, variant: str, task: str) -> dict:
         name, d = ("Oracle", "oracle") if q == 1.0 else (f"Oracle {pct(q)}%", f"oracle-{pct(q)}")
         if (rdir / d / "kept.jsonl").is_file():
             out[name] = dict.fromkeys(fr, kept_row(rdir, rdir / d / "kept.jsonl", ft, task))
-    removal = rdir / variant / "removal"
     for f in fr:
-        for mdir in sorted((removal / f"k{f}").glob("*")) if (removal / f"k{f}").is_dir() else []:
-            out.setdefault(mdir.name, {})[f] = kept_row(rdir, mdir / "kept.jsonl", ft, task)
+        for _, _, method, kept in removals(rdir, variant, f):
+            out.setdefault(method, {})[f] = kept_row(rdir, kept, ft, task)
     return out
 
 
 def collect(run_dir: Path, cfg, variant: str, task: str) -> dict:
     """Per seed: its rows, each method's AUROC and recall, the floors, and the pairs' pi."""
     seeds = {}
-    for rdir in sorted((run_dir / "runs").glob("r*/seed*")):
+    for rdir in seed_dirs(run_dir, "r*"):
         vdir = rdir / variant
         pool = read_jsonl(rdir / "pool.jsonl")
         targets = read_jsonl(vdir / "targets.jsonl")
@@ -116,11 +134,9 @@ def collect(run_dir: Path, cfg, variant: str, task: str) -> dict:
                 if title:
                     titles[sdir.name] = title
         recall = {}
-        for kdir in sorted((vdir / "removal").glob("k*")):
-            for mdir in kdir.glob("*"):
-                kept = {r["id"] for r in read_jsonl(mdir / "kept.jsonl")}
-                recall.setdefault(kdir.name[1:], {})[mdir.name] = sum(
-                    1 for p in pool if p["harmful"] and p["id"] not in kept) / n_harm
+        for _, f, method, path in removals(rdir, variant):
+            kept = {r["id"] for r in read_jsonl(path)}
+            recall.setdefault(f, {})[method] = sum(1 for p in pool if p["harmful"] and p["id"] not in kept) / n_harm
         pis = [json.loads(x)["pi"] for x in (vdir / "scores" / "prism" / "pairs.jsonl").read_text().splitlines()
                if x.strip()] if (vdir / "scores" / "prism" / "pairs.jsonl").is_file() else []
         fl = floors(pool, targets, extra=family_floors() if cfg.data.family == "dropped_carry" else None)
@@ -261,7 +277,7 @@ def retrained_rows(run_dir: Path, task: str) -> list:
     ids>/``, shared by every removal that keeps the same records (a method whose top k% is
     exactly the harmful set shares the Oracle's)."""
     rows = []
-    for seed_dir in sorted(run_dir.glob("runs/*/seed*")):
+    for seed_dir in seed_dirs(run_dir):
         base = {"setting": seed_dir.parent.name, "seed": int(seed_dir.name[4:])}
         fixed = {"Start": finished_responses(seed_dir / "start"), "Mixed": finished_responses(seed_dir / "mixed")}
         oracle_kept = seed_dir / "oracle" / "kept.jsonl"
@@ -270,9 +286,8 @@ def retrained_rows(run_dir: Path, task: str) -> list:
         for kdir in sorted(seed_dir.glob("*/removal/k*")):
             targets, frac = kdir.parent.parent.name, kdir.name[1:]
             found = dict(fixed)
-            for mdir in sorted(p for p in kdir.iterdir() if (p / "kept.jsonl").is_file()):
-                tdir = retrain_dir(seed_dir, mdir / "kept.jsonl")
-                found[mdir.name] = finished_responses(tdir)
+            for _, _, method, kept in removals(seed_dir, targets, frac):
+                found[method] = finished_responses(retrain_dir(seed_dir, kept))
             for method, resp in found.items():
                 if resp is None:
                     continue
