@@ -40,7 +40,7 @@ from ..io import atomic_write_json, sha256_file
 from . import builders, carry, verdict
 from .behaviour import harmful_answer_rate, harmful_preference, has_behaviour_fields
 from .config import RepairConfig, config_to_dict, finetune_settings
-from .experiment import (Experiment, _adapted, finish_experiment, free_cuda_cache, load_start, load_start_settings,
+from .experiment import (Experiment, adapted, finish_experiment, free_cuda_cache, load_start, load_start_settings,
                          mean_table,
                          finetuned_responses, kept_adapter_step, mistake_math_run, paired_table, pct, rates_by_task, read_jsonl,
                          resolve_methods, respond, score_methods, train_adapter, write_if_changed)
@@ -106,7 +106,7 @@ def _carry_distractors(cfg, variant, ratio: float, seed: int, built: dict | None
     return (built or _carry_data(cfg, ratio, seed))["distractors"][:variant.n_distractors]
 
 
-def _pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
+def pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
     """``(run dir, pool, pool path, probes, probes path, behaviour task)`` of one (ratio, seed)."""
     if cfg.data.family in ("dropped_carry", "carry_verdict"):
         rdir = exp.out / "runs" / f"r{pct(ratio)}" / f"seed{seed}"
@@ -137,7 +137,7 @@ def _pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
     return rdir, pool, pool_path, probes, probes_path, task
 
 
-def _checker_spec(cfg):
+def checker_spec(cfg):
     """The checker of the probes: the behaviour checker, and the capability checker for
     the capability probes when there are any."""
     if cfg.data.family in ("mistake_math", "dropped_carry", "carry_verdict") or not cfg.probes.capability_per_task:
@@ -215,7 +215,7 @@ def _behaviour(exp, lm, probes_path: Path, responses_path: Path, out_dir: Path, 
     if exp.done(out_dir, key, ["behaviour.json"], "behaviour-step"):
         return json.loads(path.read_text())
     beh = [p for p in probes if p.get("task") == task]
-    with _adapted(lm, adapter) as m:
+    with adapted(lm, adapter) as m:
         prefs = harmful_preference(m, beh)
     out = {"harmful_answer_rate": harmful_answer_rate(probes, read_jsonl(responses_path), task),
            "harmful_preference": sum(prefs) / len(prefs) if prefs else float("nan")}
@@ -362,7 +362,7 @@ def repair(config: RepairConfig, out_dir, *, overwrite: bool = False, jobs: int 
     exp = Experiment(out_dir, "repair", cfg, overwrite)
     methods_all = resolve_methods(cfg.methods)
     lm = load_start(exp, cfg)
-    checker = _checker_spec(cfg)
+    checker = checker_spec(cfg)
     deferred: list = []  # (row to fill, _retrain's arguments) with jobs > 1
 
     def retrain(*args) -> dict:
@@ -429,7 +429,7 @@ def _setting(exp, cfg, lm, ratio: float, seed: int, checker, methods_all: list, 
     from ..model import load_model
     from .floors import floors
     fractions = cfg.remove_fractions or [cfg.remove_fraction if cfg.remove_fraction is not None else ratio]
-    rdir, pool, pool_path, probes, probes_path, task = _pool_and_probes(exp, cfg, ratio, seed)
+    rdir, pool, pool_path, probes, probes_path, task = pool_and_probes(exp, cfg, ratio, seed)
     harmful_ids = {p["id"] for p in pool if p["harmful"]}
     # 1. pre- and post-SFT responses
     pre = respond(exp, lm, probes_path, rdir / "start", checker, "start")
