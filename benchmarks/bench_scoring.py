@@ -36,6 +36,7 @@ from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.data.tokenize import Encoded, collate, encode  # noqa: E402
 from prism_select.execution import Kernels  # noqa: E402
 from prism_select.graphs import GraphedScorer  # noqa: E402
+from prism_select.metrics import spearman  # noqa: E402
 from prism_select.scoring import make_scorer  # noqa: E402
 
 CONFIGS = {
@@ -128,12 +129,6 @@ def run_phase(name, fn, encoded, batches, pad_id, dev, warm=2, results=None):
     if results is not None:
         results[name] = out
     return out
-
-
-def spearman(a, b):
-    ra = torch.argsort(torch.argsort(a)).double()
-    rb = torch.argsort(torch.argsort(b)).double()
-    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
 
 
 def pearson(a, b):
@@ -526,16 +521,6 @@ def main():
     lib_route("lib_exact_s32_graphs", True, precision="split32")
     lib_route("lib_exact_s32k_graphs", True, precision="split32", split_gemm="kcat")
     lib_route("lib_exact_s32b_graphs", True, precision="split32", split_backward=True)
-    if "jvp_mixed" in routes:  # hand-written forward-mode JVP, float32 tangent sites (benchmarks/mixed_jvp.py)
-        try:
-            from mixed_jvp import MixedJVPScorer
-            for tag, kw in (("jvp_mixed", {}), ("jvp_mixed_bf16", {"sites": ()})):
-                sc = MixedJVPScorer(model, modules, V, **kw)
-                with sc:
-                    run_phase(tag, sc.score, encoded, batches, pad_id, dev, results=R)
-                del sc
-        except Exception as e:  # a route that cannot run must not lose the others
-            R["jvp_mixed"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     if "kronfluence" in routes and a.fit_n > 0:
         try:
             import kronfluence  # noqa: F401

@@ -129,7 +129,7 @@ def main():
         wrap(fit._Spill, "scores", "scoring (from the fit's spill)")
     # spill.FitScores (the pool scored inside the spilled fit's tasks) is not a stage of its own:
     # its work runs on the fit's workers, within "fit: factors, eigh, eigenvalues (spill)"
-    # (benchmarks/fit_phases.py times it per thread)
+    # (the answered probe fit_phases.py timed it per thread: `git show 0b0d5df:benchmarks/fit_phases.py`)
     c, w, q = time.process_time(), time.perf_counter(), runqueue_wait_s()
     k0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
     load0 = os.getloadavg()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from prism_select.evaluation_metrics import spearman
+from prism_select.metrics import spearman
 
 
 def load(run):

@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prism_select.evaluation import builders  # noqa: E402
 from prism_select.evaluation.experiment import read_jsonl  # noqa: E402
-from prism_select.evaluation_metrics import auroc, spearman  # noqa: E402
+from prism_select.evaluation_metrics import auroc  # noqa: E402
+from prism_select.metrics import spearman  # noqa: E402
 from prism_select.selection import read_scores  # noqa: E402
 
 GSM8K_RECORDS = 5500

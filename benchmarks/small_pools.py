@@ -57,11 +57,11 @@ from bench_scoring import load_embedded  # noqa: E402
 from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature  # noqa: E402
 from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.curvature.base import apply_damping  # noqa: E402
-from prism_select.curvature.support import (DAMPING_LADDER, agreement_sample, spearman,  # noqa: E402
-                                            supported_damping_factor)
+from prism_select.curvature.support import DAMPING_LADDER, agreement_sample, supported_damping_factor  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.evaluation import builders  # noqa: E402
 from prism_select.evaluation_metrics import auroc  # noqa: E402
+from prism_select.metrics import spearman  # noqa: E402
 from prism_select.engine import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.preference import DIRECTION_KERNELS, compute_preference  # noqa: E402

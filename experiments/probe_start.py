@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from prism_select.evaluation.config import load_config  # noqa: E402
 from prism_select.evaluation.experiment import Experiment, load_start, rates_by_task, respond  # noqa: E402
-from prism_select.evaluation.repair import _checker_spec, _pool_and_probes  # noqa: E402
+from prism_select.evaluation.repair import checker_spec, pool_and_probes  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -42,8 +42,8 @@ def main(argv=None) -> int:
     for seed in cfg.seeds:
         for ratio in cfg.harmful_ratios:
             t = time.perf_counter()
-            rdir, _, _, _, probes_path, task = _pool_and_probes(exp, cfg, ratio, seed)
-            resp = respond(exp, lm, probes_path, rdir / "start", _checker_spec(cfg), "start")
+            rdir, _, _, _, probes_path, task = pool_and_probes(exp, cfg, ratio, seed)
+            resp = respond(exp, lm, probes_path, rdir / "start", checker_spec(cfg), "start")
             rates = rates_by_task(resp, task)
             summary[f"seed{seed}"] = rates
             print(f"seed {seed}: behaviour rate {rates['behaviour_rate']:.3f} over {rates['n_behaviour']} probes; "

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from prism_select.evaluation.builders import wrong_answer
-from prism_select.evaluation.experiment import _adapted, majority_answer_floor
+from prism_select.evaluation.experiment import adapted, majority_answer_floor
 from prism_select.evaluation.finetune import FinetuneSettings, finetune
 from prism_select.evaluation.probes import generate, leading_answer
 from prism_select.io import atomic_write_jsonl
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                 atomic_write_jsonl(pool, records)
                 res = finetune(lm, pool, Path(tmp) / "sft", FinetuneSettings.preset("general", seed=a.seed, **SFT),
                                overwrite=True)
-                with _adapted(lm, Path(res.adapter_dir)) as m:
+                with adapted(lm, Path(res.adapter_dir)) as m:
                     after[str(share)] = _scores(probes, generate(m, prompts, max_new_tokens=a.max_new_tokens,
                                                                  batch_size=64))
         acc, _ = majority_answer_floor(probes)

@@ -13,6 +13,7 @@ import sys
 import typing
 from pathlib import Path
 
+from .cli_experiment import add_experiment_parser
 from .errors import PrismError
 
 # OpenMP threads that wait at a barrier sleep instead of spinning. With spinning (the
@@ -261,30 +262,6 @@ def cmd_methods(a):
         print(f"{name:<{width}}  {text}")
 
 
-def _cell_text(c: dict) -> str:
-    """A table cell as the terminal shows it: mean +- sd, or for a paired difference its
-    mean and 95% interval."""
-    if c["mean"] is None:
-        return "-"
-    if c.get("ci"):
-        return f"{c['mean']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}]"
-    return f"{c['mean']:.3f}" + (f" +- {c['std']:.3f}" if c["std"] is not None else "")
-
-
-def cmd_experiment(a):
-    from .evaluation.protocols import run_experiment
-    results = run_experiment(a.protocol, a.config, a.out, seeds=a.seeds, smoke=a.smoke,
-                             data_root=a.data_root, overwrite=a.overwrite, jobs=a.jobs,
-                             target_tasks=a.target_tasks, harmful_ratios=a.harmful_ratios)
-    out = Path(a.out)
-    for t in results["tables"]:
-        print(t["title"])
-        print("  " + " | ".join(["method"] + [str(c) for c in t["columns"]]))
-        for r in t["rows"]:
-            print("  " + " | ".join([r.get("title") or r["label"]] + [_cell_text(c) for c in r["cells"]]))
-    print(f"wrote {out / 'results.json'}" + (f" and {out / 'report.html'}" if (out / "report.html").exists() else ""))
-
-
 def cmd_build_data(a):
     from .evaluation import builders as b
     if a.family == "mistake-math":
@@ -361,7 +338,6 @@ EXAMPLES = {
                "      --methods prism equal random --label harmful --out runs/compare",
     "methods": "example:\n  prism-select methods",
     "demo": "example:\n  prism-select demo --out prism-demo",
-    "experiment": "example:\n  prism-select experiment ranking --config experiments/gsm8k.yaml --out runs/ranking --seeds 0 1 2",
     "build-data": "example:\n  prism-select build-data mistake-math --gsm8k train.jsonl --out pool.jsonl --targets-out targets.jsonl",
     "mistake-math": "example:\n  prism-select build-data mistake-math --gsm8k train.jsonl --n 300 --out pool.jsonl "
                     "--targets-out targets.jsonl",
@@ -375,26 +351,8 @@ def _parser(sub, name: str, **kw) -> argparse.ArgumentParser:
 
 
 def _add_evaluation_parsers(sub):
-    ex = _parser(sub, "experiment", help="run an evaluation protocol (ranking, repair, select) from a config")
-    ex.add_argument("protocol", choices=["ranking", "repair", "select"],
-                    help="ranking AUROC on mixed pools, filter-and-retrain repair, or select-and-fine-tune")
-    ex.add_argument("--config", required=True, help="YAML or JSON config (see prism_select.evaluation.protocols)")
-    ex.add_argument("--out", required=True, help="experiment directory (rerun the same command to resume)")
-    ex.add_argument("--seeds", type=int, nargs="+", default=None, help="override the config's seeds")
-    ex.add_argument("--smoke", action="store_true", help="apply the config's 'smoke' section (a tiny variant)")
-    ex.add_argument("--data-root", default=None, help="resolve relative data paths here "
-                    "(default $PRISM_DATA_ROOT, else the config's data_root)")
-    ex.add_argument("--overwrite", action="store_true", help="replace an experiment with another config in --out")
-    ex.add_argument("--jobs", type=int, default=1, metavar="N",
-                    help="repair: run the retrainings in N worker processes once every setting is scored "
-                         "(same results; on a GPU a small model's SFTs share the device)")
-    ex.add_argument("--target-tasks", nargs="+", default=None, metavar="TASK",
-                    help="select: select for these target tasks of a multitask pool only (the pool is the same; "
-                         "runs that split the tasks, e.g. one per GPU, merge with experiments/aggregate_seeds.py)")
-    ex.add_argument("--harmful-ratios", type=float, nargs="+", default=None, metavar="R",
-                    help="ranking / repair: these harmful ratios instead of the config's (runs of other ratios "
-                         "may share --out, e.g. one process per ratio, as runs of other --seeds do)")
-    ex.set_defaults(func=cmd_experiment)
+    add_experiment_parser(sub, lambda s, name, epilog, **kw: s.add_parser(name, formatter_class=_HelpFormatter,
+                                                                        epilog=epilog, **kw))
 
     bd = _parser(sub, "build-data", help="build evaluation data from GSM8K or BIG-Bench-Hard files")
     fam = bd.add_subparsers(dest="family", required=True)
@@ -592,7 +550,7 @@ def main(argv=None) -> int:
     previous = _on_sigterm()
     try:
         _check_path_names(a)
-        a.func(a)
+        rc = a.func(a)
     except PrismError as exc:
         print(f"prism-select: error: {exc}", file=sys.stderr)
         return 2
@@ -613,7 +571,7 @@ def main(argv=None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    return 0
+    return rc if type(rc) is int else 0  # a command's own exit status (experiment rows: 1 when nothing to table)
 
 
 #: the command's path arguments whose names are checked before any work

@@ -1,7 +1,12 @@
 """Ranking metrics of scores against boolean labels: AUROC, AUPRC and ROC points
-(scikit-learn's), Spearman's rank correlation, and their forms read from a scores file
-and a pool's label field.
+(scikit-learn's), and their forms read from a scores file and a pool's label field. The
+one AUROC of prism-select is :func:`auroc`; Spearman's rank correlation (score list
+against score list) is :func:`prism_select.metrics.spearman`.
 
+AUROC counts a positive and a negative record with tied scores as one half (the
+Mann-Whitney statistic: the probability that a random positive outscores a random
+negative, ties split evenly), so a constant score list gives 0.5, the chance level: the
+scores order no pair, and an ordering that was not made cannot count for or against.
 AUROC is undefined when a class is empty (no positive or no negative label), AUPRC
 without a positive label; either is then NaN, whatever the installed scikit-learn
 would do (raise, or warn), so an experiment whose pool has no harmful record (harmful
@@ -76,23 +81,6 @@ def roc_points(scores: list, labels: list) -> tuple[list, list]:
         return (zeros, rates) if any(labels) else (rates, zeros)
     fpr, tpr, _ = _sklearn_metrics().roc_curve(labels, scores, drop_intermediate=False)
     return [float(x) for x in fpr], [float(x) for x in tpr]
-
-
-def spearman(a: list, b: list) -> float:
-    """Spearman rank correlation (ties ranked in input order: meant for continuous
-    scores); NaN when either side is constant."""
-    import torch
-
-    def ranks(x):
-        x = torch.as_tensor(x, dtype=torch.float64)
-        r = torch.empty_like(x)
-        r[torch.argsort(x, stable=True)] = torch.arange(len(x), dtype=torch.float64)
-        return r - r.mean()
-
-    if len(set(map(float, a))) < 2 or len(set(map(float, b))) < 2:
-        return float("nan")
-    ra, rb = ranks(a), ranks(b)
-    return float((ra @ rb) / (ra.norm() * rb.norm()))
 
 
 def as_bool(value, path=None, row=None, field=None) -> bool:

@@ -26,6 +26,10 @@ page "$OUT/commands.md" "prism-select: every other command"
   section "prism-select"
   for c in select explain methods demo experiment report cache build-data; do section "prism-select $c" "$c"; done
   for c in mistake-math bbh; do section "prism-select build-data $c" build-data "$c"; done
+  for c in ranking rows merge aggregate; do section "prism-select experiment $c" experiment "$c"; done
+  for k in repair retrained rankings select shares offsets composition; do
+    section "prism-select experiment rows $k" experiment rows "$k"
+  done
   echo '## `prism-select methods` (its output)'
   echo; echo '```'; COLUMNS=100 PYTHONPATH="$PWD" "$PY" -m prism_select.cli methods; echo '```'
 } >> "$OUT/commands.md.new"

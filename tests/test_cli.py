@@ -185,7 +185,7 @@ def test_keys_hold_exactly_the_fields_that_change_the_artifact():
 
 
 def test_experiment_cells_print_paired_intervals():
-    from prism_select.cli import _cell_text
+    from prism_select.cli_experiment import _cell_text
     assert _cell_text({"mean": 0.1, "std": 0.2, "ci": [-0.1, 0.3]}) == "+0.100 [-0.100, +0.300]"
     assert _cell_text({"mean": 0.5, "std": 0.1}) == "0.500 +- 0.100"
     assert _cell_text({"mean": 0.5, "std": None}) == "0.500" and _cell_text({"mean": None}) == "-"

@@ -7,8 +7,10 @@ property of the sample rather than of the model. This module measures that from 
 sample itself: it is split at random into two halves, EK-FAC is fitted on each, and each
 half's ``v`` scores the whole fit sample at every damping factor of
 :data:`DAMPING_LADDER`. The halves *agree* at a factor when the Spearman correlation of
-their two score lists reaches :data:`MIN_AGREEMENT`: the sample then determines the
-ranking, not the half it came from.
+their two score lists (:func:`prism_select.metrics.spearman`) reaches
+:data:`MIN_AGREEMENT`: the sample then determines the ranking, not the half it came from.
+A constant score list has no ranking (its Spearman is NaN); it is no disagreement, so it
+does not stop the walk.
 
 :func:`supported_damping_factor` reads the answer: the least factor of the ladder from
 which on the halves agree at every larger factor too (the least damping the sample
@@ -24,7 +26,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import torch
 
 #: damping factors tried, each x the layer's mean eigenvalue (0.1: the default heuristic)
 DAMPING_LADDER = (0.1, 1.0, 10.0, 100.0)
@@ -89,14 +90,6 @@ def split_halves(n: int, seed: int) -> tuple[list, list]:
     order = list(range(n))
     random.Random(f"split-half:{seed}").shuffle(order)
     return sorted(order[: n // 2]), sorted(order[n // 2:])
-
-
-def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Spearman rank correlation of two score lists (ties broken by position)."""
-    rx, ry = (t.double().argsort().argsort().double() for t in (x, y))
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    den = float(rx.norm() * ry.norm())
-    return float(rx @ ry) / den if den > 0 else 1.0
 
 
 def supported_damping_factor(agreement: dict) -> float | None:

@@ -485,7 +485,7 @@ def respond(exp: Experiment, lm, probes_path: Path, out_dir: Path, checker_spec,
         return path
     t = time.perf_counter()
     probes = read_jsonl(probes_path)
-    with _adapted(lm, adapter) as model_lm:
+    with adapted(lm, adapter) as model_lm:
         texts = generate(model_lm, [p["prompt"] for p in probes], max_new_tokens=g.max_new_tokens,
                          batch_size=g.batch_size, max_prompt_tokens=g.max_prompt_tokens, stop=g.stop)
     check = load_checker(checker_spec)
@@ -505,8 +505,8 @@ def respond(exp: Experiment, lm, probes_path: Path, out_dir: Path, checker_spec,
     return path
 
 
-class _adapted:
-    """``with _adapted(lm, adapter) as m``: ``lm`` itself (no adapter), or an object with
+class adapted:
+    """``with adapted(lm, adapter) as m``: ``lm`` itself (no adapter), or an object with
     ``.model`` (``lm``'s model wrapped with the LoRA adapter loaded from disk) and
     ``.tokenizer``; the wrapping is undone on exit, so ``lm`` is the start model again."""
 

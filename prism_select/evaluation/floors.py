@@ -57,7 +57,7 @@ def keyword_floor(records: list, labels: list) -> dict:
     for field in ("prompt", "response"):
         holders: dict = {}
         for i, r in enumerate(records):
-            for g in _grams(_text(r[field])):
+            for g in sorted(_grams(_text(r[field]))):  # sorted: a tie goes to the same rule in every process
                 holders.setdefault(g, []).append(i)
         for g, idx in holders.items():
             if len(idx) < MIN_COUNT:

@@ -144,14 +144,14 @@ def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, 
             run.setdefault("methods_by_task", {})[task] = scored
         sub = "" if one else f"/{task}"
         if cfg.start_row:
-            _merge(run, "Start", respond(exp, lm, heldout_path, tdir / "start", cfg.checker, "start" + sub))
+            merge_responses(run, "Start", respond(exp, lm, heldout_path, tdir / "start", cfg.checker, "start" + sub))
         probes = read_jsonl(heldout_path)
         if probes and all(p.get("reference") is not None for p in probes):
             for key, values in zip(METRICS, majority_answer_floor(probes)):
-                _merge_values(run, key, MAJORITY_ROW, values)
+                merge_values(run, key, MAJORITY_ROW, values)
         if cfg.full_data:
             fdir = sdir / "full" if one else sdir / "full" / task
-            _merge(run, "Full data", finetuned_responses(exp, lm, pool_path, sdir / "full", heldout_path, fdir,
+            merge_responses(run, "Full data", finetuned_responses(exp, lm, pool_path, sdir / "full", heldout_path, fdir,
                                                          seed, "full" + sub))
         if task is not None and cfg.task_floor:
             records = read_jsonl(pool_path)
@@ -199,15 +199,15 @@ def _methods_of_tasks(by_task: dict) -> dict:
             for m in by_task[tasks[0]]}
 
 
-def _merge(run: dict, row: str, responses: Path):
+def merge_responses(run: dict, row: str, responses: Path):
     """Add one split's per-task accuracies (plain and balanced) to ``row``."""
-    _merge_values(run, "accuracy", row, accuracy_by_task(responses))
+    merge_values(run, "accuracy", row, accuracy_by_task(responses))
     balanced = balanced_accuracy_by_task(responses)
     if balanced:
-        _merge_values(run, "balanced_accuracy", row, balanced)
+        merge_values(run, "balanced_accuracy", row, balanced)
 
 
-def _merge_values(run: dict, key: str, row: str, values: dict):
+def merge_values(run: dict, key: str, row: str, values: dict):
     """``run[key][row]`` updated with one split's per-task ``values``; ``mean`` is over
     every task so far."""
     cur = {k: v for k, v in run.setdefault(key, {}).get(row, {}).items() if k != "mean"}
@@ -216,7 +216,7 @@ def _merge_values(run: dict, key: str, row: str, values: dict):
     run[key][row] = cur
 
 
-def _share(run: dict, name: str, task: str, m: str, flags: list):
+def add_share(run: dict, name: str, task: str, m: str, flags: list):
     """``run[name][m]``: the share of true ``flags`` (one per selected record); with
     several target tasks the mean over the tasks so far, each task's in
     ``run[name + "_by_task"]``."""
@@ -247,12 +247,12 @@ def _select_method(exp, lm, run: dict, m: str, scored: dict, task, tdir: Path, p
     run["n_selected"] = write_subset(pool_path, kept, subset)
     if task is not None:
         chosen = read_jsonl(subset)
-        _share(run, "target_task_share", task, m, [r.get("task") == task for r in chosen])
+        add_share(run, "target_task_share", task, m, [r.get("task") == task for r in chosen])
         if cfg.multitask.mislabeled_share:
-            _share(run, "mislabeled_share", task, m, [bool(r.get("mislabeled")) for r in chosen])
+            add_share(run, "mislabeled_share", task, m, [bool(r.get("mislabeled")) for r in chosen])
     tag = f"select:{m}" + ("" if task is None else f"/{task}")
     if not cfg.finetune_seeds:
-        _merge(run, m, finetuned_responses(exp, lm, subset, mdir, heldout_path, mdir, seed, tag))
+        merge_responses(run, m, finetuned_responses(exp, lm, subset, mdir, heldout_path, mdir, seed, tag))
         return
     # one SFT per fine-tuning seed, each in ft<seed>/
     responses = {}
@@ -267,11 +267,11 @@ def merge_finetunes(run: dict, row: str, responses: dict):
     each under ``run["by_finetune_seed"][seed]``, and per task their mean as the row."""
     each = []
     for s, resp in responses.items():
-        _merge(run.setdefault("by_finetune_seed", {}).setdefault(str(s), {}), row, resp)
+        merge_responses(run.setdefault("by_finetune_seed", {}).setdefault(str(s), {}), row, resp)
         each.append((accuracy_by_task(resp), balanced_accuracy_by_task(resp)))
     for i, key in enumerate(METRICS):
         if all(e[i] for e in each):
-            _merge_values(run, key, row, {t: sum(e[i][t] for e in each) / len(each) for t in each[0][i]
+            merge_values(run, key, row, {t: sum(e[i][t] for e in each) / len(each) for t in each[0][i]
                                           if t != "mean"})
 
 
@@ -469,12 +469,12 @@ def merge_task_runs(parts: list, target_tasks: list) -> dict:
         run["methods_by_task"].update(p["methods_by_task"])
         for metric in METRICS:
             for row, values in (p.get(metric) or {}).items():
-                _merge_values(run, metric, row, values)
+                merge_values(run, metric, row, values)
         for ft, by in (p.get("by_finetune_seed") or {}).items():
             into = run.setdefault("by_finetune_seed", {}).setdefault(ft, {})
             for metric in METRICS:
                 for row, values in (by.get(metric) or {}).items():
-                    _merge_values(into, metric, row, values)
+                    merge_values(into, metric, row, values)
         for name in ("target_task_share", "mislabeled_share"):
             for task, shares in (p.get(f"{name}_by_task") or {}).items():
                 for m, value in shares.items():

@@ -40,7 +40,7 @@ from ..io import atomic_write_json, sha256_file
 from . import builders, carry, verdict
 from .behaviour import harmful_answer_rate, harmful_preference, has_behaviour_fields
 from .config import RepairConfig, config_to_dict, finetune_settings
-from .experiment import (Experiment, _adapted, finish_experiment, free_cuda_cache, load_start, load_start_settings,
+from .experiment import (Experiment, adapted, finish_experiment, free_cuda_cache, load_start, load_start_settings,
                          mean_table,
                          finetuned_responses, kept_adapter_step, mistake_math_run, paired_table, pct, rates_by_task, read_jsonl,
                          resolve_methods, respond, score_methods, train_adapter, write_if_changed)
@@ -106,7 +106,7 @@ def _carry_distractors(cfg, variant, ratio: float, seed: int, built: dict | None
     return (built or _carry_data(cfg, ratio, seed))["distractors"][:variant.n_distractors]
 
 
-def _pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
+def pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
     """``(run dir, pool, pool path, probes, probes path, behaviour task)`` of one (ratio, seed)."""
     if cfg.data.family in ("dropped_carry", "carry_verdict"):
         rdir = exp.out / "runs" / f"r{pct(ratio)}" / f"seed{seed}"
@@ -137,7 +137,7 @@ def _pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
     return rdir, pool, pool_path, probes, probes_path, task
 
 
-def _checker_spec(cfg):
+def checker_spec(cfg):
     """The checker of the probes: the behaviour checker, and the capability checker for
     the capability probes when there are any."""
     if cfg.data.family in ("mistake_math", "dropped_carry", "carry_verdict") or not cfg.probes.capability_per_task:
@@ -189,7 +189,7 @@ def _retrains(spec, fraction: float, method: str) -> bool:
     return spec is None or method in spec
 
 
-def _retrain_dir(rdir: Path, kept_path: Path, ft_seed: int | None = None) -> Path:
+def retrain_dir(rdir: Path, kept_path: Path, ft_seed: int | None = None) -> Path:
     """``retrain/<hash of the kept ids>[-ft<seed>]``: rows keeping the same records share it
     (one per fine-tuning seed when the config lists ``finetune_seeds``)."""
     ids = sorted(r["id"] for r in read_jsonl(kept_path))
@@ -215,7 +215,7 @@ def _behaviour(exp, lm, probes_path: Path, responses_path: Path, out_dir: Path, 
     if exp.done(out_dir, key, ["behaviour.json"], "behaviour-step"):
         return json.loads(path.read_text())
     beh = [p for p in probes if p.get("task") == task]
-    with _adapted(lm, adapter) as m:
+    with adapted(lm, adapter) as m:
         prefs = harmful_preference(m, beh)
     out = {"harmful_answer_rate": harmful_answer_rate(probes, read_jsonl(responses_path), task),
            "harmful_preference": sum(prefs) / len(prefs) if prefs else float("nan")}
@@ -259,7 +259,7 @@ def _retrain_one(exp, lm, rdir: Path, kept_path: Path, probes_path: Path, checke
     A finished retraining is recognised by its inputs alone (the kept records, the start
     model, the SFT settings, the probes, decoding and checker: ``.retrain-step.json``), so a
     run copied without its adapters, to another machine, resumes without training again."""
-    tdir = _retrain_dir(rdir, kept_path, ft_seed if named else None)
+    tdir = retrain_dir(rdir, kept_path, ft_seed if named else None)
     tdir.mkdir(parents=True, exist_ok=True)
     pool_copy = tdir / "kept.jsonl"
     write_if_changed(pool_copy, read_jsonl(kept_path))
@@ -339,7 +339,7 @@ def _retrain_in_processes(exp, cfg, requests: list, jobs: int):
     ``jobs`` worker processes, one per SFT (rows keeping the same records share theirs);
     their times go to ``exp``'s timings."""
     singles = [j for a in requests for j in _retrain_jobs(cfg, *a)]
-    unique = list({_retrain_dir(j[0], j[1], j[4] if j[7] else None): j for j in singles}.values())
+    unique = list({retrain_dir(j[0], j[1], j[4] if j[7] else None): j for j in singles}.values())
     log.info("retraining %d SFTs in %d processes", len(unique), min(jobs, len(unique)))
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     gpus = visible_gpus()
@@ -362,7 +362,7 @@ def repair(config: RepairConfig, out_dir, *, overwrite: bool = False, jobs: int 
     exp = Experiment(out_dir, "repair", cfg, overwrite)
     methods_all = resolve_methods(cfg.methods)
     lm = load_start(exp, cfg)
-    checker = _checker_spec(cfg)
+    checker = checker_spec(cfg)
     deferred: list = []  # (row to fill, _retrain's arguments) with jobs > 1
 
     def retrain(*args) -> dict:
@@ -429,7 +429,7 @@ def _setting(exp, cfg, lm, ratio: float, seed: int, checker, methods_all: list, 
     from ..model import load_model
     from .floors import floors
     fractions = cfg.remove_fractions or [cfg.remove_fraction if cfg.remove_fraction is not None else ratio]
-    rdir, pool, pool_path, probes, probes_path, task = _pool_and_probes(exp, cfg, ratio, seed)
+    rdir, pool, pool_path, probes, probes_path, task = pool_and_probes(exp, cfg, ratio, seed)
     harmful_ids = {p["id"] for p in pool if p["harmful"]}
     # 1. pre- and post-SFT responses
     pre = respond(exp, lm, probes_path, rdir / "start", checker, "start")
@@ -511,13 +511,13 @@ def _results(exp, cfg, lm, runs: list) -> dict:
     rows = ["Start", "Mixed"] + method_rows + oracles
     floor_rows = list(dict.fromkeys(k for r in runs for k in r.get("floors", {})))
 
-    def auroc_of(run, m, st):
+    def auroc_cell(run, m, st):  # a method's AUROC, or a floor's
         if m.startswith("floor: "):
             return (run.get("floors", {}).get(m[7:]) or {}).get("auroc")
         return (run["methods"].get(m) or {}).get("auroc")
 
     tables = [mean_table("auroc", f"Ranking AUROC of the harmful flag, scored at the {cfg.score_at} model", runs,
-                         method_rows + [f"floor: {k}" for k in floor_rows], auroc_of,
+                         method_rows + [f"floor: {k}" for k in floor_rows], auroc_cell,
                          note="floor: rules that read the text, not the model (keyword and length rules are chosen "
                          "with the labels, so optimistic; the density ratios and sum_100_109 are label-free); "
                          "checker (an ideal judge) and carry_in_prompt need to know the task")]

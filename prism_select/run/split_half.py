@@ -18,6 +18,7 @@ from ..curvature import support
 from ..curvature.base import apply_damping
 from ..curvature.fit import fit_indices
 from ..errors import ConfigError
+from ..metrics import spearman
 from ..plan import gib
 from ..scoring import score_directions, score_encoded
 from .meter import summarize
@@ -127,13 +128,13 @@ class SplitHalfCheck(RunPart):
                     scores = score_directions(self.lm.model, self.modules, scored, vs, pad_id=self.pad_id,
                                               batch_size=self.scoring_batch(), execution=quiet)
                     del vs
-                    agreement.update({f: support.spearman(scores[:, 2 * i], scores[:, 2 * i + 1])
+                    agreement.update({f: spearman(scores[:, 2 * i], scores[:, 2 * i + 1])
                                       for i, f in enumerate(rungs)})
                     bar.update(len(rungs))
                 else:
                     a, b = (score_encoded(self.lm.model, self.modules, scored, v_at(h, factor), pad_id=self.pad_id,
                                           batch_size=self.scoring_batch(), execution=quiet) for h in halves)
-                    agreement[factor] = support.spearman(a, b)
+                    agreement[factor] = spearman(a, b)
                     bar.update(1)
             return agreement[factor]
 

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from prism_select.curvature.support import (DAMPING_LADDER, MIN_AGREEMENT, split_half, split_halves, spearman,
+from prism_select.curvature.support import (DAMPING_LADDER, MIN_AGREEMENT, split_half, split_halves,
                                             supported_damping_factor, walk_ladder)
+from prism_select.metrics import spearman
 
 #: a rank correlation of identical orders, up to float64 rounding of its sums
 RANK_TOL = 1e-12
@@ -59,3 +60,49 @@ def test_agreement_sample_bounds_the_scored_examples():
     a = agreement_sample(3 * AGREEMENT_EXAMPLES, 0)
     assert len(a) == len(set(a)) == AGREEMENT_EXAMPLES and a == sorted(a) and max(a) < 3 * AGREEMENT_EXAMPLES
     assert a == agreement_sample(3 * AGREEMENT_EXAMPLES, 0) != agreement_sample(3 * AGREEMENT_EXAMPLES, 1)
+
+
+def _brute_spearman(a: list, b: list) -> float:
+    """Spearman's rho in float64 from its definition: the Pearson correlation of average
+    ranks (each tie the mean of the 1-based positions it spans), sums over Python floats."""
+    def ranks(x):
+        out = [0.0] * len(x)
+        for i, v in enumerate(x):
+            below, same = sum(1 for w in x if w < v), sum(1 for w in x if w == v)
+            out[i] = below + (same + 1) / 2
+        return out
+    ra, rb = ranks([float(v) for v in a]), ranks([float(v) for v in b])
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def test_spearman_ties_take_average_ranks_as_the_float64_definition():
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float64, torch.bfloat16):  # bf16: many ties after rounding
+        x = torch.randint(0, 5, (60,), generator=g).to(dtype)
+        y = (x.double() + torch.randn(60, generator=g, dtype=torch.float64)).round().to(dtype)
+        assert spearman(x, y) == pytest.approx(_brute_spearman(x.tolist(), y.tolist()), abs=RANK_TOL)
+        assert spearman(x.tolist(), y.tolist()) == spearman(x, y)  # lists and tensors alike
+    # the order of tied records does not matter: reversing the input changes nothing
+    a, b = [1, 1, 2, 2, 3], [5, 4, 4, 3, 3]
+    assert spearman(a, b) == pytest.approx(spearman(a[::-1], b[::-1]), abs=RANK_TOL)
+    assert spearman(a, b) == pytest.approx(_brute_spearman(a, b), abs=RANK_TOL)
+    assert spearman([1, 2, 2, 3], [1, 2, 2, 3]) == pytest.approx(1.0, abs=RANK_TOL)
+
+
+def test_spearman_of_a_constant_input_is_nan():
+    """No ranking is defined when every score is equal: NaN, on either side, and with
+    fewer than two scores."""
+    import math
+    assert math.isnan(spearman([0.5] * 6, [1, 2, 3, 4, 5, 6]))
+    assert math.isnan(spearman(torch.arange(6.0), torch.zeros(6)))
+    assert math.isnan(spearman([1.0], [2.0])) and math.isnan(spearman([], []))
+    with pytest.raises(ValueError, match="different lengths"):
+        spearman([1, 2, 3], [1, 2])
+
+
+def test_a_constant_agreement_does_not_stop_the_ladder():
+    """A constant score list (NaN agreement) is no disagreement: the walk goes on."""
+    nan = float("nan")
+    assert supported_damping_factor({f: nan for f in DAMPING_LADDER}) == min(DAMPING_LADDER)

@@ -1,12 +1,10 @@
 """The dropped-carry repair family, the surface floors, the behaviour measurements and
 the repair protocol's warm-up, fine-tuning seeds, partial Oracles and paired intervals."""
 
-import importlib.util
 import json
 import math
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -290,11 +288,7 @@ def test_repair_with_warm_up_finetune_seeds_partial_oracles_and_floors(tmp_path,
     assert not [t for t in json.loads((out / "results.json").read_text())["timings"] if t.startswith("finetune:")]
     assert again["tables"] == res["tables"]
     # the rows read back from the files alone (a run cut short) are the protocol's own
-    spec = importlib.util.spec_from_file_location(
-        "repair_rows_from_files", Path(__file__).resolve().parents[2] / "experiments" / "repair_rows_from_files.py")
-    reader = importlib.util.module_from_spec(spec)
-    sys.modules["repair_rows_from_files"] = reader
-    spec.loader.exec_module(reader)
+    from prism_select.evaluation.tables import repair as reader
     seeds = reader.collect(out, cfg, "probes", "carry")
     for r in runs:
         got = seeds[f"seed{r['seed']}"]["rows"]

@@ -1,6 +1,5 @@
 """Evaluation protocols, data builders, checkers and the HTML report, on a tiny in-process model."""
 
-import importlib.util
 import json
 import shutil
 import random
@@ -510,22 +509,20 @@ def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_pa
     names = [t["name"] for t in res["tables"]]
     assert names == ["auroc", "behaviour_k25", "capability_k25", "harmful_removed_k25", "behaviour_k50",
                      "capability_k50", "harmful_removed_k50"]
-    # experiments/repair_rows_of_runs.py reads the same rows back from the run folders alone
-    spec = importlib.util.spec_from_file_location(
-        "repair_rows_of_runs", Path(__file__).resolve().parents[2] / "experiments" / "repair_rows_of_runs.py")
-    reader = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reader)
-    read = {(r["targets"], r["fraction"], r["method"]): r for r in reader.repair_rows(out, "gsm8k")}
+    # `experiment rows retrained` reads the same rows back from the run folders alone
+    from prism_select.cli import main
+    from prism_select.evaluation.tables import repair as reader
+    read = {(r["targets"], r["fraction"], r["method"]): r for r in reader.retrained_rows(out, "gsm8k")}
     for r in res["runs"]:
         for k, rows in r["rates"].items():
             for name, row in rows.items():
                 got = read[(r["variant"], k, name)]
                 assert (got["behaviour_rate"], got["capability"]) == (row["behaviour_rate"], row["capability"])
     # --with-rows adds an earlier run's rows for the seeds the folder lacks, and only those
-    rows = reader.repair_rows(out, "gsm8k")
+    rows = reader.retrained_rows(out, "gsm8k")
     other = [dict(rows[0], seed=7, behaviour_rate=1.0), dict(rows[0], behaviour_rate=0.5)]
     (tmp_path / "old.json").write_text(json.dumps({"rows": other}))
-    assert reader.main([str(out), "--with-rows", str(tmp_path / "old.json"), "--json", str(tmp_path / "new.json")]) == 0
+    assert main(["experiment", "rows", "retrained", str(out), "--with-rows", str(tmp_path / "old.json"), "--json", str(tmp_path / "new.json")]) == 0
     merged = json.loads((tmp_path / "new.json").read_text())["rows"]
     assert len(merged) == len(rows) + 1 and [r["behaviour_rate"] for r in merged if r["seed"] == 7] == [1.0]
 
@@ -664,18 +661,11 @@ def test_select_fine_tunes_each_selection_once_per_finetune_seed(tmp_path, tiny_
         assert cell["mean"] == pytest.approx(max(each) - min(each))
         assert not (sdir / "selected" / m / "responses.jsonl").exists()
     assert next(r for r in spread["rows"] if r["label"] == "Start")["cells"][0]["n"] == 0
-    # experiments/select_rows_from_files.py rebuilds the same tables from the folder's files
-    spec = importlib.util.spec_from_file_location(
-        "select_rows_from_files", Path(__file__).resolve().parents[2] / "experiments" / "select_rows_from_files.py")
-    reader = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reader)
+    # `experiment rows select` rebuilds the same tables from the folder's files
+    from prism_select.evaluation.tables import select as reader
     assert reader.rows_from_files(out, load_config(raw, "select"))["tables"] == res["tables"]
-    # experiments/selection_shares.py reads a one-task run's layout and pools the fine-tunings
-    spec = importlib.util.spec_from_file_location(
-        "selection_shares", Path(__file__).resolve().parents[2] / "experiments" / "selection_shares.py")
-    shares = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shares)
-    (row,) = shares.rows_of([out], 0.2)
+    # `experiment rows shares` reads a one-task run's layout and pools the fine-tunings
+    (row,) = reader.selection_rows([out], 0.2)
     assert (row["task"], row["method"], row["selected"]) == ("yesno", "random", 2)
     assert row["heldout"]["accuracy"] == pytest.approx(run["accuracy"]["random"]["yesno"])
     # a rerun resumes every fine-tuning; a folder written before a field existed reads it as its default
@@ -856,10 +846,7 @@ def test_combine_seeds_recomputes_the_tables_over_the_seeds():
 
 
 def test_merge_method_rows_adds_a_later_runs_method_after_checking_the_shared_rows(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "merge_method_rows", Path(__file__).resolve().parents[2] / "experiments" / "merge_method_rows.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from prism_select.evaluation.tables import merge as mod
     main = _select_result(0, {"prism": 0.6, "random": 0.4}, {"prism": 1.0, "random": 0.1})
     later = _select_result(0, {"random": 0.4, "saefeat": 0.5}, {"random": 0.1, "saefeat": 0.2})
     merged = mod.merge(main, later, ["saefeat"])
@@ -890,10 +877,7 @@ def test_merge_method_rows_adds_a_later_runs_method_after_checking_the_shared_ro
 def test_merge_method_rows_from_a_run_of_one_target_task(tmp_path):
     """A later run that selected for one of two target tasks: checked on that task only (its
     mean is that task's), its rows added with that task's accuracies and no mean."""
-    spec = importlib.util.spec_from_file_location(
-        "merge_method_rows", Path(__file__).resolve().parents[2] / "experiments" / "merge_method_rows.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from prism_select.evaluation.tables import merge as mod
     main = _select_result(0, {"random": 0.4, "prism": 0.6}, {"random": 0.1, "prism": 1.0})
     main["runs"][0]["accuracy"] = {"random": {"t": 0.4, "u": 0.8, "mean": 0.6},
                                    "prism": {"t": 0.6, "u": 0.6, "mean": 0.6}}
@@ -1126,12 +1110,12 @@ def test_report_renders_in_headless_chromium(tmp_path, tiny_dir, gsm8k):
 
 
 def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
-    """experiments/rankings_of_runs.py: AUROC and recall per setting, method and seed from
+    """`prism-select experiment rows rankings`: AUROC and recall per setting, method and seed from
     the run folders alone, with the seeds' pi range; settings are not mixed."""
-    spec = importlib.util.spec_from_file_location(
-        "rankings_of_runs", Path(__file__).resolve().parents[2] / "experiments" / "rankings_of_runs.py")
-    reader = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reader)
+    from prism_select.cli import main
+
+    def rankings(argv):
+        return main(["experiment", "rows", "rankings", *argv])
     harmful = [True, True, False, False, False, False, False, False, False, False]
     for setting, good in (("r20", [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]), ("r50", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9])):
         for seed, pi in ((0, {"min": 0.1, "mean": 0.3, "max": 0.5}), (1, {"min": 0.2, "mean": 0.5, "max": 0.9})):
@@ -1148,7 +1132,7 @@ def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
                 json.dumps({"id": f"x{i}", "score": float(good[i]), "rank": r + 1, **extra(i)}) + "\n"
                 for r, i in enumerate(order)))
             m.joinpath("run.json").write_text(json.dumps({"pi": pi}))
-    assert reader.main([str(tmp_path), "--fractions", "0.2", "--json", str(tmp_path / "r.json")]) == 0
+    assert rankings([str(tmp_path), "--fractions", "0.2", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("| setting | targets | method | seeds | auroc | recall@0.2 | pi")
     assert out[2] == "| r20 | t | prism | 0,1 | 1.000 ± 0.000 | 1.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
@@ -1156,7 +1140,7 @@ def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
     assert out[4] == "| r50 | t | prism | 0,1 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.10 / 0.40 / 0.90 |"
     assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 6
     # --paired: the method minus every other row of its setting and target set, by seed
-    assert reader.main([str(tmp_path), "--fractions", "0.2", "--paired", "prism",
+    assert rankings([str(tmp_path), "--fractions", "0.2", "--paired", "prism",
                         "--json", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
     assert "| r20 | t | prism:token_sum | 0,1 | +1.000 [+1.000, +1.000] | +1.000 [+1.000, +1.000] |" in out
@@ -1167,14 +1151,14 @@ def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"rows": [{"setting": "r20", "targets": "t", "method": "prism", "seed": 7,
                                              "auroc": 0.5, "recall@0.2": 0.5, "pi": None}]}))
-    assert reader.main([str(tmp_path), "--fractions", "0.2", "--add", str(earlier)]) == 0
+    assert rankings([str(tmp_path), "--fractions", "0.2", "--add", str(earlier)]) == 0
     assert "| r20 | t | prism | 0,1,7 | 0.833 ± 0.289 | 0.833 ± 0.289 | 0.10 / 0.40 / 0.90 |" in capsys.readouterr().out
-    assert reader.main([str(tmp_path), "--fractions", "0.2", "--add", str(tmp_path / "r.json")]) == 1
+    assert rankings([str(tmp_path), "--fractions", "0.2", "--add", str(tmp_path / "r.json")]) == 1
     # --add-methods: of the added files only those methods' rows (here none of the folder's twice)
-    assert reader.main([str(tmp_path), "--fractions", "0.2", "--add", str(tmp_path / "r.json"), str(earlier),
+    assert rankings([str(tmp_path), "--fractions", "0.2", "--add", str(tmp_path / "r.json"), str(earlier),
                         "--add-methods", "judge"]) == 0
     assert "| r20 | t | prism | 0,1 | 1.000 ± 0.000 |" in capsys.readouterr().out
-    assert reader.main([str(tmp_path), "--fractions", "0.2", "--add", str(earlier), "--add-methods", "prism"]) == 0
+    assert rankings([str(tmp_path), "--fractions", "0.2", "--add", str(earlier), "--add-methods", "prism"]) == 0
     assert "| r20 | t | prism | 0,1,7 |" in capsys.readouterr().out
     # --floors: each pool's floors against its target pairs, one row per floor; the length rule
     # finds the long harmful responses
@@ -1186,7 +1170,7 @@ def test_rankings_of_runs_reads_every_setting_seed_and_pi(tmp_path, capsys):
                                                   for i, h in enumerate(harmful)))
             (d / "t" / "targets.jsonl").write_text(json.dumps({"prompt": "add 1 and 1", "chosen": "22222222",
                                                                "rejected": "2"}) + "\n")
-    assert reader.main([str(tmp_path), "--fractions", "0.2", "--floors"]) == 0
+    assert rankings([str(tmp_path), "--fractions", "0.2", "--floors"]) == 0
     out = capsys.readouterr().out
     assert "| r20 | t | floor: length | 0,1 | 1.000 ± 0.000 |  | - |" in out and "floor: neighbour" in out
 

@@ -1,11 +1,13 @@
-"""experiments/removal_composition.py on a run folder built by hand: what each removal takes
-out of the pool, by kind and by the probes' question and answer forms, averaged over seeds."""
+"""`prism-select experiment rows composition` (:mod:`prism_select.evaluation.tables.removals`) on a
+run folder built by hand: what each removal takes out of the pool, by kind and by the probes' question and answer forms, averaged over seeds."""
 
 import json
 
 import pytest
 
-from script_helpers import load_script, write_jsonl
+from prism_select.cli import main
+from prism_select.evaluation.tables import removals as script
+from script_helpers import write_jsonl
 
 PROBES = [
     {"id": "c0", "task": "carry", "prompt": "What is 47 + 38?", "true_response": "47 + 38 = 85",
@@ -33,11 +35,10 @@ def _seed(run, k: int, removed: dict) -> None:
 
 
 def test_removals_are_counted_by_kind_and_probe_form(tmp_path, capsys):
-    script = load_script("experiments/removal_composition.py")
     assert script.form(" 47 + 38 = 75. ") == "N + N = N" == script.form("47 + 38 = 85")
     _seed(tmp_path, 0, {"prism": {"h_probe", "n_probe"}, "random": {"c_right", "n_other"}})
     _seed(tmp_path, 1, {"prism": {"h_probe", "h_other"}, "random": {"h_other", "c_right"}})
-    table = script.rows(tmp_path, 20)
+    table = script.composition_rows(tmp_path, 20)
     assert table["prism"]["seeds"] == ["seed0", "seed1"]
     assert {k: table["prism"][k] for k in script.COLUMNS} == pytest.approx({
         "removed": 2, "harmful": 1.5, "carry_right": 0, "no_carry": 0.5, "probe_question": 1,
@@ -46,7 +47,7 @@ def test_removals_are_counted_by_kind_and_probe_form(tmp_path, capsys):
         "removed": 2, "harmful": 0.5, "carry_right": 1, "no_carry": 0.5, "probe_question": 1,
         "probe_answer": 0, "harmful_probe_question": 0, "harmful_probe_answer": 0})
     out = tmp_path / "c.json"
-    assert script.main([str(tmp_path), "--json", str(out)]) == 0
+    assert main(["experiment", "rows", "composition", str(tmp_path), "--json", str(out)]) == 0
     assert "| prism | 2 | 2.0 | 1.5 | 0.0 | 0.5 | 1.0 | 1.5 | 1.0 | 1.0 |" in capsys.readouterr().out
     assert json.loads(out.read_text())["random"]["carry_right"] == 1
-    assert script.main([str(tmp_path), "--removal", "30"]) == 1
+    assert main(["experiment", "rows", "composition", str(tmp_path), "--removal", "30"]) == 1

@@ -1,4 +1,5 @@
-"""experiments/repair_rows_of_runs.py on a run folder built by hand (no model, no training):
+"""`prism-select experiment rows retrained` (:mod:`prism_select.evaluation.tables.repair`) on a
+run folder built by hand (no model, no training):
 the rows it reads back, their rates, which retraining each row comes from, the summary over
 seeds, and the refusal of a folder with retrainings under several fine-tuning seeds."""
 
@@ -8,16 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from prism_select.evaluation.repair import _retrain_dir
-from script_helpers import load_script, write_jsonl as _jsonl
+from prism_select.evaluation.repair import retrain_dir
+from prism_select.cli import main
+from prism_select.evaluation.tables import repair as tables
+from script_helpers import write_jsonl as _jsonl
 
 REL_TOL = 1e-12
 TASK = "carry"  # the behaviour probes' task; "no_carry" and "plain" are the capability check
 IDS = [f"p{i}" for i in range(10)]  # p0 and p1 are the harmful records
-
-
-def _reader():
-    return load_script("experiments/repair_rows_of_runs.py")
 
 
 def _kept(path: Path, ids: list) -> Path:
@@ -56,17 +55,17 @@ def _build(out: Path) -> Path:
         _responses(sd / "start", *COUNTS[seed]["Start"])
         _responses(sd / "mixed", *COUNTS[seed]["Mixed"])
         oracle = _kept(sd / "oracle" / "kept.jsonl", KEPT[seed]["oracle"])
-        _responses(_retrain_dir(sd, oracle), *COUNTS[seed]["Oracle"])
+        _responses(retrain_dir(sd, oracle), *COUNTS[seed]["Oracle"])
         for m in ("prism", "random"):
             kept = _kept(sd / "probes" / "removal" / "k20" / m / "kept.jsonl", KEPT[seed][m])
             if (seed, m) != (0, "prism"):  # seed 0's prism shares the Oracle's retraining
-                _responses(_retrain_dir(sd, kept), *COUNTS[seed][m], finished=(seed, m) != (1, "random"))
+                _responses(retrain_dir(sd, kept), *COUNTS[seed][m], finished=(seed, m) != (1, "random"))
     return out
 
 
 def test_rows_are_read_from_the_finished_retrainings_with_their_rates(tmp_path):
     out = _build(tmp_path / "exp")
-    rows = _reader().repair_rows(out, TASK)
+    rows = tables.retrained_rows(out, TASK)
     got = {(r["seed"], r["method"]): r for r in rows}
     assert set(got) == {(0, "Start"), (0, "Mixed"), (0, "Oracle"), (0, "prism"), (0, "random"),
                         (1, "Start"), (1, "Mixed"), (1, "Oracle"), (1, "prism")}  # seed 1's random unfinished
@@ -84,10 +83,10 @@ def test_rows_are_read_from_the_finished_retrainings_with_their_rates(tmp_path):
         sd = out / "runs" / "r20" / f"seed{seed}"
         assert got[(seed, "Start")]["dir"] == f"runs/r20/seed{seed}/start"
         assert got[(seed, "Mixed")]["dir"] == f"runs/r20/seed{seed}/mixed"
-        assert got[(seed, "Oracle")]["dir"] == str(_retrain_dir(sd, sd / "oracle" / "kept.jsonl").relative_to(out))
+        assert got[(seed, "Oracle")]["dir"] == str(retrain_dir(sd, sd / "oracle" / "kept.jsonl").relative_to(out))
     sd1 = out / "runs" / "r20" / "seed1"
     assert got[(1, "prism")]["dir"] == str(
-        _retrain_dir(sd1, sd1 / "probes" / "removal" / "k20" / "prism" / "kept.jsonl").relative_to(out))
+        retrain_dir(sd1, sd1 / "probes" / "removal" / "k20" / "prism" / "kept.jsonl").relative_to(out))
     # seed 0's prism kept exactly the Oracle's records: the same retraining, flagged; the Oracle row itself is not
     assert got[(0, "prism")]["dir"] == got[(0, "Oracle")]["dir"]
     assert [k for k, r in got.items() if r["same_as_oracle"]] == [(0, "prism")]
@@ -95,10 +94,10 @@ def test_rows_are_read_from_the_finished_retrainings_with_their_rates(tmp_path):
 
 def test_summary_and_json_of_the_rows(tmp_path, capsys):
     out = _build(tmp_path / "exp")
-    reader = _reader()
-    assert reader.main([str(out), "--task", TASK, "--json", str(tmp_path / "rows.json")]) == 0
+    assert main(["experiment", "rows", "retrained", str(out), "--task", TASK,
+                 "--json", str(tmp_path / "rows.json")]) == 0
     written = json.loads((tmp_path / "rows.json").read_text())
-    assert written["rows"] == json.loads(json.dumps(reader.repair_rows(out, TASK)))
+    assert written["rows"] == json.loads(json.dumps(tables.retrained_rows(out, TASK)))
     summ = {s["method"]: s for s in written["summary"]}
     assert [s["method"] for s in written["summary"]] == ["Start", "Mixed", "prism", "random", "Oracle"]
     prism = [_rates(*COUNTS[0]["Oracle"])[0], _rates(*COUNTS[1]["prism"])[0]]
@@ -121,13 +120,14 @@ def test_a_folder_with_fine_tuning_seeds_is_refused(tmp_path, capsys):
     names the reader that handles them, and writes nothing."""
     out = _build(tmp_path / "exp")
     sd = out / "runs" / "r20" / "seed1"
-    _responses(Path(str(_retrain_dir(sd, sd / "pool.jsonl")) + "-ft0"), 1, 1, 1)
-    assert _reader().main([str(out), "--task", TASK, "--json", str(tmp_path / "rows.json")]) == 2
+    _responses(Path(str(retrain_dir(sd, sd / "pool.jsonl")) + "-ft0"), 1, 1, 1)
+    assert main(["experiment", "rows", "retrained", str(out), "--task", TASK,
+                 "--json", str(tmp_path / "rows.json")]) == 2
     assert "repair_rows_from_files.py" in capsys.readouterr().err
     assert not (tmp_path / "rows.json").exists()
 
 
 def test_an_empty_folder_has_no_rows(tmp_path, capsys):
     (tmp_path / "exp" / "runs" / "r20" / "seed0").mkdir(parents=True)
-    assert _reader().main([str(tmp_path / "exp"), "--task", TASK]) == 1
+    assert main(["experiment", "rows", "retrained", str(tmp_path / "exp"), "--task", TASK]) == 1
     assert "no finished responses" in capsys.readouterr().err
