@@ -28,6 +28,8 @@ from __future__ import annotations
 import random
 
 from ..errors import ConfigError, InputError
+from .builders.common import shuffle_words
+from .floors import density_ratio_scores
 
 LOW, HIGH = 10, 99
 #: Sums never used: a carry problem's sum minus 10 would have one digit fewer.
@@ -137,7 +139,6 @@ def build(seed: int, *, pool_size: int, harmful_ratio: float, carry_share: float
     pool += [_record(f"add-{start + i}", p, sum(p), False, rng)
              for i, p in enumerate(_take(plain, pool_size - len(pool), "no-carry problems"))]
     random.Random(f"carry-order:{seed}").shuffle(pool)
-    from .builders import shuffle_words  # builders imports this module
     shuffler, distractors = random.Random(f"carry-distractors:{seed}"), []
     for i, p in enumerate(_take(carry, n_distractors, "carry problems")):
         a, b = _ordered(p, shuffler)
@@ -163,7 +164,6 @@ def unrelated_distractors(n: int, seed: int) -> list:
     disprefers the chosen side, and neither side is an addition, so the pairs' gradients
     carry no signal about the pool's harmful records (the shuffled-answer distractors of
     :func:`build` do: their rejected side is a true sum)."""
-    from .builders import shuffle_words  # builders imports this module
     rng = random.Random(f"carry-unrelated:{seed}")
     combos = [(a, v, j, o, p) for a in _NAMES for v in _VERBS for j in _ADJECTIVES for o in _NOUNS for p in _PLACES]
     if n > len(combos):
@@ -241,7 +241,6 @@ def sum_digit_density_ratio(records: list, targets: list) -> list:
     """The density ratio over the stated sum's digits (label-free): the mean log ratio of
     each placed digit of a record's stated sum under the targets' chosen answers against
     the pool's (add-one smoothing; :func:`prism_select.evaluation.floors.density_ratio_scores`)."""
-    from .floors import density_ratio_scores
     return density_ratio_scores(records, targets, sum_digits)
 
 

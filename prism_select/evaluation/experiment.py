@@ -38,7 +38,7 @@ from ..evaluation_metrics import auprc, auroc
 from ..io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_file, write_if_changed
 from ..model import free_cuda_cache
 from ..settings import BASELINE_METHODS, CONTROL_METHODS, DIRECTION_METHODS
-from . import builders
+from .builders.gsm8k import mistake_math_pool
 from .config import config_to_dict, finetune_settings, score_settings
 
 log = logging.getLogger(__name__)
@@ -685,8 +685,8 @@ def mistake_math_run(exp, cfg, ratio, seed):
     """The run directory of one (harmful ratio, seed) and its mistake-math pool."""
     rdir = exp.out / "runs" / f"r{pct(ratio)}" / f"seed{seed}"
     rdir.mkdir(parents=True, exist_ok=True)
-    pool = builders.mistake_math_pool(cfg.data.gsm8k_train, cfg.data.pool_size, ratio, seed,
-                                      keep_annotations=cfg.data.keep_annotations)
+    pool = mistake_math_pool(cfg.data.gsm8k_train, cfg.data.pool_size, ratio, seed,
+                             keep_annotations=cfg.data.keep_annotations)
     pool_path = rdir / "pool.jsonl"
     write_if_changed(pool_path, pool)
     return rdir, pool, pool_path
