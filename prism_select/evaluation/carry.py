@@ -26,6 +26,7 @@ what the warm-up leaves.
 from __future__ import annotations
 
 import random
+import re
 
 from ..errors import ConfigError, InputError
 from .builders.common import shuffle_words
@@ -202,7 +203,6 @@ def _probe(p: tuple, task: str, rng: random.Random) -> dict:
 def arithmetic_error(record: dict) -> float:
     """The knowledge floor's score of a pool record: 1.0 when its stated sum is wrong.
     Reads the last number of the response (the sum in every form of :data:`ANSWERS`)."""
-    import re
     nums = re.findall(r"\d+", record["response"])
     if not nums or "a" not in record:
         raise InputError("not a dropped-carry record (needs a, b and a sum in the response)", field="response")
@@ -210,7 +210,6 @@ def arithmetic_error(record: dict) -> float:
 
 
 def _stated_sum(record: dict) -> int | None:
-    import re
     nums = re.findall(r"\d+", record["response"])
     return int(nums[-1]) if nums else None
 
@@ -229,7 +228,6 @@ def sum_digits(text: str) -> list:
     """The digits of a response's stated sum (its last number), each with its place
     (``"units:5"``, ``"tens:7"``, ``"hundreds:1"``): the units the arithmetic density ratio
     counts."""
-    import re
     nums = re.findall(r"\d+", text)
     if not nums:
         return []

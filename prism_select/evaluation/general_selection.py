@@ -17,7 +17,8 @@ from ..errors import InputError
 from . import carry
 from .builders.bbh import bbh_splits, task_probes
 from .builders.multitask import multitask_pool, other_answer_targets, targets_from_responses
-from .config import SelectConfig, config_to_dict
+from .config import config_to_dict
+from .sections import SelectConfig
 from .experiment import (Experiment, accuracy_by_task, balanced_accuracy_by_task, finetuned_responses,
                          finish_experiment, load_start, majority_answer_floor, mean_std, paired_interval, pct,
                          read_jsonl, resolve_methods, respond, score_methods, write_if_changed)

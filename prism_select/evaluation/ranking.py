@@ -9,7 +9,8 @@ distractor pairs) share each pool. The experiment directory: :mod:`.experiment`.
 from __future__ import annotations
 
 from .builders.gsm8k import mistake_math_targets
-from .config import RankingConfig, config_to_dict
+from .config import config_to_dict
+from .sections import RankingConfig
 from .experiment import (Experiment, finish_experiment, load_start, mean_table, mistake_math_run, pct,
                          resolve_methods, score_methods, write_if_changed)
 

@@ -42,7 +42,8 @@ from .builders.bbh import bbh_probes
 from .builders.gsm8k import gsm8k_probes, harmful_count, mistake_math_targets
 from .builders.trigger import refusal_counterfactual_targets, refusal_trigger_pool, trigger_probes
 from .behaviour import harmful_answer_rate, harmful_preference, has_behaviour_fields
-from .config import RepairConfig, config_to_dict, finetune_settings
+from .config import config_to_dict
+from .sections import RepairConfig, finetune_settings
 from .experiment import (Experiment, _adapted, finish_experiment, free_cuda_cache, load_start, load_start_settings,
                          mean_table,
                          finetuned_responses, kept_adapter_step, mistake_math_run, paired_table, pct, rates_by_task, read_jsonl,

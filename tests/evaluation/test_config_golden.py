@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from prism_select.errors import ConfigError
-from prism_select.evaluation.config import config_to_dict, load_config, read_config_file, score_settings
+from prism_select.evaluation.config import config_to_dict, load_config, read_config_file
 from prism_select.evaluation.experiment import resolve_methods
+from prism_select.evaluation.sections import score_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"

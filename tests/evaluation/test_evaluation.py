@@ -17,7 +17,7 @@ from prism_select.evaluation.builders.gsm8k import (corrupt_at, final_answer_tex
                                                    mistake_math_targets, read_gsm8k, strip_annotations)
 from prism_select.evaluation.builders.multitask import multitask_pool, targets_from_responses
 from prism_select.evaluation.builders.trigger import POOL_REFUSALS
-from prism_select.evaluation.config import load_config
+from prism_select.evaluation.config import config_to_dict, load_config
 from prism_select.evaluation.experiment import mean_std
 from prism_select.evaluation.general_selection import combine_seeds, select
 from prism_select.evaluation.protocols import run_experiment
@@ -279,7 +279,8 @@ def test_config_validation_names_the_field(tmp_path, gsm8k):
                      "finetune": {"overrides": {"learnin_rate": 1}}}, "repair")
     with pytest.raises(ConfigError, match="score.scoring"):
         load_config({**base, "score": {"scoring": "nope"}}, "ranking")
-    assert load_config({**base, "score": {"skip_invalid": True}}, "ranking").score.extra == {"skip_invalid": True}
+    passed = load_config({**base, "score": {"skip_invalid": True}}, "ranking")
+    assert passed.score.skip_invalid is True and config_to_dict(passed)["score"]["extra"] == {"skip_invalid": True}
     with pytest.raises(ConfigError, match="probes.checker"):
         load_config({**base, "probes": {"gsm8k_test": "t.jsonl", "checker": "nope"}}, "repair")
     rp = {**base, "probes": {"gsm8k_test": "t.jsonl"}}
@@ -1089,8 +1090,9 @@ def test_the_cpu_ranking_config_builds_the_gpu_configs_testbed(tmp_path):
     from prism_select.evaluation.experiment import available_methods
     assert gpu.methods == "all" and set(cpu.methods) < set(available_methods())
     assert cpu.harmful_ratios == [0.1] and 0.1 in gpu.harmful_ratios
-    assert cpu.model.device == "cpu" and "max_gpu_memory" not in cpu.score.extra
-    assert dataclasses.replace(cpu.score, extra=gpu.score.extra) == gpu.score
+    cpu_score, gpu_score = (config_to_dict(c)["score"] for c in (cpu, gpu))
+    assert cpu.model.device == "cpu" and "max_gpu_memory" not in cpu_score["extra"]
+    assert {**cpu_score, "extra": gpu_score["extra"]} == gpu_score
 
 
 def test_the_cpu_select_floor_config_builds_the_gpu_configs_testbed(tmp_path):
