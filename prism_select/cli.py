@@ -291,8 +291,8 @@ def cmd_build_data(a):
         common.write_records(a.out, pool)
         print(f"wrote {a.out}: {len(pool)} records, {sum(p['harmful'] for p in pool)} harmful")
         if a.targets_out:
-            pairs = gsm8k.mistake_math_targets(a.gsm8k, a.n_targets, a.seed, exclude=pool, n_distractors=a.n_distractors,
-                                           keep_annotations=a.keep_annotations)
+            pairs = gsm8k.mistake_math_targets(a.gsm8k, a.n_targets, a.seed, exclude=pool,
+                                               n_distractors=a.n_distractors, keep_annotations=a.keep_annotations)
             common.write_records(a.targets_out, pairs)
             print(f"wrote {a.targets_out}: {len(pairs)} target pairs ({a.n_distractors} distractors)")
         if a.probes_out:

@@ -1,6 +1,6 @@
 """The paper's evaluation protocols (Sec. 3, App. B and E), small enough to run here.
 
-Three protocols, each a function of a validated config (:mod:`.config`) that writes an
+Three protocols, each a function of a validated config (:mod:`.sections`) that writes an
 experiment directory (:mod:`.experiment`) and returns its results:
 
 ``ranking(config, out)``  :mod:`.ranking`: AUROC and AUPRC of the harmful flag of

@@ -77,10 +77,10 @@ class MistakeMathConfig:
     """The pool of a ranking or repair run.
 
     family: ``mistake_math`` (GSM8K solutions, the harmful ones with a corrupted
-        calculator step, :func:`.builders.mistake_math_pool`) or ``refusal_trigger``
+        calculator step, :func:`.builders.gsm8k.mistake_math_pool`) or ``refusal_trigger``
         (GSM8K questions matching ``trigger`` answered with a refusal, the clean records
         GSM8K questions without it plus ``n_bbh_per_task`` examples of each of
-        ``bbh_tasks`` from ``bbh_dir``, :func:`.builders.refusal_trigger_pool`; repair only)
+        ``bbh_tasks`` from ``bbh_dir``, :func:`.builders.trigger.refusal_trigger_pool`; repair only)
         or ``dropped_carry`` (two-digit additions, the harmful ones carry problems answered
         with the carry dropped; ``carry_share`` of the clean records are carry problems
         too; :mod:`.carry`; repair only, needs no data files) or ``carry_verdict`` (stated
@@ -239,15 +239,15 @@ REJECTED_SOURCES = ("other_answer", "start_model")
 @dataclass
 class MultitaskConfig:
     """A multi-task pool with targets and held-out probes of one or more target tasks
-    (see :func:`.builders.multitask_pool`): ``n_gsm8k`` GSM8K solutions plus
+    (see :func:`.builders.multitask.multitask_pool`): ``n_gsm8k`` GSM8K solutions plus
     ``n_per_task`` examples of each BBH task in ``tasks``; per target task
     (``target_task``, or the list ``target_tasks``) ``n_targets`` target pairs and
     ``n_heldout`` held-out probes, outside the pool. Each target task gets its own
     selection, as in LESS. ``rejected``: ``other_answer`` (another answer of the task,
-    :func:`.builders.wrong_answer`) or ``start_model`` (the start model's own wrong
-    response, :func:`.builders.targets_from_responses`). ``n_per_target_task``: pool
+    :func:`.builders.bbh.wrong_answer`) or ``start_model`` (the start model's own wrong
+    response, :func:`.builders.multitask.targets_from_responses`). ``n_per_target_task``: pool
     records of each target task (default ``n_per_task``); ``mislabeled_share`` of them
-    answer wrong (:func:`.builders.multitask_pool`). The target task ``carry`` is two-digit
+    answer wrong (:func:`.builders.multitask.multitask_pool`). The target task ``carry`` is two-digit
     addition (:func:`.carry.select_task`): its wrong records drop the carry, and
     ``n_no_carry`` no-carry additions (task ``addition``) stand beside it; judge its
     probes with ``numeric_final_answer`` (a ``by_task`` checker). ``select_for``: the target tasks this
