@@ -304,7 +304,7 @@ def cmd_build_data(a):
             print(f"wrote {a.probes_out}: {len(probes)} probes")
     else:
         targets, heldout = bbh.bbh_splits(a.bbh_dir, a.n_targets_per_task, a.seed, tasks=a.tasks,
-                                        n_heldout_per_task=a.n_heldout_per_task)
+                                          n_heldout_per_task=a.n_heldout_per_task)
         common.write_records(a.targets_out, targets)
         common.write_records(a.heldout_out, heldout)
         print(f"wrote {a.targets_out} ({len(targets)} target pairs) and {a.heldout_out} ({len(heldout)} held-out probes)")
