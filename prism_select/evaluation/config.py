@@ -32,10 +32,10 @@ PROTOCOLS = ("ranking", "repair", "select")
 DATA_ROOT_ENV = "PRISM_DATA_ROOT"
 
 _LIST_ITEM_TYPES = {(RankingConfig, "targets"): TargetVariant, (RepairConfig, "targets"): RepairTargets}
-#: the sections that are settings objects of a scoring run, read as the CLI reads their
-#: options (:func:`prism_select.settings.from_mapping`): class -> its arguments there
 #: the ``score`` fields that experiment.json records by name (the others under ``extra``)
 SCORE_RECORDED = ("max_length", "batch_size", "modules", "chunk_size", "progress")
+#: the sections that are settings objects of a scoring run, read as the CLI reads their
+#: options (:func:`prism_select.settings.from_mapping`): class -> its arguments there
 _SETTINGS_SECTIONS = {ScoreSettings: {"exclude": SCORE_RESERVED, "progress": False}, CurvatureSettings: {}}
 
 
