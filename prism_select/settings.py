@@ -128,11 +128,15 @@ def setting(default=MISSING, *, help: str, default_factory=MISSING, flag: str | 
 _FIELD_PREFIX = re.compile(r"^setting '[^']*': ")
 
 
+def message_of(error: ConfigError) -> str:
+    """``error``'s text without the field it names: the problem and the fix."""
+    return _FIELD_PREFIX.sub("", str(error))
+
+
 def within(error: ConfigError, path: str) -> ConfigError:
     """``error`` naming its field under ``path`` (``score`` + ``batch_size`` ->
     ``score.batch_size``), its message and fix kept."""
-    field = f"{path}.{error.field}" if path else error.field
-    return ConfigError(field, _FIELD_PREFIX.sub("", str(error)))
+    return ConfigError(f"{path}.{error.field}" if path else error.field, message_of(error))
 
 
 def convert(value, tp, name: str):
@@ -210,7 +214,7 @@ def from_mapping(cls, data, path: str, *, exclude=(), **defaults):
             if meta.get("parse") is not None and isinstance(value, str):
                 value = meta["parse"](value)
         except ConfigError as e:
-            raise ConfigError(where, _FIELD_PREFIX.sub("", str(e))) from None
+            raise ConfigError(where, message_of(e)) from None
         value = convert(value, hints[name], where)
         choices = meta.get("choices")
         if choices is not None and value not in choices:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import asdict
@@ -24,7 +25,7 @@ import yaml
 from ..curvature import CurvatureSettings
 from ..errors import ConfigError
 from ..model import ModelSettings
-from ..settings import ScoreSettings, convert, from_mapping, within
+from ..settings import ScoreSettings, convert, from_mapping, message_of, within
 from .sections import (CONFIG_CLASSES, SCORE_RESERVED, CommonConfig, RankingConfig, RepairConfig, RepairTargets,
                        SelectConfig, TargetVariant)
 
@@ -226,8 +227,15 @@ def load_config(source, protocol: str, *, smoke: bool = False, seeds: list | Non
             raise ConfigError("harmful_ratios", "a select config has no harmful ratios",
                               "leave --harmful-ratios out")
         data["harmful_ratios"] = list(harmful_ratios)
-    cfg = build_dataclass(CONFIG_CLASSES[protocol], data, "")
-    cfg.validate()
+    try:
+        cfg = build_dataclass(CONFIG_CLASSES[protocol], data, "")
+        cfg.validate()
+    except ConfigError as e:
+        if not isinstance(source, (str, os.PathLike)):
+            raise
+        given = {k for k, v in (("seeds", seeds), ("harmful_ratios", harmful_ratios),
+                                ("multitask.select_for", target_tasks)) if v is not None}
+        raise _located(e, Path(source), protocol, smoke, given) from None
     root = data_root or os.environ.get(DATA_ROOT_ENV) or cfg.data_root
     root = Path(_expand(root)) if root else base_dir
     if not root.is_absolute():
@@ -235,6 +243,58 @@ def load_config(source, protocol: str, *, smoke: bool = False, seeds: list | Non
     cfg.data_root = str(root)
     _resolve_paths(cfg, root, base_dir)
     return cfg
+
+
+_FIELD_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _located(error: ConfigError, path: Path, protocol: str, smoke: bool, given: set) -> ConfigError:
+    """``error`` (a field of the config file ``path``) with the file and, in a YAML file,
+    the line of the field's key where the file gives it (else of the nearest section
+    above it that it gives; the sections a run merges are searched as they override one
+    another: smoke, then the protocol's, then common). A field set by an argument
+    (``given``: ``seeds``, ...) is not located in the file."""
+    field = error.field
+    if field == "config" or any(field == g or field.startswith((g + ".", g + "[")) for g in given):
+        return error
+    keys = [int(i) if i else k for k, i in _FIELD_PART.findall(field)]
+    lines = _key_lines(path) if path.suffix.lower() in (".yaml", ".yml") else {}
+    order = ([("smoke", protocol), ("smoke", "common"), ("smoke",)] if smoke else []) + [(protocol,), ("common",), ()]
+    line = None
+    for n in range(len(keys), 0, -1):  # the whole field first, then each section above it
+        line = next((lines[b + tuple(keys[:n])] for b in order if b + tuple(keys[:n]) in lines), None)
+        if line is not None:
+            break
+    where = f"{path}, line {line}" if line is not None else str(path)
+    return ConfigError(field, f"{where}: {message_of(error)}")
+
+
+def _key_lines(path: Path) -> dict:
+    """``{(key, key, index, ...): line}`` of every mapping key and list item of a YAML
+    file (lines from 1); empty where it cannot be read."""
+    try:
+        loader = _NoAliasLoader(path.read_text(encoding="utf-8"))
+        try:
+            root = loader.get_single_node()
+        finally:
+            loader.dispose()
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, _AliasInConfig):
+        return {}
+    out = {}
+
+    def walk(node, keys):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode):
+                    out[keys + (k.value,)] = k.start_mark.line + 1
+                    walk(v, keys + (k.value,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                out[keys + (i,)] = v.start_mark.line + 1
+                walk(v, keys + (i,))
+
+    walk(root, ())
+    return out
 
 
 def _expand(p: str) -> str:

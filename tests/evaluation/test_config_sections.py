@@ -85,3 +85,43 @@ def test_each_section_validates_itself():
     RepairConfig(data=MistakeMathConfig(gsm8k_train="g.jsonl"), probes=ProbeConfig(gsm8k_test="t.jsonl")).validate()
     with pytest.raises(ConfigError, match="setting 'pool': is required"):
         SelectConfig().validate()
+
+
+CONFIG_YAML = """\
+common:
+  model: default
+  score: {max_length: 64, batch_size: 8}
+ranking:
+  data:
+    gsm8k_train: g.jsonl
+  curvature:
+    kind: exact
+  targets:
+    - {name: a}
+    - {name: "b c"}
+smoke:
+  ranking:
+    score: {batch_size: 0}
+"""
+
+
+def test_a_field_error_of_a_config_file_names_the_file_and_the_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(CONFIG_YAML)
+    e = _error(path)
+    assert e.field == "curvature.kind" and f"{path}, line 8: unknown value 'exact'" in str(e), str(e)
+    with pytest.raises(ConfigError, match=r"score\.batch_size': .*c\.yaml, line 14: must be >= 1") as e:
+        load_config(path, "ranking", smoke=True)  # the smoke section's value, which overrides common's
+    path.write_text(CONFIG_YAML.replace("kind: exact", "kind: ekfac"))
+    with pytest.raises(ConfigError, match=r"targets\[1\]\.name': .*c\.yaml, line 11: 'b c' must be"):
+        load_config(path, "ranking")
+    # a field the file leaves out: the section above it; a seed list given as an argument: not the file's
+    path.write_text(CONFIG_YAML.replace("    gsm8k_train: g.jsonl\n", "    pool_size: 10\n").replace("exact", "ekfac"))
+    with pytest.raises(ConfigError, match=r"data\.gsm8k_train': .*c\.yaml, line 5: is required"):
+        load_config(path, "ranking")
+    with pytest.raises(ConfigError, match=r"setting 'seeds': lists a seed twice"):
+        load_config(path, "ranking", seeds=[0, 0])
+    json_path = tmp_path / "c.json"
+    json_path.write_text('{"data": {"gsm8k_train": "g.jsonl"}, "score": {"batch_size": 0}}')
+    with pytest.raises(ConfigError, match=r"score\.batch_size': .*c\.json: must be >= 1"):
+        load_config(json_path, "ranking")
