@@ -1,7 +1,7 @@
 """The reader of experiment configs: a YAML or JSON file (or a mapping) into the
 protocol's config dataclass (:mod:`.sections`), each section through its dataclass's
-fields (the ``score`` and ``curvature`` sections through the settings' own field
-metadata, :func:`prism_select.settings.from_mapping`), then validated by the config
+fields (the ``model``, ``score`` and ``curvature`` sections through the settings' own
+field metadata, :func:`prism_select.settings.from_mapping`), then validated by the config
 itself (``validate()``). Also the record of a config that experiment.json and
 results.json hold (:func:`config_to_dict`).
 
@@ -37,7 +37,8 @@ _LIST_ITEM_TYPES = {(RankingConfig, "targets"): TargetVariant, (RepairConfig, "t
 SCORE_RECORDED = ("max_length", "batch_size", "modules", "chunk_size", "progress")
 #: the sections that are settings objects of a scoring run, read as the CLI reads their
 #: options (:func:`prism_select.settings.from_mapping`): class -> its arguments there
-_SETTINGS_SECTIONS = {ScoreSettings: {"exclude": SCORE_RESERVED, "progress": False}, CurvatureSettings: {}}
+_SETTINGS_SECTIONS = {ScoreSettings: {"exclude": SCORE_RESERVED, "progress": False}, CurvatureSettings: {},
+                      ModelSettings: {}}
 
 
 # --------------------------------------------------------------------------- building
@@ -53,10 +54,10 @@ def _convert(value, tp, name: str):
         if sections:
             return _convert(value, sections[0], name)
     if dataclasses.is_dataclass(tp):
-        if tp in _SETTINGS_SECTIONS:
-            return from_mapping(tp, value, name, **_SETTINGS_SECTIONS[tp])
         if tp is ModelSettings and isinstance(value, str):
             value = {"model": value}
+        if tp in _SETTINGS_SECTIONS:
+            return from_mapping(tp, value, name, **_SETTINGS_SECTIONS[tp])
         return build_dataclass(tp, value, name)
     return convert(value, tp, name)
 
