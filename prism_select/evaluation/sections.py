@@ -1,10 +1,11 @@
 """The sections of an experiment config: one dataclass each, which validates itself.
 
-A section's own fields are checked by its ``validate()``; a protocol config
-(:class:`RankingConfig`, :class:`RepairConfig`, :class:`SelectConfig`) checks its
-sections and what involves two of them in its ``validate()``. The ``score`` and
-``curvature`` sections are the settings objects of a scoring run themselves
-(:class:`~prism_select.settings.ScoreSettings`, :class:`~prism_select.curvature.CurvatureSettings`),
+A section whose fields have checks of their own has a ``validate()``; a protocol config
+(:class:`RankingConfig`, :class:`RepairConfig`, :class:`SelectConfig`) calls its sections'
+and checks what depends on two of them (the probes' files on the pool's family) in its own
+``validate()``. The ``model``, ``score`` and ``curvature`` sections are settings objects
+themselves (:class:`~prism_select.model.ModelSettings`,
+:class:`~prism_select.settings.ScoreSettings`, :class:`~prism_select.curvature.CurvatureSettings`),
 which check their fields on construction. Every error is a
 :class:`~prism_select.errors.ConfigError` naming the field (``a.b.c``) and the fix;
 :mod:`.config` reads a file into these classes.
