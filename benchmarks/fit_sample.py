@@ -35,7 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prism_select.evaluation import builders  # noqa: E402
+from prism_select.evaluation.builders.bbh import read_bbh_dir  # noqa: E402
+from prism_select.evaluation.builders.common import write_records  # noqa: E402
+from prism_select.evaluation.builders.gsm8k import mistake_math_pool, mistake_math_targets  # noqa: E402
 from prism_select.evaluation.experiment import read_jsonl  # noqa: E402
 from prism_select.evaluation_metrics import auroc  # noqa: E402
 from prism_select.metrics import spearman  # noqa: E402
@@ -50,15 +52,15 @@ WHOLE = "whole"
 
 def build(data: Path, out: Path, seed: int = 0) -> dict:
     train = data / "gsm8k" / "train.jsonl"
-    pool = builders.mistake_math_pool(train, GSM8K_RECORDS, HARMFUL_RATIO, seed)
-    targets = builders.mistake_math_targets(train, TARGET_PAIRS, seed, exclude=pool)
-    for task, examples in sorted(builders.read_bbh_dir(data / "bbh").items()):
+    pool = mistake_math_pool(train, GSM8K_RECORDS, HARMFUL_RATIO, seed)
+    targets = mistake_math_targets(train, TARGET_PAIRS, seed, exclude=pool)
+    for task, examples in sorted(read_bbh_dir(data / "bbh").items()):
         pool += [{"id": f"{task}-{i}", "prompt": e["input"], "response": str(e["target"]).strip(),
                   "harmful": False, "task": task} for i, e in enumerate(examples)]
     random.Random(f"fit-sample-pool:{seed}").shuffle(pool)
     out.mkdir(parents=True, exist_ok=True)
-    builders.write_records(out / "pool.jsonl", pool)
-    builders.write_records(out / "targets.jsonl", targets)
+    write_records(out / "pool.jsonl", pool)
+    write_records(out / "targets.jsonl", targets)
     info = {"records": len(pool), "harmful": sum(r["harmful"] for r in pool), "target_pairs": len(targets),
             "gsm8k_records": GSM8K_RECORDS, "bbh_records": len(pool) - GSM8K_RECORDS}
     (out / "pool_info.json").write_text(json.dumps(info, indent=1))

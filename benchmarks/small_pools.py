@@ -14,9 +14,9 @@ scoring on the first pool). Curvatures:
 
 Families (data from ``--data``, the folder holding gsm8k/ and bbh/):
   mistake-math  GSM8K solutions, a calculator step corrupted and carried to the answer
-                (prism_select.evaluation.builders; targets: counterfactual pairs)
+                (prism_select.evaluation.builders.gsm8k; targets: counterfactual pairs)
   bbh-wrong     BIG-Bench-Hard examples answered with the reference (correct) or a wrong
-                answer (builders.wrong_answer), tasks mixed; targets: other examples,
+                answer (wrong_answer), tasks mixed; targets: other examples,
                 chosen = a wrong answer, rejected = the reference
   arithmetic    the generated example of ``prism-select demo`` (prism_select.examples); no data
 
@@ -59,7 +59,8 @@ from prism_select.execution import ExecutionContext  # noqa: E402
 from prism_select.curvature.base import apply_damping  # noqa: E402
 from prism_select.curvature.support import DAMPING_LADDER, agreement_sample, supported_damping_factor  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
-from prism_select.evaluation import builders  # noqa: E402
+from prism_select.evaluation.builders.bbh import read_bbh_dir, wrong_answer  # noqa: E402
+from prism_select.evaluation.builders.gsm8k import harmful_count, mistake_math_pool, mistake_math_targets  # noqa: E402
 from prism_select.evaluation_metrics import auroc  # noqa: E402
 from prism_select.metrics import spearman  # noqa: E402
 from prism_select.engine import Tap, batch_losses, causal_only, collate_to, split_causal_lm, tap_linears  # noqa: E402
@@ -89,20 +90,20 @@ VARIANTS = {  # name -> (kind, CurvatureSettings overrides)
 
 def mistake_math(data: Path, n: int, ratio: float, seed: int, n_targets: int):
     path = data / "gsm8k" / "train.jsonl"
-    pool = builders.mistake_math_pool(path, n, ratio, seed)
-    targets = builders.mistake_math_targets(path, n_targets, seed, exclude=pool)
+    pool = mistake_math_pool(path, n, ratio, seed)
+    targets = mistake_math_targets(path, n_targets, seed, exclude=pool)
     return pool, targets
 
 
 def bbh_wrong(data: Path, n: int, ratio: float, seed: int, n_targets: int):
-    tasks = builders.read_bbh_dir(data / "bbh")
+    tasks = read_bbh_dir(data / "bbh")
     rng = random.Random(f"bbh-wrong:{seed}")
     items = [(t, i) for t in sorted(tasks) for i in range(len(tasks[t]))]
     rng.shuffle(items)
     if n + n_targets > len(items):
         raise SystemExit(f"bbh-wrong: {len(items)} examples, asked for {n} + {n_targets}")
     answers = {t: sorted({str(e["target"]).strip() for e in ex}) for t, ex in tasks.items()}
-    n_bad = builders.harmful_count(n, ratio)
+    n_bad = harmful_count(n, ratio)
     flags = [True] * n_bad + [False] * (n - n_bad)
     rng.shuffle(flags)
     pool = []
@@ -110,11 +111,11 @@ def bbh_wrong(data: Path, n: int, ratio: float, seed: int, n_targets: int):
         e = tasks[t][i]
         right = str(e["target"]).strip()
         pool.append({"id": f"{t}-{i}", "prompt": e["input"], "harmful": bad,
-                     "response": builders.wrong_answer(e, answers[t], rng) if bad else right})
+                     "response": wrong_answer(e, answers[t], rng) if bad else right})
     targets = []
     for t, i in items[n:n + n_targets]:
         e = tasks[t][i]
-        targets.append({"id": f"{t}-{i}", "prompt": e["input"], "chosen": builders.wrong_answer(e, answers[t], rng),
+        targets.append({"id": f"{t}-{i}", "prompt": e["input"], "chosen": wrong_answer(e, answers[t], rng),
                         "rejected": str(e["target"]).strip()})
     return pool, targets
 
@@ -178,7 +179,7 @@ def facts(data: Path, n: int, ratio: float, seed: int, n_targets: int):
     world = CAPITALS[:]
     rng.shuffle(world)
     held, rest = world[:n_targets], world[n_targets:]
-    n_bad = builders.harmful_count(n, ratio)
+    n_bad = harmful_count(n, ratio)
     flags = [True] * n_bad + [False] * (n - n_bad)
     rng.shuffle(flags)
 
@@ -216,7 +217,7 @@ def formats(data: Path, n: int, ratio: float, seed: int, n_targets: int):
         ans = a.format(s=syn, r=w[::-1], n=len(w), u=w.upper())
         return q.format(w=w), ans
 
-    n_bad = builders.harmful_count(n, ratio)
+    n_bad = harmful_count(n, ratio)
     flags = [True] * n_bad + [False] * (n - n_bad)
     rng.shuffle(flags)
     order = list(range(len(FORMAT_TASKS) * len(FORMAT_WORDS)))
@@ -234,7 +235,7 @@ def formats(data: Path, n: int, ratio: float, seed: int, n_targets: int):
 
 
 def _flags(rng, n: int, ratio: float) -> list:
-    n_bad = builders.harmful_count(n, ratio)
+    n_bad = harmful_count(n, ratio)
     flags = [True] * n_bad + [False] * (n - n_bad)
     rng.shuffle(flags)
     return flags

@@ -94,8 +94,8 @@ def main(argv=None):
 
     from peft import PeftModel
 
-    from prism_select.evaluation.config import finetune_settings
     from prism_select.evaluation.finetune import finetune
+    from prism_select.evaluation.sections import finetune_settings
     from prism_select.model import load_model
 
     cfg = load_config(args.config, "repair")

@@ -6,7 +6,7 @@ its examples into ``--n-train`` SFT records (prompt = input, response = the refe
 answer) and ``--n-probes`` held-out probes; the start model and the models after LoRA SFT
 (general_select.yaml's settings) answer the probes greedily; checker ``leading_answer``.
 One SFT per ``--wrong-shares`` value: that share of the SFT records answers wrong
-(``builders.wrong_answer``), so 0 is the best a selection of the task can be and 0.3 what a
+(``builders.bbh.wrong_answer``), so 0 is the best a selection of the task can be and 0.3 what a
 selector that only finds the task gets from general_select.yaml's pool. Per task and share:
 accuracy, accuracy balanced over the reference answers, and the majority-answer floor. A
 task where the shares train alike leaves a selector nothing to gain within the task.
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from prism_select.evaluation.builders import wrong_answer
+from prism_select.evaluation.builders.bbh import wrong_answer
 from prism_select.evaluation.experiment import adapted, majority_answer_floor
 from prism_select.evaluation.finetune import FinetuneSettings, finetune
 from prism_select.evaluation.probes import generate, leading_answer

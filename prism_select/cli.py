@@ -263,28 +263,28 @@ def cmd_methods(a):
 
 
 def cmd_build_data(a):
-    from .evaluation import builders as b
+    from .evaluation.builders import bbh, common, gsm8k
     if a.family == "mistake-math":
-        pool = b.mistake_math_pool(a.gsm8k, a.n, a.harmful_ratio, a.seed, keep_annotations=a.keep_annotations)
-        b.write_records(a.out, pool)
+        pool = gsm8k.mistake_math_pool(a.gsm8k, a.n, a.harmful_ratio, a.seed, keep_annotations=a.keep_annotations)
+        common.write_records(a.out, pool)
         print(f"wrote {a.out}: {len(pool)} records, {sum(p['harmful'] for p in pool)} harmful")
         if a.targets_out:
-            pairs = b.mistake_math_targets(a.gsm8k, a.n_targets, a.seed, exclude=pool, n_distractors=a.n_distractors,
-                                           keep_annotations=a.keep_annotations)
-            b.write_records(a.targets_out, pairs)
+            pairs = gsm8k.mistake_math_targets(a.gsm8k, a.n_targets, a.seed, exclude=pool,
+                                               n_distractors=a.n_distractors, keep_annotations=a.keep_annotations)
+            common.write_records(a.targets_out, pairs)
             print(f"wrote {a.targets_out}: {len(pairs)} target pairs ({a.n_distractors} distractors)")
         if a.probes_out:
             if not a.probes_from:
                 from .errors import ConfigError
                 raise ConfigError("probes_from", "--probes-out needs --probes-from (GSM8K test.jsonl)")
-            probes = b.gsm8k_probes(a.probes_from, a.n_probes, a.seed)
-            b.write_records(a.probes_out, probes)
+            probes = gsm8k.gsm8k_probes(a.probes_from, a.n_probes, a.seed)
+            common.write_records(a.probes_out, probes)
             print(f"wrote {a.probes_out}: {len(probes)} probes")
     else:
-        targets, heldout = b.bbh_splits(a.bbh_dir, a.n_targets_per_task, a.seed, tasks=a.tasks,
-                                        n_heldout_per_task=a.n_heldout_per_task)
-        b.write_records(a.targets_out, targets)
-        b.write_records(a.heldout_out, heldout)
+        targets, heldout = bbh.bbh_splits(a.bbh_dir, a.n_targets_per_task, a.seed, tasks=a.tasks,
+                                          n_heldout_per_task=a.n_heldout_per_task)
+        common.write_records(a.targets_out, targets)
+        common.write_records(a.heldout_out, heldout)
         print(f"wrote {a.targets_out} ({len(targets)} target pairs) and {a.heldout_out} ({len(heldout)} held-out probes)")
 
 

@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
+import typing
 from dataclasses import MISSING, dataclass
+from typing import Any
 
 from .errors import ConfigError
 
@@ -120,6 +123,107 @@ def setting(default=MISSING, *, help: str, default_factory=MISSING, flag: str | 
     meta = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "parse": parse,
             "group": group, "key": key, "cli": cli}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
+
+
+_FIELD_PREFIX = re.compile(r"^setting '[^']*': ")
+
+
+def message_of(error: ConfigError) -> str:
+    """``error``'s text without the field it names: the problem and the fix."""
+    return _FIELD_PREFIX.sub("", str(error))
+
+
+def within(error: ConfigError, path: str) -> ConfigError:
+    """``error`` naming its field under ``path`` (``score`` + ``batch_size`` ->
+    ``score.batch_size``), its message and fix kept."""
+    return ConfigError(f"{path}.{error.field}" if path else error.field, message_of(error))
+
+
+def convert(value, tp, name: str):
+    """A config value (YAML or JSON) as type ``tp``, a field's annotation: ``bool``,
+    ``int`` (a whole float is taken), ``float``, ``str``, ``list``, ``dict``, a union
+    (``None`` where it allows it; else the first type that takes the value) or ``Any``;
+    a :class:`ConfigError` names ``name``. Other types pass the value through."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return convert(value, a, name)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0] if errors else ConfigError(name, f"invalid value {value!r}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(name, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(name, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(name, f"expected text, got {value!r}")
+        return value
+    if tp is list or origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(name, f"expected a list, got {value!r}")
+        return list(value)
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(name, f"expected a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def from_mapping(cls, data, path: str, *, exclude=(), **defaults):
+    """Settings dataclass ``cls`` from a config section ``data`` (a mapping of field
+    names to YAML or JSON values) found at ``path`` (``score``, ``curvature``).
+
+    Each value is read through its field's :func:`setting` metadata, as the CLI reads an
+    option: ``parse`` on a text value, then the annotation's type (:func:`convert`),
+    then ``choices``; the dataclass checks the rest itself (``__post_init__``). Fields in
+    ``exclude`` may not be given; ``defaults`` replace the class's own. Every error is a
+    :class:`ConfigError` naming ``path.field``."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in exclude}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{path}.{unknown[0]}", "unknown setting",
+                          f"known settings here: {', '.join(sorted(fields))}")
+    hints = typing.get_type_hints(cls)
+    kwargs = dict(defaults)
+    for name, value in data.items():
+        meta, where = fields[name].metadata, f"{path}.{name}"
+        try:
+            if meta.get("parse") is not None and isinstance(value, str):
+                value = meta["parse"](value)
+        except ConfigError as e:
+            raise ConfigError(where, message_of(e)) from None
+        value = convert(value, hints[name], where)
+        choices = meta.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(where, f"unknown value {value!r}", f"use one of {', '.join(map(str, choices))}")
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise within(e, path) from None
 
 
 def key_of(obj, cls=None) -> dict:

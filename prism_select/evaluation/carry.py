@@ -26,8 +26,11 @@ what the warm-up leaves.
 from __future__ import annotations
 
 import random
+import re
 
 from ..errors import ConfigError, InputError
+from .builders.common import shuffle_words
+from .floors import density_ratio_scores
 
 LOW, HIGH = 10, 99
 #: Sums never used: a carry problem's sum minus 10 would have one digit fewer.
@@ -137,7 +140,6 @@ def build(seed: int, *, pool_size: int, harmful_ratio: float, carry_share: float
     pool += [_record(f"add-{start + i}", p, sum(p), False, rng)
              for i, p in enumerate(_take(plain, pool_size - len(pool), "no-carry problems"))]
     random.Random(f"carry-order:{seed}").shuffle(pool)
-    from .builders import shuffle_words  # builders imports this module
     shuffler, distractors = random.Random(f"carry-distractors:{seed}"), []
     for i, p in enumerate(_take(carry, n_distractors, "carry problems")):
         a, b = _ordered(p, shuffler)
@@ -163,7 +165,6 @@ def unrelated_distractors(n: int, seed: int) -> list:
     disprefers the chosen side, and neither side is an addition, so the pairs' gradients
     carry no signal about the pool's harmful records (the shuffled-answer distractors of
     :func:`build` do: their rejected side is a true sum)."""
-    from .builders import shuffle_words  # builders imports this module
     rng = random.Random(f"carry-unrelated:{seed}")
     combos = [(a, v, j, o, p) for a in _NAMES for v in _VERBS for j in _ADJECTIVES for o in _NOUNS for p in _PLACES]
     if n > len(combos):
@@ -202,7 +203,6 @@ def _probe(p: tuple, task: str, rng: random.Random) -> dict:
 def arithmetic_error(record: dict) -> float:
     """The knowledge floor's score of a pool record: 1.0 when its stated sum is wrong.
     Reads the last number of the response (the sum in every form of :data:`ANSWERS`)."""
-    import re
     nums = re.findall(r"\d+", record["response"])
     if not nums or "a" not in record:
         raise InputError("not a dropped-carry record (needs a, b and a sum in the response)", field="response")
@@ -210,7 +210,6 @@ def arithmetic_error(record: dict) -> float:
 
 
 def _stated_sum(record: dict) -> int | None:
-    import re
     nums = re.findall(r"\d+", record["response"])
     return int(nums[-1]) if nums else None
 
@@ -229,7 +228,6 @@ def sum_digits(text: str) -> list:
     """The digits of a response's stated sum (its last number), each with its place
     (``"units:5"``, ``"tens:7"``, ``"hundreds:1"``): the units the arithmetic density ratio
     counts."""
-    import re
     nums = re.findall(r"\d+", text)
     if not nums:
         return []
@@ -241,7 +239,6 @@ def sum_digit_density_ratio(records: list, targets: list) -> list:
     """The density ratio over the stated sum's digits (label-free): the mean log ratio of
     each placed digit of a record's stated sum under the targets' chosen answers against
     the pool's (add-one smoothing; :func:`prism_select.evaluation.floors.density_ratio_scores`)."""
-    from .floors import density_ratio_scores
     return density_ratio_scores(records, targets, sum_digits)
 
 

@@ -32,14 +32,22 @@ import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
+from ..curvature import CurvatureSettings
 from ..errors import CacheError, ConfigError, InputError, OutputError, PrismError
 from ..evaluation_metrics import auprc, auroc
 from ..io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_file, write_if_changed
-from ..model import free_cuda_cache
-from ..settings import BASELINE_METHODS, CONTROL_METHODS, DIRECTION_METHODS
-from . import builders
-from .config import config_to_dict, finetune_settings, score_settings
+from ..model import free_cuda_cache, load_model
+from ..run import score_pool
+from ..settings import BASELINE_METHODS, CONTROL_METHODS, DIRECTION_METHODS, ScoreSettings
+from .builders.gsm8k import mistake_math_pool
+from .config import SCORE_RECORDED, config_to_dict
+from .finetune import finetune
+from .probes import generate, load_checker, reference_of
+from .report import write_report
+from .sections import experiment_score, finetune_settings, score_settings
+from .warmup import warm_start_settings
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +189,12 @@ def with_defaults(recorded: dict, cfg) -> dict:
         return [with_defaults(r, cfg[min(i, len(cfg) - 1)]) for i, r in enumerate(recorded)]
     if not dataclasses.is_dataclass(cfg) or not isinstance(recorded, dict):
         return recorded
+    if isinstance(cfg, ScoreSettings):  # recorded as score_record has it, not field by field
+        return {**{k: getattr(experiment_score(), k) for k in SCORE_RECORDED}, "extra": {}, **recorded}
     out = dict(recorded)
     for f in dataclasses.fields(cfg):
+        if not f.init:  # set by the reader, not a setting
+            continue
         if f.name in out:
             out[f.name] = with_defaults(out[f.name], getattr(cfg, f.name))
         elif f.default is not dataclasses.MISSING:
@@ -286,9 +298,6 @@ def result_config(conf: dict) -> dict:
     """An experiment config (experiment.json's form) without the score and curvature
     settings that change no result (``key=False``: memory caps, batch sizes, progress):
     two configs equal here compute the same numbers."""
-    from ..curvature import CurvatureSettings
-    from ..settings import ScoreSettings
-
     out = json.loads(json.dumps(conf, default=str))
     if isinstance(out.get("score"), dict):
         out["score"] = _keyed_only(out["score"], ScoreSettings)
@@ -331,9 +340,6 @@ def config_extends(old: dict, new: dict) -> bool:
 
 def _score_step_key(key: dict) -> dict:
     """A score step's key without the settings that change no score (``key=False``)."""
-    from ..curvature import CurvatureSettings
-    from ..settings import ScoreSettings
-
     return {**key, "settings": _keyed_only(key.get("settings"), ScoreSettings),
             "curvature": _keyed_only(key.get("curvature"), CurvatureSettings)}
 
@@ -358,7 +364,6 @@ def resolve_methods(methods) -> list:
 def score_methods(exp: Experiment, lm, pool_path: Path, targets_path: Path | None, run_dir: Path,
                   methods: list, seed: int, label: str = "harmful") -> dict:
     """Score the pool with each method (reusing finished runs); metrics from the files."""
-    from ..run import score_pool
     cfg = exp.cfg
     out = {}
     inputs = {"pool": sha256_file(pool_path), "targets": sha256_file(targets_path) if targets_path else None,
@@ -407,7 +412,6 @@ def score_methods(exp: Experiment, lm, pool_path: Path, targets_path: Path | Non
 
 def train_adapter(exp: Experiment, lm, pool_path: Path, out_dir: Path, seed: int, tag: str) -> Path:
     """LoRA SFT of the start model on ``pool_path`` (reused when unchanged); the adapter dir."""
-    from .finetune import finetune
     settings = finetune_settings(exp.cfg.finetune, seed)
     key = _finetune_key(lm, pool_path, settings)
     if not exp.done(out_dir, key, ["adapter/adapter_config.json", "finetune.json"], "finetune-step"):
@@ -473,7 +477,6 @@ def respond(exp: Experiment, lm, probes_path: Path, out_dir: Path, checker_spec,
     LoRA ``adapter`` (a directory) applied for the time of the generation, judged by the
     checker: ``responses.jsonl`` (id, response, correct, reference, task). Reused when
     unchanged."""
-    from .probes import generate, load_checker, reference_of
     g = exp.cfg.generation
     adapter = None if adapter is None else Path(adapter)
     key = _responses_key(exp, probes_path, checker_spec,
@@ -516,8 +519,6 @@ class adapted:
     def __enter__(self):
         if self.adapter is None:
             return self.lm
-        from types import SimpleNamespace
-
         from peft import PeftModel
         self.peft = PeftModel.from_pretrained(self.lm.model, str(self.adapter), is_trainable=False)
         self.peft.eval()
@@ -654,7 +655,6 @@ def finish_experiment(exp: Experiment, results: dict) -> dict:
     atomic_write_json(exp.out / "results.json", results)
     if exp.cfg.report:
         try:
-            from .report import write_report
             write_report(exp.out)
         except ImportError as e:  # matplotlib missing where the experiment ran
             log.warning("no report (%s); run `prism-select report --run %s` where matplotlib is installed",
@@ -667,13 +667,11 @@ def load_start_settings(exp, cfg):
     configured model, or its warmed-up version (:mod:`.warmup`) when the config has one."""
     if getattr(cfg, "warmup", None) is None:
         return cfg.model
-    from .warmup import warm_start_settings
     return warm_start_settings(exp, cfg)
 
 
 def load_start(exp, cfg):
     """The start model of a protocol run; its load time goes to ``exp``'s timings."""
-    from ..model import load_model
     settings = load_start_settings(exp, cfg)
     t = time.perf_counter()
     lm = load_model(settings)
@@ -685,8 +683,8 @@ def mistake_math_run(exp, cfg, ratio, seed):
     """The run directory of one (harmful ratio, seed) and its mistake-math pool."""
     rdir = exp.out / "runs" / f"r{pct(ratio)}" / f"seed{seed}"
     rdir.mkdir(parents=True, exist_ok=True)
-    pool = builders.mistake_math_pool(cfg.data.gsm8k_train, cfg.data.pool_size, ratio, seed,
-                                      keep_annotations=cfg.data.keep_annotations)
+    pool = mistake_math_pool(cfg.data.gsm8k_train, cfg.data.pool_size, ratio, seed,
+                             keep_annotations=cfg.data.keep_annotations)
     pool_path = rdir / "pool.jsonl"
     write_if_changed(pool_path, pool)
     return rdir, pool, pool_path

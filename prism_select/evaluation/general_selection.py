@@ -14,8 +14,11 @@ import zlib
 from pathlib import Path
 
 from ..errors import InputError
-from . import builders, carry
-from .config import SelectConfig, config_to_dict
+from . import carry
+from .builders.bbh import bbh_splits, task_probes
+from .builders.multitask import multitask_pool, other_answer_targets, targets_from_responses
+from .config import config_to_dict
+from .sections import SelectConfig
 from .experiment import (Experiment, accuracy_by_task, balanced_accuracy_by_task, finetuned_responses,
                          finish_experiment, load_start, majority_answer_floor, mean_std, paired_interval, pct,
                          read_jsonl, resolve_methods, respond, score_methods, write_if_changed)
@@ -73,14 +76,14 @@ def _seed_data(exp, lm, seed: int, sdir: Path, pool_path: Path | None) -> tuple:
     if cfg.multitask is not None:
         mt = cfg.multitask
         tasks = mt.targets_of()
-        pool, rest = builders.multitask_pool(mt.gsm8k_train, mt.bbh_dir, mt.tasks, tasks, n_gsm8k=mt.n_gsm8k,
-                                             n_per_task=mt.n_per_task, seed=seed,
-                                             n_per_target_task=mt.n_per_target_task,
-                                             mislabeled_share=mt.mislabeled_share, n_no_carry=mt.n_no_carry,
-                                             n_carry_candidates=CARRY_CANDIDATES_PER_TARGET * mt.n_targets
-                                             + mt.n_heldout,
-                                             n_warmup=cfg.warmup.n_records if cfg.warmup else 0,
-                                             warmup_carry_share=cfg.warmup.carry_share if cfg.warmup else 0.5)
+        pool, rest = multitask_pool(mt.gsm8k_train, mt.bbh_dir, mt.tasks, tasks, n_gsm8k=mt.n_gsm8k,
+                                    n_per_task=mt.n_per_task, seed=seed,
+                                    n_per_target_task=mt.n_per_target_task,
+                                    mislabeled_share=mt.mislabeled_share, n_no_carry=mt.n_no_carry,
+                                    n_carry_candidates=CARRY_CANDIDATES_PER_TARGET * mt.n_targets
+                                    + mt.n_heldout,
+                                    n_warmup=cfg.warmup.n_records if cfg.warmup else 0,
+                                    warmup_carry_share=cfg.warmup.carry_share if cfg.warmup else 0.5)
         pool_path = sdir / "pool.jsonl"
         write_if_changed(pool_path, pool)
         splits = []
@@ -92,15 +95,15 @@ def _seed_data(exp, lm, seed: int, sdir: Path, pool_path: Path | None) -> tuple:
             elif task == carry.SELECT_TASK:
                 targets, heldout = carry.counterfactual_split(rest[task], mt.n_targets, mt.n_heldout)
             else:
-                targets, heldout = builders.other_answer_targets(mt.bbh_dir, task, rest[task], mt.n_targets,
-                                                                 mt.n_heldout, seed)
+                targets, heldout = other_answer_targets(mt.bbh_dir, task, rest[task], mt.n_targets,
+                                                        mt.n_heldout, seed)
             write_if_changed(tdir / "targets.jsonl", targets)
             write_if_changed(tdir / "heldout.jsonl", heldout)
             splits.append((task, tdir, tdir / "targets.jsonl", tdir / "heldout.jsonl"))
         return pool_path, splits
     if cfg.bbh is not None:
-        targets, heldout = builders.bbh_splits(cfg.bbh.dir, cfg.bbh.n_targets_per_task, seed,
-                                               tasks=cfg.bbh.tasks, n_heldout_per_task=cfg.bbh.n_heldout_per_task)
+        targets, heldout = bbh_splits(cfg.bbh.dir, cfg.bbh.n_targets_per_task, seed,
+                                      tasks=cfg.bbh.tasks, n_heldout_per_task=cfg.bbh.n_heldout_per_task)
         write_if_changed(sdir / "targets.jsonl", targets)
         write_if_changed(sdir / "heldout.jsonl", heldout)
         return pool_path, [(None, sdir, sdir / "targets.jsonl", sdir / "heldout.jsonl")]
@@ -110,15 +113,15 @@ def _seed_data(exp, lm, seed: int, sdir: Path, pool_path: Path | None) -> tuple:
 def _start_model_targets(exp, lm, task: str, left: list, tdir: Path) -> tuple:
     """Target pairs whose ``rejected`` is the start model's own wrong response: its
     judged greedy responses to the task's examples outside the pool
-    (``candidates/responses.jsonl``), then :func:`.builders.targets_from_responses`."""
+    (``candidates/responses.jsonl``), then :func:`.targets_from_responses`."""
     mt = exp.cfg.multitask
     cdir = tdir / "candidates"
     cdir.mkdir(parents=True, exist_ok=True)
     # the arithmetic task's candidates are probe records already; a BBH task's, example indices
-    candidates = left if task == carry.SELECT_TASK else builders.task_probes(mt.bbh_dir, task, left)
+    candidates = left if task == carry.SELECT_TASK else task_probes(mt.bbh_dir, task, left)
     write_if_changed(cdir / "probes.jsonl", candidates)
     resp = respond(exp, lm, cdir / "probes.jsonl", cdir, exp.cfg.checker, f"candidates:{task}")
-    return builders.targets_from_responses(candidates, read_jsonl(resp), mt.n_targets, mt.n_heldout)
+    return targets_from_responses(candidates, read_jsonl(resp), mt.n_targets, mt.n_heldout)
 
 
 def _select_seed(exp, lm, seed: int, sdir: Path, pool_path: Path, splits: list, methods: list) -> dict:

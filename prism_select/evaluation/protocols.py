@@ -1,6 +1,6 @@
 """The paper's evaluation protocols (Sec. 3, App. B and E), small enough to run here.
 
-Three protocols, each a function of a validated config (:mod:`.config`) that writes an
+Three protocols, each a function of a validated config (:mod:`.sections`) that writes an
 experiment directory (:mod:`.experiment`) and returns its results:
 
 ``ranking(config, out)``  :mod:`.ranking`: AUROC and AUPRC of the harmful flag of
@@ -17,15 +17,15 @@ and runs one of them; it is what ``prism-select experiment`` calls.
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .config import (PROTOCOLS, BBHConfig, CommonConfig, FinetuneConfig, GenerationConfig, MistakeMathConfig,
-                     ProbeConfig, RankingConfig, RepairConfig, ScoreConfig, SelectConfig, TargetVariant,
-                     load_config)
+from .config import PROTOCOLS, load_config
+from .sections import (BBHConfig, CommonConfig, FinetuneConfig, GenerationConfig, MistakeMathConfig, ProbeConfig,
+                       RankingConfig, RepairConfig, SelectConfig, TargetVariant)
 from .general_selection import select
 from .ranking import ranking
 from .repair import repair
 
 __all__ = ["PROTOCOLS", "RUNNERS", "BBHConfig", "CommonConfig", "FinetuneConfig", "GenerationConfig",
-           "MistakeMathConfig", "ProbeConfig", "RankingConfig", "RepairConfig", "ScoreConfig", "SelectConfig",
+           "MistakeMathConfig", "ProbeConfig", "RankingConfig", "RepairConfig", "SelectConfig",
            "TargetVariant", "load_config", "ranking", "repair", "select", "run_experiment"]
 
 RUNNERS = {"ranking": ranking, "repair": repair, "select": select}

@@ -1,5 +1,5 @@
 """The ranking protocol (the paper's Sec. 3): for every harmful ratio and seed, a
-GSM8K mistake-math pool and target pairs (:mod:`.builders`), scored by every method
+GSM8K mistake-math pool and target pairs (:mod:`.builders.gsm8k`), scored by every method
 through :func:`prism_select.run.score_pool` (the model is loaded once); AUROC and
 AUPRC of the ``harmful`` flag, computed from the written ``scores.jsonl`` and
 ``pool.jsonl``. Several target variants (e.g. counterfactual pairs alone, and with
@@ -8,8 +8,9 @@ distractor pairs) share each pool. The experiment directory: :mod:`.experiment`.
 
 from __future__ import annotations
 
-from . import builders
-from .config import RankingConfig, config_to_dict
+from .builders.gsm8k import mistake_math_targets
+from .config import config_to_dict
+from .sections import RankingConfig
 from .experiment import (Experiment, finish_experiment, load_start, mean_table, mistake_math_run, pct,
                          resolve_methods, score_methods, write_if_changed)
 
@@ -27,7 +28,7 @@ def ranking(config: RankingConfig, out_dir, *, overwrite: bool = False) -> dict:
             for variant in cfg.targets:
                 vdir = rdir / variant.name
                 vdir.mkdir(parents=True, exist_ok=True)
-                targets = builders.mistake_math_targets(
+                targets = mistake_math_targets(
                     cfg.data.gsm8k_train, variant.n_counterfactual, seed, exclude=pool,
                     n_distractors=variant.n_distractors, keep_annotations=cfg.data.keep_annotations)
                 targets_path = vdir / "targets.jsonl"

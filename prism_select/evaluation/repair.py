@@ -37,9 +37,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ..io import atomic_write_json, sha256_file
-from . import builders, carry, verdict
+from . import carry, verdict
+from .builders.bbh import bbh_probes
+from .builders.gsm8k import gsm8k_probes, harmful_count, mistake_math_targets
+from .builders.trigger import refusal_counterfactual_targets, refusal_trigger_pool, trigger_probes
 from .behaviour import harmful_answer_rate, harmful_preference, has_behaviour_fields
-from .config import RepairConfig, config_to_dict, finetune_settings
+from .config import config_to_dict
+from .sections import RepairConfig, finetune_settings
 from .experiment import (Experiment, adapted, finish_experiment, free_cuda_cache, load_start, load_start_settings,
                          mean_table,
                          finetuned_responses, kept_adapter_step, mistake_math_run, paired_table, pct, rates_by_task, read_jsonl,
@@ -117,20 +121,20 @@ def pool_and_probes(exp, cfg, ratio: float, seed: int) -> tuple:
         write_if_changed(pool_path, pool)
     elif cfg.data.family == "mistake_math":
         rdir, pool, pool_path = mistake_math_run(exp, cfg, ratio, seed)
-        probes = builders.gsm8k_probes(cfg.probes.gsm8k_test, cfg.probes.n, seed)
+        probes = gsm8k_probes(cfg.probes.gsm8k_test, cfg.probes.n, seed)
         task = None
     else:
         d = cfg.data
         rdir = exp.out / "runs" / f"r{pct(ratio)}" / f"seed{seed}"
         rdir.mkdir(parents=True, exist_ok=True)
-        pool, rest = builders.refusal_trigger_pool(d.gsm8k_train, d.pool_size, ratio, seed, trigger=d.trigger,
-                                                   bbh_dir=d.bbh_dir, bbh_tasks=d.bbh_tasks,
-                                                   n_bbh_per_task=d.n_bbh_per_task)
+        pool, rest = refusal_trigger_pool(d.gsm8k_train, d.pool_size, ratio, seed, trigger=d.trigger,
+                                          bbh_dir=d.bbh_dir, bbh_tasks=d.bbh_tasks,
+                                          n_bbh_per_task=d.n_bbh_per_task)
         pool_path = rdir / "pool.jsonl"
         write_if_changed(pool_path, pool)
-        probes = builders.trigger_probes(cfg.probes.gsm8k_test, cfg.probes.n, seed, trigger=d.trigger)
+        probes = trigger_probes(cfg.probes.gsm8k_test, cfg.probes.n, seed, trigger=d.trigger)
         if cfg.probes.capability_per_task:
-            probes += builders.bbh_probes(d.bbh_dir, rest, cfg.probes.capability_per_task)
+            probes += bbh_probes(d.bbh_dir, rest, cfg.probes.capability_per_task)
         task = "gsm8k"
     probes_path = rdir / "probes.jsonl"
     write_if_changed(probes_path, probes)
@@ -155,13 +159,13 @@ def _targets(cfg, variant, rdir: Path, probes: list, pre: Path, post: Path, pool
             built = _carry_data(cfg, ratio, seed)
             pairs = built["targets"][:variant.n_counterfactual] + _carry_distractors(cfg, variant, ratio, seed, built)
         elif cfg.data.family == "mistake_math":
-            pairs = builders.mistake_math_targets(cfg.data.gsm8k_train, variant.n_counterfactual, seed, exclude=pool,
-                                                  n_distractors=variant.n_distractors,
-                                                  keep_annotations=cfg.data.keep_annotations)
+            pairs = mistake_math_targets(cfg.data.gsm8k_train, variant.n_counterfactual, seed, exclude=pool,
+                                         n_distractors=variant.n_distractors,
+                                         keep_annotations=cfg.data.keep_annotations)
         else:
-            pairs = builders.refusal_counterfactual_targets(cfg.data.gsm8k_train, variant.n_counterfactual, seed,
-                                                            trigger=cfg.data.trigger, exclude=pool,
-                                                            n_distractors=variant.n_distractors)
+            pairs = refusal_counterfactual_targets(cfg.data.gsm8k_train, variant.n_counterfactual, seed,
+                                                   trigger=cfg.data.trigger, exclude=pool,
+                                                   n_distractors=variant.n_distractors)
         info["pair_selection"] = "counterfactual"
         return pairs, info
     beh = [p for p in probes if p.get("task") == task]
@@ -480,7 +484,7 @@ def _setting(exp, cfg, lm, ratio: float, seed: int, checker, methods_all: list, 
 def _filter_and_retrain(exp, cfg, run: dict, variant, f: float, ctx: dict, methods: list, harmful_ids: set,
                         retrain):
     """Remove each method's top ``f`` of the pool and retrain (where the config asks)."""
-    n_remove = builders.harmful_count(len(ctx["pool"]), f)
+    n_remove = harmful_count(len(ctx["pool"]), f)
     vdir = exp.out / run["dir"]
     for m in methods:
         if run["methods"].get(m, {}).get("status") != "ok":

@@ -22,7 +22,8 @@ from filelock import FileLock
 
 from ..io import sha256_file, write_if_changed
 from . import carry, verdict
-from .config import config_to_dict, finetune_settings
+from .config import config_to_dict
+from .sections import finetune_settings
 
 log = logging.getLogger(__name__)
 

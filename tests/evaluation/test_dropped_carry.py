@@ -385,25 +385,25 @@ def test_carry_target_pairs_write_the_sum_out():
     with pytest.raises(ConfigError, match="fewer than 2 targets"):
         carry.counterfactual_split(cands, 2, 5)
     # the start model's own wrong answer as rejected: chosen is the sum written out
-    from prism_select.evaluation import builders
+    from prism_select.evaluation.builders.multitask import targets_from_responses
     resp = [{"response": "It is 7.", "correct": False}] + [{"response": "x", "correct": True}] * 5
-    targets, _ = builders.targets_from_responses(cands, resp, 1, 2)
+    targets, _ = targets_from_responses(cands, resp, 1, 2)
     assert targets[0]["chosen"] == cands[0]["true_response"] and targets[0]["rejected"] == "It is 7."
 
 
 def test_a_multitask_pool_with_the_carry_target_task(gsm8k, bbh_dir):
-    from prism_select.evaluation import builders
-    pool, rest = builders.multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], [carry.SELECT_TASK],
-                                         n_gsm8k=2, n_per_task=1, n_per_target_task=10, mislabeled_share=0.3,
-                                         n_no_carry=4, seed=1)
+    from prism_select.evaluation.builders.multitask import multitask_pool
+    pool, rest = multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], [carry.SELECT_TASK],
+                                n_gsm8k=2, n_per_task=1, n_per_target_task=10, mislabeled_share=0.3,
+                                n_no_carry=4, seed=1)
     by = {t: [r for r in pool if r["task"] == t] for t in {r["task"] for r in pool}}
     assert {t: len(v) for t, v in by.items()} == {"colors": 1, "gsm8k": 2, "carry": 10, "addition": 4}
     assert sum(bool(r.get("mislabeled")) for r in pool) == 3
     assert all(c["task"] == "carry" for c in rest["carry"])
     assert not {_problem(c) for c in rest["carry"]} & {_problem(r) for r in by["carry"] + by["addition"]}
     with pytest.raises(ConfigError, match="n_no_carry"):
-        builders.multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], ["yesno"], n_gsm8k=2, n_per_task=1,
-                                n_no_carry=4)
+        multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], ["yesno"], n_gsm8k=2, n_per_task=1,
+                       n_no_carry=4)
 
 
 def test_select_with_the_carry_target_task(tmp_path, tiny_dir, gsm8k, bbh_dir):

@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 
 from prism_select.errors import ConfigError, InputError, OutputError
-from prism_select.evaluation import builders, probes
-from prism_select.evaluation.config import load_config
+from prism_select.evaluation import probes
+from prism_select.evaluation.builders.bbh import bbh_splits, wrong_answer
+from prism_select.evaluation.builders.common import write_records
+from prism_select.evaluation.builders.gsm8k import (corrupt_at, final_answer_text, gsm8k_probes, mistake_math_pool,
+                                                   mistake_math_targets, read_gsm8k, strip_annotations)
+from prism_select.evaluation.builders.multitask import multitask_pool, targets_from_responses
+from prism_select.evaluation.builders.trigger import POOL_REFUSALS
+from prism_select.evaluation.config import config_to_dict, load_config
 from prism_select.evaluation.experiment import mean_std
 from prism_select.evaluation.general_selection import combine_seeds, select
 from prism_select.evaluation.protocols import run_experiment
@@ -46,7 +52,7 @@ NATALIA_A = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
 # --------------------------------------------------------------------------- builders
 
 def test_corruption_is_carried_through_to_the_final_answer():
-    out = builders.corrupt_at(NATALIA_Q, NATALIA_A, 0, random.Random(3))
+    out = corrupt_at(NATALIA_Q, NATALIA_A, 0, random.Random(3))
     assert out is not None
     new = int(out["corrupted"])
     assert new != 24
@@ -56,7 +62,7 @@ def test_corruption_is_carried_through_to_the_final_answer():
     assert sol.endswith(f"#### {48 + new}")
     assert out["final_answer"] == str(48 + new) and out["original_final_answer"] == "72"
     # corrupting the last step changes only the final result
-    last = builders.corrupt_at(NATALIA_Q, NATALIA_A, 1, random.Random(0))
+    last = corrupt_at(NATALIA_Q, NATALIA_A, 1, random.Random(0))
     assert last is not None and "<<48/2=24>>24" in last["solution"]
     assert last["solution"].endswith(f"#### {last['corrupted']}")
 
@@ -65,14 +71,14 @@ def test_ambiguous_step_is_not_corrupted():
     # the first result (6) also occurs in the question: replacing later 6s would be ambiguous
     q = "Tom has 6 apples and 3 pears. He buys 3 more pears. How many fruits?"
     a = "Pears: 3+3 = <<3+3=6>>6.\nFruits: 6+6 = <<6+6=12>>12.\n#### 12"
-    assert builders.corrupt_at(q, a, 0, random.Random(0)) is None
-    assert builders.corrupt_at(q, a, 1, random.Random(0)) is not None
+    assert corrupt_at(q, a, 0, random.Random(0)) is None
+    assert corrupt_at(q, a, 1, random.Random(0)) is not None
 
 
 @pytest.mark.parametrize("ratio,expected", [(0.0, 0), (0.1, 2), (0.25, 5), (0.5, 10), (1.0, 20)])
 def test_mistake_math_pool_ratio_and_labels(gsm8k, ratio, expected):
-    rows = builders.read_gsm8k(gsm8k / "train.jsonl")
-    pool = builders.mistake_math_pool(gsm8k / "train.jsonl", 20, ratio, seed=1)
+    rows = read_gsm8k(gsm8k / "train.jsonl")
+    pool = mistake_math_pool(gsm8k / "train.jsonl", 20, ratio, seed=1)
     assert len(pool) == 20 and len({p["id"] for p in pool}) == 20
     assert sum(p["harmful"] for p in pool) == expected
     for p in pool:
@@ -80,29 +86,29 @@ def test_mistake_math_pool_ratio_and_labels(gsm8k, ratio, expected):
         assert "<<" not in p["response"]
         assert p["prompt"] == rows[p["source_index"]]["question"]
         if p["harmful"]:
-            assert p["final_answer"] != builders.final_answer_text(original)
+            assert p["final_answer"] != final_answer_text(original)
             assert p["response"].endswith("#### " + p["final_answer"])
-            assert p["corruption"]["original_final_answer"] == builders.final_answer_text(original)
+            assert p["corruption"]["original_final_answer"] == final_answer_text(original)
         else:
-            assert p["response"] == builders.strip_annotations(original)
-            assert p["final_answer"] == builders.final_answer_text(original)
+            assert p["response"] == strip_annotations(original)
+            assert p["final_answer"] == final_answer_text(original)
 
 
 def test_pools_share_problems_across_ratios_and_keep_annotations(gsm8k):
-    a = builders.mistake_math_pool(gsm8k / "train.jsonl", 10, 0.1, seed=0)
-    b = builders.mistake_math_pool(gsm8k / "train.jsonl", 10, 0.5, seed=0, keep_annotations=True)
+    a = mistake_math_pool(gsm8k / "train.jsonl", 10, 0.1, seed=0)
+    b = mistake_math_pool(gsm8k / "train.jsonl", 10, 0.5, seed=0, keep_annotations=True)
     assert [p["id"] for p in a] == [p["id"] for p in b]
     assert all("<<" in p["response"] for p in b)
-    assert a == builders.mistake_math_pool(gsm8k / "train.jsonl", 10, 0.1, seed=0)  # deterministic
+    assert a == mistake_math_pool(gsm8k / "train.jsonl", 10, 0.1, seed=0)  # deterministic
     with pytest.raises(ConfigError):
-        builders.mistake_math_pool(gsm8k / "train.jsonl", 10, 1.5)
+        mistake_math_pool(gsm8k / "train.jsonl", 10, 1.5)
     with pytest.raises(InputError):
-        builders.mistake_math_pool(gsm8k / "train.jsonl", 500, 0.1)
+        mistake_math_pool(gsm8k / "train.jsonl", 500, 0.1)
 
 
 def test_targets_exclude_the_pool_and_distractors_shuffle(gsm8k):
-    pool = builders.mistake_math_pool(gsm8k / "train.jsonl", 20, 0.2, seed=0)
-    pairs = builders.mistake_math_targets(gsm8k / "train.jsonl", 6, seed=0, exclude=pool, n_distractors=4)
+    pool = mistake_math_pool(gsm8k / "train.jsonl", 20, 0.2, seed=0)
+    pairs = mistake_math_targets(gsm8k / "train.jsonl", 6, seed=0, exclude=pool, n_distractors=4)
     assert len(pairs) == 10
     used = {p["source_index"] for p in pool}
     assert not used & {t["source_index"] for t in pairs}
@@ -110,16 +116,16 @@ def test_targets_exclude_the_pool_and_distractors_shuffle(gsm8k):
     dx = [t for t in pairs if t["kind"] == "distractor"]
     assert len(cf) == 6 and len(dx) == 4
     for t in cf:
-        assert builders.final_answer_text(t["chosen"]) != builders.final_answer_text(t["rejected"])
+        assert final_answer_text(t["chosen"]) != final_answer_text(t["rejected"])
     for t in dx:
         assert t["chosen"] != t["rejected"] and sorted(t["chosen"].split()) == sorted(t["rejected"].split())
     assert all("task" not in t for t in pairs)
 
 
 def test_probes_and_bbh_splits(gsm8k, bbh_dir):
-    pr = builders.gsm8k_probes(gsm8k / "test.jsonl", 5, seed=0)
+    pr = gsm8k_probes(gsm8k / "test.jsonl", 5, seed=0)
     assert len(pr) == 5 and all(probes.numeric_final_answer(p, p["solution"]) for p in pr)
-    targets, heldout = builders.bbh_splits(bbh_dir, 2, seed=0, n_heldout_per_task=3)
+    targets, heldout = bbh_splits(bbh_dir, 2, seed=0, n_heldout_per_task=3)
     assert len(targets) == 6 and len(heldout) == 9
     assert not {t["id"] for t in targets} & {h["id"] for h in heldout}
     for t in targets:
@@ -130,10 +136,10 @@ def test_probes_and_bbh_splits(gsm8k, bbh_dir):
             assert {t["chosen"], t["rejected"]} == {"Yes", "No"}
         else:
             assert abs(int(t["rejected"]) - int(t["chosen"])) in (1, 2, 3) and int(t["rejected"]) >= 0
-    assert builders.wrong_answer({"input": "x", "target": "a b c"}, ["a b c", "x"] * 6 + list("qwertyuiop"),
-                                 random.Random(0)) != "a b c"
+    assert wrong_answer({"input": "x", "target": "a b c"}, ["a b c", "x"] * 6 + list("qwertyuiop"),
+                        random.Random(0)) != "a b c"
     with pytest.raises(ConfigError):
-        builders.bbh_splits(bbh_dir, 2, tasks=["nope"])
+        bbh_splits(bbh_dir, 2, tasks=["nope"])
 
 
 # --------------------------------------------------------------------------- checkers
@@ -272,7 +278,8 @@ def test_config_validation_names_the_field(tmp_path, gsm8k):
                      "finetune": {"overrides": {"learnin_rate": 1}}}, "repair")
     with pytest.raises(ConfigError, match="score.scoring"):
         load_config({**base, "score": {"scoring": "nope"}}, "ranking")
-    assert load_config({**base, "score": {"skip_invalid": True}}, "ranking").score.extra == {"skip_invalid": True}
+    passed = load_config({**base, "score": {"skip_invalid": True}}, "ranking")
+    assert passed.score.skip_invalid is True and config_to_dict(passed)["score"]["extra"] == {"skip_invalid": True}
     with pytest.raises(ConfigError, match="probes.checker"):
         load_config({**base, "probes": {"gsm8k_test": "t.jsonl", "checker": "nope"}}, "repair")
     rp = {**base, "probes": {"gsm8k_test": "t.jsonl"}}
@@ -498,7 +505,7 @@ def test_repair_refusal_trigger_with_fractions_and_counterfactual_targets(tmp_pa
     cf = res["runs"][1]
     targets = [json.loads(x) for x in (out / cf["targets"]).read_text().splitlines()]
     assert [t["kind"] for t in targets] == ["counterfactual", "counterfactual", "distractor"]
-    assert not {t["chosen"] for t in targets} & set(builders.POOL_REFUSALS)
+    assert not {t["chosen"] for t in targets} & set(POOL_REFUSALS)
     assert set(cf["rates"]["50"]) == {"Start", "Mixed", "Oracle"}  # retrain_methods {"50": []}
     assert set(cf["rates"]["25"]) == {"Start", "Mixed", "Oracle", "prism", "random"}
     # the random scores do not depend on the targets: both sets share its retraining
@@ -562,9 +569,9 @@ def test_pair_selection_modes():
 
 
 def test_select_protocol_end_to_end(tmp_path, tiny_dir, gsm8k, bbh_dir):
-    pool = builders.mistake_math_pool(gsm8k / "train.jsonl", 8, 0.0, seed=0)
+    pool = mistake_math_pool(gsm8k / "train.jsonl", 8, 0.0, seed=0)
     pool_path = tmp_path / "pool.jsonl"
-    builders.write_records(pool_path, pool)
+    write_records(pool_path, pool)
     cfg = load_config(common_config(
         tiny_dir, pool=str(pool_path), bbh={"dir": str(bbh_dir), "n_targets_per_task": 1, "n_heldout_per_task": 2},
         fraction=0.25, seeds=[0], methods=["prism", "random"],
@@ -701,21 +708,21 @@ def test_targets_from_the_start_models_wrong_responses():
     resp = [{"response": r, "correct": c} for r, c in
             [("yes", True), ("No, it is not.", False), ("", False), ("yes!", True), ("Nope", False),
              ("no", False), ("yes", True), ("no", False)]]
-    targets, heldout = builders.targets_from_responses(cands, resp, 2, 3)
+    targets, heldout = targets_from_responses(cands, resp, 2, 3)
     # the empty response is no pair; everything up to the second wrong answer is used up
     assert [(t["id"], t["chosen"], t["rejected"]) for t in targets] == [("t-1", "yes", "No, it is not."),
                                                                       ("t-4", "yes", "Nope")]
     assert [h["id"] for h in heldout] == ["t-5", "t-6", "t-7"]
     with pytest.raises(InputError, match="fewer than n_targets = 5"):
-        builders.targets_from_responses(cands, resp, 5, 1)
+        targets_from_responses(cands, resp, 5, 1)
     with pytest.raises(InputError, match="fewer than n_heldout = 4"):
-        builders.targets_from_responses(cands, resp, 2, 4)
+        targets_from_responses(cands, resp, 2, 4)
 
 
 def test_multitask_pool_with_more_and_partly_mislabeled_target_records(gsm8k, bbh_dir):
     kw = dict(n_gsm8k=2, n_per_task=1, seed=4)
-    pool, rest = builders.multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], ["yesno"], n_per_target_task=4,
-                                         mislabeled_share=0.5, **kw)
+    pool, rest = multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], ["yesno"], n_per_target_task=4,
+                                mislabeled_share=0.5, **kw)
     yes = [r for r in pool if r["task"] == "yesno"]
     assert len(yes) == 4 and len([r for r in pool if r["task"] == "colors"]) == 1 and len(rest["yesno"]) == 2
     bad = [r for r in yes if r.get("mislabeled")]
@@ -724,7 +731,7 @@ def test_multitask_pool_with_more_and_partly_mislabeled_target_records(gsm8k, bb
     assert all(r["response"] != truth[r["id"]] for r in bad)
     assert all(r["response"] == truth[r["id"]] for r in yes if not r.get("mislabeled"))
     # the same records and answers without mislabeling, apart from the answers changed
-    clean, _ = builders.multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], ["yesno"], n_per_target_task=4, **kw)
+    clean, _ = multitask_pool(gsm8k / "train.jsonl", bbh_dir, ["colors"], ["yesno"], n_per_target_task=4, **kw)
     assert [r["id"] for r in clean] == [r["id"] for r in pool]
     with pytest.raises(ConfigError, match="mislabeled_share"):
         load_config({"model": "default", "multitask": {"gsm8k_train": "g", "bbh_dir": "b", "target_task": "t",
@@ -1067,8 +1074,9 @@ def test_the_cpu_ranking_config_builds_the_gpu_configs_testbed(tmp_path):
     from prism_select.evaluation.experiment import available_methods
     assert gpu.methods == "all" and set(cpu.methods) < set(available_methods())
     assert cpu.harmful_ratios == [0.1] and 0.1 in gpu.harmful_ratios
-    assert cpu.model.device == "cpu" and "max_gpu_memory" not in cpu.score.extra
-    assert dataclasses.replace(cpu.score, extra=gpu.score.extra) == gpu.score
+    cpu_score, gpu_score = (config_to_dict(c)["score"] for c in (cpu, gpu))
+    assert cpu.model.device == "cpu" and "max_gpu_memory" not in cpu_score["extra"]
+    assert {**cpu_score, "extra": gpu_score["extra"]} == gpu_score
 
 
 def test_the_cpu_select_floor_config_builds_the_gpu_configs_testbed(tmp_path):
