@@ -103,7 +103,8 @@ def main():
         setattr(owner, name, g)
 
     wrap(pipeline, "load_model", "load model")
-    wrap(pipeline, "compute_preference", "target direction")
+    from prism_select.methods import prism  # the target direction (score --method prism)
+    wrap(prism, "compute_preference", "target direction")
     wrap(fit, "_passes", lambda args: "fit: " + args[7].split(" (")[0])
     if hasattr(fit, "_spilled_pass"):  # the eigenvalue pass read from the factor pass's spill
         wrap(fit, "_spilled_pass", lambda args: "fit: " + args[3].split(" (")[0])
@@ -119,7 +120,7 @@ def main():
     wrap(base.Curvature, "precondition", "precondition")
     wrap(pipeline, "score_encoded", "scoring")
     wrap(base.Curvature, "load", "curvature load (cache)")
-    from prism_select.baselines import ifguide  # IF-Guide's own stages (score --method ifguide)
+    from prism_select.methods import ifguide  # IF-Guide's own stages (score --method ifguide)
     wrap(ifguide, "contrastive_target", "IF-Guide target")
     wrap(ifguide, "token_scores", "IF-Guide token scores")
     if hasattr(fit._Spill, "scores"):  # exact scores from the fit's spill (the pool is the fit sample)

@@ -34,6 +34,7 @@ def main():
     ap.add_argument("argv", nargs="+", help="the prism-select command line (after --)")
     a = ap.parse_args()
     from prism_select import cli, pipeline
+    from prism_select.methods import prism
     from prism_select.curvature import base, eigenvalues, eigh, factors, fit, sharded, spill
 
     acc: dict = collections.defaultdict(lambda: [0.0, 0])
@@ -67,7 +68,7 @@ def main():
                 wrap(mod, name, label)
     wrap(spill._Spill, "read", "spill read")
     wrap(eigenvalues._LambdaTap, "add", lambda x: f"lambda add {x[2].shape[-1]}x{x[1].shape[-1]}")
-    wrap(pipeline, "compute_preference", "target direction (main thread only)")
+    wrap(prism, "compute_preference", "target direction (main thread only)")
     wrap(fit, "_passes", "fit passes (main thread only)")
     wrap(spill._Spill, "scores", "scores from the spill (main thread only)")
     wrap(spill.FitScores, "score_layer", "scores inside the fit (per layer)")  # the pool scored inside the fit

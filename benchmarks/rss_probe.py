@@ -102,6 +102,7 @@ fit._FitStep.score = score
 
 from prism_select.curvature import base as _base
 from prism_select import pipeline as _pl
+from prism_select.methods import prism as _prism
 def _wrapstage(owner, name, label):
     f = getattr(owner, name)
     def g(*args, **kw):
@@ -121,7 +122,7 @@ def _timed_trim():
     t = time.perf_counter(); _rh(); trims.append(time.perf_counter() - t)
 _base.release_host_memory = _timed_trim
 _wrapstage(_pl, "score_encoded", "scoring")
-_wrapstage(_pl, "compute_preference", "target direction")
+_wrapstage(_prism, "compute_preference", "target direction")
 _wrapstage(_base.Curvature, "save", "curvature save")
 orig_fin = fit._finish_lambda
 def fin(*args, **kw):

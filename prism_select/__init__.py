@@ -29,7 +29,7 @@ _PUBLIC = {
     "ScoreSettings": ("prism_select.pipeline", "ScoreSettings"),
     "CurvatureSettings": ("prism_select.curvature", "CurvatureSettings"),
     "select": ("prism_select.selection", "select"),
-    "compare": ("prism_select.baselines.compare", "compare"),
+    "compare": ("prism_select.methods.compare", "compare"),
 }
 
 __all__ = [*_PUBLIC, "__version__"]

@@ -56,11 +56,10 @@ from .data.tokenize import (
 )
 from .errors import CacheError, ConfigError, InputError, OutOfResourceError, OutputError, resource_error
 from .engine import cpu_response_split, split_causal_lm
-from .execution import ExecutionContext, direction_kernels
+from .execution import ExecutionContext
 from .execution import deterministic as deterministic_kernels
 from .execution import resolve as resolve_execution
 from .gradients import SpilledLayers, host_peak_mib, layer_shape, release_host_memory, set_run_dtype
-from .precision import direction_policy
 from .io import (
     atomic_write_json,
     atomic_write_jsonl,
@@ -75,12 +74,11 @@ from .model import (LoadedModel, ModelSettings, check_adapter_dir, check_finite_
                     tracked_linear_modules)
 from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory, device_memory, gib,
                    held_elsewhere_note, host_share_bytes, make_plan, measure_example_bytes, stored_bytes)
-from .preference import METHODS as DIRECTION_METHODS
-from .preference import GIVEN_WEIGHTS, compute_preference, pair_margins, shuffled_weights, top_half_weights
 from .scoring import Chunking, score_directions, score_encoded, score_stream
 from .tasks import check_stems, name_tasks, target_paths, task_groups
-from .settings import DEFAULT_STREAM_WINDOW, DIRECTION_OPTIONS, STREAM_FIT_EXAMPLES, ScoreSettings, key_of  # noqa: F401 (re-exported)
-from .settings import MULTI_TASK_METHODS
+from .methods import registry as methods
+from .methods.prism import _check_task_method, _method_fn, prism_method, run_tasks  # noqa: F401 (re-exported)
+from .settings import DEFAULT_STREAM_WINDOW, STREAM_FIT_EXAMPLES, ScoreSettings, key_of  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +419,7 @@ class RunContext:
         the pool is scored in memory by the exact route."""
         st, ex = self.settings, self.execution
         model = self.lm.model
-        return (st.scores_from_fit and st.method in DIRECTION_METHODS and self._damping_rule() == "heuristic"
+        return (st.scores_from_fit and methods.get(st.method).kind == "direction" and self._damping_rule() == "heuristic"
                 and len(self.tasks) <= 1
                 and self.inputs.fit_encoded is None and cs.kind == "ekfac" and cs.fisher == "empirical"
                 and len(fit_indices(len(self.inputs.encoded), cs)) == len(self.inputs.encoded)
@@ -1008,160 +1006,6 @@ def _versions() -> dict:
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 
-def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
-    """PRISM and its ablations: scores and per-pair rows for pairs.jsonl. With several
-    target sets (``ctx.tasks``) each set gets its own direction and the scores are
-    ``(N, tasks)``: :func:`_prism_tasks`."""
-    if not ctx.inputs.pairs:
-        raise ConfigError("targets", f"method {ctx.settings.method!r} needs target pairs", "pass --targets FILE")
-    if len(ctx.tasks) > 1:
-        return _prism_tasks(ctx)
-    t = time.perf_counter()
-    d = ctx.plan.direction if ctx.plan is not None and ctx.plan.direction else {}
-    # split32 accumulates its float32 gradients itself (precision.float32_grads)
-    ex = ctx.execution
-    accumulate = d.get("accumulate", "device") if ex.precision != "split32" else "device"
-    # one half's graph alive at a time: under a bounded plan (GPU) and on the CPU (host
-    # memory: with both halves' activations at once the direction stage reached 2.7-2.9 GB
-    # at 60 records, model and gradients included), for one more forward of the
-    # rejected half without a graph
-    one_graph = ctx.plan is not None and ctx.plan.bounded or ctx.lm.device.type == "cpu"
-    kernels = direction_kernels(ex.kernels)
-    with direction_policy(ctx.lm.model, ex):
-        weights, given = _given_weights(ctx, kernels)
-        pref = compute_preference(ctx.lm.model, ctx.modules, ctx.inputs.chosen, ctx.inputs.rejected,
-                                  method=ctx.settings.method, pad_id=ctx.pad_id,
-                                  batch_size=ctx.direction_batch(),
-                                  ids=[p.id for p in ctx.inputs.pairs], accumulate=accumulate,
-                                  store=d.get("store", "device"), one_graph=one_graph,
-                                  execution=replace(ex, kernels=kernels), weights=weights)
-    ctx.timings["preference_s"] = time.perf_counter() - t
-    ctx.stage_peak("direction")
-    log.info("target direction (%s, %d pairs): %.1f s", ctx.settings.method, len(ctx.inputs.pairs),
-             ctx.timings["preference_s"])
-    distributed.say(f"target direction ({ctx.settings.method}, {len(ctx.inputs.pairs)} pairs): "
-                    f"{ctx.timings['preference_s']:.1f} s", ctx.settings.progress)
-    ctx.info["pi"] = _summary(pref.pi.tolist())
-    pairs = [{"id": p.id, "pi": float(pref.pi[i]), "margin": float(pref.margin[i]),
-              "weight": float(pref.weights[i]), "loss_chosen": float(pref.loss_chosen[i]),
-              "loss_rejected": float(pref.loss_rejected[i]), **({"task": p.task} if p.task else {}),
-              **{k: v[i] for k, v in given.items()}}
-             for i, p in enumerate(ctx.inputs.pairs)]
-    return ctx.score_direction(_take_direction(pref), last=True), pairs
-
-
-def _prism_tasks(ctx: RunContext) -> tuple[torch.Tensor, list]:
-    """Several target sets in one pass: each task's pairs give their own ``pi``, margins and
-    direction (:func:`compute_preference` on that task's pairs alone, so each direction is
-    what a run on that task alone forms), each direction is preconditioned by the run's
-    one curvature, and the pool is scored along all of them from one forward and backward
-    per batch (:meth:`RunContext.score_tasks`). Returns ``(N, tasks)`` scores (None under
-    stream) and the pairs' rows, each with its task."""
-    ex = ctx.execution
-    d = ctx.plan.direction if ctx.plan is not None and ctx.plan.direction else {}
-    accumulate = d.get("accumulate", "device") if ex.precision != "split32" else "device"
-    one_graph = ctx.plan is not None and ctx.plan.bounded or ctx.lm.device.type == "cpu"
-    kernels = direction_kernels(ex.kernels)
-    method, inputs = ctx.settings.method, ctx.inputs
-    rows: dict = {}
-    pis: dict = {}
-
-    def directions():
-        for task, idx in ctx.tasks:
-            t = time.perf_counter()
-            with direction_policy(ctx.lm.model, ex):
-                pref = compute_preference(ctx.lm.model, ctx.modules, [inputs.chosen[i] for i in idx],
-                                          [inputs.rejected[i] for i in idx], method=method, pad_id=ctx.pad_id,
-                                          batch_size=ctx.direction_batch(), ids=[inputs.pairs[i].id for i in idx],
-                                          accumulate=accumulate, store=d.get("store", "device"),
-                                          one_graph=one_graph, execution=replace(ex, kernels=kernels))
-            dt = time.perf_counter() - t
-            ctx.timings["preference_s"] = ctx.timings.get("preference_s", 0) + dt
-            ctx.stage_peak("direction")
-            distributed.say(f"target direction ({method}, task {task}, {len(idx)} pairs): {dt:.1f} s",
-                            ctx.settings.progress)
-            pis[task] = _summary(pref.pi.tolist())
-            for j, i in enumerate(idx):
-                p = inputs.pairs[i]
-                rows[i] = {"id": p.id, "pi": float(pref.pi[j]), "margin": float(pref.margin[j]),
-                           "weight": float(pref.weights[j]), "loss_chosen": float(pref.loss_chosen[j]),
-                           "loss_rejected": float(pref.loss_rejected[j]), "task": p.task}
-            yield _take_direction(pref)
-
-    scores = ctx.score_tasks(directions())
-    ctx.info["pi"] = _summary([rows[i]["pi"] for i in sorted(rows)])
-    ctx.info["target_sets"] = [{"task": task, "pairs": len(idx), "pi": pis[task]} for task, idx in ctx.tasks]
-    return scores, [rows[i] for i in sorted(rows)]
-
-
-def _given_weights(ctx: RunContext, kernels) -> tuple:
-    """``(weights, per-pair columns for pairs.jsonl)`` of a control of PRISM's weights
-    (``preference.GIVEN_WEIGHTS``), from every pair's ``pi`` by forward passes first;
-    ``(None, {})`` for the other directions. ``prism_shuffled``'s permutation is seeded by
-    the run's seed and its option ``shuffle_seed`` (``seed * 1000 + shuffle_seed``); each
-    pair's row names the pair whose ``pi`` it got (``weight_from``)."""
-    method = ctx.settings.method
-    if method not in GIVEN_WEIGHTS:
-        return None, {}
-    _, pi = pair_margins(ctx.lm.model, ctx.inputs.chosen, ctx.inputs.rejected, pad_id=ctx.pad_id,
-                         batch_size=ctx.direction_batch(), modules=ctx.modules, kernels=kernels)
-    ids = [p.id for p in ctx.inputs.pairs]
-    if method == "equal_top_half":
-        w = top_half_weights(pi)
-        ctx.info["weights"] = {"rule": "1 above the median pi, else 0", "median_pi": float(torch.quantile(pi, 0.5)),
-                               "n_weighted": int(w.sum())}
-        return w, {"pi_before": [float(x) for x in pi]}
-    shuffle_seed = ctx.settings.method_options.get("shuffle_seed", DIRECTION_OPTIONS[method]["shuffle_seed"][1])
-    seed = ctx.settings.seed * 1000 + shuffle_seed
-    w, perm = shuffled_weights(pi, seed)
-    ctx.info["weights"] = {"rule": "pi permuted across the pairs", "shuffle_seed": shuffle_seed,
-                           "permutation_seed": seed, "fixed_points": int((perm == torch.arange(len(perm))).sum())}
-    return w, {"pi_before": [float(x) for x in pi], "weight_from": [ids[j] for j in perm.tolist()]}
-
-
-def _take_direction(pref) -> dict:
-    """``pref.direction``, no longer referenced by ``pref`` (so scoring can release it)."""
-    direction, pref.direction = pref.direction, None
-    return direction
-
-
-def run_tasks(inputs: Inputs, settings: ScoreSettings) -> list:
-    """The run's target sets: ``[(task, [pair indices])]`` (:func:`prism_select.tasks.task_groups`),
-    or one group ``(None, every pair)`` for a method that reads the pairs' tasks itself
-    (the baselines, e.g. LESS), under ``combine_tasks``, and for one unnamed set. The
-    controls of PRISM's weights (``preference.GIVEN_WEIGHTS``) take one set only."""
-    groups = task_groups(inputs.pairs)
-    every = [(None, list(range(len(inputs.pairs))))]
-    if settings.method not in DIRECTION_METHODS or settings.combine_tasks or not groups:
-        return every
-    _check_task_method(groups, settings)
-    return groups
-
-
-def _check_task_method(groups: list, settings: ScoreSettings) -> None:
-    """A control of PRISM's weights with several target sets is refused (it weighs
-    every pair at once): :func:`run_tasks`, and before the model loads."""
-    if (len(groups) > 1 and settings.method in DIRECTION_METHODS and settings.method not in MULTI_TASK_METHODS
-            and not settings.combine_tasks):
-        raise ConfigError("targets", f"method {settings.method!r} weighs every target pair at once and scores one "
-                          f"target set, but the targets hold {len(groups)} tasks "
-                          f"({', '.join(str(t) for t, _ in groups[:4])}{', ...' if len(groups) > 4 else ''})",
-                          "pass --combine-tasks (one direction from every pair), or use --method "
-                          + " / ".join(MULTI_TASK_METHODS))
-    several = len(groups) > 1 and settings.method in MULTI_TASK_METHODS and not settings.combine_tasks
-    for name, flag, value in (("shard", "--shard", "fsdp"), ("precision", "--precision", "split32")):
-        if several and getattr(settings, name) == value:
-            raise ConfigError(name, f"{len(groups)} target sets are not scored in one pass under {flag} {value}",
-                              f"drop {flag}, score one task per run, or pass --combine-tasks")
-
-
-def _method_fn(name: str):
-    if name in DIRECTION_METHODS:
-        return prism_method
-    from .baselines import REGISTRY
-    return REGISTRY[name]
-
-
 def ranks(scores: torch.Tensor) -> list:
     """1 = highest score; ties keep input order (stable)."""
     order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
@@ -1309,20 +1153,10 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
     files exist in a supported format, that the method has the target pairs it needs,
     and every record of the targets and (unless ``settings.stream``) of the pool.
     Returns the read pool (None under ``stream``, whose own pass reads it)."""
-    if targets_path is None and settings.method in DIRECTION_METHODS:
+    method = methods.get(settings.method)
+    if targets_path is None and method.needs_pairs:
         raise ConfigError("targets", f"method {settings.method!r} needs target pairs", "pass --targets FILE")
-    own = DIRECTION_OPTIONS.get(settings.method, {})
-    extra = sorted(set(settings.method_options) - set(own)) if settings.method in DIRECTION_METHODS else []
-    if extra:
-        takes = f"takes only {', '.join(own)}" if own else "takes no options"
-        raise ConfigError("method_options", f"method {settings.method!r} {takes}, got {', '.join(map(str, extra))}",
-                          "drop --option: options belong to the baselines (see `prism-select methods`); "
-                          f"{settings.method}'s own settings are flags (see `prism-select score --help`)")
-    for k, (kind, _, _) in own.items():
-        v = settings.method_options.get(k)
-        if v is not None and (not isinstance(v, kind) or isinstance(v, bool) or v < 0):
-            raise ConfigError("method_options", f"{settings.method}'s {k} must be an integer >= 0, got {v!r}",
-                              f"e.g. --option {k}=1")
+    methods.parse_options(settings.method, settings.method_options)  # unknown keys, wrong types
     for pattern in settings.modules or []:
         try:
             re.compile(pattern)
@@ -1336,12 +1170,13 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
             check_adapter_dir(Path(model.adapter).expanduser().resolve())
     detect_format(pool_path)
     paths = target_paths(targets_path)
-    if len(paths) > 1 and settings.method not in MULTI_TASK_METHODS and not settings.combine_tasks:
+    multi = methods.names(multi_task=True)
+    if len(paths) > 1 and not method.multi_task and not settings.combine_tasks:
         raise ConfigError("targets", f"method {settings.method!r} scores one target set; several --targets files "
-                          f"are scored by {', '.join(MULTI_TASK_METHODS)}",
+                          f"are scored by {', '.join(multi)}",
                           "pass one --targets file (its records' 'task' field groups the pairs), --combine-tasks "
                           f"(the files' pairs as one set, each pair's task its file's stem), or use --method "
-                          f"{' / '.join(MULTI_TASK_METHODS)}")
+                          f"{' / '.join(multi)}")
     check_stems(paths)
     pairs = []
     for path in paths:

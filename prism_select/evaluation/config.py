@@ -19,6 +19,8 @@ from typing import Any
 
 from ..curvature import CurvatureSettings
 from ..errors import ConfigError
+from ..methods.registry import names as method_names
+from ..methods.registry import parse_options
 from ..model import ModelSettings
 from ..settings import RunSettings, ScoreSettings, ScoringSettings, check_seed
 
@@ -677,6 +679,13 @@ def _validate_common(cfg):
     if not isinstance(cfg.method_options, dict) or not all(isinstance(v, dict) for v in cfg.method_options.values()):
         raise ConfigError("method_options", "must map a method name to a mapping of its options",
                           "e.g. {ifguide: {quantile: 0.99}}")
+    for name, opts in cfg.method_options.items():
+        if name in method_names():  # each method's options, checked by its options dataclass
+            try:
+                parse_options(name, opts)
+            except ConfigError as e:
+                field = f"method_options.{name}" + ("" if e.field == "method_options" else f".{e.field}")
+                raise ConfigError(field, _PREFIX.sub("", str(e))) from None
     for k in ("batch_size", "max_length", "chunk_size"):
         if getattr(cfg.score, k) < 1:
             raise ConfigError(f"score.{k}", f"must be >= 1, got {getattr(cfg.score, k)}")

@@ -1,5 +1,6 @@
 """LESS against a step-by-step float64 reference on a tiny Llama with hand-made checkpoints."""
 
+import dataclasses
 import itertools
 import json
 import shutil
@@ -21,13 +22,10 @@ from conftest import PAIRS, POOL
 from reference import example_loss
 from tiny import tiny_llama, tiny_tokenizer
 
-try:
-    from prism_select.baselines import REGISTRY
-except ImportError:  # the registry module is another engineer's; test through the module's own dict
-    REGISTRY = {}
-from prism_select.baselines import less as less_mod
+from prism_select.methods import get, names
+from prism_select.methods import less as less_mod
 
-LESS = REGISTRY.get("less", less_mod.METHODS["less"])
+LESS = get("less").fn
 TASKS = ["a", "a", "b"]
 
 
@@ -362,7 +360,7 @@ def test_auto_projection_by_device(tmp_path, two_checkpoints, caplog):
     assert less_mod.resolve_projection("auto", torch.device("mps"))[0] == "sjlt"
     assert less_mod.resolve_projection("auto", torch.device("cuda", 0))[0] == "rademacher"
     assert less_mod.resolve_projection("rademacher", torch.device("cpu")) == ("rademacher", "option projection")
-    assert less_mod.OPTIONS["projection"] == "auto"
+    assert less_mod.LessOptions().projection == "auto"
     ctx = make_ctx(tmp_path, {"checkpoints": [str(c) for c in two_checkpoints], "proj_dim": 16, "proj_seed": 7})
     with caplog.at_level("INFO", logger=less_mod.log.name):
         scores = LESS(ctx)[0]
@@ -446,7 +444,7 @@ def test_option_errors(tmp_path, two_checkpoints):
         LESS(ctx)
 
 
-@pytest.mark.skipif("less" not in REGISTRY, reason="prism_select.baselines.REGISTRY has no 'less' yet")
+@pytest.mark.skipif("less" not in names(), reason="the registry has no 'less'")
 def test_less_through_score_pool(tmp_path, two_checkpoints):
     from prism_select.pipeline import score_pool
 
@@ -473,7 +471,7 @@ def test_less_through_score_pool(tmp_path, two_checkpoints):
 # --------------------------------------------------------------------------- the warm-up's size
 
 def test_warmup_plan_keeps_less_steps_at_any_pool_size():
-    opts = dict(less_mod.OPTIONS)
+    opts = less_mod.LessOptions()
     # LESS's own pool: 5% = 13,534 records at accumulation 128 -> 106 steps an epoch, 424 in all
     own = less_mod.warmup_plan(270_679, opts)
     assert (own["n_examples"], own["grad_accum"], own["steps"], own["floor"]) == (13_534, 128, 424, None)
@@ -484,19 +482,19 @@ def test_warmup_plan_keeps_less_steps_at_any_pool_size():
     small = less_mod.warmup_plan(600, opts)
     assert (small["n_examples"], small["grad_accum"], small["steps"], small["floor"]) == (106, 1, 424, "examples")
     assert small["warnings"] == []
-    b1 = less_mod.warmup_plan(600, {**opts, "warmup_floor": "batch1"})
+    b1 = less_mod.warmup_plan(600, dataclasses.replace(opts, warmup_floor="batch1"))
     assert (b1["n_examples"], b1["grad_accum"], b1["steps"], b1["floor"]) == (30, 1, 120, "batch1")
     # 40 records: the whole pool, still short of 424 steps
     tiny = less_mod.warmup_plan(40, opts)
     assert (tiny["n_examples"], tiny["steps"]) == (40, 160)
     # an explicit accumulation is used as given, and a short run is warned of
-    old = less_mod.warmup_plan(600, {**opts, "grad_accum": 128})
+    old = less_mod.warmup_plan(600, dataclasses.replace(opts, grad_accum=128))
     assert (old["n_examples"], old["steps"]) == (30, 4)
     assert len(old["warnings"]) == 1 and "4 optimizer steps" in old["warnings"][0]
     with pytest.raises(ConfigError, match="warmup_floor"):
-        less_mod.warmup_plan(600, {**opts, "warmup_floor": "more"})
+        less_mod.warmup_plan(600, dataclasses.replace(opts, warmup_floor="more"))
     with pytest.raises(ConfigError, match="grad_accum"):
-        less_mod.warmup_plan(600, {**opts, "grad_accum": 0})
+        less_mod.warmup_plan(600, dataclasses.replace(opts, grad_accum=0))
 
 
 def test_optimizer_steps_are_the_trainers(tmp_path):

@@ -104,6 +104,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -117,7 +118,8 @@ from ..gradients import Taps, activation_grad_mode, check_finite, release_host_m
 from ..io import atomic_write_json, sha256_json
 from ..plan import allocatable_bytes
 from ..settings import key_of
-from .common import compute_dtype, method, record, require_pairs, resolve_options
+from .common import compute_dtype, record, require_pairs, resolve_options
+from .registry import register
 
 log = logging.getLogger(__name__)
 
@@ -153,30 +155,36 @@ MIN_WARMUP_STEPS = 50
 #: what a warm-up sample too small for ``warmup_steps`` at batch 1 does (option ``warmup_floor``)
 WARMUP_FLOORS = ("examples", "batch1")
 
-OPTIONS = {
-    "warmup_fraction": 0.05,
-    "lr": 2e-5,
-    "epochs": 4,
-    "lora_r": 128,
-    "lora_alpha": 512,
-    "lora_dropout": 0.1,
-    "train_batch_size": 1,
-    "grad_accum": None,
-    "warmup_steps": LESS_WARMUP_STEPS,
-    "warmup_floor": "examples",
-    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "lr_scheduler": "linear",
-    "warmup_ratio": 0.03,
-    "weight_decay": 0.0,
-    "seed": None,
-    "checkpoints": None,
-    "checkpoint_weights": None,
-    "target_side": "chosen",
-    "proj_dim": 8192,
-    "proj_seed": None,
-    "proj_chunk": 64,
-    "projection": "auto",
-}
+@dataclass(frozen=True)
+class LessOptions:
+    """LESS's options (the module docstring): the warm-up sample and its LoRA fine-tune
+    (``warmup_fraction`` .. ``weight_decay``, ``seed``), given warm-up checkpoints and
+    their weights (``checkpoints``, ``checkpoint_weights``), the target side
+    (:data:`TARGET_SIDES`) and the random projection (``proj_dim``, ``proj_seed``,
+    ``proj_chunk``, ``projection`` one of :data:`PROJECTIONS`)."""
+
+    warmup_fraction: float = 0.05
+    lr: float = 2e-5
+    epochs: float = 4
+    lora_r: int = 128
+    lora_alpha: float = 512
+    lora_dropout: float = 0.1
+    train_batch_size: int = 1
+    grad_accum: int | None = None
+    warmup_steps: int = LESS_WARMUP_STEPS
+    warmup_floor: str = "examples"
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lr_scheduler: str = "linear"
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    seed: int | None = None
+    checkpoints: list | str | os.PathLike | None = None
+    checkpoint_weights: list | None = None
+    target_side: str = "chosen"
+    proj_dim: int = 8192
+    proj_seed: int | None = None
+    proj_chunk: int = 64
+    projection: str = "auto"
 
 
 # --------------------------------------------------------------------------- projection
@@ -375,15 +383,15 @@ def task_max_of_means(sim: torch.Tensor, tasks: list) -> tuple[torch.Tensor, lis
 
 # --------------------------------------------------------------------------- checkpoints
 
-def _warmup_settings(opts: dict, max_length: int, seed: int, progress: bool, grad_accum: int):
+def _warmup_settings(opts: LessOptions, max_length: int, seed: int, progress: bool, grad_accum: int):
     from ..evaluation.finetune import FinetuneSettings
     try:
         return FinetuneSettings(
-            learning_rate=opts["lr"], epochs=opts["epochs"], batch_size=opts["train_batch_size"],
-            grad_accum=grad_accum, lora_r=opts["lora_r"], lora_alpha=opts["lora_alpha"],
-            lora_dropout=opts["lora_dropout"], target_modules=opts["target_modules"],
-            lr_scheduler=opts["lr_scheduler"], warmup_ratio=opts["warmup_ratio"],
-            weight_decay=opts["weight_decay"], max_length=max_length, seed=seed, progress=progress)
+            learning_rate=opts.lr, epochs=opts.epochs, batch_size=opts.train_batch_size,
+            grad_accum=grad_accum, lora_r=opts.lora_r, lora_alpha=opts.lora_alpha,
+            lora_dropout=opts.lora_dropout, target_modules=opts.target_modules,
+            lr_scheduler=opts.lr_scheduler, warmup_ratio=opts.warmup_ratio,
+            weight_decay=opts.weight_decay, max_length=max_length, seed=seed, progress=progress)
     except ConfigError as e:
         raise ConfigError("method_options", f"LESS warm-up: {e}") from e
 
@@ -396,7 +404,7 @@ def optimizer_steps(n_examples: int, batch_size: int, grad_accum: int, epochs: f
     return math.ceil(epochs * max(1, math.ceil(micro / grad_accum)))
 
 
-def warmup_plan(n_pool: int, opts: dict) -> dict:
+def warmup_plan(n_pool: int, opts: LessOptions) -> dict:
     """The warm-up's size: how many examples, at which accumulation, for how many steps.
 
     LESS warms up on 5% of its pool for 4 epochs at an accumulated batch of 128, about
@@ -419,8 +427,8 @@ def warmup_plan(n_pool: int, opts: dict) -> dict:
     (the floor applied, or None) and ``warnings`` (a run of fewer than
     :data:`MIN_WARMUP_STEPS` steps).
     """
-    frac, epochs, b = opts["warmup_fraction"], opts["epochs"], opts["train_batch_size"]
-    target, accum, floor = opts["warmup_steps"], opts["grad_accum"], opts["warmup_floor"]
+    frac, epochs, b = opts.warmup_fraction, opts.epochs, opts.train_batch_size
+    target, accum, floor = opts.warmup_steps, opts.grad_accum, opts.warmup_floor
     if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
         raise ConfigError("warmup_fraction", f"must be in (0, 1], got {frac!r}")
     for name, v in (("train_batch_size", b), ("grad_accum", accum), ("warmup_steps", target)):
@@ -471,9 +479,9 @@ def warmup_subset(n: int, fraction: float, seed: int, k: int | None = None) -> l
     return sorted(perm[:k].tolist())
 
 
-def warmup_checkpoints(ctx, opts: dict, seed: int) -> tuple[list, dict]:
+def warmup_checkpoints(ctx, opts: LessOptions, seed: int) -> tuple[list, dict]:
     """Train (or reuse from the cache) the warm-up LoRA; returns checkpoint dirs and info."""
-    frac = opts["warmup_fraction"]
+    frac = opts.warmup_fraction
     size = warmup_plan(len(ctx.inputs.encoded), opts)
     for w in size["warnings"]:
         log.warning("%s", w)
@@ -675,31 +683,32 @@ def _save_shared(path: Path, cand: torch.Tensor, projection: str):
         log.warning("LESS: cannot keep the candidate features in %s (%s)", path, e)
 
 
-@method("less", "LESS: Adam-preconditioned LoRA gradient cosine to the targets over warm-up checkpoints", OPTIONS)
+@register("less", options=LessOptions,
+          description="LESS: Adam-preconditioned LoRA gradient cosine to the targets over warm-up checkpoints")
 def less_method(ctx) -> tuple[torch.Tensor, list]:
     """LESS scores (see the module docstring); float64, higher = more aligned."""
     from ..model import _is_peft, tracked_linear_modules
 
     require_pairs(ctx, "less")
-    opts = resolve_options(ctx, less_method)
+    opts = resolve_options(ctx, "less")
     if _is_peft(ctx.lm.model):
         raise ConfigError("model", "LESS trains and loads its own LoRA adapters on the base model, but the run's "
                           "model already carries an adapter", "pass the base model (without --adapter)")
-    seed = ctx.settings.seed if opts["seed"] is None else opts["seed"]
-    proj_seed = seed if opts["proj_seed"] is None else opts["proj_seed"]
-    projection, why = resolve_projection(opts["projection"], next(ctx.lm.model.parameters()).device)
+    seed = ctx.settings.seed if opts.seed is None else opts.seed
+    proj_seed = seed if opts.proj_seed is None else opts.proj_seed
+    projection, why = resolve_projection(opts.projection, next(ctx.lm.model.parameters()).device)
     for name in ("proj_dim", "proj_chunk"):
-        v = opts[name]
+        v = getattr(opts, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(name, f"must be a positive integer, got {v!r}")
     if not isinstance(seed, int) or not isinstance(proj_seed, int):
         raise ConfigError("seed", f"seeds must be integers, got {seed!r} / {proj_seed!r}")
-    side = opts["target_side"]
+    side = opts.target_side
     if side not in TARGET_SIDES:
         raise ConfigError("target_side", f"unknown target side {side!r}", f"use one of {', '.join(TARGET_SIDES)}")
 
-    if opts["checkpoints"] is not None:
-        given = opts["checkpoints"]
+    if opts.checkpoints is not None:
+        given = opts.checkpoints
         if isinstance(given, (str, os.PathLike)):
             given = [given]
         if not isinstance(given, (list, tuple)) or not given:
@@ -714,15 +723,15 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
         warm = {"given": True}
     else:
         ckpts, warm = warmup_checkpoints(ctx, opts, seed)
-    weights, wsource = _checkpoint_weights(ckpts, opts["checkpoint_weights"])
+    weights, wsource = _checkpoint_weights(ckpts, opts.checkpoint_weights)
 
-    dim = opts["proj_dim"]
+    dim = opts.proj_dim
     tasks = [p.task for p in ctx.inputs.pairs]
     partial = ctx.out_dir / ".partial" / "less"
     N, M = len(ctx.inputs.encoded), len(ctx.inputs.pairs)
     sim = torch.zeros(N, M, dtype=torch.float64)
     kw = dict(pad_id=ctx.pad_id, batch_size=ctx.settings.batch_size, dim=dim, proj_seed=proj_seed,
-              chunk=opts["proj_chunk"], progress=ctx.settings.progress, projection=projection)
+              chunk=opts.proj_chunk, progress=ctx.settings.progress, projection=projection)
     log.info("LESS: %s projection to %d dimensions (%s)", projection, dim, why)
     t = time.perf_counter()
     n_params = None
@@ -783,5 +792,3 @@ def less_method(ctx) -> tuple[torch.Tensor, list]:
             for j, p in enumerate(ctx.inputs.pairs)]
     return scores, rows
 
-
-METHODS = {"less": less_method}
