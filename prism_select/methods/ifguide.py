@@ -308,15 +308,6 @@ class IFGuideHarmonicOptions(IFGuideOptions):
     ranking: str = "harmonic"
 
 
-@register("ifguide_harmonic", options=IFGuideHarmonicOptions,
-          description="IF-Guide with its harmonic rule: documents ranked by count and sum of their "
-                      "response tokens above the 0.99 quantile (ifguide with ranking=harmonic)")
-def ifguide_harmonic_method(ctx) -> tuple[torch.Tensor, list]:
-    """:func:`ifguide_method` with ``ranking`` "harmonic" by default: its own name, so that
-    one experiment scores, ranks and retrains both document rules side by side."""
-    return _ifguide(ctx, "ifguide_harmonic")
-
-
 @register("ifguide", options=IFGuideOptions,
           description="IF-Guide: token-level influence of mean grad l(y+) - mean grad l(y-) (summed losses), "
                       "documents ranked by their summed influence or by count and sum of top response tokens")
@@ -348,6 +339,15 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     ``token_sum_ties``).
     """
     return _ifguide(ctx, "ifguide")
+
+
+@register("ifguide_harmonic", options=IFGuideHarmonicOptions,
+          description="IF-Guide with its harmonic rule: documents ranked by count and sum of their "
+                      "response tokens above the 0.99 quantile (ifguide with ranking=harmonic)")
+def ifguide_harmonic_method(ctx) -> tuple[torch.Tensor, list]:
+    """:func:`ifguide_method` with ``ranking`` "harmonic" by default: its own name, so that
+    one experiment scores, ranks and retrains both document rules side by side."""
+    return _ifguide(ctx, "ifguide_harmonic")
 
 
 def _ifguide(ctx, name: str) -> tuple[torch.Tensor, list]:

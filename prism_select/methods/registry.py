@@ -115,17 +115,21 @@ def register(name: str, *, options: type = NoOptions, description: str, kind: st
 
 
 def load() -> None:
-    """Import every module of the methods package once (their :func:`register` calls fill
-    the registry): those of :data:`ORDER` first, then the others by name. An import
-    error inside a method file is not hidden."""
+    """Import every module of the methods package and its subpackages once (their
+    :func:`register` calls fill the registry): those of :data:`ORDER` first, then the
+    others by name. An import error inside a method file is not hidden."""
     global _loaded
     if _loaded:
         return
     _loaded = True
     package = importlib.import_module(PACKAGE)
-    found = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name != "registry")
-    for mod in [m for m in ORDER if m in found] + [m for m in found if m not in ORDER]:
-        importlib.import_module(f"{PACKAGE}.{mod}")
+    found = [m.name for m in pkgutil.walk_packages(package.__path__, f"{PACKAGE}.") if m.name != __name__]
+
+    def place(full: str) -> tuple:
+        top = full[len(PACKAGE) + 1:].split(".")[0]
+        return (ORDER.index(top) if top in ORDER else len(ORDER), full)
+    for mod in sorted(found, key=place):
+        importlib.import_module(mod)
 
 
 def names(kind: str | None = None, **facts) -> list:
