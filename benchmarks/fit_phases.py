@@ -33,7 +33,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("argv", nargs="+", help="the prism-select command line (after --)")
     a = ap.parse_args()
-    from prism_select import cli, pipeline
+    from prism_select import cli
     from prism_select.methods import prism
     from prism_select.curvature import base, eigenvalues, eigh, factors, fit, sharded, spill
 
