@@ -60,16 +60,17 @@ import re
 import socket
 import string
 import time
-from dataclasses import dataclass
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from ..data.tokenize import Encoded, collate
 from ..errors import ConfigError, PrismError
+from ..model import DEFAULT_MODEL, ModelSettings, load_model
 from .common import record, resolve_options
 from .registry import options_dict, register
 
@@ -351,8 +352,6 @@ class _Answers:
           description="LLM judge: probability that the response shows the behaviour of the chosen targets")
 def judge_method(ctx) -> tuple[torch.Tensor, list]:
     """Judge scores (see the module docstring); float64 in [0, 1], higher = more of the behaviour."""
-    from ..model import DEFAULT_MODEL, ModelSettings, load_model
-
     opts = resolve_options(ctx, "judge")
     template = check_template(opts.template if opts.template is not None else DEFAULT_TEMPLATE)
     behaviour = opts.behaviour

@@ -204,7 +204,7 @@ def parse_options(name: str, given: dict | None):
         problem = (f"method {name!r} has no option(s) {', '.join(unknown)}: it takes only {', '.join(known)}" if known
                    else f"method {name!r} takes no options, got {', '.join(unknown)}")
         raise ConfigError("method_options", problem,
-                          "check the spelling (each method's options: `prism-select methods`, docs/methods.md), "
+                          "check the spelling (each method's options: docs/methods.md), "
                           "or drop the option")
     hints = typing.get_type_hints(method.options)
     for key, value in given.items():

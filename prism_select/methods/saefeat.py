@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..errors import ConfigError, InputError
 from ..gradients import check_finite
@@ -53,8 +55,6 @@ def load_sae(path, d_model: int | None = None) -> tuple[dict, dict]:
     :class:`InputError` (naming the file and key) for a missing or unreadable file,
     a missing key, or a shape that does not fit (``d_model`` = the model's hidden size).
     """
-    from safetensors import safe_open
-
     p = Path(str(path)).expanduser()
     fix_keys = "an SAE file holds W_enc (d_model x d_sae), b_enc (d_sae) [, threshold (d_sae), b_dec (d_model)]"
     if not p.is_file():
@@ -215,7 +215,6 @@ def fit_sae(X: torch.Tensor, *, d_sae: int, l1: float = SAE_L1, steps: int = SAE
 def save_sae(path, tensors: dict, layer: int | None = None):
     """Write ``tensors`` (at least ``W_enc`` and ``b_enc``) as an SAE file :func:`load_sae`
     reads, with ``layer`` as metadata."""
-    from safetensors.torch import save_file
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
               metadata=None if layer is None else {"layer": str(int(layer))})
 
