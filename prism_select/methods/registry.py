@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import pathlib
 import pkgutil
 import types
 import typing
@@ -158,7 +160,7 @@ def describe_methods() -> dict:
 # ----------------------------------------------------------------------------- options
 
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "text", list: "a list",
-               dict: "a mapping", type(None): "null"}
+               dict: "a mapping", type(None): "null", os.PathLike: "a path", pathlib.Path: "a path"}
 
 
 def _allowed(annotation) -> tuple:
