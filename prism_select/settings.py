@@ -160,8 +160,9 @@ class DirectionSettings:
     method: str = setting("prism", help="prism, equal, unpaired, the controls prism_shuffled and equal_top_half, "
                           "or a baseline (see `prism-select methods`)")
     method_options: dict = setting(default_factory=dict, cli=False,
-                                   help="a baseline method's settings (the CLI's --option KEY=VALUE); "
-                                        "recorded in run.json")
+                                   help="the method's options (the CLI's --option KEY=VALUE), parsed into its "
+                                        "options dataclass (prism_select.methods.parse_options) before the model "
+                                        "loads; recorded in run.json")
     seed: int = setting(0, help="seeds every random choice of the run")
     # not a key field: the run key names the target sets themselves (``tasks``), which
     # this decides, so runs and caches made before it stay valid
