@@ -87,6 +87,7 @@ class Method:
 
 _METHODS: dict = {}
 _loaded = False
+_loading = False
 
 
 def register(name: str, *, options: type = NoOptions, description: str, kind: str = "baseline",
@@ -120,10 +121,18 @@ def load() -> None:
     """Import every module of the methods package and its subpackages once (their
     :func:`register` calls fill the registry): those of :data:`ORDER` first, then the
     others by name. An import error inside a method file is not hidden."""
-    global _loaded
-    if _loaded:
+    global _loaded, _loading
+    if _loaded or _loading:  # (a method file read the registry while it was being imported)
         return
-    _loaded = True
+    _loading = True
+    try:
+        _import_all()
+        _loaded = True
+    finally:
+        _loading = False
+
+
+def _import_all() -> None:
     package = importlib.import_module(PACKAGE)
     found = [m.name for m in pkgutil.walk_packages(package.__path__, f"{PACKAGE}.") if m.name != __name__]
 
