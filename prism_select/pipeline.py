@@ -419,7 +419,8 @@ class RunContext:
         the pool is scored in memory by the exact route."""
         st, ex = self.settings, self.execution
         model = self.lm.model
-        return (st.scores_from_fit and methods.get(st.method).kind == "direction" and self._damping_rule() == "heuristic"
+        return (st.scores_from_fit and methods.get(st.method).kind == "direction"
+                and self._damping_rule() == "heuristic"
                 and len(self.tasks) <= 1
                 and self.inputs.fit_encoded is None and cs.kind == "ekfac" and cs.fisher == "empirical"
                 and len(fit_indices(len(self.inputs.encoded), cs)) == len(self.inputs.encoded)

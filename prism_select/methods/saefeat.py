@@ -337,9 +337,9 @@ def saefeat_method(ctx) -> tuple[torch.Tensor, list]:
     scores = latent_stats(model, sae, ctx.inputs.encoded, layer, ctx.pad_id, st.batch_size, how, [latent])[:, 0]
     ctx.timings["sae_scores_s"] = time.perf_counter() - t
     check_finite(scores, "SAE-Feat scores")
-    record(ctx, "saefeat", {**options_dict(opts), "sae": "pool" if fitted else str(Path(opts.sae).expanduser().resolve()),
-                            "layer": layer, "latent": latent}, layer_from=layer_from, d_sae=sae.d_sae,
-           jumprelu=sae.threshold is not None, **extra)
+    sae_used = "pool" if fitted else str(Path(opts.sae).expanduser().resolve())
+    record(ctx, "saefeat", {**options_dict(opts), "sae": sae_used, "layer": layer, "latent": latent},
+           layer_from=layer_from, d_sae=sae.d_sae, jumprelu=sae.threshold is not None, **extra)
     return scores, pairs
 
 
