@@ -63,7 +63,8 @@ def main():
     ap.add_argument("argv", nargs="+", help="the prism-select command line (after --)")
     a = ap.parse_args()
     from prism_select import cli
-    from prism_select.run import _prism_block, curvature_provider, job, scorer, split_half
+    from prism_select.methods import prism
+    from prism_select.run import curvature_provider, job, scorer, split_half
     from prism_select.curvature import base, fit, store
 
     rec: dict = {}
@@ -104,7 +105,7 @@ def main():
         setattr(owner, name, g)
 
     wrap(job, "load_model", "load model")
-    wrap(_prism_block, "compute_preference", "target direction")
+    wrap(prism, "compute_preference", "target direction")
     wrap(fit, "_passes", lambda args: "fit: " + args[7].split(" (")[0])
     if hasattr(fit, "_spilled_pass"):  # the eigenvalue pass read from the factor pass's spill
         wrap(fit, "_spilled_pass", lambda args: "fit: " + args[3].split(" (")[0])
@@ -122,7 +123,7 @@ def main():
     wrap(scorer, "score_encoded", "scoring")
     wrap(split_half, "score_encoded", "scoring")  # the split-half check's sample
     wrap(base.Curvature, "load", "curvature load (cache)")
-    from prism_select.baselines import ifguide  # IF-Guide's own stages (score --method ifguide)
+    from prism_select.methods import ifguide  # IF-Guide's own stages (score --method ifguide)
     wrap(ifguide, "contrastive_target", "IF-Guide target")
     wrap(ifguide, "token_scores", "IF-Guide token scores")
     if hasattr(fit._Spill, "scores"):  # exact scores from the fit's spill (the pool is the fit sample)

@@ -4,8 +4,8 @@ thresholding the response tokens only, and the document sum. One pool of the pro
 builder (:func:`prism_select.evaluation.carry.build`), its counterfactual target pairs as
 the targets, the run's tracked layers, identity curvature (the direction ``V = g``: ties
 come from the rule, not from the preconditioning); one pass of token scores
-(:func:`prism_select.baselines.ifguide.token_scores`, ``position`` attribution) ranked the
-three ways, ties as :func:`prism_select.baselines.ifguide.ties` counts them.
+(:func:`prism_select.methods.ifguide.token_scores`, ``position`` attribution) ranked the
+three ways, ties as :func:`prism_select.methods.ifguide.ties` counts them.
 
     python experiments/ifguide_ties.py [--model default] [--pool-size 600] [--harmful-ratio 0.2]
         [--seed 0] [--json ties.json]
@@ -20,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from prism_select.baselines.ifguide import (contrastive_target, ifguide_rank, response_token_scores, ties,
+from prism_select.methods.ifguide import (contrastive_target, ifguide_rank, response_token_scores, ties,
                                             token_scores)
 from prism_select.data.tokenize import encode
 from prism_select.evaluation import carry

@@ -244,7 +244,7 @@ def _print_demo(summary: dict, out: Path, pool: Path, targets: Path, top: int = 
 
 
 def cmd_compare(a):
-    from .baselines.compare import compare
+    from .methods.compare import compare
     s, c = _score_settings(a)
     result = compare(_model_settings(a), a.pool, a.targets, a.out, a.methods, s, c, a.label)
     if not _main_rank():
@@ -255,7 +255,7 @@ def cmd_compare(a):
 
 
 def cmd_methods(a):
-    from .baselines import describe_methods
+    from .methods import describe_methods
     items = describe_methods()
     width = max(len(k) for k in items)
     for name, text in items.items():

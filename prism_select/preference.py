@@ -41,7 +41,6 @@ from .errors import ConfigError
 from .engine import batch_losses, cpu_response_split
 from .execution import ExecutionContext, Kernels, direction_kernels
 from .gradients import check_finite, has_bias, release_host_memory, tracked_param_grad_mode, weight_grad
-from .settings import DIRECTION_METHODS as METHODS
 
 #: the direction's default kernels (:func:`prism_select.execution.direction_kernels`: under
 #: split32 its backwards split the cotangent too)
@@ -75,6 +74,10 @@ def _mean_losses(model, encoded: list, pad_id: int, device, modules: dict | None
 
 #: the directions whose weights are given (:func:`compute_preference`'s ``weights``)
 GIVEN_WEIGHTS = ("prism_shuffled", "equal_top_half")
+#: the weightings :func:`compute_preference` forms the direction with (each a method of
+#: :mod:`prism_select.methods.prism`, which names their facts; those of
+#: :data:`GIVEN_WEIGHTS` take one weight per pair)
+METHODS = ("prism", "equal", "unpaired") + GIVEN_WEIGHTS
 
 
 def shuffled_weights(pi: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,26 +34,17 @@ from dataclasses import MISSING, dataclass
 from typing import Any
 
 from .errors import ConfigError
+from .methods import registry as methods
 
 GiB = 1 << 30
 
 # ----------------------------------------------------------------------------- choices
 # The values a field accepts, and their checks, stand here at the ground floor: the
 # modules that act on them (preference, precision, graphs, sharding, scoring, data)
-# import them from here, so the settings import nothing they configure.
+# import them from here, so the settings import nothing they configure. The methods and
+# their facts are the registry's (:mod:`prism_select.methods.registry`, which imports
+# nothing of the package but the errors).
 
-#: the target directions of :mod:`prism_select.preference` (the baselines add their own
-#: methods, :mod:`prism_select.baselines`)
-DIRECTION_METHODS = ("prism", "equal", "unpaired", "prism_shuffled", "equal_top_half")
-#: the directions that score several target sets (tasks) in one pass, each its own ``pi``,
-#: ``g_KL`` and ``v`` (:mod:`prism_select.tasks`); the controls take their weights from
-#: every pair at once and score one target set
-MULTI_TASK_METHODS = ("prism", "equal", "unpaired")
-#: the directions that are controls of PRISM's weights, not selectors: left out of a
-#: config's ``methods: all`` (named, they run as any other)
-CONTROL_METHODS = ("prism_shuffled", "equal_top_half")
-#: the options a direction method takes (``method_options``): name -> (type, default, help)
-DIRECTION_OPTIONS = {"prism_shuffled": {"shuffle_seed": (int, 0, "the permutation's seed beside the run's --seed")}}
 #: arithmetic of a half-precision model while scoring (:mod:`prism_select.precision`)
 PRECISIONS = ("model", "residual32", "split32")
 #: CUDA graphs (:mod:`prism_select.graphs`)
@@ -68,8 +59,6 @@ FSDP_SUMS = ("auto", "step", "pass")
 #: (``--fsdp-keep-gathered``, :func:`prism_select.sharding.weights_gathered`): as the memory
 #: plan finds room, or always / never
 KEEP_GATHERED = ("auto", "on", "off")
-#: the scoring methods that run sharded: they need nothing beyond the direction and v
-SHARDED_METHODS = ("prism", "equal", "unpaired")
 #: tokens per example; a longer prompt is cut from the left (:mod:`prism_select.data.tokenize`)
 DEFAULT_MAX_LENGTH = 2048
 #: examples per resumable chunk, at most (``--chunk-size``; :mod:`prism_select.scoring`)
@@ -100,9 +89,9 @@ def check_shard(shard: str, method: str) -> None:
         raise ConfigError("shard", f"unknown value {shard!r}", f"use one of {', '.join(SHARDS)}")
     if shard == "none":
         return
-    if method not in SHARDED_METHODS:
+    if not methods.get(method).sharded:
         raise ConfigError("shard", f"method {method!r} does not run under --shard fsdp",
-                          f"use one of {', '.join(SHARDED_METHODS)}, or leave --shard out")
+                          f"use one of {', '.join(methods.names(sharded=True))}, or leave --shard out")
 
 
 def setting(default=MISSING, *, help: str, default_factory=MISSING, flag: str | None = None,
@@ -268,12 +257,6 @@ def _int(value, field: str, *, low: int, fix: str | None = None):
         raise ConfigError(field, f"must be >= {low}, got {value!r}", fix)
 
 
-#: the baseline methods that ship with the package (:mod:`prism_select.baselines` registers
-#: exactly these, and refuses any other name)
-BASELINE_METHODS = ("random", "ifguide", "ifguide_harmonic", "vecfilter", "projdiff", "conceptinf", "saefeat", "less",
-                    "judge")
-
-
 @dataclass
 class DirectionSettings:
     """The target direction: which method scores the pool, with which options and seed."""
@@ -281,8 +264,9 @@ class DirectionSettings:
     method: str = setting("prism", help="prism, equal, unpaired, the controls prism_shuffled and equal_top_half, "
                           "or a baseline (see `prism-select methods`)")
     method_options: dict = setting(default_factory=dict, cli=False,
-                                   help="a baseline method's settings (the CLI's --option KEY=VALUE); "
-                                        "recorded in run.json")
+                                   help="the method's options (the CLI's --option KEY=VALUE), parsed into its "
+                                        "options dataclass (prism_select.methods.parse_options) before the model "
+                                        "loads; recorded in run.json")
     seed: int = setting(0, help="seeds every random choice of the run")
     # not a key field: the run key names the target sets themselves (``tasks``), which
     # this decides, so runs and caches made before it stay valid
@@ -291,9 +275,7 @@ class DirectionSettings:
                                   "direction and score column, all in one pass)")
 
     def __post_init__(self):
-        known = set(DIRECTION_METHODS) | set(BASELINE_METHODS)
-        if self.method not in known:
-            raise ConfigError("method", f"unknown method {self.method!r}", f"use one of {', '.join(sorted(known))}")
+        methods.get(self.method)  # a ConfigError naming the known methods
         if not isinstance(self.method_options, dict):
             raise ConfigError("method_options", f"must be a mapping, got {self.method_options!r}")
         check_seed(self.seed)
@@ -472,10 +454,11 @@ class ScoreSettings(ExecutionSettings, RunSettings, ScoringSettings, DirectionSe
         if self.shard == "fsdp" and self.precision != "model":
             raise ConfigError("precision", f"--precision {self.precision} does not run under --shard fsdp",
                               "leave --precision out (model), or leave --shard out")
-        if self.stream and self.method not in DIRECTION_METHODS:
+        if self.stream and not methods.get(self.method).streams:
+            streamed = methods.names(kind="direction")
             raise ConfigError("stream", f"method {self.method!r} needs the whole pool in memory; streaming "
-                              f"scores only {', '.join(DIRECTION_METHODS)}",
-                              f"drop --stream, or use --method {' / '.join(DIRECTION_METHODS)}")
+                              f"scores only {', '.join(streamed)}",
+                              f"drop --stream, or use --method {' / '.join(streamed)}")
 
     def run_key(self) -> dict:
         """The settings that determine a run's scores and its resumable ``.partial`` state

@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 from . import distributed
 from .errors import ConfigError
 from .gradients import has_bias, layer_shape, local
-from .settings import FSDP_SUMS, KEEP_GATHERED, SHARDED_METHODS, SHARDS, check_shard  # noqa: F401 (re-exported)
+from .settings import FSDP_SUMS, KEEP_GATHERED, SHARDS, check_shard  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 

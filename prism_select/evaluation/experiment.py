@@ -38,9 +38,10 @@ from ..curvature import CurvatureSettings
 from ..errors import CacheError, ConfigError, InputError, OutputError, PrismError
 from ..evaluation_metrics import auprc, auroc
 from ..io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_file, write_if_changed
+from ..methods.registry import names as method_names
 from ..model import free_cuda_cache, load_model
 from ..run import score_pool
-from ..settings import BASELINE_METHODS, CONTROL_METHODS, DIRECTION_METHODS, ScoreSettings
+from ..settings import ScoreSettings
 from .builders.gsm8k import mistake_math_pool
 from .config import SCORE_RECORDED, config_to_dict
 from .finetune import finetune
@@ -346,15 +347,15 @@ def _score_step_key(key: dict) -> dict:
 
 def available_methods() -> list:
     """PRISM, its ablations and every baseline, by ``--method`` name."""
-    return list(DIRECTION_METHODS) + [m for m in BASELINE_METHODS if m not in DIRECTION_METHODS]
+    return method_names()
 
 
 def resolve_methods(methods) -> list:
     """A config's ``methods`` (``all``: every method but the controls of PRISM's weights,
-    ``settings.CONTROL_METHODS``; or a list) as a list of known names, in order."""
+    the registry's ``control`` methods; or a list) as a list of known names, in order."""
     known = available_methods()
     if methods == "all":
-        return [m for m in known if m not in CONTROL_METHODS]
+        return method_names(control=False)
     unknown = [m for m in methods if m not in known]
     if unknown:
         raise ConfigError("methods", f"unknown method(s) {', '.join(unknown)}", f"use some of {', '.join(known)}")

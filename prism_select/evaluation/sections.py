@@ -20,8 +20,10 @@ from typing import Any
 
 from ..curvature import CurvatureSettings
 from ..errors import ConfigError
+from ..methods.registry import names as method_names
+from ..methods.registry import parse_options
 from ..model import ModelSettings
-from ..settings import ScoreSettings, check_seed, within
+from ..settings import ScoreSettings, check_seed, message_of, within
 from .carry import SELECT_TASK
 from .finetune import FinetuneSettings
 from .probes import load_checker
@@ -363,6 +365,13 @@ class CommonConfig:
                                                                 for v in self.method_options.values()):
             raise ConfigError("method_options", "must map a method name to a mapping of its options",
                               "e.g. {ifguide: {quantile: 0.99}}")
+        for name, opts in self.method_options.items():
+            if name in method_names():  # each method's options, checked by its options dataclass
+                try:
+                    parse_options(name, opts)
+                except ConfigError as e:
+                    field = f"method_options.{name}" + ("" if e.field == "method_options" else f".{e.field}")
+                    raise ConfigError(field, message_of(e)) from None
 
 
 @dataclass

@@ -25,7 +25,7 @@ from ..engine import cpu_response_split, split_causal_lm
 from ..gradients import SpilledLayers, layer_shape, release_host_memory
 from ..io import atomic_write_json
 from ..plan import stored_bytes
-from ..preference import METHODS as DIRECTION_METHODS
+from ..methods import registry as methods
 from .folder import resume_groups
 from .meter import summarize
 from .part import RunPart
@@ -134,7 +134,8 @@ class CurvatureProvider(RunPart):
         the pool is scored in memory by the exact route."""
         st, ex = self.settings, self.execution
         model = self.lm.model
-        return (st.scores_from_fit and st.method in DIRECTION_METHODS and self.damping_rule() == "heuristic"
+        return (st.scores_from_fit and methods.get(st.method).kind == "direction"
+                and self.damping_rule() == "heuristic"
                 and len(self.tasks) <= 1
                 and self.inputs.fit_encoded is None and cs.kind == "ekfac" and cs.fisher == "empirical"
                 and len(fit_indices(len(self.inputs.encoded), cs)) == len(self.inputs.encoded)

@@ -39,7 +39,7 @@ from ..io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha2
 from ..model import LoadedModel, ModelSettings, check_finite_weights, load_model, tracked_linear_modules
 from ..moe import tracking_summary
 from ..settings import STREAM_FIT_EXAMPLES, ScoreSettings, key_of
-from ._prism_block import _method_fn, run_tasks
+from ..methods.prism import _method_fn, run_tasks
 from .context import RunContext
 from .folder import (check_pool_unchanged, drop_partial_without_chunks, finished_run, pool_file_sha,
                      prepare_out_dir, refuse_links, remove_empty_dirs, remove_tree, run_folder_lock)

@@ -28,10 +28,10 @@ from ..io import check_writable_dir
 from ..model import LoadedModel, ModelSettings, check_adapter_dir
 from ..plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory, device_memory,
                     held_elsewhere_note, host_share_bytes, make_plan, measure_example_bytes)
-from ..preference import METHODS as DIRECTION_METHODS
-from ..settings import DIRECTION_OPTIONS, MULTI_TASK_METHODS, ScoreSettings
+from ..settings import ScoreSettings
 from ..tasks import check_stems, name_tasks, target_paths, task_groups
-from ._prism_block import _check_task_method
+from ..methods import registry as methods
+from ..methods.prism import _check_task_method
 from .curvature_provider import damping_rule_of
 from .inputs import Inputs
 
@@ -180,20 +180,10 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
     files exist in a supported format, that the method has the target pairs it needs,
     and every record of the targets and (unless ``settings.stream``) of the pool.
     Returns the read pool (None under ``stream``, whose own pass reads it)."""
-    if targets_path is None and settings.method in DIRECTION_METHODS:
+    method = methods.get(settings.method)
+    if targets_path is None and method.needs_pairs:
         raise ConfigError("targets", f"method {settings.method!r} needs target pairs", "pass --targets FILE")
-    own = DIRECTION_OPTIONS.get(settings.method, {})
-    extra = sorted(set(settings.method_options) - set(own)) if settings.method in DIRECTION_METHODS else []
-    if extra:
-        takes = f"takes only {', '.join(own)}" if own else "takes no options"
-        raise ConfigError("method_options", f"method {settings.method!r} {takes}, got {', '.join(map(str, extra))}",
-                          "drop --option: options belong to the baselines (see `prism-select methods`); "
-                          f"{settings.method}'s own settings are flags (see `prism-select score --help`)")
-    for k, (kind, _, _) in own.items():
-        v = settings.method_options.get(k)
-        if v is not None and (not isinstance(v, kind) or isinstance(v, bool) or v < 0):
-            raise ConfigError("method_options", f"{settings.method}'s {k} must be an integer >= 0, got {v!r}",
-                              f"e.g. --option {k}=1")
+    methods.parse_options(settings.method, settings.method_options)  # unknown keys, wrong types
     for pattern in settings.modules or []:
         try:
             re.compile(pattern)
@@ -207,12 +197,13 @@ def check_before_loading(model: ModelSettings | LoadedModel, pool_path, targets_
             check_adapter_dir(Path(model.adapter).expanduser().resolve())
     detect_format(pool_path)
     paths = target_paths(targets_path)
-    if len(paths) > 1 and settings.method not in MULTI_TASK_METHODS and not settings.combine_tasks:
+    multi = methods.names(multi_task=True)
+    if len(paths) > 1 and not method.multi_task and not settings.combine_tasks:
         raise ConfigError("targets", f"method {settings.method!r} scores one target set; several --targets files "
-                          f"are scored by {', '.join(MULTI_TASK_METHODS)}",
+                          f"are scored by {', '.join(multi)}",
                           "pass one --targets file (its records' 'task' field groups the pairs), --combine-tasks "
                           f"(the files' pairs as one set, each pair's task its file's stem), or use --method "
-                          f"{' / '.join(MULTI_TASK_METHODS)}")
+                          f"{' / '.join(multi)}")
     check_stems(paths)
     pairs = []
     for path in paths:

@@ -249,7 +249,7 @@ def test_failure_before_the_first_chunk_does_not_block_the_corrected_command(tmp
 
     def fail(*a, **k):
         raise NumericalError("non-finite values (NaN or inf) in the training loss")
-    monkeypatch.setattr("prism_select.run._prism_block.compute_preference", fail)
+    monkeypatch.setattr("prism_select.methods.prism.compute_preference", fail)
     with pytest.raises(NumericalError):
         run(tmp_path, model_dir, *data, out)
     assert not (out / ".partial").exists()

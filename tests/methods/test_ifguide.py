@@ -4,9 +4,9 @@ and a default rule that does not tie most of a dropped-carry pool."""
 import pytest
 import torch
 
-from prism_select.baselines import REGISTRY
-from prism_select.baselines import ifguide as ifguide_mod
-from prism_select.baselines.ifguide import ifguide_rank, ifguide_threshold, response_token_scores, ties
+from prism_select.methods import get
+from prism_select.methods import ifguide as ifguide_mod
+from prism_select.methods.ifguide import ifguide_rank, ifguide_threshold, response_token_scores, ties
 from prism_select.curvature import CurvatureSettings
 from prism_select.data.records import PoolExample, TargetPair
 from prism_select.data.tokenize import Encoded, encode
@@ -16,7 +16,7 @@ from prism_select.model import LoadedModel, ModelSettings, model_fingerprint
 from prism_select.run import Inputs, RunContext
 from prism_select.settings import ScoreSettings
 
-IFGUIDE = REGISTRY["ifguide"]
+IFGUIDE = get("ifguide").fn
 
 
 def _ctx(tmp_path, tok, model, modules, records, pairs, options, out="run"):
@@ -117,6 +117,6 @@ def test_ifguide_harmonic_is_ifguide_with_the_harmonic_rule(tmp_path, tok, model
 
     a, _ = IFGUIDE(_ctx(tmp_path, tok, model, modules, POOL, PAIRS, {"ranking": "harmonic"}))
     ctx = _ctx(tmp_path, tok, model, modules, POOL, PAIRS, {}, out="run2")
-    b, _ = REGISTRY["ifguide_harmonic"](ctx)
+    b, _ = get("ifguide_harmonic").fn(ctx)
     assert torch.equal(a, b) and ctx.info["method"]["name"] == "ifguide_harmonic"
     assert ctx.info["method"]["options"]["ranking"] == "harmonic"

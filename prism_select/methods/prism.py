@@ -1,14 +1,24 @@
-"""PRISM's own scoring method and its ablations (``prism``, ``equal``, ``unpaired``, the
-controls of the weights): the target direction from the pairs, scored along the run's
-curvature (:meth:`prism_select.run.RunContext.score_direction`), several target sets in
-one pass, and the method lookup by name."""
+"""PRISM, its ablations and the controls of its weights: the target directions of
+:mod:`prism_select.preference`, scored along ``H^-1 g_KL`` by the run's one curvature.
+
+prism           g_z . H^-1 g_KL, target pairs weighted by the model's preference
+                pi_q = sigmoid(margin_q), margin_q = lbar(y-) - lbar(y+)
+equal           the ablation with equal aggregation g_0 (every pi_q = 1)
+unpaired        the ablation with positive responses only, weighted by their
+                length-normalised likelihood exp(-lbar(y+))
+prism_shuffled  control: PRISM with pi permuted across the pairs (option shuffle_seed)
+equal_top_half  control: equal aggregation over the pairs whose pi is above the median
+
+All five are one function, :func:`prism_method` (the weighting is
+``ctx.settings.method``); :func:`run_tasks` and :func:`_check_task_method` decide the
+run's target sets, :func:`_method_fn` the function a run calls for its method.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,20 +26,33 @@ from .. import distributed
 from ..errors import ConfigError
 from ..execution import direction_kernels
 from ..precision import direction_policy
-from ..preference import METHODS as DIRECTION_METHODS
 from ..preference import GIVEN_WEIGHTS, compute_preference, pair_margins, shuffled_weights, top_half_weights
-from ..settings import DIRECTION_OPTIONS, MULTI_TASK_METHODS, ScoreSettings
 from ..tasks import task_groups
-from .inputs import Inputs
-from .meter import summarize as _summary
-
-if TYPE_CHECKING:
-    from .context import RunContext
+from .registry import get, names, parse_options, register
 
 log = logging.getLogger(__name__)
 
 
-def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
+@dataclass(frozen=True)
+class ShuffleOptions:
+    """``prism_shuffled``'s option: ``shuffle_seed``, the permutation's seed beside the
+    run's ``--seed`` (the permutation is seeded by ``seed * 1000 + shuffle_seed``)."""
+
+    shuffle_seed: int = 0
+
+    def __post_init__(self):
+        if self.shuffle_seed < 0:
+            raise ConfigError("method_options", f"prism_shuffled's shuffle_seed must be an integer >= 0, got "
+                              f"{self.shuffle_seed!r}", "e.g. --option shuffle_seed=1")
+
+
+def _summary(xs: list) -> dict:
+    if not xs:
+        return {}
+    return {"min": min(xs), "max": max(xs), "mean": sum(xs) / len(xs)}
+
+
+def prism_method(ctx) -> tuple[torch.Tensor, list]:
     """PRISM and its ablations: scores and per-pair rows for pairs.jsonl. With several
     target sets (``ctx.tasks``) each set gets its own direction and the scores are
     ``(N, tasks)``: :func:`_prism_tasks`."""
@@ -71,7 +94,23 @@ def prism_method(ctx: RunContext) -> tuple[torch.Tensor, list]:
     return ctx.score_direction(_take_direction(pref), last=True), pairs
 
 
-def _prism_tasks(ctx: RunContext) -> tuple[torch.Tensor, list]:
+#: the methods :func:`prism_method` scores, in order: (name, facts, description)
+DIRECTIONS = (
+    ("prism", dict(sharded=True, multi_task=True),
+     "PRISM: g_z . H^-1 g_KL, target pairs weighted by the model's preference pi_q = sigmoid(margin)"),
+    ("equal", dict(sharded=True, multi_task=True), "PRISM ablation: equal aggregation g_0 (every pi_q = 1)"),
+    ("unpaired", dict(sharded=True, multi_task=True),
+     "PRISM ablation: positive responses only, weighted by their length-normalised likelihood"),
+    ("prism_shuffled", dict(control=True, given_weights=True, options=ShuffleOptions),
+     "control of PRISM's weights: PRISM with pi permuted across the pairs (seeded; option shuffle_seed)"),
+    ("equal_top_half", dict(control=True, given_weights=True),
+     "control of PRISM's weights: equal aggregation over the pairs whose pi is above the median"),
+)
+for _name, _facts, _text in DIRECTIONS:
+    register(_name, kind="direction", description=_text, **_facts)(prism_method)
+
+
+def _prism_tasks(ctx) -> tuple[torch.Tensor, list]:
     """Several target sets in one pass: each task's pairs give their own ``pi``, margins and
     direction (:func:`compute_preference` on that task's pairs alone, so each direction is
     what a run on that task alone forms), each direction is preconditioned by the run's
@@ -115,7 +154,7 @@ def _prism_tasks(ctx: RunContext) -> tuple[torch.Tensor, list]:
     return scores, [rows[i] for i in sorted(rows)]
 
 
-def _given_weights(ctx: RunContext, kernels) -> tuple:
+def _given_weights(ctx, kernels) -> tuple:
     """``(weights, per-pair columns for pairs.jsonl)`` of a control of PRISM's weights
     (``preference.GIVEN_WEIGHTS``), from every pair's ``pi`` by forward passes first;
     ``(None, {})`` for the other directions. ``prism_shuffled``'s permutation is seeded by
@@ -132,7 +171,7 @@ def _given_weights(ctx: RunContext, kernels) -> tuple:
         ctx.info["weights"] = {"rule": "1 above the median pi, else 0", "median_pi": float(torch.quantile(pi, 0.5)),
                                "n_weighted": int(w.sum())}
         return w, {"pi_before": [float(x) for x in pi]}
-    shuffle_seed = ctx.settings.method_options.get("shuffle_seed", DIRECTION_OPTIONS[method]["shuffle_seed"][1])
+    shuffle_seed = parse_options(method, ctx.settings.method_options).shuffle_seed
     seed = ctx.settings.seed * 1000 + shuffle_seed
     w, perm = shuffled_weights(pi, seed)
     ctx.info["weights"] = {"rule": "pi permuted across the pairs", "shuffle_seed": shuffle_seed,
@@ -146,30 +185,31 @@ def _take_direction(pref) -> dict:
     return direction
 
 
-def run_tasks(inputs: Inputs, settings: ScoreSettings) -> list:
+def run_tasks(inputs, settings) -> list:
     """The run's target sets: ``[(task, [pair indices])]`` (:func:`prism_select.tasks.task_groups`),
     or one group ``(None, every pair)`` for a method that reads the pairs' tasks itself
     (the baselines, e.g. LESS), under ``combine_tasks``, and for one unnamed set. The
     controls of PRISM's weights (``preference.GIVEN_WEIGHTS``) take one set only."""
     groups = task_groups(inputs.pairs)
     every = [(None, list(range(len(inputs.pairs))))]
-    if settings.method not in DIRECTION_METHODS or settings.combine_tasks or not groups:
+    if get(settings.method).kind != "direction" or settings.combine_tasks or not groups:
         return every
     _check_task_method(groups, settings)
     return groups
 
 
-def _check_task_method(groups: list, settings: ScoreSettings) -> None:
+def _check_task_method(groups: list, settings) -> None:
     """A control of PRISM's weights with several target sets is refused (it weighs
     every pair at once): :func:`run_tasks`, and before the model loads."""
-    if (len(groups) > 1 and settings.method in DIRECTION_METHODS and settings.method not in MULTI_TASK_METHODS
-            and not settings.combine_tasks):
+    method = get(settings.method)
+    multi = names(multi_task=True)
+    if len(groups) > 1 and method.kind == "direction" and not method.multi_task and not settings.combine_tasks:
         raise ConfigError("targets", f"method {settings.method!r} weighs every target pair at once and scores one "
                           f"target set, but the targets hold {len(groups)} tasks "
                           f"({', '.join(str(t) for t, _ in groups[:4])}{', ...' if len(groups) > 4 else ''})",
                           "pass --combine-tasks (one direction from every pair), or use --method "
-                          + " / ".join(MULTI_TASK_METHODS))
-    several = len(groups) > 1 and settings.method in MULTI_TASK_METHODS and not settings.combine_tasks
+                          + " / ".join(multi))
+    several = len(groups) > 1 and method.multi_task and not settings.combine_tasks
     for name, flag, value in (("shard", "--shard", "fsdp"), ("precision", "--precision", "split32")):
         if several and getattr(settings, name) == value:
             raise ConfigError(name, f"{len(groups)} target sets are not scored in one pass under {flag} {value}",
@@ -177,7 +217,5 @@ def _check_task_method(groups: list, settings: ScoreSettings) -> None:
 
 
 def _method_fn(name: str):
-    if name in DIRECTION_METHODS:
-        return prism_method
-    from ..baselines import REGISTRY
-    return REGISTRY[name]
+    """The function that scores a run of method ``name`` (the registry's)."""
+    return get(name).fn

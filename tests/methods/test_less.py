@@ -1,5 +1,6 @@
 """LESS against a step-by-step float64 reference on a tiny Llama with hand-made checkpoints."""
 
+import dataclasses
 import itertools
 import json
 import shutil
@@ -22,13 +23,12 @@ from conftest import PAIRS, POOL
 from reference import example_loss
 from tiny import tiny_llama, tiny_tokenizer
 
-try:
-    from prism_select.baselines import REGISTRY
-except ImportError:  # the registry module is another engineer's; test through the module's own dict
-    REGISTRY = {}
-from prism_select.baselines import less as less_mod
+from prism_select.methods import get, names
+from prism_select.methods.less import method as less_method
+from prism_select.methods.less import projection as less_proj
+from prism_select.methods.less import warmup as less_warmup
 
-LESS = REGISTRY.get("less", less_mod.METHODS["less"])
+LESS = get("less").fn
 TASKS = ["a", "a", "b"]
 
 
@@ -94,7 +94,7 @@ def reference_scores(ckpts, weights, dim, proj_seed, tasks, side="chosen", proje
         for p in params:
             p.requires_grad_(True)
         st = load_file(str(ckpt / "optimizer.safetensors"))
-        P = less_mod.projection_matrix({k: p.numel() for k, p in zip(keys, params)}, dim, proj_seed,
+        P = less_proj.projection_matrix({k: p.numel() for k, p in zip(keys, params)}, dim, proj_seed,
                                        kind=projection)
         if projection == "rademacher":
             assert set(P.unique().tolist()) == {-1.0, 1.0}
@@ -187,9 +187,9 @@ def test_gradient_chunk_is_bounded_in_bytes(tmp_path, two_checkpoints, monkeypat
             "projection": projection}
     ref = LESS(make_ctx(tmp_path, opts))[0]
     seen = []
-    project = less_mod.project
-    monkeypatch.setattr(less_mod, "project", lambda flat, *a: (seen.append(flat.shape[0]), project(flat, *a))[1])
-    monkeypatch.setattr(less_mod, cap, 1)
+    project = less_proj.project
+    monkeypatch.setattr(less_proj, "project", lambda flat, *a: (seen.append(flat.shape[0]), project(flat, *a))[1])
+    monkeypatch.setattr(less_proj, cap, 1)
     got = LESS(make_ctx(tmp_path, opts, out="run2"))[0]
     assert seen and max(seen) == 1
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
@@ -207,18 +207,18 @@ def _fake_cuda(monkeypatch, free_gib: int, reserved_gib: int = 0, allocated_gib:
 
 def test_chunk_bound_grows_with_the_free_gpu_memory(monkeypatch):
     cuda = torch.device("cuda", 0)
-    assert less_mod.chunk_bytes(torch.device("cpu"), "rademacher") == (less_mod.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
-    assert less_mod.chunk_bytes(cuda, "sjlt")[0] == less_mod.SJLT_CHUNK_BYTES
+    assert less_proj.chunk_bytes(torch.device("cpu"), "rademacher") == (less_proj.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
+    assert less_proj.chunk_bytes(cuda, "sjlt")[0] == less_proj.SJLT_CHUNK_BYTES
     monkeypatch.setattr(plan_mod, "_CAPS", {})
     _fake_cuda(monkeypatch, free_gib=100)
-    cap, name = less_mod.chunk_bytes(cuda, "rademacher")
+    cap, name = less_proj.chunk_bytes(cuda, "rademacher")
     assert cap == 25 << 30 and "memory this process can allocate" in name
     # the allocator's own unused cache counts as room
     _fake_cuda(monkeypatch, free_gib=96, reserved_gib=6, allocated_gib=2)
-    assert less_mod.chunk_bytes(cuda, "rademacher")[0] == 25 << 30
+    assert less_proj.chunk_bytes(cuda, "rademacher")[0] == 25 << 30
     # a busy GPU keeps the fixed bound
     _fake_cuda(monkeypatch, free_gib=2)
-    assert less_mod.chunk_bytes(cuda, "rademacher") == (less_mod.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
+    assert less_proj.chunk_bytes(cuda, "rademacher") == (less_proj.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
 
 
 def test_chunk_bound_stays_within_the_processs_gpu_memory_cap(monkeypatch):
@@ -230,11 +230,11 @@ def test_chunk_bound_stays_within_the_processs_gpu_memory_cap(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, device=None: None)
     monkeypatch.setattr(plan_mod, "_CAPS", {})
     plan_mod.cap_device_memory(cuda, 8 << 30)
-    cap, _ = less_mod.chunk_bytes(cuda, "rademacher")
+    cap, _ = less_proj.chunk_bytes(cuda, "rademacher")
     assert cap == (5 << 30) // 4
     # a cap that leaves less than a quarter of the fixed bound's worth keeps the fixed bound
     plan_mod.cap_device_memory(cuda, 4 << 30)
-    assert less_mod.chunk_bytes(cuda, "rademacher") == (less_mod.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
+    assert less_proj.chunk_bytes(cuda, "rademacher") == (less_proj.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
 
 
 def test_less_hands_the_heap_back_after_each_chunk_and_checkpoint(tmp_path, two_checkpoints, monkeypatch):
@@ -246,9 +246,10 @@ def test_less_hands_the_heap_back_after_each_chunk_and_checkpoint(tmp_path, two_
             "projection": "sjlt"}
     ref = LESS(make_ctx(tmp_path, opts))[0]
     events = []
-    project = less_mod.project
-    monkeypatch.setattr(less_mod, "project", lambda flat, *a: (events.append("chunk"), project(flat, *a))[1])
-    monkeypatch.setattr(less_mod, "release_host_memory", lambda *device: events.append("trim"))
+    project = less_proj.project
+    monkeypatch.setattr(less_proj, "project", lambda flat, *a: (events.append("chunk"), project(flat, *a))[1])
+    for mod in (less_proj, less_method):  # after each chunk (projection), after each checkpoint (method)
+        monkeypatch.setattr(mod, "release_host_memory", lambda *device: events.append("trim"))
     got = LESS(make_ctx(tmp_path, opts, out="run2"))[0]
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     # every chunk's layers are projected, then trimmed; each checkpoint ends with one more trim
@@ -273,16 +274,16 @@ def test_one_task_and_rejected_side(tmp_path, two_checkpoints):
 
 
 def test_rademacher_projection_tiles():
-    flat = torch.randn(3, less_mod.TILE_ROWS + 100, dtype=torch.float64)
-    P = less_mod.projection_matrix({"k": flat.shape[1]}, 8, 5)
-    assert P.shape == (less_mod.TILE_ROWS + 100, 8)
-    torch.testing.assert_close(less_mod.project(flat, "k", 8, 5), flat @ P)
-    assert not torch.equal(P, less_mod.projection_matrix({"k": flat.shape[1]}, 8, 6))
-    assert not torch.equal(P, less_mod.projection_matrix({"other": flat.shape[1]}, 8, 5))
+    flat = torch.randn(3, less_proj.TILE_ROWS + 100, dtype=torch.float64)
+    P = less_proj.projection_matrix({"k": flat.shape[1]}, 8, 5)
+    assert P.shape == (less_proj.TILE_ROWS + 100, 8)
+    torch.testing.assert_close(less_proj.project(flat, "k", 8, 5), flat @ P)
+    assert not torch.equal(P, less_proj.projection_matrix({"k": flat.shape[1]}, 8, 6))
+    assert not torch.equal(P, less_proj.projection_matrix({"other": flat.shape[1]}, 8, 5))
     assert abs(float(P.mean())) < 0.05
 
 
-SHAPES = {"a.lora_A.weight": (3, 5), "b.lora_B.weight": less_mod.TILE_ROWS + 37, "c.lora_A.weight": 11}
+SHAPES = {"a.lora_A.weight": (3, 5), "b.lora_B.weight": less_proj.TILE_ROWS + 37, "c.lora_A.weight": 11}
 
 
 def _stream(flat, dim, proj_seed, kind="sjlt"):
@@ -290,19 +291,19 @@ def _stream(flat, dim, proj_seed, kind="sjlt"):
     out, lo = 0, 0
     for key, shape in SHAPES.items():
         n = shape if isinstance(shape, int) else shape[0] * shape[1]
-        out = out + less_mod.project(flat[:, lo:lo + n], key, dim, proj_seed, kind)
+        out = out + less_proj.project(flat[:, lo:lo + n], key, dim, proj_seed, kind)
         lo += n
     return out
 
 
 def test_sjlt_matrix_equals_the_streamed_projection():
     """(a) The whole SJLT matrix, built for a tiny shape, is what the tiled scatter applies."""
-    P = less_mod.projection_matrix(SHAPES, 24, 5, kind="sjlt")
+    P = less_proj.projection_matrix(SHAPES, 24, 5, kind="sjlt")
     n = P.shape[0]
-    assert n == 15 + less_mod.TILE_ROWS + 37 + 11
+    assert n == 15 + less_proj.TILE_ROWS + 37 + 11
     # every row: SJLT_NNZ entries of +-1/sqrt(s), summed where two land in one bucket (often
     # at d = 24; probability about s/d per row)
-    s = less_mod.SJLT_NNZ
+    s = less_proj.SJLT_NNZ
     assert ((P != 0).sum(1) <= s).all() and ((P != 0).sum(1) == s).float().mean() > 0.5
     torch.testing.assert_close((P * s ** 0.5).round(), P * s ** 0.5)
     assert (P.abs().sum(1) * s ** 0.5).le(s + 1e-12).all()
@@ -310,21 +311,21 @@ def test_sjlt_matrix_equals_the_streamed_projection():
     torch.testing.assert_close(_stream(flat, 24, 5), flat @ P, rtol=1e-12, atol=1e-12)
     # a key's rows depend on its name, not its place; other seed or key -> other matrix
     shuffled = dict(reversed(list(SHAPES.items())))
-    assert torch.equal(P[:15], less_mod.projection_matrix(shuffled, 24, 5, kind="sjlt")[-15:])
-    assert not torch.equal(P[:15], less_mod.projection_matrix({"x": 15}, 24, 5, kind="sjlt"))
-    assert not torch.equal(P, less_mod.projection_matrix(SHAPES, 24, 6, kind="sjlt"))
-    assert not torch.equal(P, less_mod.projection_matrix(SHAPES, 24, 5, kind="rademacher"))
+    assert torch.equal(P[:15], less_proj.projection_matrix(shuffled, 24, 5, kind="sjlt")[-15:])
+    assert not torch.equal(P[:15], less_proj.projection_matrix({"x": 15}, 24, 5, kind="sjlt"))
+    assert not torch.equal(P, less_proj.projection_matrix(SHAPES, 24, 6, kind="sjlt"))
+    assert not torch.equal(P, less_proj.projection_matrix(SHAPES, 24, 5, kind="rademacher"))
 
 
 def test_sjlt_projection_is_independent_of_chunking():
     """(b) Same features whatever rows are projected together, and in float32 as float64."""
-    flat = torch.randn(7, less_mod.TILE_ROWS * 2 + 5, dtype=torch.float64,
+    flat = torch.randn(7, less_proj.TILE_ROWS * 2 + 5, dtype=torch.float64,
                        generator=torch.Generator().manual_seed(1))
-    whole = less_mod.project(flat, "k", 32, 3, "sjlt")
+    whole = less_proj.project(flat, "k", 32, 3, "sjlt")
     for size in (1, 2, 3):
-        parts = torch.cat([less_mod.project(flat[i:i + size], "k", 32, 3, "sjlt") for i in range(0, 7, size)])
+        parts = torch.cat([less_proj.project(flat[i:i + size], "k", 32, 3, "sjlt") for i in range(0, 7, size)])
         torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(less_mod.project(flat.float(), "k", 32, 3, "sjlt").double(), whole,
+    torch.testing.assert_close(less_proj.project(flat.float(), "k", 32, 3, "sjlt").double(), whole,
                                rtol=1e-5, atol=1e-4)
 
 
@@ -348,7 +349,7 @@ def test_sjlt_preserves_inner_products():
     X = X / X.norm(dim=1, keepdim=True)
     Y, lo = 0, 0
     for key, k in sizes.items():
-        Y = Y + less_mod.project(X[:, lo:lo + k], key, JL_DIM, 11, "sjlt")
+        Y = Y + less_proj.project(X[:, lo:lo + k], key, JL_DIM, 11, "sjlt")
         lo += k
     err = (Y @ Y.T - X @ X.T).abs().max()
     assert err < JL_TOL, f"Gram matrix off by {float(err):.3f}"
@@ -359,17 +360,17 @@ def test_sjlt_preserves_inner_products():
 
 def test_auto_projection_by_device(tmp_path, two_checkpoints, caplog):
     """(d) ``auto``: sjlt on the CPU (and MPS), LESS's dense Rademacher on CUDA; logged and recorded."""
-    assert less_mod.resolve_projection("auto", torch.device("cpu"))[0] == "sjlt"
-    assert less_mod.resolve_projection("auto", torch.device("mps"))[0] == "sjlt"
-    assert less_mod.resolve_projection("auto", torch.device("cuda", 0))[0] == "rademacher"
-    assert less_mod.resolve_projection("rademacher", torch.device("cpu")) == ("rademacher", "option projection")
-    assert less_mod.OPTIONS["projection"] == "auto"
+    assert less_proj.resolve_projection("auto", torch.device("cpu"))[0] == "sjlt"
+    assert less_proj.resolve_projection("auto", torch.device("mps"))[0] == "sjlt"
+    assert less_proj.resolve_projection("auto", torch.device("cuda", 0))[0] == "rademacher"
+    assert less_proj.resolve_projection("rademacher", torch.device("cpu")) == ("rademacher", "option projection")
+    assert less_method.LessOptions().projection == "auto"
     ctx = make_ctx(tmp_path, {"checkpoints": [str(c) for c in two_checkpoints], "proj_dim": 16, "proj_seed": 7})
-    with caplog.at_level("INFO", logger=less_mod.log.name):
+    with caplog.at_level("INFO", logger=less_method.log.name):
         scores = LESS(ctx)[0]
     info = ctx.info["method"]
     assert info["projection"] == "sjlt" and info["projection_reason"].startswith("auto: cpu")
-    assert info["sjlt_nnz"] == less_mod.SJLT_NNZ
+    assert info["sjlt_nnz"] == less_proj.SJLT_NNZ
     assert any("sjlt projection to 16 dimensions (auto: cpu" in r.getMessage() for r in caplog.records)
     ref, _ = reference_scores(two_checkpoints, [0.75, 0.25], 16, 7, TASKS, projection="sjlt")
     torch.testing.assert_close(scores, ref, rtol=1e-9, atol=1e-12)
@@ -447,7 +448,7 @@ def test_option_errors(tmp_path, two_checkpoints):
         LESS(ctx)
 
 
-@pytest.mark.skipif("less" not in REGISTRY, reason="prism_select.baselines.REGISTRY has no 'less' yet")
+@pytest.mark.skipif("less" not in names(), reason="the registry has no 'less'")
 def test_less_through_score_pool(tmp_path, two_checkpoints):
     from prism_select.run import score_pool
 
@@ -474,30 +475,30 @@ def test_less_through_score_pool(tmp_path, two_checkpoints):
 # --------------------------------------------------------------------------- the warm-up's size
 
 def test_warmup_plan_keeps_less_steps_at_any_pool_size():
-    opts = dict(less_mod.OPTIONS)
+    opts = less_method.LessOptions()
     # LESS's own pool: 5% = 13,534 records at accumulation 128 -> 106 steps an epoch, 424 in all
-    own = less_mod.warmup_plan(270_679, opts)
+    own = less_warmup.warmup_plan(270_679, opts)
     assert (own["n_examples"], own["grad_accum"], own["steps"], own["floor"]) == (13_534, 128, 424, None)
     # a pool where 5% at accumulation 1 is more than enough: the accumulation scales down
-    mid = less_mod.warmup_plan(100_000, opts)
+    mid = less_warmup.warmup_plan(100_000, opts)
     assert mid["grad_accum"] == round(5000 * 4 / 424) and abs(mid["steps"] - 424) < 424 * 0.05
     # 600 records: 30 are too few even at accumulation 1; the default floor grows the sample
-    small = less_mod.warmup_plan(600, opts)
+    small = less_warmup.warmup_plan(600, opts)
     assert (small["n_examples"], small["grad_accum"], small["steps"], small["floor"]) == (106, 1, 424, "examples")
     assert small["warnings"] == []
-    b1 = less_mod.warmup_plan(600, {**opts, "warmup_floor": "batch1"})
+    b1 = less_warmup.warmup_plan(600, dataclasses.replace(opts, warmup_floor="batch1"))
     assert (b1["n_examples"], b1["grad_accum"], b1["steps"], b1["floor"]) == (30, 1, 120, "batch1")
     # 40 records: the whole pool, still short of 424 steps
-    tiny = less_mod.warmup_plan(40, opts)
+    tiny = less_warmup.warmup_plan(40, opts)
     assert (tiny["n_examples"], tiny["steps"]) == (40, 160)
     # an explicit accumulation is used as given, and a short run is warned of
-    old = less_mod.warmup_plan(600, {**opts, "grad_accum": 128})
+    old = less_warmup.warmup_plan(600, dataclasses.replace(opts, grad_accum=128))
     assert (old["n_examples"], old["steps"]) == (30, 4)
     assert len(old["warnings"]) == 1 and "4 optimizer steps" in old["warnings"][0]
     with pytest.raises(ConfigError, match="warmup_floor"):
-        less_mod.warmup_plan(600, {**opts, "warmup_floor": "more"})
+        less_warmup.warmup_plan(600, dataclasses.replace(opts, warmup_floor="more"))
     with pytest.raises(ConfigError, match="grad_accum"):
-        less_mod.warmup_plan(600, {**opts, "grad_accum": 0})
+        less_warmup.warmup_plan(600, dataclasses.replace(opts, grad_accum=0))
 
 
 def test_optimizer_steps_are_the_trainers(tmp_path):
@@ -511,7 +512,7 @@ def test_optimizer_steps_are_the_trainers(tmp_path):
     fs = FinetuneSettings(learning_rate=1e-3, epochs=2, batch_size=2, grad_accum=3, lora_r=2, lora_alpha=4,
                           target_modules=["q_proj"], progress=False)
     res = finetune(lm, data, tmp_path / "ft", fs)
-    assert sum(len(x) for x in res.epoch_lrs) == less_mod.optimizer_steps(7, 2, 3, 2) == 4
+    assert sum(len(x) for x in res.epoch_lrs) == less_warmup.optimizer_steps(7, 2, 3, 2) == 4
 
 
 SHORT_POOL = [(f"What is {a}+{b}?", f"{a}+{b}={a + b}.") for a in range(30) for b in range(20)]
@@ -527,7 +528,7 @@ def test_warmup_on_a_600_record_pool_takes_less_steps_with_nonzero_lr(tmp_path):
     LESS(ctx)
     info = ctx.info["method"]
     warm = info["warmup"]
-    assert warm["steps"] >= less_mod.MIN_WARMUP_STEPS and warm["steps"] == warm["planned_steps"] == 424
+    assert warm["steps"] >= less_warmup.MIN_WARMUP_STEPS and warm["steps"] == warm["planned_steps"] == 424
     assert warm["effective_batch"] == 1 and warm["n_examples"] == 106 and warm["floor"] == "examples"
     lrs = [lr for e in warm["epoch_lrs"] for lr in e]
     scheduled_warmup = -(-0.03 * len(lrs) // 1)  # transformers: ceil(warmup_ratio x steps)

@@ -1,4 +1,4 @@
-"""Pieces shared by the baselines: options, layer choice, response-averaged hidden states.
+"""Pieces shared by the methods: options, layer choice, response-averaged hidden states.
 
 Layer convention (VecFilter, ProjDiff, ConceptInf, SAE-Feat): ``layer = l`` is
 ``hidden_states[l]`` of a Hugging Face forward with ``output_hidden_states=True``:
@@ -18,34 +18,21 @@ import torch
 
 from ..data.tokenize import collate
 from ..errors import ConfigError
+from .registry import options_dict, parse_options
 
 
-def method(name: str, description: str, options: dict):
-    """Tag a scoring function with its name, a one-line description and its options
-    (name -> default). ``compare`` uses ``options`` to hand each method only its own."""
-
-    def wrap(fn):
-        fn.method_name = name
-        fn.description = description
-        fn.options = dict(options)
-        return fn
-    return wrap
+def resolve_options(ctx, name: str):
+    """Method ``name``'s options dataclass from ``ctx.settings.method_options``
+    (:func:`~prism_select.methods.registry.parse_options`): an unknown key or a wrong type
+    is a :class:`ConfigError` (a typo must not silently fall back to a default)."""
+    return parse_options(name, ctx.settings.method_options)
 
 
-def resolve_options(ctx, fn) -> dict:
-    """``fn.options`` updated with ``ctx.settings.method_options``; an unknown key is a
-    :class:`ConfigError` (a typo must not silently fall back to a default)."""
-    given = dict(ctx.settings.method_options or {})
-    known = fn.options
-    unknown = sorted(set(given) - set(known))
-    if unknown:
-        raise ConfigError("method_options", f"method {fn.method_name!r} has no option(s) {', '.join(unknown)}",
-                          f"its options are: {', '.join(sorted(known)) or '(none)'}")
-    return {**known, **given}
-
-
-def record(ctx, name: str, options: dict, **extra):
-    """What the method used, for run.json (``ctx.info['method']``)."""
+def record(ctx, name: str, options, **extra):
+    """What the method used, for run.json (``ctx.info['method']``); ``options`` an options
+    dataclass or a dict."""
+    if not isinstance(options, dict):
+        options = options_dict(options)
     ctx.info["method"] = {"name": name, "options": options, **extra}
 
 

@@ -19,13 +19,10 @@ from prism_select.settings import ScoreSettings
 from conftest import PAIRS, POOL
 from tiny import save_tiny, tiny_llama, tiny_tokenizer
 
-try:
-    from prism_select.baselines import REGISTRY
-except ImportError:
-    REGISTRY = {}
-from prism_select.baselines import judge as judge_mod
+from prism_select.methods import get, names
+from prism_select.methods import judge as judge_mod
 
-JUDGE = REGISTRY.get("judge", judge_mod.METHODS["judge"])
+JUDGE = get("judge").fn
 SECRET = "sk-test-0123456789abcdef-SECRET"
 
 
@@ -241,7 +238,7 @@ def test_endpoint_errors_are_clear_and_keyless(tmp_path, monkeypatch):
                                   "api_key_env": "MISSING_KEY_VAR"}, out="r5"))
 
 
-@pytest.mark.skipif("judge" not in REGISTRY, reason="prism_select.baselines.REGISTRY has no 'judge' yet")
+@pytest.mark.skipif("judge" not in names(), reason="the registry has no 'judge'")
 def test_judge_through_score_pool_never_writes_the_key(tmp_path, monkeypatch, caplog):
     import logging
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from prism_select.baselines import REGISTRY, describe_methods
-from prism_select.baselines import generation as gen_mod
-from prism_select.baselines.compare import compare, options_for
-from prism_select.baselines.ifguide import contrastive_target, ifguide_rank, ifguide_threshold, token_scores
+from prism_select.methods import describe_methods, get
+from prism_select.methods import generation as gen_mod
+from prism_select.methods.compare import compare, options_for
+from prism_select.methods.ifguide import contrastive_target, ifguide_rank, ifguide_threshold, token_scores
 from prism_select.curvature import CurvatureSettings
 from prism_select.data.records import PoolExample, TargetPair
 from prism_select.data.tokenize import Encoded, encode
@@ -100,7 +100,7 @@ def token_loss_terms(model, enc: Encoded) -> list:
 
 def test_registry_and_descriptions():
     for name in ("random", "ifguide", "vecfilter", "projdiff", "conceptinf", "saefeat"):
-        assert callable(REGISTRY[name])
+        assert callable(get(name).fn)
     d = describe_methods()
     assert list(d)[:3] == ["prism", "equal", "unpaired"]
     assert all(isinstance(t, str) and t and "\n" not in t for t in d.values())
@@ -108,15 +108,15 @@ def test_registry_and_descriptions():
 
 def test_unknown_option_is_config_error(make_ctx):
     with pytest.raises(ConfigError, match="no option"):
-        REGISTRY["vecfilter"](make_ctx("vecfilter", {"layr": 1}))
+        get("vecfilter").fn(make_ctx("vecfilter", {"layr": 1}))
 
 
 # --------------------------------------------------------------------------- random
 
 def test_random_is_seeded_and_reproducible(make_ctx):
-    s1, rows = REGISTRY["random"](make_ctx("random", seed=3))
-    s2, _ = REGISTRY["random"](make_ctx("random", seed=3))
-    s3, _ = REGISTRY["random"](make_ctx("random", seed=4))
+    s1, rows = get("random").fn(make_ctx("random", seed=3))
+    s2, _ = get("random").fn(make_ctx("random", seed=3))
+    s3, _ = get("random").fn(make_ctx("random", seed=4))
     assert rows == [] and s1.dtype == torch.float64 and len(s1) == 8
     assert torch.equal(s1, s2) and not torch.equal(s1, s3)
     assert torch.equal(s1, torch.rand(8, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
@@ -220,7 +220,7 @@ def test_ifguide_token_scores_hand_the_heap_back_after_each_batch(model, modules
     """On the CPU the token scores trim the heap after every batch: each batch leaves small
     score tensors between the pages its activations came from, and untrimmed the heap crept
     ~150 MiB over a 1,000-record pool inside a `compare`."""
-    from prism_select.baselines import ifguide as ifguide_mod
+    from prism_select.methods import ifguide as ifguide_mod
     ctx = make_ctx("ifguide")
     g, _, _ = contrastive_target(model, modules, ctx.inputs.chosen, ctx.inputs.rejected, pad_id=tok.pad_token_id)
     done, trims = [], []
@@ -233,7 +233,7 @@ def test_ifguide_token_scores_hand_the_heap_back_after_each_batch(model, modules
 
 def test_ifguide_method_rankings(model, modules, tok, make_ctx):
     ctx = make_ctx("ifguide", {"ranking": "harmonic", "quantile": 0.9, "token_attribution": "loss"})
-    scores, rows = REGISTRY["ifguide"](ctx)
+    scores, rows = get("ifguide").fn(ctx)
     g, _, _ = contrastive_target(model, modules, ctx.inputs.chosen, ctx.inputs.rejected, pad_id=tok.pad_token_id)
     ts = token_scores(model, modules, ctx.inputs.encoded, g, pad_id=tok.pad_token_id, attribution="loss")
     assert torch.allclose(scores, ifguide_rank(ts, 0.9, "harmonic"), rtol=1e-9, atol=1e-12)
@@ -242,14 +242,14 @@ def test_ifguide_method_rankings(model, modules, tok, make_ctx):
     assert [r["id"] for r in rows] == ["q0", "q1", "q2"]
     # "sum" = summed-loss influence g_z . H^-1 g through the shared score loop
     ctx2 = make_ctx("ifguide", {"ranking": "sum"})
-    s2, _ = REGISTRY["ifguide"](ctx2)
+    s2, _ = get("ifguide").fn(ctx2)
     ref = per_example_grads(model, modules, ctx.inputs.encoded) @ _ifguide_reference_target(model, modules, ctx)
     assert rel_err(s2, ref) <= REL_TOL
     # the harmonic run's token_sum column is the score "sum" gives, from the token scores
     assert "token_sum" not in ctx2.columns
     assert rel_err(ctx.columns["token_sum"], ref) <= REL_TOL
     with pytest.raises(ConfigError):
-        REGISTRY["ifguide"](make_ctx("ifguide", {"ranking": "mean"}))
+        get("ifguide").fn(make_ctx("ifguide", {"ranking": "mean"}))
 
 
 def test_ifguide_passes_run_at_the_memory_plans_batches(model, modules, tok, make_ctx, monkeypatch):
@@ -257,7 +257,7 @@ def test_ifguide_passes_run_at_the_memory_plans_batches(model, modules, tok, mak
     settings': under a capped plan (many runs sharing one GPU) the settings' batch of
     token scores (every position's logits, their softmax and gradient) ran out of the cap
     while PRISM's scoring, at the plan's batch, fitted. The scores do not depend on it."""
-    from prism_select.baselines import ifguide as ifguide_mod
+    from prism_select.methods import ifguide as ifguide_mod
     from prism_select.plan import HEADROOM_BYTES, ExampleSize, make_plan
     example = 1 << 26  # per example; the settings' batch of 3 does not fit, 1 does
     plan = make_plan(model, modules, kind="identity", device="cuda", batch_size=3, fit_batch_size=3,
@@ -270,11 +270,11 @@ def test_ifguide_passes_run_at_the_memory_plans_batches(model, modules, tok, mak
                         lambda *a, **k: seen.setdefault("target", k["batch_size"]) and target(*a, **k))
     monkeypatch.setattr(ifguide_mod, "token_scores",
                         lambda *a, **k: seen.setdefault("tokens", k["batch_size"]) and scores_of(*a, **k))
-    unplanned, _ = REGISTRY["ifguide"](make_ctx("ifguide", {"ranking": "harmonic"}))
+    unplanned, _ = get("ifguide").fn(make_ctx("ifguide", {"ranking": "harmonic"}))
     assert seen == {"target": 3, "tokens": 3}
     seen.clear()
     monkeypatch.setattr(RunContext, "plan", property(lambda self: plan))
-    planned, _ = REGISTRY["ifguide"](make_ctx("ifguide", {"ranking": "harmonic"}))
+    planned, _ = get("ifguide").fn(make_ctx("ifguide", {"ranking": "harmonic"}))
     assert seen == {"target": 1, "tokens": 1}
     assert torch.allclose(planned, unplanned, rtol=1e-9, atol=1e-12)
 
@@ -316,18 +316,18 @@ def test_cpu_direction_holds_one_half_of_a_batch_at_a_time(make_ctx, monkeypatch
     """On the CPU the direction differentiates the chosen and the rejected half each with
     its own forward (``one_graph``): both halves' activations alive at once were the
     stage's host-memory peak."""
-    from prism_select.run import _prism_block
+    from prism_select.methods import prism
     seen = []
-    real = _prism_block.compute_preference
+    real = prism.compute_preference
 
     def spy(*a, **kw):
         seen.append(kw.get("one_graph"))
         return real(*a, **kw)
 
-    monkeypatch.setattr(_prism_block, "compute_preference", spy)
+    monkeypatch.setattr(prism, "compute_preference", spy)
     ctx = make_ctx("prism")
     assert ctx.lm.device.type == "cpu"
-    _prism_block.prism_method(ctx)
+    prism.prism_method(ctx)
     assert seen == [True]
 
 
@@ -335,36 +335,36 @@ def test_cpu_direction_holds_one_half_of_a_batch_at_a_time(make_ctx, monkeypatch
 
 def test_vecfilter_matches_explicit_hidden_states(model, make_ctx):
     ctx = make_ctx("vecfilter", {"layer": LAYER})
-    scores, rows = REGISTRY["vecfilter"](ctx)
+    scores, rows = get("vecfilter").fn(ctx)
     v, vhat = ref_concept(model, ctx)
     H = torch.stack([block_hidden(model, e, LAYER) for e in ctx.inputs.encoded]).detach()
     assert rel_err(scores, H @ vhat) <= REL_TOL
     assert rows[0]["proj_chosen"] == pytest.approx(float(block_hidden(model, ctx.inputs.chosen[0], LAYER).detach() @ vhat),
                                                    rel=REL_TOL)
-    cos, _ = REGISTRY["vecfilter"](make_ctx("vecfilter", {"layer": LAYER, "similarity": "cosine"}))
+    cos, _ = get("vecfilter").fn(make_ctx("vecfilter", {"layer": LAYER, "similarity": "cosine"}))
     assert rel_err(cos, (H @ v) / (H.norm(dim=1) * v.norm())) <= REL_TOL
     # default layer: round(2/3 * 2) = 1
     ctx_d = make_ctx("vecfilter")
-    REGISTRY["vecfilter"](ctx_d)
+    get("vecfilter").fn(ctx_d)
     assert ctx_d.info["method"]["options"]["layer"] == 1
     with pytest.raises(ConfigError):
-        REGISTRY["vecfilter"](make_ctx("vecfilter", {"layer": 3}))
+        get("vecfilter").fn(make_ctx("vecfilter", {"layer": 3}))
 
 
 def test_projdiff_with_given_responses(model, tok, make_ctx, pool_examples):
     own = [f"I think {i}." for i in range(len(pool_examples))]
     ctx = make_ctx("projdiff", {"layer": LAYER, "responses": own})
-    scores, _ = REGISTRY["projdiff"](ctx)
+    scores, _ = get("projdiff").fn(ctx)
     _, vhat = ref_concept(model, ctx)
     ref = torch.stack([(block_hidden(model, e, LAYER) - block_hidden(model, encode(tok, p, y), LAYER)) @ vhat
                        for e, (p, _), y in zip(ctx.inputs.encoded, pool_examples, own)]).detach()
     assert rel_err(scores, ref) <= REL_TOL
     # a mapping id -> text gives the same
-    s2, _ = REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER,
+    s2, _ = get("projdiff").fn(make_ctx("projdiff", {"layer": LAYER,
                                                        "responses": {f"p{i}": y for i, y in enumerate(own)}}))
     assert torch.equal(scores, s2)
     with pytest.raises(ConfigError):
-        REGISTRY["projdiff"](make_ctx("projdiff", {"responses": own[:3]}))
+        get("projdiff").fn(make_ctx("projdiff", {"responses": own[:3]}))
 
 
 def test_draw_tokens_samples_each_row_from_its_own_distribution_and_generator():
@@ -387,7 +387,7 @@ def test_draw_tokens_samples_each_row_from_its_own_distribution_and_generator():
 
 def test_projdiff_samples_caches_and_reuses_own_responses(model, tok, lm, make_ctx, monkeypatch):
     ctx = make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 4})
-    s1, _ = REGISTRY["projdiff"](ctx)
+    s1, _ = get("projdiff").fn(ctx)
     info = ctx.info["method"]["own_responses"]
     assert info["generated"] == 8 and info["reused"] == 0
     path = gen_mod.cache_path(lm.settings.resolved_cache_dir(), lm.fingerprint)
@@ -398,17 +398,17 @@ def test_projdiff_samples_caches_and_reuses_own_responses(model, tok, lm, make_c
     real = gen_mod.sample_responses
     monkeypatch.setattr(gen_mod, "sample_responses", lambda *a, **k: calls.append(1) or real(*a, **k))
     ctx2 = make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 4})
-    s2, _ = REGISTRY["projdiff"](ctx2)
+    s2, _ = get("projdiff").fn(ctx2)
     assert torch.equal(s1, s2) and calls == [] and ctx2.info["method"]["own_responses"]["reused"] == 8
     # the scores are those of the cached texts
     by_prompt = {r["prompt_sha"]: r["response"] for r in recs}  # the cache is in sampling order
     from prism_select.io import sha256_json
     texts = [by_prompt[sha256_json(list(e.input_ids[: e.response_start]))] for e in ctx.inputs.encoded]
-    s3, _ = REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER, "responses": texts}))
+    s3, _ = get("projdiff").fn(make_ctx("projdiff", {"layer": LAYER, "responses": texts}))
     assert torch.allclose(s1, s3, rtol=1e-12, atol=0)
     # other generation settings -> sampled again; the same settings from scratch -> the same texts
     ctx3 = make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 3})
-    REGISTRY["projdiff"](ctx3)
+    get("projdiff").fn(ctx3)
     assert calls and ctx3.info["method"]["own_responses"]["generated"] == 8
     # the responses are one entry of the cache: listed, and pruned under a size bound
     from prism_select import cache
@@ -418,13 +418,13 @@ def test_projdiff_samples_caches_and_reuses_own_responses(model, tok, lm, make_c
     assert listed[0].size > path.stat().st_size  # the responses and the marker
     cache.prune(root, max_bytes=0, keep=[e.path for e in cache.entries(root) if e.kind != "generations"])
     assert not path.parent.exists()  # sampled again below, from scratch
-    s4, _ = REGISTRY["projdiff"](make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 4}))
+    s4, _ = get("projdiff").fn(make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 4}))
     assert torch.equal(s1, s4)
 
 
 def test_conceptinf_equals_explicit_gradient_of_the_concept_projection(model, modules, make_ctx):
     ctx = make_ctx("conceptinf", {"layer": LAYER})
-    scores, rows = REGISTRY["conceptinf"](ctx)
+    scores, rows = get("conceptinf").fn(ctx)
     _, vhat = ref_concept(model, ctx)
     f = sum(block_hidden(model, c, LAYER) @ vhat for c in ctx.inputs.chosen) / len(ctx.inputs.chosen)
     grad_f = flat_grad_kept(modules, f)
@@ -437,7 +437,7 @@ def test_conceptinf_equals_explicit_gradient_of_the_concept_projection(model, mo
 def test_conceptinf_sign_first_order(model, modules, make_ctx):
     """A small step that upweights the top-scored example raises f more than the bottom one."""
     ctx = make_ctx("conceptinf", {"layer": LAYER})
-    scores, _ = REGISTRY["conceptinf"](ctx)
+    scores, _ = get("conceptinf").fn(ctx)
     _, vhat = ref_concept(model, ctx)
 
     def f_after(i, eps=1e-4):
@@ -496,7 +496,7 @@ def _ref_acts(model, t, enc, reduce="mean"):
 def test_saefeat_latent_choice_and_scores(model, make_ctx, tmp_path, reduce):
     t = _sae(tmp_path / "sae.safetensors")
     ctx = make_ctx("saefeat", {"sae": str(tmp_path / "sae.safetensors"), "reduce": reduce})
-    scores, rows = REGISTRY["saefeat"](ctx)
+    scores, rows = get("saefeat").fn(ctx)
     ac = torch.stack([_ref_acts(model, t, e, reduce) for e in ctx.inputs.chosen]).mean(0)
     ar = torch.stack([_ref_acts(model, t, e, reduce) for e in ctx.inputs.rejected]).mean(0)
     k = int(torch.argmax(ac - ar))
@@ -507,7 +507,7 @@ def test_saefeat_latent_choice_and_scores(model, make_ctx, tmp_path, reduce):
     # an explicit latent and layer; no target pairs needed then
     ctx2 = make_ctx("saefeat", {"sae": str(tmp_path / "sae.safetensors"), "latent": 3, "layer": LAYER,
                                 "reduce": reduce}, with_pairs=False)
-    s2, rows2 = REGISTRY["saefeat"](ctx2)
+    s2, rows2 = get("saefeat").fn(ctx2)
     assert rows2 == []
     ref2 = torch.stack([_ref_acts(model, t, e, reduce)[3] for e in ctx.inputs.encoded])
     assert torch.allclose(s2, ref2, rtol=1e-10, atol=1e-12)
@@ -530,7 +530,7 @@ def _sparse_rows(n=3000, d=16, atoms=24, active=2, seed=0):
 
 
 def test_fit_sae_reconstructs_a_sparse_code_and_saves_in_input_units(tmp_path):
-    from prism_select.baselines.saefeat import SAE, fit_sae, load_sae, save_sae
+    from prism_select.methods.saefeat import SAE, fit_sae, load_sae, save_sae
     X = _sparse_rows()
     # a few "massive activation" rows (a first token's): left out of the fit
     huge = 1000.0 * torch.ones(5, X.shape[1], dtype=X.dtype)
@@ -551,9 +551,9 @@ def test_fit_sae_reconstructs_a_sparse_code_and_saves_in_input_units(tmp_path):
 
 
 def test_saefeat_fits_an_sae_on_the_pool(model, make_ctx, tmp_path):
-    from prism_select.baselines.saefeat import save_sae
+    from prism_select.methods.saefeat import save_sae
     ctx = make_ctx("saefeat", {"sae": "pool", "sae_width": 32, "sae_steps": 200})
-    scores, rows = REGISTRY["saefeat"](ctx)
+    scores, rows = get("saefeat").fn(ctx)
     info = ctx.info["method"]
     assert info["layer_from"] == "fit on the pool" and info["d_sae"] == 32
     fit = info["sae_fit"]
@@ -561,19 +561,19 @@ def test_saefeat_fits_an_sae_on_the_pool(model, make_ctx, tmp_path):
     assert fit["tokens"] + fit["outliers"] == n_tokens and fit["layer"] == info["options"]["layer"] and 0 <= fit["fvu"] < 1
     assert len(rows) == len(ctx.inputs.pairs) and torch.isfinite(scores).all()
     # the same fit (seeded) written to a file and read back scores the same latent alike
-    from prism_select.baselines.saefeat import fit_sae, pool_hidden_tokens
+    from prism_select.methods.saefeat import fit_sae, pool_hidden_tokens
     X = pool_hidden_tokens(model, ctx.inputs.encoded, fit["layer"], ctx.pad_id, 3)
     tensors, _ = fit_sae(X, d_sae=32, steps=200, seed=0)
     save_sae(tmp_path / "pool.safetensors", tensors, layer=fit["layer"])
-    s2, _ = REGISTRY["saefeat"](make_ctx("saefeat", {"sae": str(tmp_path / "pool.safetensors"),
+    s2, _ = get("saefeat").fn(make_ctx("saefeat", {"sae": str(tmp_path / "pool.safetensors"),
                                                      "latent": info["options"]["latent"]}))
     assert torch.allclose(scores, s2, rtol=1e-9, atol=1e-12)
     with pytest.raises(ConfigError, match="sae_width"):
-        REGISTRY["saefeat"](make_ctx("saefeat", {"sae": "pool", "sae_width": 0}))
+        get("saefeat").fn(make_ctx("saefeat", {"sae": "pool", "sae_width": 0}))
 
 
 def test_saefeat_errors(make_ctx, tmp_path):
-    run = lambda **o: REGISTRY["saefeat"](make_ctx("saefeat", o))  # noqa: E731
+    run = lambda **o: get("saefeat").fn(make_ctx("saefeat", o))  # noqa: E731
     with pytest.raises(ConfigError, match="sae"):
         run()
     with pytest.raises(InputError, match="not found"):
@@ -737,12 +737,15 @@ def test_a_stopped_compare_resumes_reusing_its_finished_methods(lm, tmp_path, po
         compare(lm, pool, targets, out, ["random"], dataclasses.replace(s, seed=1), c)
 
 
-def test_the_settings_know_exactly_the_registered_baselines():
-    """Method names are checked in settings.py (the ground floor) without importing the
-    baselines; the registry and that list must name the same methods."""
-    from prism_select.baselines import REGISTRY
-    from prism_select.settings import BASELINE_METHODS, DirectionSettings
+def test_the_settings_know_exactly_the_registered_methods():
+    """Method names are checked in settings.py through the registry: every registered
+    method is accepted, any other name refused with the known names."""
+    from prism_select.methods import names
+    from prism_select.settings import DirectionSettings
 
-    assert sorted(REGISTRY) == sorted(BASELINE_METHODS)
-    for name in BASELINE_METHODS:
+    assert set(names(kind="baseline")) == {"random", "ifguide", "ifguide_harmonic", "vecfilter", "projdiff",
+                                           "conceptinf", "saefeat", "less", "judge"}
+    for name in names():
         DirectionSettings(method=name)
+    with pytest.raises(ConfigError, match="unknown method 'nosuch'.*use one of conceptinf, equal"):
+        DirectionSettings(method="nosuch")

@@ -15,8 +15,8 @@ one method).
 
 Method options (``settings.method_options``): a key ``"<method>": {...}`` or
 ``"<method>.<key>": value`` applies to that method only; any other key applies to
-every method that declares it (functions with an ``options`` attribute, see
-:func:`prism_select.baselines.common.method`) and to every method that declares none.
+every method whose options dataclass declares it
+(:func:`prism_select.methods.registry.register`).
 
 Writes ``<out>/compare.json`` and ``<out>/compare.md``: per method the wall time and,
 with ``label`` (a boolean field of the pool records), AUROC and AUPRC of the written
@@ -36,21 +36,17 @@ from ..gradients import release_host_memory
 from ..evaluation_metrics import auprc, auroc, labels_by_id
 from ..io import atomic_write_json, atomic_write_text, check_writable_dir
 from ..model import LoadedModel, load_model
-from ..preference import METHODS as DIRECTION_METHODS
+from ..run import score_pool
+from ..run.preflight import check_cache_dir, describe_applied
 from ..selection import read_scores
-
-
-def _known_methods() -> list:
-    from . import REGISTRY
-    return list(DIRECTION_METHODS) + list(REGISTRY)
+from ..settings import ScoreSettings
+from .registry import get, names
 
 
 def options_for(method: str, options: dict, known: list | None = None) -> dict:
     """The options one method gets out of a shared ``method_options`` dict."""
-    from . import REGISTRY
-    known = known if known is not None else _known_methods()
-    fn = REGISTRY.get(method)
-    declared = getattr(fn, "options", None) if fn is not None else {}  # a target direction takes none
+    known = known if known is not None else names()
+    declared = get(method).option_names() if method in known else []
     shared, own = {}, {}
     for k, v in (options or {}).items():
         if k in known:
@@ -64,7 +60,7 @@ def options_for(method: str, options: dict, known: list | None = None) -> dict:
             if head == method:
                 own[tail] = v
             continue
-        if declared is None or k in declared:
+        if k in declared:
             shared[k] = v
     return {**shared, **own}
 
@@ -72,7 +68,6 @@ def options_for(method: str, options: dict, known: list | None = None) -> dict:
 def _curvature_line(result: dict) -> str:
     """The curvature every method that uses one applied (one decision, shared), else the
     one asked for (no method used a curvature)."""
-    from ..run.preflight import describe_applied
     applied = result.get("curvature_applied")
     if applied is None:
         return f"{result['curvature_settings']['kind']} (asked for; no method used a curvature)"
@@ -133,9 +128,6 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
     reused (a compare stopped after some methods resumes with the same call); one with
     others is an error unless ``settings.overwrite``.
     """
-    from ..run import score_pool
-    from ..settings import ScoreSettings
-
     settings = settings or ScoreSettings(progress=False)
     curvature = curvature or CurvatureSettings()
     methods = list(methods or [])
@@ -144,7 +136,7 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
     dup = sorted({m for m in methods if methods.count(m) > 1})
     if dup:
         raise ConfigError("methods", f"listed more than once: {', '.join(dup)}")
-    known = _known_methods()
+    known = names()
     unknown = [m for m in methods if m not in known]
     if unknown:
         raise ConfigError("methods", f"unknown method(s) {', '.join(unknown)}", f"use some of {', '.join(known)}")
@@ -170,7 +162,6 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
                              "in the pool; AUROC/AUPRC need both", path=pool, field=label,
                              fix="name a boolean field with both true and false records")
     if not isinstance(model, LoadedModel):
-        from ..run.preflight import check_cache_dir
         check_cache_dir(model.resolved_cache_dir())
     check_writable_dir(out_dir)  # after the checks of the inputs: a refused command leaves no --out
     t = time.perf_counter()

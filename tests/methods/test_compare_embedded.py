@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from prism_select.baselines import REGISTRY
+from prism_select.methods import names
 from prism_select.cli import main
 from prism_select.evaluation_metrics import auroc_from_files
 from prism_select.examples import make_example
@@ -25,7 +25,7 @@ def test_compare_runs_every_method_on_the_embedded_model(tmp_path):
     g = torch.Generator().manual_seed(0)
     sae = tmp_path / "sae.safetensors"  # a random SAE: exercises the path, says nothing of quality
     save_file({"W_enc": torch.randn(HIDDEN, D_SAE, generator=g), "b_enc": torch.zeros(D_SAE)}, str(sae))
-    methods = ["prism", "equal", "unpaired"] + sorted(REGISTRY)
+    methods = ["prism", "equal", "unpaired"] + sorted(names(kind="baseline"))
     methods = list(dict.fromkeys(methods))
     out = tmp_path / "cmp"
     code = main(["compare", "--model", "default", "--device", "cpu", "--dtype", "float32",

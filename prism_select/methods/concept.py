@@ -17,17 +17,45 @@ ConceptInf  influence on ``f(theta) = mean_q h_l(q, y+) . vhat`` with ``vhat`` h
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ..data.tokenize import encode
 from ..errors import ConfigError, InputError, NumericalError
 from ..gradients import check_finite, tracked_param_grad_mode, weight_grad
-from .common import (batch_hidden, method, record, require_pairs, resolve_layer, resolve_options,
-                     response_means)
+from .common import batch_hidden, record, require_pairs, resolve_layer, resolve_options, response_means
 from .generation import own_responses
+from .registry import options_dict, register
 
 SIMILARITIES = ("projection", "cosine")
+
+
+@dataclass(frozen=True)
+class VecFilterOptions:
+    """VecFilter's options: ``layer`` the hidden-state index (None: ``round(2/3 * num_layers)``,
+    :mod:`prism_select.methods.common`); ``similarity`` one of :data:`SIMILARITIES`."""
+
+    layer: int | None = None
+    similarity: str = "projection"
+
+
+@dataclass(frozen=True)
+class ProjDiffOptions:
+    """ProjDiff's options: ``layer`` as VecFilter's; ``max_new_tokens`` the length bound of
+    the sampled ``y'``; ``responses`` the ``y'`` given instead of sampled (a list in pool
+    order or a mapping pool id -> text)."""
+
+    layer: int | None = None
+    max_new_tokens: int = 128
+    responses: list | dict | None = None
+
+
+@dataclass(frozen=True)
+class ConceptInfOptions:
+    """ConceptInf's options: ``layer`` as VecFilter's."""
+
+    layer: int | None = None
 
 
 def concept_vector(ctx, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,41 +76,42 @@ def _pair_rows(ctx, hc, hr, vhat):
              **({"task": p.task} if p.task else {})} for i, p in enumerate(ctx.inputs.pairs)]
 
 
-def _common(ctx, fn, opts):
-    require_pairs(ctx, fn.method_name)
-    layer = resolve_layer(ctx.lm.model, opts["layer"])
+def _common(ctx, name: str, opts):
+    require_pairs(ctx, name)
+    layer = resolve_layer(ctx.lm.model, opts.layer)
     t = time.perf_counter()
     v, hc, hr = concept_vector(ctx, layer)
     ctx.end_stage("concept_vector", t)
     return opts, layer, v, hc, hr
 
 
-@method("vecfilter", "VecFilter: response-averaged hidden state projected on the concept vector "
-        "mean h(q,y+) - mean h(q,y-)", {"layer": None, "similarity": "projection"})
+@register("vecfilter", options=VecFilterOptions,
+          description="VecFilter: response-averaged hidden state projected on the concept vector "
+                      "mean h(q,y+) - mean h(q,y-)")
 def vecfilter_method(ctx) -> tuple[torch.Tensor, list]:
     """VecFilter scores. Needs target pairs.
 
     Options:
       layer: hidden-state index (default ``round(2/3 * num_layers)``; see
-        :mod:`prism_select.baselines.common`).
+        :mod:`prism_select.methods.common`).
       similarity: "projection" (default, ``h . v / ||v||``) or "cosine"
         (``h . v / (||h|| ||v||)``, 0 where ``h = 0``).
 
     Pair rows: ``id``, ``proj_chosen``, ``proj_rejected`` (``h_l . vhat`` of each side).
     """
-    opts = resolve_options(ctx, vecfilter_method)
-    if opts["similarity"] not in SIMILARITIES:
-        raise ConfigError("similarity", f"unknown value {opts['similarity']!r}", f"use one of {', '.join(SIMILARITIES)}")
-    opts, layer, v, hc, hr = _common(ctx, vecfilter_method, opts)
+    opts = resolve_options(ctx, "vecfilter")
+    if opts.similarity not in SIMILARITIES:
+        raise ConfigError("similarity", f"unknown value {opts.similarity!r}", f"use one of {', '.join(SIMILARITIES)}")
+    opts, layer, v, hc, hr = _common(ctx, "vecfilter", opts)
     vhat = v / v.norm()
     h = response_means(ctx.lm.model, ctx.inputs.encoded, layer, ctx.pad_id, ctx.settings.batch_size)
     scores = h @ vhat
-    if opts["similarity"] == "cosine":
+    if opts.similarity == "cosine":
         norms = h.norm(dim=1)
         scores = torch.where(norms > 0, scores / torch.where(norms > 0, norms, torch.ones_like(norms)),
                              torch.zeros_like(scores))
     check_finite(scores, "VecFilter scores")
-    record(ctx, "vecfilter", {**opts, "layer": layer}, concept_norm=float(v.norm()))
+    record(ctx, "vecfilter", {**options_dict(opts), "layer": layer}, concept_norm=float(v.norm()))
     return scores, _pair_rows(ctx, hc, hr, vhat)
 
 
@@ -108,8 +137,8 @@ def _given_responses(ctx, given) -> list:
     return list(out)
 
 
-@method("projdiff", "ProjDiff: (h(x,y) - h(x,y')) . concept vector, y' the model's own sampled "
-        "response (cached)", {"layer": None, "max_new_tokens": 128, "responses": None})
+@register("projdiff", options=ProjDiffOptions,
+          description="ProjDiff: (h(x,y) - h(x,y')) . concept vector, y' the model's own sampled response (cached)")
 def projdiff_method(ctx) -> tuple[torch.Tensor, list]:
     """ProjDiff scores. Needs target pairs.
 
@@ -118,22 +147,22 @@ def projdiff_method(ctx) -> tuple[torch.Tensor, list]:
       max_new_tokens: length bound of the sampled ``y'`` (default 128).
       responses: ``y'`` given instead of sampled: a list in pool order or a mapping
         pool id -> text (default None: sample, temperature 1, seeded by ``seed``, cached
-        under ``<cache_dir>/generations/``; see :mod:`prism_select.baselines.generation`).
+        under ``<cache_dir>/generations/``; see :mod:`prism_select.methods.generation`).
 
     ``y'`` is encoded like ``y`` (same chat template and prompt truncation), so both
     hidden states average the same kind of positions.
     Pair rows: ``id``, ``proj_chosen``, ``proj_rejected``.
     """
-    opts = resolve_options(ctx, projdiff_method)
-    n_new = opts["max_new_tokens"]
+    opts = resolve_options(ctx, "projdiff")
+    n_new = opts.max_new_tokens
     if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 1:
         raise ConfigError("max_new_tokens", f"must be a positive integer, got {n_new!r}")
-    opts, layer, v, hc, hr = _common(ctx, projdiff_method, opts)
+    opts, layer, v, hc, hr = _common(ctx, "projdiff", opts)
     vhat = v / v.norm()
     lm, st = ctx.lm, ctx.settings
     t = time.perf_counter()
-    if opts["responses"] is not None:
-        own = _given_responses(ctx, opts["responses"])
+    if opts.responses is not None:
+        own = _given_responses(ctx, opts.responses)
         gen_info = {"source": "given"}
     else:
         own, gen_info = own_responses(lm, ctx.inputs.encoded, max_new_tokens=n_new, seed=st.seed,
@@ -151,7 +180,7 @@ def projdiff_method(ctx) -> tuple[torch.Tensor, list]:
     h_own = response_means(lm.model, enc_own, layer, ctx.pad_id, st.batch_size)
     scores = (h - h_own) @ vhat
     check_finite(scores, "ProjDiff scores")
-    used = {**opts, "layer": layer, "responses": None if opts["responses"] is None else "given"}
+    used = {**options_dict(opts), "layer": layer, "responses": None if opts.responses is None else "given"}
     record(ctx, "projdiff", used, concept_norm=float(v.norm()), own_responses=gen_info)
     return scores, _pair_rows(ctx, hc, hr, vhat)
 
@@ -173,8 +202,8 @@ def concept_gradient(model, modules: dict, chosen: list, layer: int, vhat: torch
     return grad
 
 
-@method("conceptinf", "ConceptInf: influence g_z . H^-1 (-grad f) on the target responses' concept "
-        "projection f", {"layer": None})
+@register("conceptinf", options=ConceptInfOptions,
+          description="ConceptInf: influence g_z . H^-1 (-grad f) on the target responses' concept projection f")
 def conceptinf_method(ctx) -> tuple[torch.Tensor, list]:
     """ConceptInf scores ``g_z . H^-1 (-grad f)`` (higher = training on ``z`` raises
     ``f``, the target-positive concept projection). Needs target pairs.
@@ -185,7 +214,7 @@ def conceptinf_method(ctx) -> tuple[torch.Tensor, list]:
     Tracked layers after ``layer`` get a zero direction (``f`` does not depend on them).
     Pair rows: ``id``, ``proj_chosen``, ``proj_rejected``.
     """
-    opts, layer, v, hc, hr = _common(ctx, conceptinf_method, resolve_options(ctx, conceptinf_method))
+    opts, layer, v, hc, hr = _common(ctx, "conceptinf", resolve_options(ctx, "conceptinf"))
     vhat = v / v.norm()
     t = time.perf_counter()
     grad_f = concept_gradient(ctx.lm.model, ctx.modules, ctx.inputs.chosen, layer, vhat, pad_id=ctx.pad_id,
@@ -194,6 +223,6 @@ def conceptinf_method(ctx) -> tuple[torch.Tensor, list]:
     direction = {n: -g for n, g in grad_f.items()}
     del grad_f
     scores = ctx.score_direction(direction, tag="conceptinf", last=True)
-    record(ctx, "conceptinf", {**opts, "layer": layer}, concept_norm=float(v.norm()),
+    record(ctx, "conceptinf", {**options_dict(opts), "layer": layer}, concept_norm=float(v.norm()),
            f=float((hc @ vhat).mean()))
     return scores, _pair_rows(ctx, hc, hr, vhat)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -48,7 +49,8 @@ from ..engine import batch_losses, cpu_response_split
 from ..errors import ConfigError
 from ..gradients import (activation_grad_mode, check_finite, has_bias, release_host_memory, tracked_param_grad_mode,
                          weight_grad)
-from .common import compute_dtype, method, record, require_pairs, resolve_options
+from .common import compute_dtype, record, require_pairs, resolve_options
+from .registry import register
 
 log = logging.getLogger(__name__)
 
@@ -285,20 +287,30 @@ def token_scores(model, modules: dict, encoded: list, V: dict, *, pad_id: int, a
 
 # --------------------------------------------------------------------------- method
 
-OPTIONS = {"ranking": "sum", "quantile": 0.99, "threshold_tokens": "response", "token_attribution": "position",
-           "token_chunk": 32}
+@dataclass(frozen=True)
+class IFGuideOptions:
+    """IF-Guide's options (:func:`ifguide_method`): ``ranking`` one of :data:`RANKINGS`,
+    ``quantile`` the token-score quantile ``tau`` in (0, 1), ``threshold_tokens`` one of
+    :data:`THRESHOLD_TOKENS`, ``token_attribution`` one of :data:`ATTRIBUTIONS`,
+    ``token_chunk`` token-loss gradients per batched backward (``loss`` attribution)."""
+
+    ranking: str = "sum"
+    quantile: float = 0.99
+    threshold_tokens: str = "response"
+    token_attribution: str = "position"
+    token_chunk: int = 32
 
 
-@method("ifguide_harmonic", "IF-Guide with its harmonic rule: documents ranked by count and sum of their "
-        "response tokens above the 0.99 quantile (ifguide with ranking=harmonic)", {**OPTIONS, "ranking": "harmonic"})
-def ifguide_harmonic_method(ctx) -> tuple[torch.Tensor, list]:
-    """:func:`ifguide_method` with ``ranking`` "harmonic" by default: its own name, so that
-    one experiment scores, ranks and retrains both document rules side by side."""
-    return _ifguide(ctx, ifguide_harmonic_method)
+@dataclass(frozen=True)
+class IFGuideHarmonicOptions(IFGuideOptions):
+    """:class:`IFGuideOptions` with the harmonic rule by default."""
+
+    ranking: str = "harmonic"
 
 
-@method("ifguide", "IF-Guide: token-level influence of mean grad l(y+) - mean grad l(y-) (summed losses), "
-        "documents ranked by their summed influence or by count and sum of top response tokens", OPTIONS)
+@register("ifguide", options=IFGuideOptions,
+          description="IF-Guide: token-level influence of mean grad l(y+) - mean grad l(y-) (summed losses), "
+                      "documents ranked by their summed influence or by count and sum of top response tokens")
 def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     """IF-Guide scores (see the module docstring). Needs target pairs.
 
@@ -326,25 +338,33 @@ def ifguide_method(ctx) -> tuple[torch.Tensor, list]:
     run ranks both ways; the method's record holds the ties of both (``ties``,
     ``token_sum_ties``).
     """
-    return _ifguide(ctx, ifguide_method)
+    return _ifguide(ctx, "ifguide")
 
 
-def _ifguide(ctx, fn) -> tuple[torch.Tensor, list]:
-    name = fn.method_name
-    opts = resolve_options(ctx, fn)
+@register("ifguide_harmonic", options=IFGuideHarmonicOptions,
+          description="IF-Guide with its harmonic rule: documents ranked by count and sum of their "
+                      "response tokens above the 0.99 quantile (ifguide with ranking=harmonic)")
+def ifguide_harmonic_method(ctx) -> tuple[torch.Tensor, list]:
+    """:func:`ifguide_method` with ``ranking`` "harmonic" by default: its own name, so that
+    one experiment scores, ranks and retrains both document rules side by side."""
+    return _ifguide(ctx, "ifguide_harmonic")
+
+
+def _ifguide(ctx, name: str) -> tuple[torch.Tensor, list]:
+    opts = resolve_options(ctx, name)
     require_pairs(ctx, name)
-    if opts["ranking"] not in RANKINGS:
-        raise ConfigError("ranking", f"unknown ranking {opts['ranking']!r}", f"use one of {', '.join(RANKINGS)}")
-    if opts["threshold_tokens"] not in THRESHOLD_TOKENS:
-        raise ConfigError("threshold_tokens", f"unknown value {opts['threshold_tokens']!r}",
+    if opts.ranking not in RANKINGS:
+        raise ConfigError("ranking", f"unknown ranking {opts.ranking!r}", f"use one of {', '.join(RANKINGS)}")
+    if opts.threshold_tokens not in THRESHOLD_TOKENS:
+        raise ConfigError("threshold_tokens", f"unknown value {opts.threshold_tokens!r}",
                           f"use one of {', '.join(THRESHOLD_TOKENS)}")
-    if opts["token_attribution"] not in ATTRIBUTIONS:
-        raise ConfigError("token_attribution", f"unknown value {opts['token_attribution']!r}",
+    if opts.token_attribution not in ATTRIBUTIONS:
+        raise ConfigError("token_attribution", f"unknown value {opts.token_attribution!r}",
                           f"use one of {', '.join(ATTRIBUTIONS)}")
-    q = opts["quantile"]
+    q = opts.quantile
     if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q < 1:
         raise ConfigError("quantile", f"must be a number in (0, 1), got {q!r}", "e.g. quantile=0.99")
-    tc = opts["token_chunk"]
+    tc = opts.token_chunk
     if isinstance(tc, bool) or not isinstance(tc, int) or tc < 1:
         raise ConfigError("token_chunk", f"must be a positive integer, got {tc!r}")
     lm, st = ctx.lm, ctx.settings
@@ -354,7 +374,7 @@ def _ifguide(ctx, fn) -> tuple[torch.Tensor, list]:
     ctx.end_stage("target", t)
     pairs = [{"id": p.id, "loss_chosen": float(lc[i]), "loss_rejected": float(lr[i]),
               **({"task": p.task} if p.task else {})} for i, p in enumerate(ctx.inputs.pairs)]
-    if opts["ranking"] == "sum":
+    if opts.ranking == "sum":
         scores = ctx.score_direction(g, tag="ifguide", last=True)
         tied = ties(scores)
         record(ctx, name, opts, ties=tied, warnings=_tie_warnings(tied, "sum"))
@@ -367,11 +387,11 @@ def _ifguide(ctx, fn) -> tuple[torch.Tensor, list]:
     release_host_memory()
     t = time.perf_counter()
     ts = token_scores(lm.model, ctx.modules, ctx.inputs.encoded, V, pad_id=ctx.pad_id,
-                      attribution=opts["token_attribution"], batch_size=ctx.scoring_batch(), token_chunk=tc,
+                      attribution=opts.token_attribution, batch_size=ctx.scoring_batch(), token_chunk=tc,
                       progress=st.progress, ids=[e.id for e in ctx.inputs.pool])
     ctx.end_stage("token_scores", t)
-    ranked = ts if opts["threshold_tokens"] == "all" else response_token_scores(
-        ts, ctx.inputs.encoded, opts["token_attribution"])
+    ranked = ts if opts.threshold_tokens == "all" else response_token_scores(
+        ts, ctx.inputs.encoded, opts.token_attribution)
     tau = ifguide_threshold(ranked, q)
     scores = ifguide_rank(ranked, q, "harmonic")
     ctx.columns["token_sum"] = ifguide_rank(ts, q, "sum")

@@ -9,7 +9,7 @@ The SAE is a user-supplied **safetensors** file (never a pickle) with tensors:
 ``b_dec``      optional ``(d_model,)``: subtracted from the input before encoding
 
 and optionally the metadata entry ``layer`` (an integer, the hidden-state index as in
-:mod:`prism_select.baselines.common`: ``l`` = residual stream after decoder block ``l``,
+:mod:`prism_select.methods.common`: ``l`` = residual stream after decoder block ``l``,
 SAELens' ``blocks.{l-1}.hook_resid_post``); the option ``layer`` overrides it.
 
 Without an SAE for the model, ``sae="pool"`` fits one on the pool's own hidden states
@@ -23,13 +23,17 @@ threshold ``act = ReLU(pre) * [pre > threshold]`` (JumpReLU as in Gemma Scope).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..errors import ConfigError, InputError
 from ..gradients import check_finite
-from .common import batch_hidden, compute_dtype, method, num_layers, record, resolve_layer, resolve_options
+from .common import batch_hidden, compute_dtype, num_layers, record, resolve_layer, resolve_options
+from .registry import options_dict, register
 
 REDUCES = ("mean", "max")
 _LATENT_BLOCK = 4096  # latents per block when all of them are needed (bounds memory)
@@ -51,8 +55,6 @@ def load_sae(path, d_model: int | None = None) -> tuple[dict, dict]:
     :class:`InputError` (naming the file and key) for a missing or unreadable file,
     a missing key, or a shape that does not fit (``d_model`` = the model's hidden size).
     """
-    from safetensors import safe_open
-
     p = Path(str(path)).expanduser()
     fix_keys = "an SAE file holds W_enc (d_model x d_sae), b_enc (d_sae) [, threshold (d_sae), b_dec (d_model)]"
     if not p.is_file():
@@ -213,7 +215,6 @@ def fit_sae(X: torch.Tensor, *, d_sae: int, l1: float = SAE_L1, steps: int = SAE
 def save_sae(path, tensors: dict, layer: int | None = None):
     """Write ``tensors`` (at least ``W_enc`` and ``b_enc``) as an SAE file :func:`load_sae`
     reads, with ``layer`` as metadata."""
-    from safetensors.torch import save_file
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path),
               metadata=None if layer is None else {"layer": str(int(layer))})
 
@@ -240,9 +241,24 @@ def latent_stats(model, sae: SAE, encoded: list, layer: int, pad_id: int, batch_
     return torch.cat(out)
 
 
-@method("saefeat", "SAE-Feat: one SAE latent's activation on the response tokens (by default the latent "
-        "separating chosen from rejected most)", {"sae": None, "layer": None, "latent": None, "reduce": "mean",
-                                          "sae_width": None, "sae_l1": SAE_L1, "sae_steps": SAE_STEPS})
+@dataclass(frozen=True)
+class SAEFeatOptions:
+    """SAE-Feat's options (:func:`saefeat_method`): ``sae`` the SAE file or "pool" (required),
+    ``layer`` the hidden-state index, ``latent`` the latent scored, ``reduce`` one of
+    :data:`REDUCES`; with ``sae="pool"``: ``sae_width`` latents, ``sae_l1``, ``sae_steps``."""
+
+    sae: str | Path | None = None
+    layer: int | None = None
+    latent: int | None = None
+    reduce: str = "mean"
+    sae_width: int | None = None
+    sae_l1: float = SAE_L1
+    sae_steps: int = SAE_STEPS
+
+
+@register("saefeat", options=SAEFeatOptions, needs_pairs=False,
+          description="SAE-Feat: one SAE latent's activation on the response tokens (by default the latent "
+                      "separating chosen from rejected most)")
 def saefeat_method(ctx) -> tuple[torch.Tensor, list]:
     """SAE-Feat scores. Needs target pairs unless ``latent`` is given.
 
@@ -261,37 +277,37 @@ def saefeat_method(ctx) -> tuple[torch.Tensor, list]:
     the latent whose score separates ``y+`` from ``y-`` most; ties -> lowest index.
     Pair rows: ``id``, ``act_chosen``, ``act_rejected`` (latent ``k``).
     """
-    opts = resolve_options(ctx, saefeat_method)
-    if opts["sae"] is None:
+    opts = resolve_options(ctx, "saefeat")
+    if opts.sae is None:
         raise ConfigError("sae", "method 'saefeat' needs an SAE file", "pass --option sae=PATH.safetensors")
-    if opts["reduce"] not in REDUCES:
-        raise ConfigError("reduce", f"unknown value {opts['reduce']!r}", f"use one of {', '.join(REDUCES)}")
+    if opts.reduce not in REDUCES:
+        raise ConfigError("reduce", f"unknown value {opts.reduce!r}", f"use one of {', '.join(REDUCES)}")
     model = ctx.lm.model
-    fitted = opts["sae"] == "pool"
+    fitted = opts.sae == "pool"
     extra = {}
     if fitted:
         tensors, meta = _fit_on_pool(ctx, model, opts)
         extra["sae_fit"] = meta
     else:
-        tensors, meta = load_sae(opts["sae"], _hidden_size(model))
-    layer = opts["layer"]
+        tensors, meta = load_sae(opts.sae, _hidden_size(model))
+    layer = opts.layer
     layer_from = "option"
     if fitted:
         layer, layer_from = meta["layer"], "fit on the pool"
     elif layer is None:
         if "layer" not in meta:
-            raise ConfigError("layer", f"the SAE file {opts['sae']} has no 'layer' metadata",
+            raise ConfigError("layer", f"the SAE file {opts.sae} has no 'layer' metadata",
                               f"pass --option layer=N (0 .. {num_layers(model)})")
         try:
             layer = int(meta["layer"])
         except ValueError:
-            raise InputError(f"metadata 'layer' is {meta['layer']!r}, not an integer", path=opts["sae"],
+            raise InputError(f"metadata 'layer' is {meta['layer']!r}, not an integer", path=opts.sae,
                              field="layer", fix="pass --option layer=N") from None
         layer_from = "metadata"
     layer = resolve_layer(model, layer)
     sae = SAE(tensors, next(model.parameters()).device, compute_dtype(model))
-    st, how = ctx.settings, opts["reduce"]
-    latent, pairs, col = opts["latent"], [], 0
+    st, how = ctx.settings, opts.reduce
+    latent, pairs, col = opts.latent, [], 0
     if latent is not None and (isinstance(latent, bool) or not isinstance(latent, int)
                                or not 0 <= latent < sae.d_sae):
         raise ConfigError("latent", f"must be an integer in 0 .. {sae.d_sae - 1}, got {latent!r}")
@@ -321,9 +337,9 @@ def saefeat_method(ctx) -> tuple[torch.Tensor, list]:
     scores = latent_stats(model, sae, ctx.inputs.encoded, layer, ctx.pad_id, st.batch_size, how, [latent])[:, 0]
     ctx.timings["sae_scores_s"] = time.perf_counter() - t
     check_finite(scores, "SAE-Feat scores")
-    record(ctx, "saefeat", {**opts, "sae": "pool" if fitted else str(Path(opts["sae"]).expanduser().resolve()),
-                            "layer": layer, "latent": latent}, layer_from=layer_from, d_sae=sae.d_sae,
-           jumprelu=sae.threshold is not None, **extra)
+    sae_used = "pool" if fitted else str(Path(opts.sae).expanduser().resolve())
+    record(ctx, "saefeat", {**options_dict(opts), "sae": sae_used, "layer": layer, "latent": latent},
+           layer_from=layer_from, d_sae=sae.d_sae, jumprelu=sae.threshold is not None, **extra)
     return scores, pairs
 
 
@@ -331,17 +347,17 @@ def _fit_on_pool(ctx, model, opts) -> tuple[dict, dict]:
     """``sae="pool"``: an SAE fitted on every real token of the pool at the option's
     layer (default 2/3 depth); returns its tensors and the fit's record (the layer and
     :func:`fit_sae`'s statistics)."""
-    layer = resolve_layer(model, opts["layer"])
+    layer = resolve_layer(model, opts.layer)
     d = _hidden_size(model)
-    width = opts["sae_width"] if opts["sae_width"] is not None else SAE_EXPANSION * d
+    width = opts.sae_width if opts.sae_width is not None else SAE_EXPANSION * d
     for key, v, ok in (("sae_width", width, isinstance(width, int) and not isinstance(width, bool) and width > 0),
-                       ("sae_steps", opts["sae_steps"], isinstance(opts["sae_steps"], int) and opts["sae_steps"] > 0),
-                       ("sae_l1", opts["sae_l1"], isinstance(opts["sae_l1"], (int, float)) and opts["sae_l1"] >= 0)):
+                       ("sae_steps", opts.sae_steps, isinstance(opts.sae_steps, int) and opts.sae_steps > 0),
+                       ("sae_l1", opts.sae_l1, isinstance(opts.sae_l1, (int, float)) and opts.sae_l1 >= 0)):
         if not ok:
             raise ConfigError(key, f"must be a positive number, got {v!r}")
     t = time.perf_counter()
     X = pool_hidden_tokens(model, ctx.inputs.encoded, layer, ctx.pad_id, ctx.settings.batch_size)
-    tensors, stats = fit_sae(X, d_sae=width, l1=float(opts["sae_l1"]), steps=opts["sae_steps"],
+    tensors, stats = fit_sae(X, d_sae=width, l1=float(opts.sae_l1), steps=opts.sae_steps,
                              seed=ctx.settings.seed or 0)
     ctx.timings["sae_fit_s"] = time.perf_counter() - t
     return tensors, {"layer": layer, **stats}

@@ -63,13 +63,16 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from ..data.tokenize import Encoded, collate
 from ..errors import ConfigError, PrismError
-from .common import method, record, resolve_options
+from ..model import DEFAULT_MODEL, ModelSettings, load_model
+from .common import record, resolve_options
+from .registry import options_dict, register
 
 log = logging.getLogger(__name__)
 
@@ -88,26 +91,33 @@ _FIELDS = {"prompt", "response", "behaviour", "behavior"}
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 DEFAULT_KEY_ENV = "OPENAI_API_KEY"
 
-OPTIONS = {
-    "judge": None,
-    "endpoint": None,
-    "model": None,
-    "api_key_env": None,
-    "template": None,
-    "behaviour": None,
-    "n_examples": 3,
-    "example_chars": 600,
-    "answer_prefix": None,
-    "yes_words": None,
-    "no_words": None,
-    "max_tokens": 5,
-    "timeout": 60.0,
-    "retries": 3,
-    "retry_backoff": 1.0,
-    "workers": 4,
-    "unparsed": None,
-    "score_targets": True,
-}
+@dataclass(frozen=True)
+class JudgeOptions:
+    """The judge's options (the module docstring): the local judge model (``judge``: a model
+    directory, a .gguf file, "default" or "self") or an OpenAI-compatible ``endpoint``
+    with its ``model`` and ``api_key_env``; the prompt (``template``, ``behaviour``,
+    ``n_examples``, ``example_chars``, ``answer_prefix``); the answer tokens
+    (``yes_words``, ``no_words``); the endpoint's requests (``max_tokens``, ``timeout``,
+    ``retries``, ``retry_backoff``, ``workers``, ``unparsed``); ``score_targets``."""
+
+    judge: str | os.PathLike | None = None
+    endpoint: str | None = None
+    model: str | None = None
+    api_key_env: str | None = None
+    template: str | None = None
+    behaviour: str | None = None
+    n_examples: int = 3
+    example_chars: int = 600
+    answer_prefix: str | None = None
+    yes_words: list | None = None
+    no_words: list | None = None
+    max_tokens: int = 5
+    timeout: float = 60.0
+    retries: int = 3
+    retry_backoff: float = 1.0
+    workers: int = 4
+    unparsed: float | None = None
+    score_targets: bool = True
 
 
 # --------------------------------------------------------------------------- prompt
@@ -304,7 +314,7 @@ class EndpointJudge:
 # --------------------------------------------------------------------------- method
 
 def _int_opt(opts, name, lo):
-    v = opts[name]
+    v = getattr(opts, name)
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ConfigError(name, f"must be an integer >= {lo}, got {v!r}")
     return v
@@ -338,14 +348,13 @@ class _Answers:
         self._f.close()
 
 
-@method("judge", "LLM judge: probability that the response shows the behaviour of the chosen targets", OPTIONS)
+@register("judge", options=JudgeOptions, needs_pairs=False,
+          description="LLM judge: probability that the response shows the behaviour of the chosen targets")
 def judge_method(ctx) -> tuple[torch.Tensor, list]:
     """Judge scores (see the module docstring); float64 in [0, 1], higher = more of the behaviour."""
-    from ..model import DEFAULT_MODEL, ModelSettings, load_model
-
-    opts = resolve_options(ctx, judge_method)
-    template = check_template(opts["template"] if opts["template"] is not None else DEFAULT_TEMPLATE)
-    behaviour = opts["behaviour"]
+    opts = resolve_options(ctx, "judge")
+    template = check_template(opts.template if opts.template is not None else DEFAULT_TEMPLATE)
+    behaviour = opts.behaviour
     if behaviour is None:
         if not ctx.inputs.pairs:
             raise ConfigError("behaviour", "the judge needs target pairs or a behaviour description",
@@ -357,7 +366,7 @@ def judge_method(ctx) -> tuple[torch.Tensor, list]:
     batch = ctx.settings.batch_size
     # items: (key, prompt, response); candidates first, then target responses
     items = [(f"pool:{i}", ex.prompt, ex.response) for i, ex in enumerate(ctx.inputs.pool)]
-    if opts["score_targets"] and ctx.inputs.pairs:
+    if opts.score_targets and ctx.inputs.pairs:
         for j, p in enumerate(ctx.inputs.pairs):
             items += [(f"chosen:{j}", p.prompt, p.chosen), (f"rejected:{j}", p.prompt, p.rejected)]
     store = _Answers(ctx)
@@ -365,7 +374,7 @@ def judge_method(ctx) -> tuple[torch.Tensor, list]:
     t = time.perf_counter()
     try:
         todo = [it for it in items if it[0] not in store.done]
-        if opts["endpoint"] is not None:
+        if opts.endpoint is not None:
             extra = _run_endpoint(ctx, opts, template, behaviour, todo, store)
         else:
             extra = _run_local(ctx, opts, template, behaviour, todo, store, batch, load_model, ModelSettings,
@@ -375,16 +384,16 @@ def judge_method(ctx) -> tuple[torch.Tensor, list]:
     ctx.timings["judge_s"] = time.perf_counter() - t
     scores = torch.tensor([store.done[f"pool:{i}"] for i in range(len(ctx.inputs.pool))], dtype=torch.float64)
     rows = []
-    if opts["score_targets"] and ctx.inputs.pairs:
+    if opts.score_targets and ctx.inputs.pairs:
         rows = [{"id": p.id, **({"task": p.task} if p.task else {}), "p_chosen": store.done[f"chosen:{j}"],
                  "p_rejected": store.done[f"rejected:{j}"]} for j, p in enumerate(ctx.inputs.pairs)]
-    shown = {k: v for k, v in opts.items() if k != "template"}
+    shown = {k: v for k, v in options_dict(opts).items() if k != "template"}
     record(ctx, "judge", shown, template=template, behaviour=behaviour, resumed=len(items) - len(todo), **extra)
     return scores, rows
 
 
 def _run_local(ctx, opts, template, behaviour, todo, store, batch, load_model, ModelSettings, DEFAULT_MODEL) -> dict:
-    spec = opts["judge"]
+    spec = opts.judge
     if spec in (None, "self"):
         lm, source = ctx.lm, "the run's model"
     else:
@@ -394,10 +403,10 @@ def _run_local(ctx, opts, template, behaviour, todo, store, batch, load_model, M
         lm = load_model(ModelSettings(model=str(spec), device=s.device, dtype=s.dtype, cache_dir=s.cache_dir))
         source = str(spec) if spec == DEFAULT_MODEL else str(lm.source.get("path", spec))
     tok = lm.tokenizer
-    prefix = opts["answer_prefix"]
+    prefix = opts.answer_prefix
     if prefix is None:
         prefix = "" if getattr(tok, "chat_template", None) else "\nAnswer:"
-    yes_ids, no_ids = answer_token_ids(tok, opts["yes_words"], opts["no_words"])
+    yes_ids, no_ids = answer_token_ids(tok, opts.yes_words, opts.no_words)
     encoded, truncated = [], 0
     for key, prompt, response in todo:
         ids, cut = encode_judge_prompt(tok, template, prompt, response, behaviour, prefix, ctx.settings.max_length)
@@ -420,23 +429,23 @@ def _run_local(ctx, opts, template, behaviour, todo, store, batch, load_model, M
 
 
 def _run_endpoint(ctx, opts, template, behaviour, todo, store) -> dict:
-    endpoint, model = opts["endpoint"], opts["model"]
+    endpoint, model = opts.endpoint, opts.model
     if not isinstance(endpoint, str) or not re.match(r"^https?://", endpoint):
         raise ConfigError("endpoint", f"must be an http(s) URL, got {endpoint!r}", "e.g. http://127.0.0.1:8000/v1")
     if not isinstance(model, str) or not model.strip():
         raise ConfigError("model", "the judge endpoint needs the served model's name", "pass the option model='...'")
-    env = opts["api_key_env"] or DEFAULT_KEY_ENV
+    env = opts.api_key_env or DEFAULT_KEY_ENV
     key = os.environ.get(env) or None
-    if key is None and opts["api_key_env"] is not None:
+    if key is None and opts.api_key_env is not None:
         raise ConfigError("api_key_env", f"the environment variable {env} is not set",
                           f"export {env}=... (the key is never written to any file)")
-    timeout = opts["timeout"]
+    timeout = opts.timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError("timeout", f"must be a positive number of seconds, got {timeout!r}")
-    backoff = opts["retry_backoff"]
+    backoff = opts.retry_backoff
     if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or backoff < 0:
         raise ConfigError("retry_backoff", f"must be >= 0 seconds, got {backoff!r}")
-    unparsed = opts["unparsed"]
+    unparsed = opts.unparsed
     if unparsed is not None and (isinstance(unparsed, bool) or not isinstance(unparsed, (int, float))):
         raise ConfigError("unparsed", f"must be a number (the score of an unreadable answer) or None, got {unparsed!r}")
     client = EndpointJudge(endpoint, model, key, timeout=float(timeout), retries=_int_opt(opts, "retries", 0),
