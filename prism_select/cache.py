@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .settings import format_size
+
 log = logging.getLogger(__name__)
 
 #: marker file of a complete entry, by kind (other kinds: any of these)
@@ -420,11 +422,3 @@ def guarded_write(entry_dir, write, what: str, lock: bool = True) -> bool:
     except OSError as exc:  # the lock file itself cannot be made
         log.warning("could not save %s in the cache (%s): the run goes on with it in memory", what, exc)
         return False
-
-
-def format_size(b: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if b < 1024 or unit == "TiB":
-            return f"{b:.1f} {unit}" if unit != "B" else f"{int(b)} B"
-        b /= 1024
-    return f"{b:.1f} TiB"

@@ -19,25 +19,7 @@ import torch
 
 from .errors import NumericalError
 from .moe import layer_mask
-
-#: the attribute holding the float32 gradient accumulator of a half-precision weight under
-#: :func:`prism_select.precision.float32_grads` (read by :func:`weight_grad`)
-GRAD32 = "_prism_grad32"
-
-
-def has_bias(module: torch.nn.Linear) -> bool:
-    return getattr(module, "bias", None) is not None
-
-
-def layer_shape(module: torch.nn.Linear) -> tuple[int, int]:
-    return module.out_features, module.in_features + int(has_bias(module))
-
-
-def local(t):
-    """This rank's rows of an FSDP2-sharded parameter or gradient (a DTensor,
-    :mod:`prism_select.sharding`); any other tensor (or None) as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
+from .runtime.layers import GRAD32, has_bias, layer_shape, local
 
 def _grad(p: torch.Tensor):
     # the float32 accumulator of precision.float32_grads (--precision split32), else .grad

@@ -98,6 +98,10 @@ class EagerExperts(nn.Module):
     (the block's ``(B, T)`` is read by a forward pre-hook on the block); each expert runs
     on its tokens gathered per example (see the module docstring)."""
 
+    #: an expert's token slots change with each batch's routing: no CUDA graph replays them
+    #: (:func:`prism_select.graphs.graphs_wanted`)
+    routes_tokens = True
+
     def __init__(self, fused: nn.Module):
         super().__init__()
         gu, dn = fused.gate_up_proj, fused.down_proj

@@ -262,6 +262,15 @@ class RunSettings:
         return None if self.cache_max_gb is None else int(self.cache_max_gb * (1 << 30))
 
 
+def format_size(b: float) -> str:
+    """A byte count in binary units (``"512 B"``, ``"11.0 GiB"``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if b < 1024 or unit == "TiB":
+            return f"{b:.1f} {unit}" if unit != "B" else f"{int(b)} B"
+        b /= 1024
+    return f"{b:.1f} TiB"
+
+
 def parse_bytes(text, what: str = "max_gpu_memory") -> int | None:
     """``"70GiB"``, ``"70GB"``, ``"70G"`` or a plain number of GiB -> bytes (None -> None)."""
     if text is None:
