@@ -237,7 +237,7 @@ def main():
             log(f"# V from {vpath}")
         else:
             from prism_select.curvature import CurvatureSettings, fit_curvature
-            from prism_select.execution import ExecutionContext
+            from prism_select.runtime.execution import ExecutionContext
             from prism_select.preference import DIRECTION_KERNELS, compute_preference
             trecs = read_gsm8k(a.pool, a.targets, tok, a.max_length, offset=a.n)
             chosen, rejected = gsm8k_targets(trecs, tok, a.max_length)

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from prism_select.errors import ConfigError
 from prism_select.engine.loss import _ce_chunk_tokens
-from prism_select.gradients import has_bias
+from prism_select.runtime.layers import has_bias
 
 #: tangent sites that can be kept in ``tangent_dtype`` (see the module docstring)
 SITES = ("residual", "norm", "attn_softmax", "mlp", "logits")

@@ -24,7 +24,7 @@ from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.engine import collate_to  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
 from prism_select.scoring import make_scorer  # noqa: E402
-from prism_select.execution import ExecutionContext  # noqa: E402
+from prism_select.runtime.execution import ExecutionContext  # noqa: E402
 
 
 def main():

@@ -151,7 +151,7 @@ def cmd_score(a):
 
 def _main_rank() -> bool:
     """Whether this process prints a command's summary: under torchrun, rank 0 alone."""
-    from . import distributed
+    from .runtime import distributed
     return distributed.is_main()
 
 
@@ -537,7 +537,7 @@ def _add_cache_parser(sub):
 
 
 def cmd_cache(a):
-    from . import cache
+    from . import cache, settings
     from .errors import ConfigError
     from .model import ModelSettings
     root = ModelSettings(cache_dir=a.cache_dir).resolved_cache_dir()
@@ -552,11 +552,11 @@ def cmd_cache(a):
     es, other = cache.scan(root)
     if a.action == "list":
         for e in es:
-            print(f"{e.kind:<11} {cache.format_size(e.size):>10}  {e.to_json()['last_used']}  "
+            print(f"{e.kind:<11} {settings.format_size(e.size):>10}  {e.to_json()['last_used']}  "
                   f"{'' if e.complete else '(incomplete) '}{e.path}")
         for u in other:
             print(f"{'left alone':<11} {'':>10}  {_UNMANAGED[u.why]:<19}  {u.path}")
-        print(f"{len(es)} entries, {cache.format_size(sum(e.size for e in es))} in {root}")
+        print(f"{len(es)} entries, {settings.format_size(sum(e.size for e in es))} in {root}")
         if other:
             print(f"{len(other)} folder{'s' if len(other) != 1 else ''} left alone by prune and clear (links, entries "
                   f"written before entry markers existed, or folders prism-select did not write): {cache.BY_HAND}")
@@ -568,8 +568,8 @@ def cmd_cache(a):
     else:
         gone = cache.clear(root, a.kind)
     left, other = cache.scan(root)
-    print(f"removed {len(gone)} entries ({cache.format_size(sum(e.size for e in gone))}); "
-          f"{len(left)} left ({cache.format_size(sum(e.size for e in left))}) in {root}"
+    print(f"removed {len(gone)} entries ({settings.format_size(sum(e.size for e in gone))}); "
+          f"{len(left)} left ({settings.format_size(sum(e.size for e in left))}) in {root}"
           + (f"; {len(other)} folder{'s' if len(other) != 1 else ''} left alone (see prism-select cache list)"
              if other else ""))
 

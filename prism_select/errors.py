@@ -135,7 +135,7 @@ def _oom_text(text: str) -> str:
 
 
 #: why a CUDA-graph capture in this process ran out of memory, if one did (appended by
-#: :mod:`prism_select.graphs`): the pool of a capture the allocator stopped stays held, so
+#: :mod:`prism_select.runtime.graphs`): the pool of a capture the allocator stopped stays held, so
 #: later scorers of the process run eagerly and an out-of-memory error says what to change
 CAPTURE_OOM: list = []
 

@@ -28,7 +28,7 @@ def _grad(p: torch.Tensor):
 
 def weight_grad(module: torch.nn.Linear) -> torch.Tensor:
     """The layer's accumulated gradient as one ``out x (in [+1])`` matrix: ``.grad``, or
-    float32 under :func:`prism_select.precision.float32_grads`; under FSDP2, this rank's
+    float32 under :func:`prism_select.runtime.precision.float32_grads`; under FSDP2, this rank's
     rows of it."""
     g = _grad(module.weight)
     if g is None:

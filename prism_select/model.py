@@ -811,7 +811,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 def load_model(settings: ModelSettings, *, host: bool = False) -> LoadedModel:
     """Load model + tokenizer (+ adapter) as ``settings`` say; see the module docstring.
     ``host``: keep the weights in host memory, in the dtype the device would get (for
-    :func:`prism_select.sharding.shard_model`, which moves each rank's shard there)."""
+    :func:`prism_select.runtime.sharding.shard_model`, which moves each rank's shard there)."""
     if not isinstance(settings, ModelSettings):
         raise ConfigError("model", f"expected ModelSettings, got {type(settings).__name__}")
     device = settings.resolved_device()

@@ -37,7 +37,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from . import __version__, distributed, locks, sharding
+from . import __version__, locks
+from .runtime import distributed, sharding
 from .curvature import Curvature, CurvatureSettings, FitCache, FitLayout, FitSpill, load_or_fit_curvature
 from .curvature import support
 from .curvature.base import apply_damping
@@ -56,11 +57,12 @@ from .data.tokenize import (
 )
 from .errors import CacheError, ConfigError, InputError, OutOfResourceError, OutputError, resource_error
 from .engine import cpu_response_split, split_causal_lm
-from .execution import ExecutionContext, direction_kernels
-from .execution import deterministic as deterministic_kernels
-from .execution import resolve as resolve_execution
-from .gradients import SpilledLayers, host_peak_mib, layer_shape, release_host_memory, set_run_dtype
-from .precision import direction_policy
+from .runtime.execution import ExecutionContext, direction_kernels
+from .runtime.execution import deterministic as deterministic_kernels
+from .runtime.execution import resolve as resolve_execution
+from .gradients import SpilledLayers, host_peak_mib, release_host_memory, set_run_dtype
+from .runtime.layers import layer_shape
+from .engine.policy import direction_policy
 from .io import (
     atomic_write_json,
     atomic_write_jsonl,
@@ -73,8 +75,8 @@ from .io import (
 from .moe import tracking_summary
 from .model import (LoadedModel, ModelSettings, check_adapter_dir, check_finite_weights, load_model,
                     tracked_linear_modules)
-from .plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory, device_memory, gib,
-                   held_elsewhere_note, host_share_bytes, make_plan, measure_example_bytes, stored_bytes)
+from .plan import ExampleSize, MemoryPlan, PlanError, Shards, make_plan, measure_example_bytes, stored_bytes
+from .runtime.memory import cap_device_memory, device_memory, gib, held_elsewhere_note, host_share_bytes
 from .preference import METHODS as DIRECTION_METHODS
 from .preference import GIVEN_WEIGHTS, compute_preference, pair_margins, shuffled_weights, top_half_weights
 from .scoring import Chunking, score_directions, score_encoded, score_stream
@@ -483,7 +485,7 @@ class RunContext:
         holds this rank's rows and so does the result; each layer's curvature is kept by one
         rank, which preconditions that layer for all: the rank that fitted its factors
         (``meta["owners"]`` of a sharded fit), or for a curvature every rank holds whole
-        (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`.
+        (reused from the cache, diagonal) :func:`prism_select.runtime.sharding.curvature_owners`.
         ``last`` (one process): the caller's last use of ``direction`` and of the curvature.
         The direction's layers are taken out of ``direction`` as their ``v`` is formed; with
         one fit group this goes through :meth:`last_use` (the direction waits on disk while
@@ -1474,7 +1476,7 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     :func:`prepare_stream_inputs`); an unset ``curvature.fit_examples`` then becomes
     ``STREAM_FIT_EXAMPLES``. Under
     ``settings.deterministic`` the whole run uses deterministic kernels
-    (:func:`prism_select.execution.deterministic`).
+    (:func:`prism_select.runtime.execution.deterministic`).
     """
     settings = settings or ScoreSettings()
     out_dir = Path(out_dir)

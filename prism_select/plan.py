@@ -65,7 +65,8 @@ import torch
 from .engine import batch_losses, causal_only, collate_to, split_causal_lm
 from .errors import PrismError
 from .curvature.stats import RECENT_INPUTS, REDUCE_WINDOW
-from .gradients import activation_grad_mode, layer_shape
+from .gradients import activation_grad_mode
+from .runtime.layers import layer_shape
 from .runtime.memory import gib, host_share_bytes
 from .settings import GiB, parse_bytes  # noqa: F401 (parse_bytes: part of the plan's interface)
 
@@ -210,7 +211,7 @@ class MemoryPlan:
     curvature_store: str = "device"
     scoring: dict = field(default_factory=dict)  # batch_size, peak
     #: FSDP: decoder blocks keep their gathered weights from forward to backward
-    #: (:func:`prism_select.sharding.weights_gathered`); ``peak`` includes the whole model then
+    #: (:func:`prism_select.runtime.sharding.weights_gathered`); ``peak`` includes the whole model then
     keep_gathered: bool = False
     #: host memory (bounded plans): available, usable, and what the direction, the fit and
     #: the scoring keep there at most
@@ -277,7 +278,7 @@ class ExampleSize:
 
 @dataclass(frozen=True)
 class Shards:
-    """The ranks a model is sharded over (FSDP2, :mod:`prism_select.sharding`) and the
+    """The ranks a model is sharded over (FSDP2, :mod:`prism_select.runtime.sharding`) and the
     sharded run's memory choices.
 
     count: the ranks; each holds ``1/count`` of the gradients and the direction, and ``v``

@@ -51,18 +51,18 @@ MULTI_TASK_METHODS = ("prism", "equal", "unpaired")
 CONTROL_METHODS = ("prism_shuffled", "equal_top_half")
 #: the options a direction method takes (``method_options``): name -> (type, default, help)
 DIRECTION_OPTIONS = {"prism_shuffled": {"shuffle_seed": (int, 0, "the permutation's seed beside the run's --seed")}}
-#: arithmetic of a half-precision model while scoring (:mod:`prism_select.precision`)
+#: arithmetic of a half-precision model while scoring (:mod:`prism_select.runtime.precision`)
 PRECISIONS = ("model", "residual32", "split32")
-#: CUDA graphs (:mod:`prism_select.graphs`)
+#: CUDA graphs (:mod:`prism_select.runtime.graphs`)
 GRAPH_MODES = ("auto", "on", "off")
-#: multi-GPU sharding of the model (:mod:`prism_select.sharding`)
+#: multi-GPU sharding of the model (:mod:`prism_select.runtime.sharding`)
 SHARDS = ("none", "fsdp")
 #: when a sharded K-FAC / EK-FAC fit's statistics reach the layers' owners
 #: (``--fsdp-sums``; ``sums`` of :class:`prism_select.curvature.fit.FitLayout`):
 #: every step, once per pass, or as the memory plan finds room (auto)
 FSDP_SUMS = ("auto", "step", "pass")
 #: whether each decoder block keeps its gathered weights from its forward to its backward
-#: (``--fsdp-keep-gathered``, :func:`prism_select.sharding.weights_gathered`): as the memory
+#: (``--fsdp-keep-gathered``, :func:`prism_select.runtime.sharding.weights_gathered`): as the memory
 #: plan finds room, or always / never
 KEEP_GATHERED = ("auto", "on", "off")
 #: the scoring methods that run sharded: they need nothing beyond the direction and v
@@ -299,11 +299,11 @@ class ExecutionSettings:
     attention stay in the model's dtype; split32 computes every activation in float32, the
     linear layers as two half-precision GEMMs on a hi/lo split of their input, and the
     target direction and the curvature fit run in the same arithmetic
-    (:mod:`prism_select.precision`). cuda_graphs: :mod:`prism_select.graphs`. shard:
-    :mod:`prism_select.sharding`; fsdp_sums: ``sums`` of
+    (:mod:`prism_select.runtime.precision`). cuda_graphs: :mod:`prism_select.runtime.graphs`. shard:
+    :mod:`prism_select.runtime.sharding`; fsdp_sums: ``sums`` of
     :class:`prism_select.curvature.fit.FitLayout`, chosen by the memory plan under auto;
-    fsdp_keep_gathered: :func:`prism_select.sharding.weights_gathered`, likewise.
-    deterministic: :func:`prism_select.execution.make_deterministic`.
+    fsdp_keep_gathered: :func:`prism_select.runtime.sharding.weights_gathered`, likewise.
+    deterministic: :func:`prism_select.runtime.execution.make_deterministic`.
     max_gpu_memory: bytes (a text such as ``"70GiB"`` is read as a size), the cap of the
     memory plan (:mod:`prism_select.plan`).
     """

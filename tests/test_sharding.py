@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prism_select.curvature import stats as stats_mod
-from prism_select import sharding
+from prism_select.runtime import sharding
 from prism_select.errors import ConfigError
 from prism_select.pipeline import ScoreSettings
 
@@ -229,7 +229,7 @@ def test_sums_in_flight_are_bounded_and_each_reaches_its_accumulators(monkeypatc
     """The sharded fit's sums (:class:`stats._Sum`): at most REDUCE_WINDOW wait unfinished,
     the oldest finish first, each sum is added to every accumulator registered for it
     (before or after it finished), and a step's end finishes the rest."""
-    from prism_select import distributed
+    from prism_select.runtime import distributed
     from prism_select.curvature import fit
 
     started, finished = [], []

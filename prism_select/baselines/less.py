@@ -115,7 +115,7 @@ from ..data.tokenize import collate, encoded_fingerprint, token_losses
 from ..errors import CacheError, ConfigError, InputError
 from ..gradients import Taps, activation_grad_mode, check_finite, release_host_memory
 from ..io import atomic_write_json, sha256_json
-from ..plan import allocatable_bytes
+from ..runtime.memory import allocatable_bytes
 from ..settings import key_of
 from .common import compute_dtype, method, record, require_pairs, resolve_options
 
@@ -286,7 +286,7 @@ def adam_precondition(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torc
 def chunk_bytes(device: torch.device, projection: str) -> tuple[int, str]:
     """The bound on one chunk's per-example gradients and its name: ``SJLT_CHUNK_BYTES``
     for ``sjlt``; for ``rademacher`` ``GRAD_CHUNK_BYTES``, or on a CUDA device a quarter
-    of the memory this process can still allocate there (:func:`prism_select.plan.allocatable_bytes`:
+    of the memory this process can still allocate there (:func:`prism_select.runtime.memory.allocatable_bytes`:
     within its ``max_gpu_memory`` cap, so that processes sharing a GPU under caps do not
     size their chunks by the whole device) when that is more (:data:`CUDA_FREE_SHARE`). Each chunk
     regenerates the dense matrix, so on a GPU a larger chunk is the difference between a

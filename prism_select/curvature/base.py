@@ -311,7 +311,7 @@ class Curvature:
         ``factors-RRRRR-of-KKKKK.safetensors`` (the copy to the host and the write divide
         with the ranks) and rank 0 writes ``curvature.json`` once all shares are on disk.
         """
-        from .. import distributed
+        from ..runtime import distributed
 
         d = Path(directory)
         parts, me = distributed.world(), distributed.rank()

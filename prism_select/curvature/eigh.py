@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from .. import plan  # (a module: plan imports curvature.stats)
+from ..runtime import memory
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _eigh_many(factor, indices: list):
 #: 14336 wide take 1.128 s each side by side against 1.668 s one after another (one H200,
 #: 2026-11-28, benchmarks/results/eigh_routes_h200.json); inside the 8B fit the phase took
 #: 202.2 s with 4 against 204.1 s with 1 (H200, 2026-11-29), its window then sized by the
-#: driver's free memory alone (the bound is :func:`prism_select.plan.allocatable_bytes`
+#: driver's free memory alone (the bound is :func:`prism_select.runtime.memory.allocatable_bytes`
 #: since). Not timed inside a fit since, so off: 1, one after another (docs/scale.md,
 #: "Eigendecompositions").
 CUDA_EIGH_STREAMS = 1
@@ -145,7 +145,7 @@ def _eigh_cuda_side_by_side(factor, indices: list):
     k = 0
     while k < len(order):
         M = factor(order[k])
-        width = cuda_side_by_side(M.shape[0], M.element_size(), plan.allocatable_bytes(M.device))
+        width = cuda_side_by_side(M.shape[0], M.element_size(), memory.allocatable_bytes(M.device))
         window = [order[k]]
         while len(window) < width and k + len(window) < len(order) \
                 and factor(order[k + len(window)]).shape[0] == M.shape[0]:

@@ -13,9 +13,10 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .. import distributed, sharding
+from ..runtime import distributed, sharding
 from ..engine import Tap, rowdot
-from ..gradients import check_finite, has_bias, layer_shape, release_host_memory
+from ..gradients import check_finite, release_host_memory
+from ..runtime.layers import has_bias, layer_shape
 from ..moe import is_routed
 from ..gradients import side_by_side as _side_by_side
 from .base import Curvature, PreconditionSettings, apply_damping

@@ -9,7 +9,7 @@ from collections import OrderedDict, deque
 
 import torch
 
-from .. import distributed
+from ..runtime import distributed
 from ..moe import layer_mask, routed_tokens
 
 

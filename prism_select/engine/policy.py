@@ -3,7 +3,7 @@
 :class:`~prism_select.engine.linear.SplitPrecisionLinear`) and what ``--precision`` means for
 each stage (:func:`precision_policy` for the scores, :func:`direction_policy`,
 :func:`fit_policy`). ``residual32`` and the float32 weights and gradients are
-:mod:`prism_select.precision`'s (its docstring says what each policy measures).
+:mod:`prism_select.runtime.precision`'s (its docstring says what each policy measures).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..execution import DEFAULT_KERNELS, ExecutionContext, Kernels, direction_kernels
-from ..precision import HALF, float32_grads, residual_fp32, upcast_embeddings
+from ..runtime.execution import DEFAULT_KERNELS, ExecutionContext, Kernels, direction_kernels
+from ..runtime.precision import HALF, float32_grads, residual_fp32, upcast_embeddings
 from .arith import forget_split
 from .linear import SplitPrecisionLinear
 

@@ -8,7 +8,7 @@ import torch
 
 
 #: the attribute holding the float32 gradient accumulator of a half-precision weight under
-#: :func:`prism_select.precision.float32_grads` (read by :func:`prism_select.gradients.weight_grad`)
+#: :func:`prism_select.runtime.precision.float32_grads` (read by :func:`prism_select.gradients.weight_grad`)
 GRAD32 = "_prism_grad32"
 
 
@@ -22,5 +22,5 @@ def layer_shape(module: torch.nn.Linear) -> tuple[int, int]:
 
 def local(t):
     """This rank's rows of an FSDP2-sharded parameter or gradient (a DTensor,
-    :mod:`prism_select.sharding`); any other tensor (or None) as it is."""
+    :mod:`prism_select.runtime.sharding`); any other tensor (or None) as it is."""
     return t.to_local() if hasattr(t, "to_local") else t

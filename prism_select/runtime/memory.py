@@ -2,7 +2,7 @@
 it can still reserve or allocate, and the cap ``max_gpu_memory`` puts on it.
 
 The planner (:mod:`prism_select.plan`) decides with these figures; the CUDA graphs
-(:mod:`prism_select.graphs`), the eigendecompositions' schedule and LESS's projection
+(:mod:`prism_select.runtime.graphs`), the eigendecompositions' schedule and LESS's projection
 ask them at run time.
 """
 

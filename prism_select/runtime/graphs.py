@@ -29,7 +29,7 @@ If a capture fails (a model whose forward needs the host mid-step, e.g. reading 
 tensor's value), the scorer logs why and falls back to eager execution for the rest
 of the run; results are unaffected. A shape whose warm-up step reserved more than
 1 / :data:`CAPTURE_HEADROOM` of what the process may still reserve
-(:func:`prism_select.plan.device_headroom`) runs eagerly, and the shapes captured before
+(:func:`prism_select.runtime.memory.device_headroom`) runs eagerly, and the shapes captured before
 keep their graphs. That check does not make a capture under a tight memory cap safe: on
 one H200 (torch 2.11, 2026-11-29) the embedded model's scoring at batch 32 x 400 tokens
 under a 30 GiB cap (``max_gpu_memory``, four processes on the GPU) passed it, its capture
@@ -47,10 +47,10 @@ import logging
 
 import torch
 
-from . import errors as _errors
-from .errors import ConfigError, capture_out_of_memory  # noqa: F401 (re-exported)
-from .runtime import memory
-from .settings import GRAPH_MODES, check_graph_mode  # noqa: F401 (re-exported)
+from .. import errors as _errors
+from ..errors import ConfigError, capture_out_of_memory  # noqa: F401 (re-exported)
+from . import memory
+from ..settings import GRAPH_MODES, check_graph_mode  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 

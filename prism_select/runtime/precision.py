@@ -40,10 +40,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .execution import ExecutionContext
-from .runtime.layers import GRAD32
-from .settings import PRECISIONS, check_precision  # noqa: F401 (re-exported)
+from .layers import GRAD32
+from ..settings import PRECISIONS, check_precision  # noqa: F401 (re-exported)
 
 HALF = (torch.bfloat16, torch.float16)
 
