@@ -536,7 +536,7 @@ def test_gguf_without_the_gguf_package_names_the_file_and_the_install(tmp_path, 
     """Where ``gguf`` is not installed (e.g. the GPU machine) the error names the file too."""
     import importlib.util
 
-    from prism_select import model as model_mod
+    from prism_select.model import gguf as model_mod
     real = importlib.util.find_spec
     monkeypatch.setattr(model_mod.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all" * 100)
