@@ -164,7 +164,7 @@ def _print_summary(summary: dict, out: Path, top: int = 5):
         pi = summary["pi"]
         print(f"pi over target pairs: min {pi['min']:.3f}  mean {pi['mean']:.3f}  max {pi['max']:.3f}")
     if summary.get("tracking"):
-        from .moe import summary_lines
+        from .model.moe import summary_lines
         print("\n".join(summary_lines(summary["tracking"])))
     if summary.get("curvature_applied"):
         from .pipeline import describe_applied

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import NumericalError
-from .moe import layer_mask
+from .model.moe import layer_mask
 from .runtime.layers import GRAD32, has_bias, layer_shape, local
 
 def _grad(p: torch.Tensor):
@@ -60,7 +60,7 @@ class Taps:
             a = inputs[0].detach()
             dt = self.compute_dtype if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
             a = a.to(dt)
-            # an expert's layer sees its own tokens (prism_select.moe): the mask at its slots
+            # an expert's layer sees its own tokens (prism_select.model.moe): the mask at its slots
             mask = None if self.mask is None else layer_mask(module, self.mask)
             if mask is not None:
                 a = a * mask[..., None].to(dt)

@@ -72,7 +72,7 @@ from .io import (
     sha256_file,
     sha256_json,
 )
-from .moe import tracking_summary
+from .model.moe import tracking_summary
 from .model import (LoadedModel, ModelSettings, check_adapter_dir, check_finite_weights, load_model,
                     tracked_linear_modules)
 from .plan import ExampleSize, MemoryPlan, PlanError, Shards, make_plan, measure_example_bytes, stored_bytes

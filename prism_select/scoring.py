@@ -44,7 +44,7 @@ from .runtime.execution import ExecutionContext
 from .engine import ExactScorer, collate_to, cpu_response_split
 from .gradients import activation_grad_mode, check_finite
 from .runtime.layers import has_bias
-from .moe import layer_mask
+from .model.moe import layer_mask
 from .runtime.graphs import GraphedScorer, graphs_wanted
 from .io import atomic_open, atomic_write_json, read_saved_state
 from .engine.policy import precision_policy

@@ -13,7 +13,7 @@ import transformers as tf
 from prism_select.curvature import CurvatureSettings, fit_curvature
 from prism_select.data.tokenize import encode
 from prism_select.model import tracked_linear_modules
-from prism_select.moe import EagerExperts, RoutedLinear, linearize_model, tracking_summary
+from prism_select.model.moe import EagerExperts, RoutedLinear, linearize_model, tracking_summary
 from prism_select.scoring import score_encoded
 
 from reference import example_loss, rel_err

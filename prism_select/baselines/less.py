@@ -678,7 +678,8 @@ def _save_shared(path: Path, cand: torch.Tensor, projection: str):
 @method("less", "LESS: Adam-preconditioned LoRA gradient cosine to the targets over warm-up checkpoints", OPTIONS)
 def less_method(ctx) -> tuple[torch.Tensor, list]:
     """LESS scores (see the module docstring); float64, higher = more aligned."""
-    from ..model import _is_peft, tracked_linear_modules
+    from ..model.tracking import _is_peft
+    from ..model import tracked_linear_modules
 
     require_pairs(ctx, "less")
     opts = resolve_options(ctx, less_method)

@@ -47,7 +47,7 @@ from ..engine.policy import fit_policy
 from ..runtime.graphs import GraphedScorer, bucket_length, graphs_wanted
 from ..gradients import check_finite, release_host_memory
 from ..runtime.layers import layer_shape
-from ..moe import is_routed
+from ..model.moe import is_routed
 from .base import Curvature, CurvatureSettings, FitSettings, apply_damping
 from .eigh import _eigh_many
 from .factors import (_CovTap, _DiagTap, _LowerBlocks, _identical, _identical_across_ranks, _mirror, _shared_inputs,
@@ -615,7 +615,7 @@ class _GroupFit:
         group_of = {n: reps.index(rep[n]) for n in roots}  # layer -> group id
         for n in own:  # summed in the accumulator of the first layer reading their input
             group_of[n] = group_of[self.first[n]]
-        for n in roots:  # an expert's layer: over the tokens routed to it (prism_select.moe)
+        for n in roots:  # an expert's layer: over the tokens routed to it (prism_select.model.moe)
             A[n] /= max(self.routed.get(n, n_tokens), 1)
             check_finite(A[n], "the activation covariance", layer=n)
         for n in own:

@@ -17,7 +17,7 @@ from ..runtime import distributed, sharding
 from ..engine import Tap, rowdot
 from ..gradients import check_finite, release_host_memory
 from ..runtime.layers import has_bias, layer_shape
-from ..moe import is_routed
+from ..model.moe import is_routed
 from ..gradients import side_by_side as _side_by_side
 from .base import Curvature, PreconditionSettings, apply_damping
 from .eigh import _eigh
@@ -253,7 +253,7 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
     ``scores`` (:class:`FitScores`): each task also scores the fit examples with its
     layers, if the products it keeps for that fit ``scores.max_bytes`` (else the fit does
     not score; ``scores.scores`` stays None). ``routed``: the token count of each expert
-    layer (:mod:`prism_select.moe`), which normalises its ``A`` instead of ``n_tokens``.
+    layer (:mod:`prism_select.model.moe`), which normalises its ``A`` instead of ``n_tokens``.
 
     Returns ``(tensors, Lam, M4, seconds)``: each layer's ``QA``, ``lamA``, ``QS``, ``lamS``
     (eigenvalues clamped at 0, row-major eigenvectors), the unnormalised sums per layer,

@@ -385,7 +385,8 @@ def finetune(model, pool, out_dir, settings: FinetuneSettings | None = None, sav
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, set_seed
 
-    from ..model import LoadedModel, ModelSettings, _is_peft, load_model
+    from ..model import LoadedModel, ModelSettings, load_model
+    from ..model.tracking import _is_peft
 
     settings = settings or FinetuneSettings()
     out_dir = check_writable_dir(Path(out_dir))

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import ConfigError, ModelError
 from ..io import canonical_json
-from ..moe import linearize_model
+from .moe import linearize_model
 from .gguf import _is_gguf_file, converted_gguf_dir, resolve_default_gguf
 from .settings import DEFAULT_MODEL, LoadedModel, ModelSettings, _dtype_kwargs, _versions
 log = logging.getLogger(__name__)

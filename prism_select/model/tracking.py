@@ -63,7 +63,7 @@ def tracked_linear_modules(model: torch.nn.Module, patterns: list | None = None)
 
     Default: every ``nn.Linear`` inside the decoder blocks (not ``lm_head``, not the
     embeddings; a model loaded by :func:`load_model` has its fused experts and ``Conv1D``
-    modules rewritten as ``nn.Linear`` ones first, :func:`prism_select.moe.linearize_model`); with a PEFT model, the active adapter's ``lora_A``/``lora_B`` Linear
+    modules rewritten as ``nn.Linear`` ones first, :func:`prism_select.model.moe.linearize_model`); with a PEFT model, the active adapter's ``lora_A``/``lora_B`` Linear
     modules (``...lora_A.default``). ``patterns``: regexes, a module is kept if any
     matches its name (``re.search``); they select among all ``nn.Linear`` modules of a
     plain model (so ``lm_head`` can be asked for) and among the LoRA modules of a PEFT

@@ -110,7 +110,7 @@ AUTO_MAX_PARAMS = 1_000_000_000
 def graphs_wanted(mode: str, device, model=None) -> bool:
     """``auto``: on for CUDA devices and models below :data:`AUTO_MAX_PARAMS` parameters,
     off for a model with per-expert layers (a module with a true ``routes_tokens``, as
-    :class:`prism_select.moe.EagerExperts`: an expert's slots per example change with the
+    :class:`prism_select.model.moe.EagerExperts`: an expert's slots per example change with the
     batch's routing, a shape a graph cannot replay); ``on`` on a
     CPU device, or for such a model, is an error."""
     check_graph_mode(mode)
