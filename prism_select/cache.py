@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import locks
+from .errors import CacheError
 from .settings import format_size
 
 log = logging.getLogger(__name__)
@@ -193,7 +195,6 @@ def check_root(root) -> str:
     before markers existed, whose entries are listed as unmarked and never removed) or
     ``"empty"`` (missing, or holding nothing but empty kind folders). Anything else is
     refused with a :class:`~prism_select.errors.CacheError` naming the folder."""
-    from .errors import CacheError
     root = Path(root)
     if not root.exists():
         return "empty"
@@ -293,7 +294,6 @@ def lock_path(entry_dir) -> Path:
 def writing(entry_dir, timeout_s: float | None = None):
     """Hold the entry's write lock (:mod:`prism_select.locks`), waiting for another writer
     of the same entry; creates the kind folder. Eviction skips an entry while it is held."""
-    from . import locks
     Path(entry_dir).parent.mkdir(parents=True, exist_ok=True)
     return locks.held(lock_path(entry_dir), wait=True, timeout_s=timeout_s)
 
@@ -304,7 +304,6 @@ def remove(entry_dir, held: bool = False) -> bool:
     removed relative to it. A folder without the entry marker is left alone (an empty one
     is removed). ``held``: the caller holds the entry's write lock. Returns whether it was
     removed."""
-    from . import locks
     d = Path(entry_dir)
     if not owned(d):
         if _is_real_dir(d) and _is_real_dir(d.parent):

@@ -13,6 +13,12 @@ one ``out x (in [+ 1])`` matrix.
 from __future__ import annotations
 
 import contextvars
+import ctypes
+import ctypes.util
+import sys
+import tempfile
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -188,9 +194,6 @@ def side_by_side(fn, items, window: int | None = None):
     (any iterable, read in this thread) and not yet returned, so that a generator that
     reads each item (e.g. a layer of a direction waiting on disk) is not read whole ahead
     of the workers; None: all are submitted at once."""
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
     threads = torch.get_num_threads()
     sized = hasattr(items, "__len__")
     if threads < 2 or sized and len(items) < 2:
@@ -226,9 +229,6 @@ def release_host_memory(device: torch.device | str | None = None) -> None:
     not on the host heap."""
     if device is not None and torch.device(device).type != "cpu":
         return
-    import ctypes
-    import ctypes.util
-    import sys
 
     if not sys.platform.startswith("linux"):
         return
@@ -248,7 +248,6 @@ def host_peak_mib() -> float | None:
     """The process's resident high-water mark so far, MiB (``ru_maxrss``); None where the
     platform does not report it."""
     import resource
-    import sys
 
     try:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -270,7 +269,6 @@ class SpilledLayers:
     ``[name]`` reads it and keeps it on disk."""
 
     def __init__(self, tensors: dict, directory=None):
-        import tempfile
         self._f = tempfile.TemporaryFile(dir=directory)
         self._where: dict = {}
         try:

@@ -5,6 +5,8 @@ CUDA factors of one width side by side on their own streams."""
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -31,8 +33,6 @@ def _eigh(M: torch.Tensor):
     by :func:`_gram_into` need not be mirrored first.
     On the CPU a factor up to EIGH_SERIAL_MAX wide is decomposed on one thread, unless
     OpenMP waits passively."""
-    import os
-
     threads = torch.get_num_threads()
     serial = (M.device.type == "cpu" and M.shape[0] <= EIGH_SERIAL_MAX and threads > 1
               and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE")
@@ -64,8 +64,6 @@ def _eigh_many(factor, indices: list):
     fully. The results are those of a one-thread ``_eigh``. Wider CPU factors run one
     after the other with all threads; CUDA factors of one width run side by side on their
     own streams (:func:`_eigh_cuda_side_by_side`) when CUDA_EIGH_STREAMS allows more than one."""
-    from concurrent.futures import ThreadPoolExecutor
-
     threads = torch.get_num_threads()
     small = [i for i in indices if factor(i).device.type == "cpu" and factor(i).shape[0] <= EIGH_SERIAL_MAX]
     if threads < 2 or len(small) < 2:
@@ -125,8 +123,6 @@ def _eigh_cuda_side_by_side(factor, indices: list):
     another). Each side stream first waits for the caller's stream (where the factor was
     summed); the results are marked as used by the caller's stream, which reads and frees
     them."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def one(i, caller):
         M = factor(i)
         # a new thread has no current device of its own: cuSOLVER's handle is made for the

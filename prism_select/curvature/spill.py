@@ -7,22 +7,24 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
+import tempfile
 import threading
 import time
 
 import torch
 from tqdm.auto import tqdm
 
-from ..runtime import distributed, sharding
 from ..engine import Tap, rowdot
-from ..gradients import check_finite, release_host_memory
-from ..runtime.layers import has_bias, layer_shape
+from ..gradients import check_finite, release_host_memory, side_by_side as _side_by_side
 from ..model.moe import is_routed
-from ..gradients import side_by_side as _side_by_side
+from ..runtime import distributed, sharding
+from ..runtime.layers import has_bias, layer_shape
 from .base import Curvature, PreconditionSettings, apply_damping
+from .eigenvalues import _lambda_from_sums, _LambdaTap
 from .eigh import _eigh
 from .factors import _gram_into, _input_product, _key
-from .eigenvalues import _LambdaTap, _lambda_from_sums
 from .stats import _Recent, _Stats
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,6 @@ class _Spill:
     layers (q/k/v, gate/up) is written once."""
 
     def __init__(self, directory=None):
-        import tempfile
         self.f = tempfile.TemporaryFile(dir=directory)
         self.batches: list = []
         # this batch's recent inputs: key -> (input, entry); the input is held so that its
@@ -69,7 +70,6 @@ class _Spill:
 
     def read(self, entry) -> torch.Tensor:
         """One written tensor (a positioned read: threads may read side by side)."""
-        import os
         off, shape, dtype = entry
         t = torch.empty(shape, dtype=dtype)
         buf = memoryview(t.numpy()).cast("B")
@@ -222,8 +222,6 @@ def _spill_bytes(modules: dict, encoded: list, batches: list, itemsize: int) -> 
 
 
 def _spill_wanted(model, modules, encoded, batches, device, settings, directory) -> bool:
-    import shutil
-    import tempfile
     p = next(model.parameters())
     if (settings.kind != "ekfac" or SPILL_MAX_BYTES <= 0 or torch.device(device or p.device).type != "cpu"
             or p.dtype not in (torch.float32, torch.float64) or distributed.world() > 1

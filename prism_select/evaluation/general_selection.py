@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 
 from ..errors import InputError
+from ..selection import choose, read_scores, write_subset
 from . import builders, carry
 from .config import SelectConfig, config_to_dict
 from .experiment import (Experiment, accuracy_by_task, balanced_accuracy_by_task, finetuned_responses,
@@ -236,7 +237,6 @@ def _set_share(run: dict, name: str, task: str, m: str, value: float | None):
 def _select_method(exp, lm, run: dict, m: str, scored: dict, task, tdir: Path, pool_path: Path,
                    heldout_path: Path, seed: int):
     """Method ``m``'s top ``fraction`` of the pool for one split, fine-tuned and judged."""
-    from ..selection import choose, read_scores, write_subset
     cfg = exp.cfg
     mdir = tdir / "selected" / m
     mdir.mkdir(parents=True, exist_ok=True)

@@ -20,13 +20,16 @@ import importlib.util
 import json
 import logging
 import math
+import mmap
 import os
 import shutil
+import struct
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from .. import cache as cache_entries
 from ..errors import ModelError
@@ -114,8 +117,6 @@ def read_gguf_scalars(path: str | Path) -> dict:
     """The scalar and string metadata of a GGUF (v2/v3) file; arrays are skipped
     (their value is ``("array", count)``). Reads only the header, quickly, with no
     dependency on the ``gguf`` package's or transformers' (version-specific) readers."""
-    import mmap
-
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         return _gguf_header(mm, path)[0]
 
@@ -123,8 +124,6 @@ def read_gguf_scalars(path: str | Path) -> dict:
 def _gguf_header(mm, path) -> tuple[dict, int, int]:
     """``(metadata, end of the metadata, number of tensors)`` of the GGUF file mapped in
     ``mm`` (see :func:`read_gguf_scalars`); a header cut short raises ``struct.error``."""
-    import struct
-
     out = {}
     if mm[:4] != b"GGUF":
         raise ModelError(f"{path} is not a GGUF file (bad magic {bytes(mm[:4])!r})")
@@ -175,9 +174,6 @@ def check_gguf_complete(path: str | Path) -> None:
     or its tensors do (a download or copy cut short): the tensor table (name, shape,
     type, offset of each) and the tensors' sizes (``gguf.GGML_QUANT_SIZES``, where the
     ``gguf`` package knows the type) give the bytes the file must hold."""
-    import mmap
-    import struct
-
     fix = ("the file is truncated or corrupt: download or copy it again (and compare its size or sha256 with "
            "the source's)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
@@ -240,7 +236,6 @@ def _convert_gguf(gguf_path: Path, target: Path, key: str) -> None:
     atomically (temporary sibling directory + rename)."""
     if importlib.util.find_spec("gguf") is None:
         raise ModelError(f"loading {gguf_path} needs the 'gguf' package; install it with: pip install 'gguf>=0.10'")
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_gguf_complete(gguf_path)

@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ConfigError
 from ..settings import SHARDS, check_graph_mode, check_precision
+from . import distributed, sharding
 
 SPLIT_GEMMS = ("two", "kcat")
 ROWDOT_BACKENDS = ("auto", "mulsum", "triton", "bmm")
@@ -156,7 +157,6 @@ def resolve(settings, model, device, plan=None, kernels: Kernels = DEFAULT_KERNE
     """The execution context of a run: ``settings`` (an
     :class:`~prism_select.settings.ExecutionSettings`, or a settings object that holds
     one and a ``progress`` flag), the loaded ``model`` on ``device`` and its memory ``plan``."""
-    from . import distributed, sharding
     return ExecutionContext(device=torch.device(device), precision=settings.precision,
                             cuda_graphs=settings.cuda_graphs, shard=settings.shard, rank=distributed.rank(),
                             world=distributed.world(), sharded=sharding.is_sharded(model), plan=plan,
