@@ -324,7 +324,7 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
     planner.direction(batch_size)
     planner.scoring(batch_size)
     planner.fit(fit_batch_size)
-    planner.keep_gathered()
+    _keep_gathered(planner)
     planner.host()
     return planner.plan
 
@@ -467,7 +467,7 @@ class _Planner:
         store, offload, group_host, groups, base_peak = self._fit_store(fbs, groups)
         plan.curvature_store = store
         kept_on_device = self.total_stored / self.fsh if store == "device" else 0
-        sums_mode, fit_peak = self._fit_sums(fbs, groups, int(base_peak + kept_on_device), kept_on_device)
+        sums_mode, fit_peak = _fit_sums(self, fbs, groups, int(base_peak + kept_on_device), kept_on_device)
         kept = group_host if store == "transient" else self.v_host(False) + group_host
         fit_host = int(self.dir_host + self.largest * self.acc + kept) if self.bounded else 0
         plan.fit = {"groups": groups, "batch_size": fbs, "peak": fit_peak, "stored_bytes": self.total_stored,
@@ -624,42 +624,7 @@ class _Planner:
             done += sum(v_parts[n] for n in grp)
         return g, offload, group_host
 
-    def _fit_sums(self, fbs: int, groups: list, fit_peak: int, kept_on_device) -> tuple:
-        """``(sums, fit peak)``: with sharded factors, ``pass`` where every rank can sum
-        each pass's statistics of a whole group (as one unsharded rank does) beside its own
-        share of the kept curvature, as ``shards.sums`` asks."""
-        sums = self.sharding.sums
-        if self.fsh == 1:
-            return "step", fit_peak
-        group_sums = max(sum(self.cost[n] for n in g) for g in groups)
-        local_peak = int(self.weights + self.held + self.act(fbs) + max(self.eigh, self.rot(fbs), self.taps(fbs))
-                         + group_sums + kept_on_device)
-        if sums == "pass" and not self.fits(local_peak):
-            raise PlanError(f"--fsdp-sums pass does not fit on {self.dev}: every rank would hold a whole fit "
-                            f"group's sums ({gib(group_sums)}), a peak of {gib(local_peak)} of "
-                            f"{gib(self.usable)} usable; use --fsdp-sums step (or auto)")
-        if sums == "pass" or sums == "auto" and self.fits(local_peak):
-            return "pass", max(fit_peak, local_peak)
-        return "step", fit_peak
-
     # -- after the stages
-
-    def keep_gathered(self):
-        """The run's peak, and (FSDP) whether decoder blocks keep their gathered weights:
-        the rest of the model, gathered by every block at the end of a forward."""
-        plan, shards, keep = self.plan, self.shards, self.sharding.keep_gathered
-        plan.peak = max(plan.direction["peak"], plan.scoring["peak"], plan.fit.get("peak", 0))
-        if shards > 1 and keep != "off":
-            rest = (self.sharding.full_weights or self.weights * shards) * (shards - 1) // shards
-            room = self.fits(plan.peak + rest)
-            if keep == "on" and not room:
-                raise PlanError(f"--fsdp-keep-gathered on does not fit on {self.dev}: the whole model "
-                                f"({gib(rest)} more per rank) beside a peak of {gib(plan.peak)} exceeds "
-                                f"{gib(self.usable)} usable; use --fsdp-keep-gathered off (or auto)")
-            if room:
-                plan.keep_gathered, plan.peak = True, plan.peak + rest
-                plan.notes.append(f"each decoder block keeps its gathered weights from forward to backward "
-                                  f"(one all-gather a step instead of two; +{gib(rest)} per rank)")
 
     def host(self):
         """Host memory (bounded plans): what the direction, the fit and the scoring keep there."""
@@ -671,3 +636,41 @@ class _Planner:
                      "direction": dir_host + (self.largest * self.acc if dir_host else 0),
                      "fit": plan.fit.get("host_peak", dir_host), "scoring": v_host_s}
         plan.host["peak"] = max(plan.host["direction"], plan.host["fit"], plan.host["scoring"])
+
+
+# ----------------------------------------------------------------------------- the sharded run's choices
+
+def _fit_sums(planner: _Planner, fbs: int, groups: list, fit_peak: int, kept_on_device) -> tuple:
+    """``(sums, fit peak)``: with sharded factors, ``pass`` where every rank can sum
+    each pass's statistics of a whole group (as one unsharded rank does) beside its own
+    share of the kept curvature, as ``shards.sums`` asks."""
+    sums = planner.sharding.sums
+    if planner.fsh == 1:
+        return "step", fit_peak
+    group_sums = max(sum(planner.cost[n] for n in g) for g in groups)
+    work = max(planner.eigh, planner.rot(fbs), planner.taps(fbs))
+    local_peak = int(planner.weights + planner.held + planner.act(fbs) + work + group_sums + kept_on_device)
+    if sums == "pass" and not planner.fits(local_peak):
+        raise PlanError(f"--fsdp-sums pass does not fit on {planner.dev}: every rank would hold a whole fit "
+                        f"group's sums ({gib(group_sums)}), a peak of {gib(local_peak)} of "
+                        f"{gib(planner.usable)} usable; use --fsdp-sums step (or auto)")
+    if sums == "pass" or sums == "auto" and planner.fits(local_peak):
+        return "pass", max(fit_peak, local_peak)
+    return "step", fit_peak
+
+def _keep_gathered(planner: _Planner):
+    """The run's peak (after the stages), and (FSDP) whether decoder blocks keep their gathered weights:
+    the rest of the model, gathered by every block at the end of a forward."""
+    plan, shards, keep = planner.plan, planner.shards, planner.sharding.keep_gathered
+    plan.peak = max(plan.direction["peak"], plan.scoring["peak"], plan.fit.get("peak", 0))
+    if shards > 1 and keep != "off":
+        rest = (planner.sharding.full_weights or planner.weights * shards) * (shards - 1) // shards
+        room = planner.fits(plan.peak + rest)
+        if keep == "on" and not room:
+            raise PlanError(f"--fsdp-keep-gathered on does not fit on {planner.dev}: the whole model "
+                            f"({gib(rest)} more per rank) beside a peak of {gib(plan.peak)} exceeds "
+                            f"{gib(planner.usable)} usable; use --fsdp-keep-gathered off (or auto)")
+        if room:
+            plan.keep_gathered, plan.peak = True, plan.peak + rest
+            plan.notes.append(f"each decoder block keeps its gathered weights from forward to backward "
+                              f"(one all-gather a step instead of two; +{gib(rest)} per rank)")
