@@ -62,9 +62,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .curvature.stats import RECENT_INPUTS, REDUCE_WINDOW
 from .engine import batch_losses, causal_only, collate_to, split_causal_lm
 from .errors import PrismError
-from .curvature.stats import RECENT_INPUTS, REDUCE_WINDOW
 from .gradients import activation_grad_mode
 from .runtime.layers import layer_shape
 from .runtime.memory import gib, host_share_bytes

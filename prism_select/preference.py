@@ -35,12 +35,12 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .runtime import distributed, profiling
 from .data.tokenize import collate, token_losses
-from .errors import ConfigError
 from .engine import batch_losses, cpu_response_split
-from .runtime.execution import ExecutionContext, Kernels, direction_kernels
+from .errors import ConfigError
 from .gradients import check_finite, release_host_memory, tracked_param_grad_mode, weight_grad
+from .runtime import distributed, profiling
+from .runtime.execution import ExecutionContext, Kernels, direction_kernels
 from .runtime.layers import has_bias
 from .settings import DIRECTION_METHODS as METHODS
 

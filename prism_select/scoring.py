@@ -35,19 +35,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from .runtime import distributed, profiling
 from .data.readers import iter_pool
 from .data.records import InvalidRecord
 from .data.tokenize import collate, encode, token_losses
-from .errors import CacheError, ConfigError, InputError
-from .runtime.execution import ExecutionContext
 from .engine import ExactScorer, collate_to, cpu_response_split
-from .gradients import activation_grad_mode, check_finite
-from .runtime.layers import has_bias
-from .model.moe import layer_mask
-from .runtime.graphs import GraphedScorer, graphs_wanted
-from .io import atomic_open, atomic_write_json, read_saved_state
 from .engine.policy import precision_policy
+from .errors import CacheError, ConfigError, InputError
+from .gradients import activation_grad_mode, check_finite
+from .io import atomic_open, atomic_write_json, read_saved_state
+from .model.moe import layer_mask
+from .runtime import distributed, profiling
+from .runtime.execution import ExecutionContext
+from .runtime.graphs import GraphedScorer, graphs_wanted
+from .runtime.layers import has_bias
 from .settings import DEFAULT_CHUNK_SIZE
 
 #: On the CPU a chunk also holds at most this many FLOPs of scoring work, counted as

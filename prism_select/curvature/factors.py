@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import distributed
 from ..engine import Tap, collate_to, mm_acc, mm_acc_into, tap_linears
+from ..runtime import distributed
 from ..runtime.layers import has_bias
 
 

@@ -39,23 +39,23 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..runtime import distributed, profiling, sharding
 from ..data.tokenize import token_losses
-from ..runtime.execution import ExecutionContext
 from ..engine import batch_losses, causal_only, collate_to, split_causal_lm, tap_linears
 from ..engine.policy import fit_policy
-from ..runtime.graphs import GraphedScorer, bucket_length, graphs_wanted
 from ..gradients import check_finite, release_host_memory
-from ..runtime.layers import layer_shape
 from ..model.moe import is_routed
+from ..runtime import distributed, profiling, sharding
+from ..runtime.execution import ExecutionContext
+from ..runtime.graphs import GraphedScorer, bucket_length, graphs_wanted
+from ..runtime.layers import layer_shape
 from .base import Curvature, CurvatureSettings, FitSettings, apply_damping
+from .eigenvalues import _finish_lambda, _lambda_steps, _LambdaTap
 from .eigh import _eigh_many
-from .factors import (_CovTap, _DiagTap, _LowerBlocks, _identical, _identical_across_ranks, _mirror, _shared_inputs,
-                      _unshare_inputs)
-from .eigenvalues import _LambdaTap, _finish_lambda, _lambda_steps
-from .stats import _Stats
+from .factors import (_CovTap, _DiagTap, _identical, _identical_across_ranks, _LowerBlocks, _mirror,
+                      _shared_inputs, _unshare_inputs)
 from .sharded import _ShardedCovTap, _ShardedLambdaTap
-from .spill import FitScores, _Spill, _SpillTap, _spill_wanted, _spilled_groups
+from .spill import FitScores, _Spill, _spill_wanted, _spilled_groups, _SpillTap
+from .stats import _Stats
 
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..runtime import distributed
-from .factors import _CovTap, _gram, _key, _with_ones
 from .eigenvalues import _LambdaTap, _rotate
+from .factors import _CovTap, _gram, _key, _with_ones
 
 
 class _ShardedCovTap(_CovTap):

@@ -9,8 +9,8 @@ from collections import OrderedDict, deque
 
 import torch
 
-from ..runtime import distributed
 from ..model.moe import layer_mask, routed_tokens
+from ..runtime import distributed
 
 
 class _Recent(OrderedDict):

@@ -8,11 +8,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .. import cache as cache_entries, settings as _settings
-from ..runtime import distributed
 from ..errors import CacheError
+from ..io import sha256_json
+from ..runtime import distributed
 from ..runtime.execution import ExecutionContext
 from ..runtime.precision import fit_arithmetic
-from ..io import sha256_json
 from ..settings import key_of
 from .base import Curvature, FitSettings, apply_damping
 from .fit import FitLayout, FitSpill, fit_curvature

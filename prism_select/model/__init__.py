@@ -4,7 +4,8 @@ PRISM tracks (:mod:`.tracking`) and fused experts as per-expert layers (:mod:`.m
 The everyday names are importable from here.
 """
 
-from .gguf import check_gguf_complete, converted_gguf_dir, gguf_cache_key, read_gguf_scalars, resolve_default_gguf
+from .gguf import (check_gguf_complete, converted_gguf_dir, gguf_cache_key, read_gguf_scalars,
+                   resolve_default_gguf)
 from .load import (check_adapter_dir, check_finite_weights, check_vocabulary, free_cuda_cache, load_model,
                    model_fingerprint)
 from .settings import DEFAULT_MODEL, DTYPES, LoadedModel, ModelSettings, default_cache_dir

@@ -34,8 +34,8 @@ import torch
 
 from ..errors import ConfigError, ModelError
 from ..io import canonical_json
-from .moe import linearize_model
 from .gguf import _is_gguf_file, converted_gguf_dir, resolve_default_gguf
+from .moe import linearize_model
 from .settings import DEFAULT_MODEL, LoadedModel, ModelSettings, _dtype_kwargs, _versions
 log = logging.getLogger(__name__)
 

@@ -49,8 +49,8 @@ import torch
 
 from .. import errors as _errors
 from ..errors import ConfigError, capture_out_of_memory  # noqa: F401 (re-exported)
-from . import memory
 from ..settings import GRAPH_MODES, check_graph_mode  # noqa: F401 (re-exported)
+from . import memory
 
 log = logging.getLogger(__name__)
 

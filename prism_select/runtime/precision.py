@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..settings import PRECISIONS, check_precision  # noqa: F401 (re-exported)
 from .execution import ExecutionContext
 from .layers import GRAD32
-from ..settings import PRECISIONS, check_precision  # noqa: F401 (re-exported)
 
 HALF = (torch.bfloat16, torch.float16)
 

@@ -53,10 +53,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import distributed
 from ..errors import ConfigError
+from ..settings import (FSDP_SUMS, KEEP_GATHERED, SHARDED_METHODS, SHARDS, check_shard)  # noqa: F401 (re-exported)
+from . import distributed
 from .layers import has_bias, layer_shape, local
-from ..settings import FSDP_SUMS, KEEP_GATHERED, SHARDED_METHODS, SHARDS, check_shard  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
