@@ -40,7 +40,7 @@ def child(a):
     sys.path.insert(0, str(ROOT / "tests"))
     torch.set_num_threads(1)
     from prism_select.data.tokenize import encode
-    from prism_select.execution import ExecutionContext
+    from prism_select.runtime.execution import ExecutionContext
     from prism_select.scoring import Chunking, score_encoded, score_stream
     from tiny import tiny_llama, tiny_tokenizer
     tok = tiny_tokenizer()

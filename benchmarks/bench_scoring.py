@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prism_select import engine  # noqa: E402
 from prism_select.curvature import CurvatureSettings, fit_curvature  # noqa: E402
-from prism_select.execution import ExecutionContext  # noqa: E402
+from prism_select.runtime.execution import ExecutionContext  # noqa: E402
 from prism_select.data.tokenize import Encoded, collate, encode  # noqa: E402
-from prism_select.execution import Kernels  # noqa: E402
-from prism_select.graphs import GraphedScorer  # noqa: E402
+from prism_select.runtime.execution import Kernels  # noqa: E402
+from prism_select.runtime.graphs import GraphedScorer  # noqa: E402
 from prism_select.metrics import spearman  # noqa: E402
 from prism_select.scoring import make_scorer  # noqa: E402
 
@@ -380,7 +380,8 @@ def main():
     # (CUDA graphs on a GPU), "fit_eager" without graphs
     # (fit_s32: the fit as --precision split32 runs it; fit_f32w: on the weights upcast to
     # float32, a comparison route: float32 GEMMs without tensor cores)
-    from prism_select.precision import direction_policy, float32_weights
+    from prism_select.engine.policy import direction_policy
+    from prism_select.runtime.precision import float32_weights
     for fit_name, graphs, precision in (("fit", "auto", "model"), ("fit_eager", "off", "model"),
                                         ("fit_s32", "auto", "split32"), ("fit_f32w", "auto", "f32w")):
         if fit_name not in routes or a.fit_n <= 0:

@@ -17,7 +17,7 @@ Steps: (1) build and save the model, write the pool and targets; (2) ``prism-sel
 score`` on them (a subprocess, default flags plus ``--max-length``); (3) in this process,
 the training step: the model as transformers loads it (fused experts, its default
 experts implementation) and as prism-select loads it (per-expert linear layers,
-:mod:`prism_select.moe`), each ``--train-steps`` timed forward+backward steps of
+:mod:`prism_select.model.moe`), each ``--train-steps`` timed forward+backward steps of
 ``--train-batch`` examples of the pool's mean tokenised length. Prints one table and
 writes JSON (plan, phases, throughputs, ratios).
 """
@@ -100,7 +100,7 @@ def train_step(model_dir: Path, eager: bool, batch: int, length: int, steps: int
     """Forward+backward steps (every parameter trainable, HF's loss) of random tokens."""
     from transformers import AutoModelForCausalLM
 
-    from prism_select.moe import linearize_model
+    from prism_select.model.moe import linearize_model
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True).to(device)

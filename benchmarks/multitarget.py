@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from prism_select.data.tokenize import encode  # noqa: E402
-from prism_select.execution import ExecutionContext  # noqa: E402
+from prism_select.runtime.execution import ExecutionContext  # noqa: E402
 from prism_select.model import ModelSettings, load_model, tracked_linear_modules  # noqa: E402
 from prism_select.plan import ExampleSize, PlanError, make_plan, measure_example_bytes  # noqa: E402
 from prism_select.scoring import score_encoded  # noqa: E402

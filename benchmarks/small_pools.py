@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scoring import load_embedded  # noqa: E402
 
 from prism_select.curvature import Curvature, CurvatureSettings, fit_curvature  # noqa: E402
-from prism_select.execution import ExecutionContext  # noqa: E402
+from prism_select.runtime.execution import ExecutionContext  # noqa: E402
 from prism_select.curvature.base import apply_damping  # noqa: E402
 from prism_select.curvature.support import DAMPING_LADDER, agreement_sample, supported_damping_factor  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402

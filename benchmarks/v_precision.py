@@ -31,9 +31,9 @@ from bench_scoring import accuracy, gsm8k_targets, load_embedded, read_gsm8k  # 
 from prism_select.curvature import CurvatureSettings, fit_curvature  # noqa: E402
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
-from prism_select.precision import direction_policy  # noqa: E402
+from prism_select.engine.policy import direction_policy  # noqa: E402
 from prism_select.preference import DIRECTION_KERNELS, compute_preference  # noqa: E402
-from prism_select.execution import ExecutionContext  # noqa: E402
+from prism_select.runtime.execution import ExecutionContext  # noqa: E402
 from prism_select.scoring import score_encoded  # noqa: E402
 
 

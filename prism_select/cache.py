@@ -43,6 +43,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import locks
+from .errors import CacheError
+from .settings import format_size
+
 log = logging.getLogger(__name__)
 
 #: marker file of a complete entry, by kind (other kinds: any of these)
@@ -191,7 +195,6 @@ def check_root(root) -> str:
     before markers existed, whose entries are listed as unmarked and never removed) or
     ``"empty"`` (missing, or holding nothing but empty kind folders). Anything else is
     refused with a :class:`~prism_select.errors.CacheError` naming the folder."""
-    from .errors import CacheError
     root = Path(root)
     if not root.exists():
         return "empty"
@@ -291,7 +294,6 @@ def lock_path(entry_dir) -> Path:
 def writing(entry_dir, timeout_s: float | None = None):
     """Hold the entry's write lock (:mod:`prism_select.locks`), waiting for another writer
     of the same entry; creates the kind folder. Eviction skips an entry while it is held."""
-    from . import locks
     Path(entry_dir).parent.mkdir(parents=True, exist_ok=True)
     return locks.held(lock_path(entry_dir), wait=True, timeout_s=timeout_s)
 
@@ -302,7 +304,6 @@ def remove(entry_dir, held: bool = False) -> bool:
     removed relative to it. A folder without the entry marker is left alone (an empty one
     is removed). ``held``: the caller holds the entry's write lock. Returns whether it was
     removed."""
-    from . import locks
     d = Path(entry_dir)
     if not owned(d):
         if _is_real_dir(d) and _is_real_dir(d.parent):
@@ -420,11 +421,3 @@ def guarded_write(entry_dir, write, what: str, lock: bool = True) -> bool:
     except OSError as exc:  # the lock file itself cannot be made
         log.warning("could not save %s in the cache (%s): the run goes on with it in memory", what, exc)
         return False
-
-
-def format_size(b: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if b < 1024 or unit == "TiB":
-            return f"{b:.1f} {unit}" if unit != "B" else f"{int(b)} B"
-        b /= 1024
-    return f"{b:.1f} TiB"

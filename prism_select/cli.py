@@ -152,7 +152,7 @@ def cmd_score(a):
 
 def _main_rank() -> bool:
     """Whether this process prints a command's summary: under torchrun, rank 0 alone."""
-    from . import distributed
+    from .runtime import distributed
     return distributed.is_main()
 
 
@@ -165,7 +165,7 @@ def _print_summary(summary: dict, out: Path, top: int = 5):
         pi = summary["pi"]
         print(f"pi over target pairs: min {pi['min']:.3f}  mean {pi['mean']:.3f}  max {pi['max']:.3f}")
     if summary.get("tracking"):
-        from .moe import summary_lines
+        from .model.moe import summary_lines
         print("\n".join(summary_lines(summary["tracking"])))
     if summary.get("curvature_applied"):
         from .run.preflight import describe_applied
@@ -496,7 +496,7 @@ def _add_cache_parser(sub):
 
 
 def cmd_cache(a):
-    from . import cache
+    from . import cache, settings
     from .errors import ConfigError
     from .model import ModelSettings
     root = ModelSettings(cache_dir=a.cache_dir).resolved_cache_dir()
@@ -511,11 +511,11 @@ def cmd_cache(a):
     es, other = cache.scan(root)
     if a.action == "list":
         for e in es:
-            print(f"{e.kind:<11} {cache.format_size(e.size):>10}  {e.to_json()['last_used']}  "
+            print(f"{e.kind:<11} {settings.format_size(e.size):>10}  {e.to_json()['last_used']}  "
                   f"{'' if e.complete else '(incomplete) '}{e.path}")
         for u in other:
             print(f"{'left alone':<11} {'':>10}  {_UNMANAGED[u.why]:<19}  {u.path}")
-        print(f"{len(es)} entries, {cache.format_size(sum(e.size for e in es))} in {root}")
+        print(f"{len(es)} entries, {settings.format_size(sum(e.size for e in es))} in {root}")
         if other:
             print(f"{len(other)} folder{'s' if len(other) != 1 else ''} left alone by prune and clear (links, entries "
                   f"written before entry markers existed, or folders prism-select did not write): {cache.BY_HAND}")
@@ -527,8 +527,8 @@ def cmd_cache(a):
     else:
         gone = cache.clear(root, a.kind)
     left, other = cache.scan(root)
-    print(f"removed {len(gone)} entries ({cache.format_size(sum(e.size for e in gone))}); "
-          f"{len(left)} left ({cache.format_size(sum(e.size for e in left))}) in {root}"
+    print(f"removed {len(gone)} entries ({settings.format_size(sum(e.size for e in gone))}); "
+          f"{len(left)} left ({settings.format_size(sum(e.size for e in left))}) in {root}"
           + (f"; {len(other)} folder{'s' if len(other) != 1 else ''} left alone (see prism-select cache list)"
              if other else ""))
 

@@ -9,6 +9,8 @@ data-curation run never ends on a bare traceback.
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 
 class PrismError(Exception):
@@ -104,7 +106,6 @@ def _no_space(exc: BaseException) -> bool:
 
 
 def _kept(out_dir, curvature=None) -> str:
-    from pathlib import Path
     partial = Path(out_dir) / ".partial"
     chunks = len(list(partial.rglob("chunk_*.safetensors"))) if partial.is_dir() else 0
     direction = partial.is_dir() and any(partial.glob("*_v*.safetensors"))
@@ -135,7 +136,7 @@ def _oom_text(text: str) -> str:
 
 
 #: why a CUDA-graph capture in this process ran out of memory, if one did (appended by
-#: :mod:`prism_select.graphs`): the pool of a capture the allocator stopped stays held, so
+#: :mod:`prism_select.runtime.graphs`): the pool of a capture the allocator stopped stays held, so
 #: later scorers of the process run eagerly and an out-of-memory error says what to change
 CAPTURE_OOM: list = []
 
@@ -176,7 +177,6 @@ def resource_error(exc: BaseException, out_dir, curvature=None, stages=()) -> Ou
 def run_script(main) -> None:
     """Exit with ``main()``'s status; a :class:`PrismError` is printed as ``error: ...`` on
     stderr and exits 2 (the CLI's convention), for the scripts beside the package."""
-    import sys
     try:
         status = main()
     except PrismError as e:

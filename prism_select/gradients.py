@@ -13,31 +13,19 @@ one ``out x (in [+ 1])`` matrix.
 from __future__ import annotations
 
 import contextvars
+import ctypes
+import ctypes.util
+import sys
+import tempfile
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
 
 from .errors import NumericalError
-from .moe import layer_mask
-
-#: the attribute holding the float32 gradient accumulator of a half-precision weight under
-#: :func:`prism_select.precision.float32_grads` (read by :func:`weight_grad`)
-GRAD32 = "_prism_grad32"
-
-
-def has_bias(module: torch.nn.Linear) -> bool:
-    return getattr(module, "bias", None) is not None
-
-
-def layer_shape(module: torch.nn.Linear) -> tuple[int, int]:
-    return module.out_features, module.in_features + int(has_bias(module))
-
-
-def local(t):
-    """This rank's rows of an FSDP2-sharded parameter or gradient (a DTensor,
-    :mod:`prism_select.sharding`); any other tensor (or None) as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
+from .model.moe import layer_mask
+from .runtime.layers import GRAD32, has_bias, layer_shape, local
 
 def _grad(p: torch.Tensor):
     # the float32 accumulator of precision.float32_grads (--precision split32), else .grad
@@ -46,7 +34,7 @@ def _grad(p: torch.Tensor):
 
 def weight_grad(module: torch.nn.Linear) -> torch.Tensor:
     """The layer's accumulated gradient as one ``out x (in [+1])`` matrix: ``.grad``, or
-    float32 under :func:`prism_select.precision.float32_grads`; under FSDP2, this rank's
+    float32 under :func:`prism_select.runtime.precision.float32_grads`; under FSDP2, this rank's
     rows of it."""
     g = _grad(module.weight)
     if g is None:
@@ -78,7 +66,7 @@ class Taps:
             a = inputs[0].detach()
             dt = self.compute_dtype if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
             a = a.to(dt)
-            # an expert's layer sees its own tokens (prism_select.moe): the mask at its slots
+            # an expert's layer sees its own tokens (prism_select.model.moe): the mask at its slots
             mask = None if self.mask is None else layer_mask(module, self.mask)
             if mask is not None:
                 a = a * mask[..., None].to(dt)
@@ -206,9 +194,6 @@ def side_by_side(fn, items, window: int | None = None):
     (any iterable, read in this thread) and not yet returned, so that a generator that
     reads each item (e.g. a layer of a direction waiting on disk) is not read whole ahead
     of the workers; None: all are submitted at once."""
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
     threads = torch.get_num_threads()
     sized = hasattr(items, "__len__")
     if threads < 2 or sized and len(items) < 2:
@@ -244,9 +229,6 @@ def release_host_memory(device: torch.device | str | None = None) -> None:
     not on the host heap."""
     if device is not None and torch.device(device).type != "cpu":
         return
-    import ctypes
-    import ctypes.util
-    import sys
 
     if not sys.platform.startswith("linux"):
         return
@@ -266,7 +248,6 @@ def host_peak_mib() -> float | None:
     """The process's resident high-water mark so far, MiB (``ru_maxrss``); None where the
     platform does not report it."""
     import resource
-    import sys
 
     try:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -288,7 +269,6 @@ class SpilledLayers:
     ``[name]`` reads it and keeps it on disk."""
 
     def __init__(self, tensors: dict, directory=None):
-        import tempfile
         self._f = tempfile.TemporaryFile(dir=directory)
         self._where: dict = {}
         try:

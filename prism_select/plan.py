@@ -57,17 +57,17 @@ device has free (for a GPU shared with other work).
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .cache import format_size
+from .curvature.stats import RECENT_INPUTS, REDUCE_WINDOW
 from .engine import batch_losses, causal_only, collate_to, split_causal_lm
 from .errors import PrismError
-from .curvature.stats import RECENT_INPUTS, REDUCE_WINDOW
-from .gradients import activation_grad_mode, layer_shape
+from .gradients import activation_grad_mode
+from .runtime.layers import layer_shape
+from .runtime.memory import gib, host_share_bytes
 from .settings import GiB, parse_bytes  # noqa: F401 (parse_bytes: part of the plan's interface)
 
 log = logging.getLogger(__name__)
@@ -98,60 +98,6 @@ _BLOCK = re.compile(r"^(.*?\.\d+)\.")
 
 class PlanError(PrismError):
     """The run cannot fit the device's memory as configured; the message says what would."""
-
-
-def gib(b: float) -> str:
-    """A byte count as text (e.g. ``"11.0 GiB"``)."""
-    return format_size(b)
-
-
-def host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else the physical memory size."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 40
-
-
-#: memory held outside this process's tensors below which a plan says nothing about it
-#: (this process's own CUDA context alone takes several hundred MB)
-HELD_ELSEWHERE_NOTE_BYTES = 1 << 30
-
-
-def device_memory(device) -> tuple[int, int]:
-    """``(bytes this process may plan with, bytes held elsewhere)`` on a CUDA ``device``:
-    the device's total less what is in use beyond this process's own reserved memory, i.e.
-    memory other processes (a notebook, a server) hold now, and CUDA contexts."""
-    free, total = torch.cuda.mem_get_info(device)
-    elsewhere = max(total - free - torch.cuda.memory_reserved(device), 0)
-    return total - elsewhere, elsewhere
-
-
-def held_elsewhere_note(device, elsewhere: int) -> str:
-    """A sentence for a plan error when other processes hold much of the device ('' else)."""
-    if elsewhere < HELD_ELSEWHERE_NOTE_BYTES:
-        return ""
-    return (f" {gib(elsewhere)} of {device} are held outside this run (other processes such as a notebook "
-            "or a server, and CUDA contexts) and were left out of the plan: free them, or choose another GPU "
-            "with --device")
-
-
-def host_share_bytes() -> int:
-    """This process's share of the host's available memory: MemAvailable divided among the
-    ranks torchrun started on this host (``LOCAL_WORLD_SIZE``), which plan at the same time
-    and keep their direction, ``v`` and curvature in the same memory."""
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    except ValueError:
-        local = 1
-    return host_available_bytes() // max(local, 1)
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -224,43 +170,6 @@ def make_groups(names: list, cost: dict, budget: int, cost2: dict | None = None,
 
 # ----------------------------------------------------------------------------- probe
 
-#: ``{device: bytes}``: the caps :func:`cap_device_memory` set in this process
-_CAPS: dict = {}
-
-
-def cap_device_memory(device, max_bytes: int | None) -> None:
-    """Enforce ``max_gpu_memory`` on this process (the caching allocator refuses more),
-    not only plan for it."""
-    dev = torch.device(device)
-    if max_bytes and dev.type == "cuda":
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, max_bytes / total), dev)
-        _CAPS[_device_key(dev)] = min(int(max_bytes), total)
-
-
-def _device_key(dev: torch.device) -> str:
-    dev = torch.device(dev)
-    return f"cuda:{torch.cuda.current_device() if dev.index is None else dev.index}"
-
-
-def device_headroom(device) -> int:
-    """Bytes this process can still reserve on CUDA ``device``: below its cap
-    (:func:`cap_device_memory`, else the device's size) less what it reserves now, and no
-    more than the device has free (other processes' memory counted)."""
-    dev = torch.device(device)
-    limit = _CAPS.get(_device_key(dev)) or torch.cuda.get_device_properties(dev).total_memory
-    free, _ = torch.cuda.mem_get_info(dev)
-    return max(0, min(limit - torch.cuda.memory_reserved(dev), free))
-
-
-def allocatable_bytes(device) -> int:
-    """Bytes a new allocation on CUDA ``device`` can take in this process: what it may still
-    reserve (:func:`device_headroom`: within its cap and the device's free memory) plus the
-    blocks its caching allocator holds reserved but unused (after a fit's passes the cache
-    keeps most of their peak, which the driver does not count as free)."""
-    return int(device_headroom(device) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-
-
 def measure_example_bytes(model, example, pad_id: int, device, copies: int = 1) -> int:
     """Peak device memory of one forward + activation backward of ``example`` (a batch of
     ``copies`` of it) above what was allocated before, as the fit and the scores run it."""
@@ -302,7 +211,7 @@ class MemoryPlan:
     curvature_store: str = "device"
     scoring: dict = field(default_factory=dict)  # batch_size, peak
     #: FSDP: decoder blocks keep their gathered weights from forward to backward
-    #: (:func:`prism_select.sharding.weights_gathered`); ``peak`` includes the whole model then
+    #: (:func:`prism_select.runtime.sharding.weights_gathered`); ``peak`` includes the whole model then
     keep_gathered: bool = False
     #: host memory (bounded plans): available, usable, and what the direction, the fit and
     #: the scoring keep there at most
@@ -369,7 +278,7 @@ class ExampleSize:
 
 @dataclass(frozen=True)
 class Shards:
-    """The ranks a model is sharded over (FSDP2, :mod:`prism_select.sharding`) and the
+    """The ranks a model is sharded over (FSDP2, :mod:`prism_select.runtime.sharding`) and the
     sharded run's memory choices.
 
     count: the ranks; each holds ``1/count`` of the gradients and the direction, and ``v``
@@ -415,7 +324,7 @@ def make_plan(model, modules: dict, *, kind: str, device, batch_size: int, fit_b
     planner.direction(batch_size)
     planner.scoring(batch_size)
     planner.fit(fit_batch_size)
-    planner.keep_gathered()
+    _keep_gathered(planner)
     planner.host()
     return planner.plan
 
@@ -558,7 +467,7 @@ class _Planner:
         store, offload, group_host, groups, base_peak = self._fit_store(fbs, groups)
         plan.curvature_store = store
         kept_on_device = self.total_stored / self.fsh if store == "device" else 0
-        sums_mode, fit_peak = self._fit_sums(fbs, groups, int(base_peak + kept_on_device), kept_on_device)
+        sums_mode, fit_peak = _fit_sums(self, fbs, groups, int(base_peak + kept_on_device), kept_on_device)
         kept = group_host if store == "transient" else self.v_host(False) + group_host
         fit_host = int(self.dir_host + self.largest * self.acc + kept) if self.bounded else 0
         plan.fit = {"groups": groups, "batch_size": fbs, "peak": fit_peak, "stored_bytes": self.total_stored,
@@ -715,42 +624,7 @@ class _Planner:
             done += sum(v_parts[n] for n in grp)
         return g, offload, group_host
 
-    def _fit_sums(self, fbs: int, groups: list, fit_peak: int, kept_on_device) -> tuple:
-        """``(sums, fit peak)``: with sharded factors, ``pass`` where every rank can sum
-        each pass's statistics of a whole group (as one unsharded rank does) beside its own
-        share of the kept curvature, as ``shards.sums`` asks."""
-        sums = self.sharding.sums
-        if self.fsh == 1:
-            return "step", fit_peak
-        group_sums = max(sum(self.cost[n] for n in g) for g in groups)
-        local_peak = int(self.weights + self.held + self.act(fbs) + max(self.eigh, self.rot(fbs), self.taps(fbs))
-                         + group_sums + kept_on_device)
-        if sums == "pass" and not self.fits(local_peak):
-            raise PlanError(f"--fsdp-sums pass does not fit on {self.dev}: every rank would hold a whole fit "
-                            f"group's sums ({gib(group_sums)}), a peak of {gib(local_peak)} of "
-                            f"{gib(self.usable)} usable; use --fsdp-sums step (or auto)")
-        if sums == "pass" or sums == "auto" and self.fits(local_peak):
-            return "pass", max(fit_peak, local_peak)
-        return "step", fit_peak
-
     # -- after the stages
-
-    def keep_gathered(self):
-        """The run's peak, and (FSDP) whether decoder blocks keep their gathered weights:
-        the rest of the model, gathered by every block at the end of a forward."""
-        plan, shards, keep = self.plan, self.shards, self.sharding.keep_gathered
-        plan.peak = max(plan.direction["peak"], plan.scoring["peak"], plan.fit.get("peak", 0))
-        if shards > 1 and keep != "off":
-            rest = (self.sharding.full_weights or self.weights * shards) * (shards - 1) // shards
-            room = self.fits(plan.peak + rest)
-            if keep == "on" and not room:
-                raise PlanError(f"--fsdp-keep-gathered on does not fit on {self.dev}: the whole model "
-                                f"({gib(rest)} more per rank) beside a peak of {gib(plan.peak)} exceeds "
-                                f"{gib(self.usable)} usable; use --fsdp-keep-gathered off (or auto)")
-            if room:
-                plan.keep_gathered, plan.peak = True, plan.peak + rest
-                plan.notes.append(f"each decoder block keeps its gathered weights from forward to backward "
-                                  f"(one all-gather a step instead of two; +{gib(rest)} per rank)")
 
     def host(self):
         """Host memory (bounded plans): what the direction, the fit and the scoring keep there."""
@@ -762,3 +636,41 @@ class _Planner:
                      "direction": dir_host + (self.largest * self.acc if dir_host else 0),
                      "fit": plan.fit.get("host_peak", dir_host), "scoring": v_host_s}
         plan.host["peak"] = max(plan.host["direction"], plan.host["fit"], plan.host["scoring"])
+
+
+# ----------------------------------------------------------------------------- the sharded run's choices
+
+def _fit_sums(planner: _Planner, fbs: int, groups: list, fit_peak: int, kept_on_device) -> tuple:
+    """``(sums, fit peak)``: with sharded factors, ``pass`` where every rank can sum
+    each pass's statistics of a whole group (as one unsharded rank does) beside its own
+    share of the kept curvature, as ``shards.sums`` asks."""
+    sums = planner.sharding.sums
+    if planner.fsh == 1:
+        return "step", fit_peak
+    group_sums = max(sum(planner.cost[n] for n in g) for g in groups)
+    work = max(planner.eigh, planner.rot(fbs), planner.taps(fbs))
+    local_peak = int(planner.weights + planner.held + planner.act(fbs) + work + group_sums + kept_on_device)
+    if sums == "pass" and not planner.fits(local_peak):
+        raise PlanError(f"--fsdp-sums pass does not fit on {planner.dev}: every rank would hold a whole fit "
+                        f"group's sums ({gib(group_sums)}), a peak of {gib(local_peak)} of "
+                        f"{gib(planner.usable)} usable; use --fsdp-sums step (or auto)")
+    if sums == "pass" or sums == "auto" and planner.fits(local_peak):
+        return "pass", max(fit_peak, local_peak)
+    return "step", fit_peak
+
+def _keep_gathered(planner: _Planner):
+    """The run's peak (after the stages), and (FSDP) whether decoder blocks keep their gathered weights:
+    the rest of the model, gathered by every block at the end of a forward."""
+    plan, shards, keep = planner.plan, planner.shards, planner.sharding.keep_gathered
+    plan.peak = max(plan.direction["peak"], plan.scoring["peak"], plan.fit.get("peak", 0))
+    if shards > 1 and keep != "off":
+        rest = (planner.sharding.full_weights or planner.weights * shards) * (shards - 1) // shards
+        room = planner.fits(plan.peak + rest)
+        if keep == "on" and not room:
+            raise PlanError(f"--fsdp-keep-gathered on does not fit on {planner.dev}: the whole model "
+                            f"({gib(rest)} more per rank) beside a peak of {gib(plan.peak)} exceeds "
+                            f"{gib(planner.usable)} usable; use --fsdp-keep-gathered off (or auto)")
+        if room:
+            plan.keep_gathered, plan.peak = True, plan.peak + rest
+            plan.notes.append(f"each decoder block keeps its gathered weights from forward to backward "
+                              f"(one all-gather a step instead of two; +{gib(rest)} per rank)")

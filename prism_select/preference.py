@@ -35,14 +35,15 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from . import distributed, profiling
 from .data.tokenize import collate, token_losses
-from .errors import ConfigError
 from .engine import batch_losses, cpu_response_split
-from .execution import ExecutionContext, Kernels, direction_kernels
-from .gradients import check_finite, has_bias, release_host_memory, tracked_param_grad_mode, weight_grad
+from .errors import ConfigError
+from .gradients import check_finite, release_host_memory, tracked_param_grad_mode, weight_grad
+from .runtime import distributed, profiling
+from .runtime.execution import ExecutionContext, Kernels, direction_kernels
+from .runtime.layers import has_bias
 
-#: the direction's default kernels (:func:`prism_select.execution.direction_kernels`: under
+#: the direction's default kernels (:func:`prism_select.runtime.execution.direction_kernels`: under
 #: split32 its backwards split the cotangent too)
 DIRECTION_KERNELS = direction_kernels()
 
@@ -126,7 +127,7 @@ def compute_preference(model, modules: dict, chosen: list, rejected: list, *, me
     ``execution`` (default: :meth:`ExecutionContext.of` the model with
     :data:`DIRECTION_KERNELS`): the device, progress, ``kernels`` (those of the fused
     loss's head product on the CPU; under split32, with the cotangent split) and
-    ``sharded`` (a model sharded with FSDP over the ranks, :mod:`prism_select.sharding`):
+    ``sharded`` (a model sharded with FSDP over the ranks, :mod:`prism_select.runtime.sharding`):
     the batches of pairs are dealt to the ranks in turn, each rank's losses scaled by the
     number of ranks (FSDP averages the ranks' gradients as it reduce-scatters them), and a
     rank with fewer batches repeats its last with zero weights so that every rank runs as

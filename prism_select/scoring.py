@@ -18,7 +18,7 @@ work about every minute; the cut depends only on the pool's token counts, the mo
 size and the device type, so a resumed run sees the same chunks.
 Under ``torchrun`` each rank owns the chunks of one contiguous, token-balanced share
 of the length-sorted pool (:func:`plan_chunks`) and the scores are gathered in pool
-order (:mod:`prism_select.distributed`). :func:`score_stream` scores a pool file a
+order (:mod:`prism_select.runtime.distributed`). :func:`score_stream` scores a pool file a
 window at a time (host memory flat in pool size).
 """
 
@@ -35,18 +35,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from . import distributed, profiling
 from .data.readers import iter_pool
 from .data.records import InvalidRecord
 from .data.tokenize import collate, encode, token_losses
-from .errors import CacheError, ConfigError, InputError
-from .execution import ExecutionContext
 from .engine import ExactScorer, collate_to, cpu_response_split
-from .gradients import activation_grad_mode, check_finite, has_bias
-from .moe import layer_mask
-from .graphs import GraphedScorer, graphs_wanted
+from .engine.policy import precision_policy
+from .errors import CacheError, ConfigError, InputError
+from .gradients import activation_grad_mode, check_finite
 from .io import atomic_open, atomic_write_json, read_saved_state
-from .precision import precision_policy
+from .model.moe import layer_mask
+from .runtime import distributed, profiling
+from .runtime.execution import ExecutionContext
+from .runtime.graphs import GraphedScorer, graphs_wanted
+from .runtime.layers import has_bias
 from .settings import DEFAULT_CHUNK_SIZE
 
 #: On the CPU a chunk also holds at most this many FLOPs of scoring work, counted as
@@ -135,7 +136,7 @@ def plan_chunks(encoded: list, chunk_size: int, parts: int = 1, max_tokens: int 
     """Length-sorted index chunks and the rank that owns each: ``(chunks, owners)``.
 
     The length-sorted order is first cut into ``parts`` contiguous shares of near-equal
-    token count (:func:`prism_select.distributed.contiguous_owners`), then each share
+    token count (:func:`prism_select.runtime.distributed.contiguous_owners`), then each share
     into chunks of ``chunk_size`` examples; with ``max_tokens`` a chunk also ends before
     it would exceed that many tokens (it always holds at least one example). So each rank
     meets only its own range of lengths (graph captures divide with the work).
@@ -209,12 +210,12 @@ def make_scorer(model, modules: dict, V: dict, *, pad_id: int = 0, impl: str = "
     reference route). ``execution`` (default: :meth:`ExecutionContext.of` the model, CUDA
     graphs off): the device; ``cuda_graphs``: ``auto`` (on for CUDA devices and models
     below ``graphs.AUTO_MAX_PARAMS``) | ``on`` | ``off``; graphs capture the whole batch
-    computation once per padded shape (:mod:`prism_select.graphs`) and need
+    computation once per padded shape (:mod:`prism_select.runtime.graphs`) and need
     ``batch_size`` (every batch is padded to it); ``precision``: ``model`` |
     ``residual32`` | ``split32`` (half-precision models: float32 residual stream, or
     float32 activations everywhere with split half-precision GEMMs;
-    :mod:`prism_select.precision`); ``kernels``: the kernel choices
-    (:class:`prism_select.execution.Kernels`).
+    :mod:`prism_select.runtime.precision`); ``kernels``: the kernel choices
+    (:class:`prism_select.runtime.execution.Kernels`).
     """
     execution = execution or ExecutionContext.of(model, cuda_graphs="off")
     device, precision, kernels = execution.device, execution.precision, execution.kernels

@@ -15,17 +15,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .data.readers import (
-    FORMATS,
-    SUFFIXES,
-    detect_format,
-    iter_records,
-    load_arrow_dir,
-    parse_pool_record,
-    record_id,
-)
+from .data.readers import (FORMATS, SUFFIXES, detect_format, iter_records, load_arrow_dir, parse_pool_record,
+                           record_id)
 from .errors import ConfigError, InputError, OutputError
-from .io import atomic_open, atomic_write_dir, atomic_write_jsonl, remove_stale_temps
+from .io import atomic_open, atomic_write_dir, atomic_write_jsonl, remove_stale_temps, sha256_file
 from .selection_rules import Rules, apply_rules, parse_amount  # noqa: F401 (parse_amount re-exported)
 
 Amount = tuple[str, float]  # ("count", N) or ("fraction", f), as parse_amount returns
@@ -272,8 +265,6 @@ def check_pool(run_dir: Path, run: dict, pool_path, scored: set, allow_other_poo
     """Check that ``pool_path`` is the pool the run scored (see :func:`select`); return the
     ids of this pool that were not scored (empty unless ``allow_other_pool``). A run
     without the pool file's fingerprint is checked by ids alone, which ``warnings`` says."""
-    from .io import sha256_file
-
     expected = (run.get("fingerprints") or {}).get("pool_file")
     if expected is not None and sha256_file(pool_path) == expected:
         return []

@@ -29,6 +29,7 @@ Per-task scores are the ``scores`` field (``{task: score}``) of ``scores.jsonl``
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from collections import Counter
@@ -36,7 +37,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, InputError
+from .data.readers import detect_format, iter_records, load_targets, parse_pool_record, record_id
+from .errors import ConfigError, InputError, OutputError
+from .evaluation.export import write_trainer_file
+from .io import atomic_write_json, atomic_write_jsonl, sha256_file
 
 OVERLAP_NGRAM = 13  # word n-gram shared with a target / eval text = overlap (as wana)
 SHINGLE = 5  # word shingle length of the MinHash signatures
@@ -148,8 +152,6 @@ def reference_texts(targets_path, eval_files) -> list[tuple[str, str]]:
     """``(label, text)`` of every text the pool must not overlap: each target pair's
     prompt, chosen and rejected (``target:ID``) and every string of each ``--eval`` record
     (``eval:FILE:ID``; any record form, ids as the pool readers assign them)."""
-    from .data.readers import iter_records, load_targets, record_id
-
     out = []
     if targets_path:
         for t in load_targets(targets_path, skip_invalid=True).items:
@@ -485,8 +487,6 @@ def side_paths(out_path) -> tuple[Path, Path]:
 
 def sha256_path(path) -> str:
     """sha256 of a file; of a directory, of its files' relative paths and sha256s."""
-    from .io import sha256_file
-
     p = Path(path)
     if not p.is_dir():
         return sha256_file(p)
@@ -504,8 +504,6 @@ def _targets_of(run: dict) -> list[str]:
 def _pool_texts(pool_path, ids: set, texts: bool, field: str | None) -> dict:
     """``{id: (prompt text, response, {field: value})}`` of the scored records; the texts
     are empty unless ``texts``, and only ``field`` of each record is kept (memory)."""
-    from .data.readers import detect_format, iter_records, parse_pool_record
-
     csv_pool = detect_format(pool_path) == "csv"
     out, fields = {}, set()
     for row, rec in iter_records(pool_path, on_invalid=lambda e: None):
@@ -533,11 +531,9 @@ def apply_rules(run_dir: Path, run: dict, scores: list[dict], pool_path, out_pat
     summary :func:`prism_select.selection.select` documents. ``write_subset``:
     :func:`prism_select.selection.write_subset` (passed in: this module sits below selection)."""
     from . import __version__
-    from .io import atomic_write_json, atomic_write_jsonl
 
     if fmt is not None and fmt not in OUTPUT_FORMATS:
         raise ConfigError("format", f"unknown output format {fmt!r}", f"use one of {', '.join(OUTPUT_FORMATS)}")
-    from .errors import OutputError
 
     inputs = [Path(pool_path), run_dir / "scores.jsonl", run_dir / "run.json", *map(Path, _targets_of(run)),
               *map(Path, rules.eval_files)]
@@ -570,8 +566,6 @@ def apply_rules(run_dir: Path, run: dict, scores: list[dict], pool_path, out_pat
     if fmt in (None, "jsonl"):
         written = write_subset(pool_path, kept, out, out_format=fmt)
     else:
-        from .evaluation.export import write_trainer_file
-
         result = write_trainer_file(pool_path, kept, out, fmt)
         written = result["count"]
         if result.get("dataset_info"):
@@ -612,8 +606,6 @@ def describe_counts(summary: dict) -> str:
 def read_decisions(path) -> list[dict]:
     """The decisions of ``path``: a ``*.decisions.jsonl``, a ``*.manifest.json``, or the
     ``--out`` of a select (its decisions file beside it)."""
-    from .data.readers import iter_records
-
     p = Path(path)
     if p.is_dir() and not any(p.glob("*.decisions.jsonl")) and (p / "run.json").is_file():
         p = _latest_select_of(p)
@@ -636,8 +628,6 @@ def read_decisions(path) -> list[dict]:
 def _latest_select_of(run_dir: Path) -> Path:
     """The newest ``*.manifest.json`` beside ``run_dir`` or in the working directory whose
     ``settings.run`` is ``run_dir``."""
-    import json
-
     want = str(run_dir.absolute())
     found = []
     for folder in {run_dir.absolute().parent, Path.cwd()}:

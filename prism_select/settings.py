@@ -45,18 +45,18 @@ GiB = 1 << 30
 # their facts are the registry's (:mod:`prism_select.methods.registry`, which imports
 # nothing of the package but the errors).
 
-#: arithmetic of a half-precision model while scoring (:mod:`prism_select.precision`)
+#: arithmetic of a half-precision model while scoring (:mod:`prism_select.runtime.precision`)
 PRECISIONS = ("model", "residual32", "split32")
-#: CUDA graphs (:mod:`prism_select.graphs`)
+#: CUDA graphs (:mod:`prism_select.runtime.graphs`)
 GRAPH_MODES = ("auto", "on", "off")
-#: multi-GPU sharding of the model (:mod:`prism_select.sharding`)
+#: multi-GPU sharding of the model (:mod:`prism_select.runtime.sharding`)
 SHARDS = ("none", "fsdp")
 #: when a sharded K-FAC / EK-FAC fit's statistics reach the layers' owners
 #: (``--fsdp-sums``; ``sums`` of :class:`prism_select.curvature.fit.FitLayout`):
 #: every step, once per pass, or as the memory plan finds room (auto)
 FSDP_SUMS = ("auto", "step", "pass")
 #: whether each decoder block keeps its gathered weights from its forward to its backward
-#: (``--fsdp-keep-gathered``, :func:`prism_select.sharding.weights_gathered`): as the memory
+#: (``--fsdp-keep-gathered``, :func:`prism_select.runtime.sharding.weights_gathered`): as the memory
 #: plan finds room, or always / never
 KEEP_GATHERED = ("auto", "on", "off")
 #: tokens per example; a longer prompt is cut from the left (:mod:`prism_select.data.tokenize`)
@@ -348,6 +348,15 @@ class RunSettings:
         return None if self.cache_max_gb is None else int(self.cache_max_gb * (1 << 30))
 
 
+def format_size(b: float) -> str:
+    """A byte count in binary units (``"512 B"``, ``"11.0 GiB"``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if b < 1024 or unit == "TiB":
+            return f"{b:.1f} {unit}" if unit != "B" else f"{int(b)} B"
+        b /= 1024
+    return f"{b:.1f} TiB"
+
+
 def parse_bytes(text, what: str = "max_gpu_memory") -> int | None:
     """``"70GiB"``, ``"70GB"``, ``"70G"`` or a plain number of GiB -> bytes (None -> None)."""
     if text is None:
@@ -376,11 +385,11 @@ class ExecutionSettings:
     attention stay in the model's dtype; split32 computes every activation in float32, the
     linear layers as two half-precision GEMMs on a hi/lo split of their input, and the
     target direction and the curvature fit run in the same arithmetic
-    (:mod:`prism_select.precision`). cuda_graphs: :mod:`prism_select.graphs`. shard:
-    :mod:`prism_select.sharding`; fsdp_sums: ``sums`` of
+    (:mod:`prism_select.runtime.precision`). cuda_graphs: :mod:`prism_select.runtime.graphs`. shard:
+    :mod:`prism_select.runtime.sharding`; fsdp_sums: ``sums`` of
     :class:`prism_select.curvature.fit.FitLayout`, chosen by the memory plan under auto;
-    fsdp_keep_gathered: :func:`prism_select.sharding.weights_gathered`, likewise.
-    deterministic: :func:`prism_select.execution.make_deterministic`.
+    fsdp_keep_gathered: :func:`prism_select.runtime.sharding.weights_gathered`, likewise.
+    deterministic: :func:`prism_select.runtime.execution.make_deterministic`.
     max_gpu_memory: bytes (a text such as ``"70GiB"`` is read as a size), the cap of the
     memory plan (:mod:`prism_select.plan`).
     """

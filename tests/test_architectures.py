@@ -13,7 +13,7 @@ import transformers as tf
 from prism_select.curvature import CurvatureSettings, fit_curvature
 from prism_select.data.tokenize import encode
 from prism_select.model import tracked_linear_modules
-from prism_select.moe import EagerExperts, RoutedLinear, linearize_model, tracking_summary
+from prism_select.model.moe import EagerExperts, RoutedLinear, linearize_model, tracking_summary
 from prism_select.scoring import score_encoded
 
 from reference import example_loss, rel_err
@@ -159,7 +159,7 @@ def _reference_scores(model, modules, encoded, V):
 
 def _random_direction(modules, seed=1):
     g = torch.Generator().manual_seed(seed)
-    from prism_select.gradients import layer_shape
+    from prism_select.runtime.layers import layer_shape
     return {n: torch.randn(*layer_shape(m), generator=g, dtype=torch.float64) for n, m in modules.items()}
 
 
@@ -273,7 +273,7 @@ def test_summary_warns_when_most_of_a_block_is_untracked(tok):
 
 
 def test_memory_plan_counts_every_expert(tok):
-    from prism_select.gradients import layer_shape
+    from prism_select.runtime.layers import layer_shape
     from prism_select.plan import ExampleSize, make_plan, stored_bytes
 
     model = build("qwen3_moe", len(tok))
@@ -343,7 +343,7 @@ def test_expert_layers_in_the_hook_routes(tok, encoded):
 
 def test_cuda_graphs_are_off_for_expert_layers(tok):
     from prism_select.errors import ConfigError
-    from prism_select.graphs import graphs_wanted
+    from prism_select.runtime.graphs import graphs_wanted
 
     model = build("mixtral", len(tok))
     assert graphs_wanted("auto", "cuda", model)

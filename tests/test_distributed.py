@@ -76,7 +76,7 @@ def test_several_target_sets_under_torchrun_match_single_process(two_ranks, tmp_
 
 
 def test_contiguous_owners_balance_cost_and_keep_order():
-    from prism_select.distributed import contiguous_owners
+    from prism_select.runtime.distributed import contiguous_owners
 
     costs = [1.0] * 10 + [3.0] * 10  # rising lengths: equal counts would be 10 vs 30
     own = contiguous_owners(costs, 2)
@@ -89,7 +89,7 @@ def test_contiguous_owners_balance_cost_and_keep_order():
 
 
 def test_balance_spreads_large_tasks_first():
-    from prism_select.distributed import balance
+    from prism_select.runtime.distributed import balance
 
     # one layer group of a model: three big eighs and eight small ones, four ranks
     costs = [27.0, 1, 1, 1, 27.0, 1, 1, 1, 1, 1, 27.0]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from prism_select.errors import ConfigError
-from prism_select.execution import DEFAULT_KERNELS, Kernels, resolve
+from prism_select.runtime.execution import DEFAULT_KERNELS, Kernels, resolve
 from prism_select.settings import ScoreSettings
 
 
@@ -46,7 +46,7 @@ def test_deterministic_kernels_are_on_inside_and_restored_after(monkeypatch):
     """``--deterministic``: PyTorch's deterministic algorithms, cuDNN's and cuBLAS's fixed
     workspace while the run lasts; the process's own settings come back after it (also
     after an error), and ``on=False`` changes nothing."""
-    from prism_select.execution import CUBLAS_DETERMINISTIC_WORKSPACE, deterministic
+    from prism_select.runtime.execution import CUBLAS_DETERMINISTIC_WORKSPACE, deterministic
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert not torch.are_deterministic_algorithms_enabled()
     with deterministic(False):

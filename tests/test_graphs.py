@@ -1,4 +1,4 @@
-"""CUDA-graph scoring (prism_select/graphs.py): bucketing and padding on the CPU in
+"""CUDA-graph scoring (prism_select/runtime/graphs.py): bucketing and padding on the CPU in
 float64 against unpadded eager scores; capture and replay against eager on a GPU."""
 
 import pytest
@@ -8,8 +8,9 @@ from prism_select.curvature import factors as factors_mod, spill as spill_mod, s
 from prism_select import engine
 from prism_select.data.tokenize import encode
 from prism_select.errors import ConfigError
-from prism_select.graphs import BUCKET_FRACTION, MIN_BUCKET, GraphedScorer, bucket_length, graphs_wanted
-from prism_select.execution import ExecutionContext
+from prism_select.runtime.graphs import (BUCKET_FRACTION, MIN_BUCKET, GraphedScorer, bucket_length,
+                                         graphs_wanted)
+from prism_select.runtime.execution import ExecutionContext
 from prism_select.scoring import make_scorer, score_encoded
 
 from tiny import tiny_llama
@@ -56,7 +57,7 @@ def test_bucket_length_bounds():
 def test_graphs_auto_follows_model_size(monkeypatch, model):
     """``auto`` on a CUDA device: graphs for models below AUTO_MAX_PARAMS only (no CUDA
     needed to check the decision)."""
-    from prism_select import graphs
+    from prism_select.runtime import graphs
     n = sum(p.numel() for p in model.parameters())
     monkeypatch.setattr(graphs, "AUTO_MAX_PARAMS", n + 1)
     assert graphs_wanted("auto", "cuda", model) is True
@@ -243,7 +244,7 @@ def test_a_failed_capture_frees_its_memory_before_the_eager_steps(monkeypatch):
     calls = []
     state = {"capturing": False}
     _stand_in_cuda(monkeypatch, state, empty_cache=lambda: calls.append("empty_cache"))
-    monkeypatch.setattr("prism_select.plan.device_headroom", lambda device: 2**40)
+    monkeypatch.setattr("prism_select.runtime.memory.device_headroom", lambda device: 2**40)
     seen = []
 
     class Scorer:
@@ -274,7 +275,7 @@ def test_a_shape_whose_capture_may_not_fit_runs_eagerly_and_the_others_keep_thei
     what the shape's eager warm-up reserved: a longer shape that would not fit runs eagerly
     (no capture tried, now or later), and the shorter shape captured before keeps its
     graph. Driven on the CPU with the CUDA calls stood in for (memory counted by the stub)."""
-    from prism_select.graphs import CAPTURE_HEADROOM
+    from prism_select.runtime.graphs import CAPTURE_HEADROOM
 
     state = {"reserved": 0, "capturing": False}
     per_token = 1000  # bytes a warm-up step reserves per padded token
@@ -282,7 +283,7 @@ def test_a_shape_whose_capture_may_not_fit_runs_eagerly_and_the_others_keep_thei
                    memory_reserved=lambda device=None: state["reserved"])
     # room for a 16-token shape's capture (4 x 16 tokens), not for a 64-token one's
     room = int(CAPTURE_HEADROOM * per_token * 4 * 40)
-    monkeypatch.setattr("prism_select.plan.device_headroom", lambda device: room)
+    monkeypatch.setattr("prism_select.runtime.memory.device_headroom", lambda device: room)
     captured = []
 
     class Scorer:
@@ -345,8 +346,8 @@ def test_fit_warmup_batch_adds_nothing(model, modules, tok, encoded_pool):
     """The graph warm-up runs the fit step on ``neutral`` batches: no statistics move."""
     from prism_select.curvature import fit as fit_mod
     from prism_select.engine import tap_linears
-    from prism_select.graphs import pad_batch
-    from prism_select.gradients import layer_shape
+    from prism_select.runtime.graphs import pad_batch
+    from prism_select.runtime.layers import layer_shape
     stats = stats_mod._Stats(torch.float64)
     A = {n: torch.zeros(layer_shape(m)[1], layer_shape(m)[1], dtype=torch.float64) for n, m in modules.items()}
     S = {n: torch.zeros(layer_shape(m)[0], layer_shape(m)[0], dtype=torch.float64) for n, m in modules.items()}
@@ -410,13 +411,14 @@ def test_a_capture_out_of_memory_turns_later_captures_off_and_names_the_fix(monk
     """After a capture ran out of memory, the process's later scorers run eagerly (no new
     capture, whose pool could not be given back either), and an out-of-memory error names
     --cuda-graphs off instead of a lower cap. CUDA calls stood in for on the CPU."""
-    from prism_select import errors, graphs
+    from prism_select import errors
+    from prism_select.runtime import graphs
     from prism_select.errors import resource_error
 
     monkeypatch.setattr(errors, "CAPTURE_OOM", [])
     state = {"capturing": False}
     _stand_in_cuda(monkeypatch, state)
-    monkeypatch.setattr("prism_select.plan.device_headroom", lambda device: 2**40)
+    monkeypatch.setattr("prism_select.runtime.memory.device_headroom", lambda device: 2**40)
     tries = []
 
     class Scorer:

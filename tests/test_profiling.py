@@ -3,7 +3,7 @@ profiled into a table per loop."""
 
 import torch
 
-from prism_select import profiling
+from prism_select.runtime import profiling
 
 
 def _loop(n):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prism_select.curvature import stats as stats_mod
-from prism_select import sharding
+from prism_select.runtime import sharding
 from prism_select.errors import ConfigError
 from prism_select.settings import ScoreSettings
 
@@ -68,7 +68,8 @@ def test_fsdp_scores_equal_one_process(runs, curvature, transfers):
 GROUPED = r"""
 import os, sys
 import prism_select.run.preflight as preflight
-from prism_select import cli, distributed
+from prism_select import cli
+from prism_select.runtime import distributed
 from prism_select.curvature import fit as fitmod
 
 planned = preflight.make_plan
@@ -150,7 +151,7 @@ def test_sharded_transient_run_resumes_finished_groups(runs, tmp_path):
 WORKER = r"""
 import json, os, sys
 import torch
-from prism_select import distributed, sharding
+from prism_select.runtime import distributed, sharding
 distributed.init_from_env("cpu")
 torch.manual_seed(0)
 # a tiny Llama's linear shapes (hidden 20, 2 heads, 1 key-value head), in torch modules
@@ -229,7 +230,7 @@ def test_sums_in_flight_are_bounded_and_each_reaches_its_accumulators(monkeypatc
     """The sharded fit's sums (:class:`stats._Sum`): at most REDUCE_WINDOW wait unfinished,
     the oldest finish first, each sum is added to every accumulator registered for it
     (before or after it finished), and a step's end finishes the rest."""
-    from prism_select import distributed
+    from prism_select.runtime import distributed
     from prism_select.curvature import fit
 
     started, finished = [], []

@@ -19,7 +19,7 @@ WORKER = r"""
 import json, os, sys
 sys.path.insert(0, {tests!r})
 import torch
-from prism_select import distributed
+from prism_select.runtime import distributed
 from prism_select.curvature import CurvatureSettings, fit_curvature
 from prism_select.data.tokenize import encode
 from prism_select.scoring import Chunking, score_encoded

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..errors import CacheError, ConfigError
 from ..gradients import release_host_memory, side_by_side
 from ..io import atomic_write_json, sha256_file
+from ..runtime import distributed
 from ..settings import DEFAULT_BATCH_SIZE, check_seed, setting
 
 KINDS = ("ekfac", "kfac", "diagonal", "identity")
@@ -311,8 +313,6 @@ class Curvature:
         ``factors-RRRRR-of-KKKKK.safetensors`` (the copy to the host and the write divide
         with the ranks) and rank 0 writes ``curvature.json`` once all shares are on disk.
         """
-        from .. import distributed
-
         d = Path(directory)
         parts, me = distributed.world(), distributed.rank()
         if distributed.is_main():
@@ -412,7 +412,6 @@ class HostTensorFiles(MutableMapping):
         self._where: dict = {}  # key -> (file index, dtype, shape, offset, bytes)
         self._held: dict = {}  # keys set in memory
         self._lock = threading.Lock()
-        from safetensors import SafetensorError, safe_open
         try:
             for path in paths:
                 try:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import distributed
 from ..engine import Tap, mm_acc
-from ..gradients import check_finite, has_bias, layer_shape, release_host_memory
+from ..gradients import check_finite, release_host_memory
+from ..runtime import distributed
+from ..runtime.layers import has_bias, layer_shape
 from .factors import _key, _with_ones
 
 

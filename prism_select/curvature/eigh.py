@@ -5,10 +5,12 @@ CUDA factors of one width side by side on their own streams."""
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .. import plan  # (a module: plan imports curvature.stats)
+from ..runtime import memory
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +33,6 @@ def _eigh(M: torch.Tensor):
     by :func:`_gram_into` need not be mirrored first.
     On the CPU a factor up to EIGH_SERIAL_MAX wide is decomposed on one thread, unless
     OpenMP waits passively."""
-    import os
-
     threads = torch.get_num_threads()
     serial = (M.device.type == "cpu" and M.shape[0] <= EIGH_SERIAL_MAX and threads > 1
               and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE")
@@ -64,8 +64,6 @@ def _eigh_many(factor, indices: list):
     fully. The results are those of a one-thread ``_eigh``. Wider CPU factors run one
     after the other with all threads; CUDA factors of one width run side by side on their
     own streams (:func:`_eigh_cuda_side_by_side`) when CUDA_EIGH_STREAMS allows more than one."""
-    from concurrent.futures import ThreadPoolExecutor
-
     threads = torch.get_num_threads()
     small = [i for i in indices if factor(i).device.type == "cpu" and factor(i).shape[0] <= EIGH_SERIAL_MAX]
     if threads < 2 or len(small) < 2:
@@ -90,7 +88,7 @@ def _eigh_many(factor, indices: list):
 #: 14336 wide take 1.128 s each side by side against 1.668 s one after another (one H200,
 #: 2026-11-28, benchmarks/results/eigh_routes_h200.json); inside the 8B fit the phase took
 #: 202.2 s with 4 against 204.1 s with 1 (H200, 2026-11-29), its window then sized by the
-#: driver's free memory alone (the bound is :func:`prism_select.plan.allocatable_bytes`
+#: driver's free memory alone (the bound is :func:`prism_select.runtime.memory.allocatable_bytes`
 #: since). Not timed inside a fit since, so off: 1, one after another (docs/scale.md,
 #: "Eigendecompositions").
 CUDA_EIGH_STREAMS = 1
@@ -125,8 +123,6 @@ def _eigh_cuda_side_by_side(factor, indices: list):
     another). Each side stream first waits for the caller's stream (where the factor was
     summed); the results are marked as used by the caller's stream, which reads and frees
     them."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def one(i, caller):
         M = factor(i)
         # a new thread has no current device of its own: cuSOLVER's handle is made for the
@@ -145,7 +141,7 @@ def _eigh_cuda_side_by_side(factor, indices: list):
     k = 0
     while k < len(order):
         M = factor(order[k])
-        width = cuda_side_by_side(M.shape[0], M.element_size(), plan.allocatable_bytes(M.device))
+        width = cuda_side_by_side(M.shape[0], M.element_size(), memory.allocatable_bytes(M.device))
         window = [order[k]]
         while len(window) < width and k + len(window) < len(order) \
                 and factor(order[k + len(window)]).shape[0] == M.shape[0]:

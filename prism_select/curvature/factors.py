@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import distributed
 from ..engine import Tap, collate_to, mm_acc, mm_acc_into, tap_linears
-from ..gradients import has_bias
+from ..runtime import distributed
+from ..runtime.layers import has_bias
 
 
 def _key(x, *extra):

@@ -39,22 +39,23 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from .. import distributed, profiling, sharding
 from ..data.tokenize import token_losses
-from ..execution import ExecutionContext
 from ..engine import batch_losses, causal_only, collate_to, split_causal_lm, tap_linears
-from ..precision import fit_policy
-from ..graphs import GraphedScorer, bucket_length, graphs_wanted
-from ..gradients import check_finite, layer_shape, release_host_memory
-from ..moe import is_routed
+from ..engine.policy import fit_policy
+from ..gradients import check_finite, release_host_memory
+from ..model.moe import is_routed
+from ..runtime import distributed, profiling, sharding
+from ..runtime.execution import ExecutionContext
+from ..runtime.graphs import GraphedScorer, bucket_length, graphs_wanted
+from ..runtime.layers import layer_shape
 from .base import Curvature, CurvatureSettings, FitSettings, apply_damping
+from .eigenvalues import _finish_lambda, _lambda_steps, _LambdaTap
 from .eigh import _eigh_many
-from .factors import (_CovTap, _DiagTap, _LowerBlocks, _identical, _identical_across_ranks, _mirror, _shared_inputs,
-                      _unshare_inputs)
-from .eigenvalues import _LambdaTap, _finish_lambda, _lambda_steps
-from .stats import _Stats
+from .factors import (_CovTap, _DiagTap, _identical, _identical_across_ranks, _LowerBlocks, _mirror,
+                      _shared_inputs, _unshare_inputs)
 from .sharded import _ShardedCovTap, _ShardedLambdaTap
-from .spill import FitScores, _Spill, _SpillTap, _spill_wanted, _spilled_groups
+from .spill import FitScores, _Spill, _spill_wanted, _spilled_groups, _SpillTap
+from .stats import _Stats
 
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 class _FitStep:
     """One fit batch: forward, the loss, the backward through the taps (which add to the
     statistics). Returns the per-example finite-loss flags. Under CUDA graphs
-    (:class:`prism_select.graphs.GraphedScorer`) the batch comes padded, without an
+    (:class:`prism_select.runtime.graphs.GraphedScorer`) the batch comes padded, without an
     attention mask (``token_mask`` marks the real tokens) and with the plain loss."""
 
     def __init__(self, model, stats, fisher, seed, split):
@@ -244,11 +245,11 @@ def fit_curvature(model, modules: dict, encoded: list, settings: CurvatureSettin
     direction with it). ``spill``: the CPU fit's spill and what is done with it
     (:class:`FitSpill`). ``execution`` (default: :meth:`ExecutionContext.of` the model):
     the device; ``precision`` (under ``split32`` the fit computes as the scores do,
-    :func:`prism_select.precision.fit_policy`, with ``kernels``); ``cuda_graphs``
+    :func:`prism_select.engine.policy.fit_policy`, with ``kernels``); ``cuda_graphs``
     (empirical Fisher only; ``auto``: CUDA devices, models below
     ``graphs.AUTO_MAX_PARAMS``, and passes that replay each shape FIT_GRAPH_MIN_REPLAYS
     times) captures each padded fit-batch shape once and replays it
-    (:mod:`prism_select.graphs`; the statistics are the same sums); ``progress``.
+    (:mod:`prism_select.runtime.graphs`; the statistics are the same sums); ``progress``.
     ``timings``, if given, receives ``factors_s``, ``eigh_s`` and ``lambda_s`` (summed
     over groups).
 
@@ -318,8 +319,8 @@ def _damped_group(settings: CurvatureSettings, group: list, t: dict, owners: dic
 
 def factors_sharded(model, kind: str) -> bool:
     """Whether a fit of ``kind`` shards its factors over the ranks: K-FAC and EK-FAC of a
-    model sharded with FSDP (:mod:`prism_select.sharding`). Each layer's factors then live
-    on one rank (:func:`prism_select.sharding.factor_owners`), which receives the other
+    model sharded with FSDP (:mod:`prism_select.runtime.sharding`). Each layer's factors then live
+    on one rank (:func:`prism_select.runtime.sharding.factor_owners`), which receives the other
     ranks' layer inputs and output gradients in every step, so per-rank factor memory
     falls as ``1/K``; data-parallel ranks (a whole model each) sum full factors instead."""
     return kind in ("ekfac", "kfac") and distributed.active() and sharding.is_sharded(model)
@@ -330,7 +331,7 @@ def _decompose(A: dict, S: dict, reps: list, own: list, owners, compute, desc: s
     owned layer's ``S``, freeing each factor (its entry set to None) once it is decomposed.
     Returns ``(results, tasks, where)``: ``(kind, layer) -> (eigenvalues, eigenbasis)``, the
     tasks in order, and the rank that decomposes each (the others' results are empty
-    tensors until :func:`prism_select.distributed.share_from_owners`)."""
+    tensors until :func:`prism_select.runtime.distributed.share_from_owners`)."""
     me = distributed.rank()
     # Tasks: one eigh per distinct A and one per layer's S. Under torchrun they are
     # spread over the ranks by cost (~size^3, largest first), and each result is then
@@ -389,7 +390,7 @@ class _GroupFit:
 
     ``offload``: the finished tensors go to host memory as soon as the device copies that
     the eigenvalue pass needs are made (the pass then holds only those). ``owners``
-    (K-FAC / EK-FAC under FSDP, :func:`prism_select.sharding.factor_owners`): each layer's
+    (K-FAC / EK-FAC under FSDP, :func:`prism_select.runtime.sharding.factor_owners`): each layer's
     statistics are accumulated, decomposed and kept by its owner rank alone, and this
     rank returns the tensors of the layers it owns. ``local_sums`` (with ``owners``): each
     rank sums its own batches' statistics of every layer of the group through a pass and
@@ -614,7 +615,7 @@ class _GroupFit:
         group_of = {n: reps.index(rep[n]) for n in roots}  # layer -> group id
         for n in own:  # summed in the accumulator of the first layer reading their input
             group_of[n] = group_of[self.first[n]]
-        for n in roots:  # an expert's layer: over the tokens routed to it (prism_select.moe)
+        for n in roots:  # an expert's layer: over the tokens routed to it (prism_select.model.moe)
             A[n] /= max(self.routed.get(n, n_tokens), 1)
             check_finite(A[n], "the activation covariance", layer=n)
         for n in own:

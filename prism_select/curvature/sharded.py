@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from .. import distributed
-from .factors import _CovTap, _gram, _key, _with_ones
+from ..runtime import distributed
 from .eigenvalues import _LambdaTap, _rotate
+from .factors import _CovTap, _gram, _key, _with_ones
 
 
 class _ShardedCovTap(_CovTap):
     """Pass 1 with the factors sharded over the ranks (FSDP, ``owner`` from
-    :func:`prism_select.sharding.factor_owners`): every rank forms the products of its own
+    :func:`prism_select.runtime.sharding.factor_owners`): every rank forms the products of its own
     batch (masked inputs with the bias's ones column, masked too; output gradients), and
     they are summed onto the layer's owner, which alone accumulates ``A`` and ``S`` (None
     elsewhere), with the same sums as one process. Each rank multiplies only its own

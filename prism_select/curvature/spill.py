@@ -7,21 +7,24 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
+import tempfile
 import threading
 import time
 
 import torch
 from tqdm.auto import tqdm
 
-from .. import distributed, sharding
 from ..engine import Tap, rowdot
-from ..gradients import check_finite, has_bias, layer_shape, release_host_memory
-from ..moe import is_routed
-from ..gradients import side_by_side as _side_by_side
+from ..gradients import check_finite, release_host_memory, side_by_side as _side_by_side
+from ..model.moe import is_routed
+from ..runtime import distributed, sharding
+from ..runtime.layers import has_bias, layer_shape
 from .base import Curvature, PreconditionSettings, apply_damping
+from .eigenvalues import _lambda_from_sums, _LambdaTap
 from .eigh import _eigh
 from .factors import _gram_into, _input_product, _key
-from .eigenvalues import _LambdaTap, _lambda_from_sums
 from .stats import _Recent, _Stats
 
 log = logging.getLogger(__name__)
@@ -43,7 +46,6 @@ class _Spill:
     layers (q/k/v, gate/up) is written once."""
 
     def __init__(self, directory=None):
-        import tempfile
         self.f = tempfile.TemporaryFile(dir=directory)
         self.batches: list = []
         # this batch's recent inputs: key -> (input, entry); the input is held so that its
@@ -68,7 +70,6 @@ class _Spill:
 
     def read(self, entry) -> torch.Tensor:
         """One written tensor (a positioned read: threads may read side by side)."""
-        import os
         off, shape, dtype = entry
         t = torch.empty(shape, dtype=dtype)
         buf = memoryview(t.numpy()).cast("B")
@@ -221,8 +222,6 @@ def _spill_bytes(modules: dict, encoded: list, batches: list, itemsize: int) -> 
 
 
 def _spill_wanted(model, modules, encoded, batches, device, settings, directory) -> bool:
-    import shutil
-    import tempfile
     p = next(model.parameters())
     if (settings.kind != "ekfac" or SPILL_MAX_BYTES <= 0 or torch.device(device or p.device).type != "cpu"
             or p.dtype not in (torch.float32, torch.float64) or distributed.world() > 1
@@ -252,7 +251,7 @@ def _spilled_groups(modules: dict, spill: _Spill, compute, n_tokens: int, n_exam
     ``scores`` (:class:`FitScores`): each task also scores the fit examples with its
     layers, if the products it keeps for that fit ``scores.max_bytes`` (else the fit does
     not score; ``scores.scores`` stays None). ``routed``: the token count of each expert
-    layer (:mod:`prism_select.moe`), which normalises its ``A`` instead of ``n_tokens``.
+    layer (:mod:`prism_select.model.moe`), which normalises its ``A`` instead of ``n_tokens``.
 
     Returns ``(tensors, Lam, M4, seconds)``: each layer's ``QA``, ``lamA``, ``QS``, ``lamS``
     (eigenvalues clamped at 0, row-major eigenvectors), the unnormalised sums per layer,

@@ -9,8 +9,8 @@ from collections import OrderedDict, deque
 
 import torch
 
-from .. import distributed
-from ..moe import layer_mask, routed_tokens
+from ..model.moe import layer_mask, routed_tokens
+from ..runtime import distributed
 
 
 class _Recent(OrderedDict):
@@ -72,7 +72,7 @@ class _Stats:
         self._scratch = None
         self.spill = None  # a _Spill the factor pass writes
         self.pending: deque = deque()  # _Sum in flight (sharded factors)
-        #: per expert layer (:mod:`prism_select.moe`): the real tokens routed to it so far
+        #: per expert layer (:mod:`prism_select.model.moe`): the real tokens routed to it so far
         self.layer_tokens: dict = {}
 
     def count_routed(self, name, module):
@@ -127,7 +127,7 @@ class _Stats:
 
     def mask_of(self, module, dtype):
         """:meth:`mask` as ``module`` sees the batch's tokens: an expert's layer at its
-        slots (:func:`prism_select.moe.layer_mask`)."""
+        slots (:func:`prism_select.model.moe.layer_mask`)."""
         if getattr(module, "slots", None) is None:
             return self.mask(dtype)
         return layer_mask(module, self.sel).to(dtype)[..., None]

@@ -7,12 +7,12 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .. import cache as cache_entries
-from .. import distributed
+from .. import cache as cache_entries, settings as _settings
 from ..errors import CacheError
-from ..execution import ExecutionContext
-from ..precision import fit_arithmetic
 from ..io import sha256_json
+from ..runtime import distributed
+from ..runtime.execution import ExecutionContext
+from ..runtime.precision import fit_arithmetic
 from ..settings import key_of
 from .base import Curvature, FitSettings, apply_damping
 from .fit import FitLayout, FitSpill, fit_curvature
@@ -27,7 +27,7 @@ def curvature_key(settings: FitSettings, model_fingerprint: str, pool_fingerprin
     change the sums). The damping and the shrinkage (:class:`PreconditionSettings`) are
     applied when preconditioning (:func:`apply_damping`), so a new ``--damping`` or
     ``--shrinkage`` reuses the fit. ``arithmetic``
-    is how the fit computed (:func:`prism_select.precision.fit_arithmetic`: the weights'
+    is how the fit computed (:func:`prism_select.runtime.precision.fit_arithmetic`: the weights'
     dtype, and whether ``--precision split32`` was active)."""
     return {
         "settings": key_of(settings, FitSettings),
@@ -124,7 +124,7 @@ def _save(cur: Curvature, key: dict, directory: Path, cache: FitCache):
         room = cache_entries.make_room(root, size, cache.max_bytes, keep=[directory])
         if not room:
             log.warning("the fitted curvature (%s) does not fit the cache (--cache-max-gb, or the free disk "
-                        "space under %s): it is used from memory and not saved", cache_entries.format_size(size),
+                        "space under %s): it is used from memory and not saved", _settings.format_size(size),
                         root)
     if distributed.all_or_nothing(room):
         saved = cache_entries.guarded_write(directory, lambda: cur.save(directory, key), "the fitted curvature",

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import InputError
 from . import sharegpt
 from .records import InvalidRecord, Loaded, PoolExample, TargetPair
@@ -470,8 +472,6 @@ def _id_hash(rid) -> int:
 
 
 def _check_unique_ids(path, hashes: array) -> None:
-    import numpy as np
-
     h = np.sort(np.frombuffer(hashes, dtype=np.int64)) if hashes else np.zeros(0, np.int64)
     clash = set(h[1:][h[1:] == h[:-1]].tolist())
     if not clash:

@@ -10,12 +10,15 @@ cannot fit (with at least one prompt token to predict it from) is invalid.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import InputError
+from ..io import sha256_json
 from ..settings import DEFAULT_MAX_LENGTH  # noqa: F401 (re-exported)
 
 
@@ -167,9 +170,6 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
 
 def encoded_fingerprint(encoded: list) -> str:
     """sha256 over the token ids and response boundaries: what the numbers depend on."""
-    import hashlib
-
-    import numpy as np
 
     h = hashlib.sha256()
     for e in encoded:
@@ -182,9 +182,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """sha256 of what :func:`encode` depends on besides the text: the vocabulary and rules
     (a fast tokenizer's serialised form, else its vocabulary), the chat template and the
     special tokens."""
-    import hashlib
-
-    from ..io import sha256_json
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     core = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))

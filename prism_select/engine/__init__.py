@@ -9,7 +9,7 @@
 ``kernels``  the Triton kernels
 
 What is explicit here and not a module setting: the kernel choices
-(:class:`prism_select.execution.Kernels`), passed as arguments.
+(:class:`prism_select.runtime.execution.Kernels`), passed as arguments.
 """
 
 from .arith import GRAD32, cotangent_mm, mm_acc, mm_acc_into, rowdot, split_cat, split_half, split_linear, split_mm

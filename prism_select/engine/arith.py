@@ -5,15 +5,15 @@ Split precision: a float32 matrix ``x`` is split into two half-precision matrice
 ``hi = round(x)`` and ``lo = round(x - hi)``, so that ``x @ W = hi @ W + lo @ W`` up to the
 rounding of ``lo``: float32-accurate products of float32 activations with half-precision
 weights on tensor cores (:func:`split_linear`, :func:`split_mm`, :func:`cotangent_mm`).
-How they run is a :class:`~prism_select.execution.Kernels` argument.
+How they run is a :class:`~prism_select.runtime.execution.Kernels` argument.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..execution import DEFAULT_KERNELS, Kernels
-from ..gradients import GRAD32
+from ..runtime.execution import DEFAULT_KERNELS, Kernels
+from ..runtime.layers import GRAD32
 from .kernels import rowdot_kernel, split_kernel, triton_cdiv
 
 
@@ -138,7 +138,7 @@ def cotangent_mm(g: torch.Tensor, B: torch.Tensor, kernels: Kernels = DEFAULT_KE
 def rowdot(g: torch.Tensor, u: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """``sum`` of ``g * u`` over every dim but the first: (B,), float32 (float64 for
     float64 inputs); half-precision products accumulate in float32, on CUDA reduced as
-    ``backend`` says (:attr:`prism_select.execution.Kernels.rowdot`)."""
+    ``backend`` says (:attr:`prism_select.runtime.execution.Kernels.rowdot`)."""
     B = g.shape[0]
     if g.is_cuda and g.dtype == torch.float32:  # einsum would be a batched GEMV: slow on CUDA
         return (g * u).reshape(B, -1).sum(1)

@@ -4,7 +4,7 @@ Each is an autograd function that replaces the layer's ``forward`` for the durat
 ``with`` block, and restores it on exit.
 
 :class:`SplitPrecisionLinear`  every ``nn.Linear`` of a half-precision model under
-    ``--precision split32`` (:func:`prism_select.precision.split32`): float32 activations,
+    ``--precision split32`` (:func:`prism_select.engine.policy.split32`): float32 activations,
     products as split half-precision GEMMs (:func:`~prism_select.engine.arith.split_linear`),
     float32-accurate input and (under ``float32_grads``) weight gradients.
 
@@ -46,8 +46,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ..execution import DEFAULT_KERNELS, Kernels
-from ..gradients import has_bias
+from ..runtime.execution import DEFAULT_KERNELS, Kernels
+from ..runtime.layers import has_bias
 from .arith import GRAD32, accumulate32, cotangent_mm, mm_acc, rowdot, split_linear, split_mm, split_of
 from .loss import batch_losses, causal_only, split_causal_lm
 
@@ -100,7 +100,7 @@ class SplitPrecisionLinear(torch.autograd.Function):
 class _Layer:
     """Per-layer state of the fused exact route (everything the autograd function needs,
     resolved once, so the per-call Python work stays small). Under FSDP2
-    (:mod:`prism_select.sharding`) the weight and ``V`` are the layer's own parameters
+    (:mod:`prism_select.runtime.sharding`) the weight and ``V`` are the layer's own parameters
     (``weight``, ``prism_v``, ``prism_vb``), full only while its block computes: they are
     read at each use instead."""
 
@@ -233,7 +233,7 @@ class ExactScorer:
     def __init__(self, model, modules: dict, V: dict | None, modes: dict | None = None, fused_loss: bool = False,
                  kernels: Kernels = DEFAULT_KERNELS):
         """``V``: each layer's preconditioned target; None when the layers carry it as
-        FSDP2-sharded ``prism_v`` parameters (:func:`prism_select.sharding.set_v`).
+        FSDP2-sharded ``prism_v`` parameters (:func:`prism_select.runtime.sharding.set_v`).
         ``kernels``: the kernel choices of the products and dot products."""
         self.model, self.modules = model, modules
         self.kernels = kernels

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.tokenize import collate, token_losses
-from ..execution import DEFAULT_KERNELS, Kernels
+from ..runtime.execution import DEFAULT_KERNELS, Kernels
 from .arith import cotangent_mm, split_linear
 
 #: model classes whose logits are exactly ``lm_head(decoder(...).last_hidden_state)``

@@ -45,6 +45,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..data import load_pool
 from ..errors import ConfigError, InputError
 from ..io import atomic_write_json, atomic_write_jsonl
 
@@ -103,8 +104,6 @@ def _trl(ex, style: str) -> dict:
 
 
 def _select(pool_path, ids: Iterable[Any]) -> list:
-    from ..data import load_pool
-
     wanted = list(ids)
     if not wanted:
         raise ConfigError("ids", "no id selected", "pass at least one id")

@@ -34,6 +34,7 @@ optimizer step of the epoch and their mean (``mean_lr``; LESS weights checkpoint
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -45,9 +46,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from ..data import load_pool
+from ..data.records import PoolExample
+from ..data.tokenize import Encoded, collate, encode
 from ..errors import ConfigError, InputError, OutputError
 from ..io import atomic_write_json, check_writable_dir
+from ..model import LoadedModel, ModelSettings, load_model
+from ..model.tracking import _is_peft
 from ..settings import check_seed
 
 log = logging.getLogger(__name__)
@@ -186,10 +194,6 @@ class FinetuneResult:
 # --------------------------------------------------------------------------- data
 
 def _encode_examples(tokenizer, data, settings: FinetuneSettings) -> tuple[list, list]:
-    from ..data import load_pool
-    from ..data.records import PoolExample
-    from ..data.tokenize import Encoded, encode
-
     path = None
     if isinstance(data, (str, os.PathLike)):
         path = data
@@ -232,7 +236,6 @@ class _Collator:
         self.pad_id = pad_id
 
     def __call__(self, features):
-        from ..data.tokenize import Encoded, collate
         return collate([Encoded(f["input_ids"], f["response_start"]) for f in features], self.pad_id)
 
 
@@ -246,8 +249,6 @@ def adapter_param_key(param_name: str, adapter_name: str = "default") -> str:
 def save_optimizer_state(path, model, optimizer, adapter_name: str = "default") -> None:
     """Write Adam's ``exp_avg`` / ``exp_avg_sq`` of every trainable parameter of ``model``
     to ``path`` (safetensors, keyed by :func:`adapter_param_key`)."""
-    from safetensors.torch import save_file
-
     opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
     state = opt.state
     tensors, step = {}, 0
@@ -274,8 +275,6 @@ def save_optimizer_state(path, model, optimizer, adapter_name: str = "default") 
 def load_optimizer_state(checkpoint_dir) -> tuple[dict, dict, dict]:
     """``(exp_avg, exp_avg_sq, metadata)`` from ``checkpoint_dir/optimizer.safetensors``;
     the dicts map adapter parameter keys to tensors. :class:`InputError` if missing."""
-    from safetensors import safe_open
-
     path = Path(checkpoint_dir) / OPTIMIZER_FILE
     if not path.is_file():
         raise InputError(f"no {OPTIMIZER_FILE} (Adam state) in this checkpoint", path=checkpoint_dir,
@@ -376,16 +375,12 @@ def finetune(model, pool, out_dir, settings: FinetuneSettings | None = None, sav
     out_dir: receives ``adapter/``, ``finetune.json`` and (``save_every_epoch``) ``checkpoints/``.
     overwrite: replace an existing ``adapter/`` (otherwise :class:`OutputError`).
     """
-    import importlib.util
-
     for pkg, pin in (("peft", "peft>=0.13"), ("accelerate", "accelerate>=1.0")):
         if importlib.util.find_spec(pkg) is None:
             raise ConfigError("finetune", f"fine-tuning needs the {pkg!r} package",
                               f"pip install '{pin}' (or: pip install 'prism-select[eval]')")
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, set_seed
-
-    from ..model import LoadedModel, ModelSettings, _is_peft, load_model
 
     settings = settings or FinetuneSettings()
     out_dir = check_writable_dir(Path(out_dir))

@@ -31,7 +31,9 @@ e.g. a density ratio over the units a task's answers are made of).
 from __future__ import annotations
 
 import itertools
+import math
 import re
+from collections import Counter
 
 from ..evaluation_metrics import auroc
 
@@ -111,9 +113,6 @@ def density_ratio_scores(records: list, targets: list, units=words) -> list:
     ``p_T`` the unigram model of the targets' ``chosen`` responses and ``p_P`` that of the
     pool's responses, each ``(count(u) + 1) / (n + V)`` (add-one smoothing, ``V`` the units
     seen in either); 0 for a response without units. Label-free."""
-    import math
-    from collections import Counter
-
     pool_units = [units(r["response"]) for r in records]
     t_counts = Counter(u for t in targets for u in units(t["chosen"]))
     p_counts = Counter(u for us in pool_units for u in us)

@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 
 from ..errors import InputError
+from ..selection import choose, read_scores, write_subset
 from . import carry
 from .builders.bbh import bbh_splits, task_probes
 from .builders.multitask import multitask_pool, other_answer_targets, targets_from_responses
@@ -239,7 +240,6 @@ def _set_share(run: dict, name: str, task: str, m: str, value: float | None):
 def _select_method(exp, lm, run: dict, m: str, scored: dict, task, tdir: Path, pool_path: Path,
                    heldout_path: Path, seed: int):
     """Method ``m``'s top ``fraction`` of the pool for one split, fine-tuned and judged."""
-    from ..selection import choose, read_scores, write_subset
     cfg = exp.cfg
     mdir = tdir / "selected" / m
     mdir.mkdir(parents=True, exist_ok=True)

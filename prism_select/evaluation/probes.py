@@ -65,6 +65,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from tqdm.auto import tqdm
 
 from ..data.tokenize import _as_messages, _plain_prompt, has_chat_template
 from ..errors import ConfigError, InputError
@@ -143,7 +144,6 @@ def generate(lm, prompts: list, max_new_tokens: int = 256, batch_size: int = 16,
     was_training = model.training
     model.eval()
     try:
-        from tqdm.auto import tqdm
         starts = range(0, len(order), batch_size)
         for s in tqdm(starts, desc="generating", unit="batch", leave=False, disable=not progress):
             idx = order[s:s + batch_size]

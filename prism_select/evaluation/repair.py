@@ -37,6 +37,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..io import atomic_write_json, sha256_file
+from ..model import load_model
+from ..selection import choose, read_scores, write_subset
 from . import carry, verdict
 from .builders.bbh import bbh_probes
 from .builders.gsm8k import gsm8k_probes, harmful_count, mistake_math_targets
@@ -48,6 +50,7 @@ from .experiment import (Experiment, adapted, finish_experiment, free_cuda_cache
                          mean_table,
                          finetuned_responses, kept_adapter_step, mistake_math_run, paired_table, pct, rates_by_task, read_jsonl,
                          resolve_methods, respond, score_methods, train_adapter, write_if_changed)
+from .floors import floors, with_targets
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,6 @@ def pairs_from_responses(probes: list, pre: list, post: list, mode: str) -> list
 
 def _remove_top(scores_path, pool_path, out_path, count: int) -> dict:
     """Keep the pool minus the ``count`` top-ranked records; written in pool format."""
-    from ..selection import choose, read_scores, write_subset
     scores = read_scores(scores_path)
     kept = choose(scores, remove=("count", count)) if count > 0 else {s["id"] for s in scores}
     write_subset(pool_path, kept, out_path)
@@ -419,7 +421,6 @@ def family_floors(family: str = "dropped_carry"):
     over the stated sum's digits (``density_ratio_sum_digits``). Carry verdict: its checker
     and ``carry_in_prompt``."""
     if family == "dropped_carry":
-        from .floors import with_targets
         return {"checker": carry.arithmetic_error, "carry_in_prompt": carry.carry_in_prompt,
                 "sum_100_109": carry.sum_in_skipped_range,
                 "density_ratio_sum_digits": with_targets(carry.sum_digit_density_ratio)}
@@ -430,8 +431,6 @@ def family_floors(family: str = "dropped_carry"):
 
 def _setting(exp, cfg, lm, ratio: float, seed: int, checker, methods_all: list, retrain) -> list:
     """Every target set's run of one (harmful ratio, seed)."""
-    from ..model import load_model
-    from .floors import floors
     fractions = cfg.remove_fractions or [cfg.remove_fraction if cfg.remove_fraction is not None else ratio]
     rdir, pool, pool_path, probes, probes_path, task = pool_and_probes(exp, cfg, ratio, seed)
     harmful_ids = {p["id"] for p in pool if p["harmful"]}

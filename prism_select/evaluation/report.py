@@ -28,9 +28,13 @@ import math
 import re
 from pathlib import Path
 
+from ..data import load_pool
+from ..data.readers import iter_records, record_id
 from ..errors import InputError, OutputError
 from ..evaluation_metrics import auprc, auroc, roc_points
 from ..io import atomic_write_text, sha256_file
+from ..selection import read_run, read_scores
+from ..selection_rules import explain_text, read_decisions
 
 CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1200px;
@@ -223,8 +227,6 @@ def _table_html(t: dict) -> str:
 
 def _pool_index(pool_path: Path) -> dict:
     """id -> (prompt, response, raw record) of a pool file in any supported format."""
-    from ..data import load_pool
-    from ..data.readers import iter_records, record_id
     items = {e.id: e for e in load_pool(pool_path, skip_invalid=True).items}
     raw = {}
     for row, rec in iter_records(pool_path, on_invalid=lambda e: None):
@@ -264,7 +266,6 @@ def _labels(pool: dict, label: str | None) -> dict | None:
 
 def _run_figures(plots: _Plots, base: Path, run: dict, title: str, key: str) -> str:
     """ROC, score histograms and top/bottom examples of one run."""
-    from ..selection import read_scores
     pool_path = base / run["pool"]
     if not pool_path.exists():
         return f'<p class="err">pool file {_esc(run["pool"])} is missing</p>'
@@ -414,7 +415,6 @@ def _applied_kind(run: dict):
 
 
 def _score_run_report(base: Path, plots: _Plots, label: str | None) -> str:
-    from ..selection import read_run, read_scores
     run = read_run(base, finished=False)  # an unfinished run's scores are shown as they are
     rows = read_scores(base / "scores.jsonl")
     pool_path = Path(_get(run, "inputs", "pool") or "")
@@ -476,8 +476,6 @@ def _compare_methods(res: dict, path: Path) -> list:
 def _selection_html(base: Path) -> str:
     """The latest ``select`` of this run (its decisions, as ``prism-select explain`` prints
     them), where one is found beside the run or in the working directory."""
-    from ..selection_rules import explain_text, read_decisions
-
     try:
         decisions = read_decisions(base)
     except (InputError, OSError, ValueError):
@@ -489,7 +487,6 @@ def _selection_html(base: Path) -> str:
 def _compare_report(base: Path, plots: _Plots, label: str | None) -> str:
     """A ``prism-select compare`` directory: each method's run side by side (the ranking
     table, ROC curves, score histograms and top/bottom examples from its scores.jsonl)."""
-    from ..selection import read_scores
     res = _read_json_object(base / "compare.json")
     rows = _compare_methods(res, base / "compare.json")
     pool_path = Path(res.get("pool", ""))

@@ -21,9 +21,11 @@ from dataclasses import asdict
 from filelock import FileLock
 
 from ..io import sha256_file, write_if_changed
+from ..model import free_cuda_cache, load_model
 from . import carry, verdict
 from .config import config_to_dict
 from .sections import finetune_settings
+from .finetune import finetune
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,6 @@ def _warm_up(exp, cfg, records_path, settings, model_dir, key) -> None:
     """Fine-tune the configured model on the warm-up records, merge, save to ``model_dir``."""
     from peft import PeftModel
 
-    from ..model import free_cuda_cache, load_model
-    from .finetune import finetune
     base = model_dir.parent
     t = time.perf_counter()
     log.info("warm-up SFT of the start model on %s", records_path)

@@ -47,8 +47,9 @@ from tqdm.auto import tqdm
 from ..data.tokenize import collate
 from ..engine import batch_losses, cpu_response_split
 from ..errors import ConfigError
-from ..gradients import (activation_grad_mode, check_finite, has_bias, release_host_memory, tracked_param_grad_mode,
+from ..gradients import (activation_grad_mode, check_finite, release_host_memory, tracked_param_grad_mode,
                          weight_grad)
+from ..runtime.layers import has_bias
 from .common import compute_dtype, record, require_pairs, resolve_options
 from .registry import register
 

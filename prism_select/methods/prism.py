@@ -22,10 +22,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .. import distributed
+from ..runtime import distributed
 from ..errors import ConfigError
-from ..execution import direction_kernels
-from ..precision import direction_policy
+from ..runtime.execution import direction_kernels
+from ..engine.policy import direction_policy
 from ..preference import GIVEN_WEIGHTS, compute_preference, pair_margins, shuffled_weights, top_half_weights
 from ..tasks import task_groups
 from .registry import get, names, parse_options, register

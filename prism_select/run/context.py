@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..curvature import CurvatureSettings
-from ..execution import ExecutionContext
-from ..execution import resolve as resolve_execution
+from ..runtime.execution import ExecutionContext
+from ..runtime.execution import resolve as resolve_execution
 from ..model import LoadedModel
 from ..plan import MemoryPlan
 from ..settings import ScoreSettings

@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .. import distributed, sharding
+from ..runtime import distributed, sharding
 from ..curvature import Curvature, CurvatureSettings, FitCache, FitLayout, FitSpill, load_or_fit_curvature
 from ..curvature.fit import fit_indices
 from ..curvature.spill import FitScores
 from ..data.tokenize import encoded_fingerprint
 from ..engine import cpu_response_split, split_causal_lm
-from ..gradients import SpilledLayers, layer_shape, release_host_memory
+from ..gradients import SpilledLayers, release_host_memory
+from ..runtime.layers import layer_shape
 from ..io import atomic_write_json
 from ..plan import stored_bytes
 from ..methods import registry as methods
@@ -198,7 +199,7 @@ class CurvatureProvider(RunPart):
         holds this rank's rows and so does the result; each layer's curvature is kept by one
         rank, which preconditions that layer for all: the rank that fitted its factors
         (``meta["owners"]`` of a sharded fit), or for a curvature every rank holds whole
-        (reused from the cache, diagonal) :func:`prism_select.sharding.curvature_owners`.
+        (reused from the cache, diagonal) :func:`prism_select.runtime.sharding.curvature_owners`.
         ``last`` (one process): the caller's last use of ``direction`` and of the curvature.
         The direction's layers are taken out of ``direction`` as their ``v`` is formed; with
         one fit group this goes through :meth:`last_use` (the direction waits on disk while

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from .. import distributed, locks
+from ..runtime import distributed
+from .. import locks
 from ..data.readers import detect_format
 from ..errors import CacheError, InputError, OutputError
 from ..io import atomic_write_json, check_writable_dir, read_saved_state, remove_stale_temps, sha256_file

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .. import distributed
+from ..runtime import distributed
 from ..data import load_pool, load_targets
 from ..data.readers import scan_pool
 from ..data.records import InvalidRecord, Loaded

@@ -28,16 +28,16 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed, sharding
+from ..runtime import distributed, sharding
 from ..curvature import CurvatureSettings
 from ..data.tokenize import encoded_fingerprint, has_chat_template
 from ..errors import OutputError, resource_error
-from ..execution import deterministic as deterministic_kernels
-from ..execution import resolve as resolve_execution
+from ..runtime.execution import deterministic as deterministic_kernels
+from ..runtime.execution import resolve as resolve_execution
 from ..gradients import set_run_dtype
 from ..io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_json
 from ..model import LoadedModel, ModelSettings, check_finite_weights, load_model, tracked_linear_modules
-from ..moe import tracking_summary
+from ..model.moe import tracking_summary
 from ..settings import STREAM_FIT_EXAMPLES, ScoreSettings, key_of
 from ..methods.prism import _method_fn, run_tasks
 from .context import RunContext
@@ -76,7 +76,7 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     :func:`prepare_stream_inputs`); an unset ``curvature.fit_examples`` then becomes
     ``STREAM_FIT_EXAMPLES``. Under
     ``settings.deterministic`` the whole run uses deterministic kernels
-    (:func:`prism_select.execution.deterministic`).
+    (:func:`prism_select.runtime.execution.deterministic`).
     """
     settings = settings or ScoreSettings()
     out_dir = Path(out_dir)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed, sharding
+from ..runtime import distributed, sharding
 from ..curvature import CurvatureSettings
 from ..curvature import support
 from ..curvature.base import DEFAULT_DAMPING_FACTOR, DEFAULT_SHRINKAGE
@@ -23,11 +23,11 @@ from ..data import load_pool, load_targets
 from ..data.readers import detect_format
 from ..data.records import Loaded
 from ..errors import ConfigError, OutOfResourceError, OutputError
-from ..gradients import layer_shape
+from ..runtime.layers import layer_shape
 from ..io import check_writable_dir
 from ..model import LoadedModel, ModelSettings, check_adapter_dir
-from ..plan import (ExampleSize, MemoryPlan, PlanError, Shards, cap_device_memory, device_memory,
-                    held_elsewhere_note, host_share_bytes, make_plan, measure_example_bytes)
+from ..plan import ExampleSize, MemoryPlan, PlanError, Shards, make_plan, measure_example_bytes
+from ..runtime.memory import cap_device_memory, device_memory, held_elsewhere_note, host_share_bytes
 from ..settings import ScoreSettings
 from ..tasks import check_stems, name_tasks, target_paths, task_groups
 from ..methods import registry as methods

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__, distributed
+from .. import __version__
+from ..runtime import distributed
 
 #: the optional entries written after the stages' records, in this order, where set
 _TRAILING = ("curvature_applied", "fit_sample", "gpu_peak_bytes", "gpu_bytes_per_rank", "distributed")

@@ -15,7 +15,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from .. import distributed, sharding
+from ..runtime import distributed, sharding
 from ..errors import ConfigError, InputError
 from ..gradients import release_host_memory
 from ..io import atomic_write_json

@@ -12,14 +12,14 @@ from dataclasses import replace
 import torch
 from tqdm.auto import tqdm
 
-from .. import distributed
+from ..runtime import distributed
 from ..curvature import Curvature, FitLayout, load_or_fit_curvature
 from ..curvature import support
 from ..curvature.base import apply_damping
 from ..curvature.fit import fit_indices
 from ..errors import ConfigError
 from ..metrics import spearman
-from ..plan import gib
+from ..runtime.memory import gib
 from ..scoring import score_directions, score_encoded
 from .meter import summarize
 from .part import RunPart

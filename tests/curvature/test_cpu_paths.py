@@ -380,7 +380,7 @@ SPILL_SCORE_REL_TOL = 1e-12
 def test_scores_from_the_fit_spill_equal_exact_scoring(model, modules, tok, encoded_pool):
     """``_Spill.scores`` (the factor pass's layer inputs and output gradients, contracted with
     ``V``) equals exact scoring, which runs the model's forward and backward again."""
-    from prism_select.gradients import layer_shape
+    from prism_select.runtime.layers import layer_shape
     from prism_select.scoring import score_encoded
 
     kept = []
@@ -452,7 +452,7 @@ def test_scores_inside_the_fit_equal_preconditioned_exact_scoring(model, modules
     rotated per-example gradients, as exact scoring of ``v = H^-1 d`` with the fitted
     curvature does; the curvature is bit-identical to a fit that does not score, and the
     direction's layers are taken out of it."""
-    from prism_select.gradients import layer_shape
+    from prism_select.runtime.layers import layer_shape
     from prism_select.scoring import score_encoded
 
     settings = CurvatureSettings(kind="ekfac", batch_size=3, **precondition)
@@ -474,7 +474,7 @@ def test_scores_inside_the_fit_equal_preconditioned_exact_scoring(model, modules
 
 def test_fit_does_not_score_beyond_its_memory_bound(model, modules, tok, encoded_pool):
     """Kept products above ``max_bytes``: no scores, the direction left whole, the same fit."""
-    from prism_select.gradients import layer_shape
+    from prism_select.runtime.layers import layer_shape
 
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=3)
     direction = {n: torch.ones(*layer_shape(m), dtype=torch.float64) for n, m in modules.items()}
@@ -549,7 +549,7 @@ def test_cpu_eigenvalue_pass_runs_in_bounded_steps(model, modules, tok, encoded_
     fit batch into steps whose tracked layers' inputs and outputs take at most
     ``LAMBDA_STEP_MAX_BYTES`` (one example at least), so its activations do not scale with
     the batch; the curvature equals that of whole batches to float64 rounding."""
-    from prism_select.gradients import layer_shape
+    from prism_select.runtime.layers import layer_shape
     monkeypatch.setattr(spill_mod, "SPILL_MAX_BYTES", 0)
     settings = CurvatureSettings(kind="ekfac", damping=1e-3, batch_size=4)
     per_token = sum(sum(layer_shape(m)) * m.weight.element_size() for m in modules.values())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from prism_select.curvature import eigh as eigh_mod
-from prism_select.plan import allocatable_bytes
+from prism_select.runtime.memory import allocatable_bytes
 from prism_select.gradients import side_by_side
 
 EIGH32_RTOL = 1e-4  # float32 eigenvalues of a well-scaled factor, relative to the largest

@@ -7,7 +7,7 @@ import torch
 from prism_select.curvature import factors as factors_mod, spill as spill_mod, stats as stats_mod
 from prism_select.curvature import CurvatureSettings, fit_curvature
 from prism_select.curvature import fit as fit_mod
-from prism_select.gradients import layer_shape
+from prism_select.runtime.layers import layer_shape
 
 from memtrack import LiveBytes
 

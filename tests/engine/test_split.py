@@ -53,7 +53,7 @@ def test_split_linear_and_its_gradients_match_float64():
 
 def test_split_backward_gives_float32_accurate_gradients():
     from prism_select import engine
-    from prism_select.execution import Kernels
+    from prism_select.runtime.execution import Kernels
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 48, generator=g, requires_grad=True)
     W = torch.randn(40, 48, generator=g).to(torch.bfloat16)

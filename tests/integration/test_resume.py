@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prism_select.execution import ExecutionContext
+from prism_select.runtime.execution import ExecutionContext
 
 HERE = Path(__file__).resolve().parents[1]  # tests/
 ROOT = HERE.parent

@@ -16,7 +16,7 @@ import torch
 from prism_select.curvature import factors as factors_mod, spill as spill_mod
 from prism_select import cache
 from prism_select.curvature import CurvatureSettings, FitLayout, fit_curvature
-from prism_select.execution import ExecutionContext
+from prism_select.runtime.execution import ExecutionContext
 from prism_select.plan import GiB, ExampleSize, PlanError, Shards, make_groups, make_plan, parse_bytes, units
 from prism_select.preference import compute_preference
 
@@ -152,7 +152,7 @@ def test_plan_groups_the_fit_only_when_needed(model, modules):
     assert roomy.fit_groups == [list(modules)] and roomy.curvature_store == "device"
     assert roomy.direction["accumulate"] == "device" and roomy.scoring["batch_size"] == 8
     # a device whose usable memory holds about 60% of the (tiny) factors next to 8 examples
-    from prism_select.gradients import layer_shape
+    from prism_select.runtime.layers import layer_shape
     from prism_select.plan import (ACTIVATION_SAFETY, EIGH_BUFFERS, HEADROOM_BYTES, RECENT_INPUTS, pass1_bytes,
                                    pass2_bytes)
     shapes = [layer_shape(m) for m in modules.values()]
@@ -280,10 +280,10 @@ def _fits_one_group(model, modules, total, kw) -> bool:
 def test_ranks_of_one_host_share_its_memory(model, modules, monkeypatch):
     """torchrun's ranks on one host plan at the same time against the same memory: each
     plans with its share of what is available."""
-    import prism_select.plan as plan_mod
-    monkeypatch.setattr(plan_mod, "host_available_bytes", lambda: 100 * GiB)
+    import prism_select.runtime.memory as memory
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 100 * GiB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert plan_mod.host_share_bytes() == 25 * GiB
+    assert memory.host_share_bytes() == 25 * GiB
     kw = dict(kind="ekfac", device="cuda", batch_size=8, fit_batch_size=8, example=ExampleSize(1 << 10, 1, 1),
               gpu_total=80 * GiB, weights=0)
     assert make_plan(model, modules, **kw).host["available"] == 25 * GiB
@@ -898,7 +898,7 @@ def _host_held(plan, modules) -> int:
     """What the run keeps in host memory at once, by the plan's choices: the float32
     direction, and while a group is fitted its float32 eigenbases (offloaded EK-FAC) or the
     whole kept curvature (``host``)."""
-    from prism_select.gradients import layer_shape
+    from prism_select.runtime.layers import layer_shape
     shapes = {n: layer_shape(m) for n, m in modules.items()}
     direction = sum(4 * o * i for o, i in shapes.values()) if plan.direction["store"] == "host" else 0
     if plan.curvature_store == "host":
@@ -957,7 +957,7 @@ def test_sharded_pass_sums_send_each_input_once(model, modules, tok, encoded_poo
     the offset in its buffer (NCCL's ring): the stand-in all-reduce below adds a rounding
     error of its own at every offset, so copies summed apart would differ in their last
     bits and be decomposed once each (the 4-GPU eigendecompositions of docs/scale.md)."""
-    from prism_select import distributed
+    from prism_select.runtime import distributed
     from prism_select.curvature import fit as fitmod
 
     calls = []

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from prism_select import plan as plan_mod
+from prism_select.runtime import memory
 from prism_select.curvature import CurvatureSettings
 from prism_select.data.records import PoolExample, TargetPair
 from prism_select.data.tokenize import encode
@@ -209,7 +209,7 @@ def test_chunk_bound_grows_with_the_free_gpu_memory(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert less_proj.chunk_bytes(torch.device("cpu"), "rademacher") == (less_proj.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
     assert less_proj.chunk_bytes(cuda, "sjlt")[0] == less_proj.SJLT_CHUNK_BYTES
-    monkeypatch.setattr(plan_mod, "_CAPS", {})
+    monkeypatch.setattr(memory, "_CAPS", {})
     _fake_cuda(monkeypatch, free_gib=100)
     cap, name = less_proj.chunk_bytes(cuda, "rademacher")
     assert cap == 25 << 30 and "memory this process can allocate" in name
@@ -228,12 +228,12 @@ def test_chunk_bound_stays_within_the_processs_gpu_memory_cap(monkeypatch):
     cuda = torch.device("cuda", 0)
     _fake_cuda(monkeypatch, free_gib=100, reserved_gib=3, allocated_gib=3)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, device=None: None)
-    monkeypatch.setattr(plan_mod, "_CAPS", {})
-    plan_mod.cap_device_memory(cuda, 8 << 30)
+    monkeypatch.setattr(memory, "_CAPS", {})
+    memory.cap_device_memory(cuda, 8 << 30)
     cap, _ = less_proj.chunk_bytes(cuda, "rademacher")
     assert cap == (5 << 30) // 4
     # a cap that leaves less than a quarter of the fixed bound's worth keeps the fixed bound
-    plan_mod.cap_device_memory(cuda, 4 << 30)
+    memory.cap_device_memory(cuda, 4 << 30)
     assert less_proj.chunk_bytes(cuda, "rademacher") == (less_proj.GRAD_CHUNK_BYTES, "GRAD_CHUNK_BYTES")
 
 

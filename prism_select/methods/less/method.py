@@ -17,7 +17,8 @@ from ...data.tokenize import encoded_fingerprint
 from ...errors import ConfigError, InputError
 from ...gradients import release_host_memory
 from ...io import sha256_json
-from ...model import _is_peft, tracked_linear_modules
+from ...model.tracking import _is_peft
+from ...model import tracked_linear_modules
 from ..common import compute_dtype, record, require_pairs, resolve_options
 from ..registry import register
 

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from ...data.tokenize import collate, token_losses
 from ...errors import ConfigError
 from ...gradients import Taps, activation_grad_mode, check_finite, release_host_memory
-from ...plan import allocatable_bytes
+from ...runtime.memory import allocatable_bytes
 from ..common import compute_dtype
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def adam_precondition(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torc
 def chunk_bytes(device: torch.device, projection: str) -> tuple[int, str]:
     """The bound on one chunk's per-example gradients and its name: ``SJLT_CHUNK_BYTES``
     for ``sjlt``; for ``rademacher`` ``GRAD_CHUNK_BYTES``, or on a CUDA device a quarter
-    of the memory this process can still allocate there (:func:`prism_select.plan.allocatable_bytes`:
+    of the memory this process can still allocate there (:func:`prism_select.runtime.memory.allocatable_bytes`:
     within its ``max_gpu_memory`` cap, so that processes sharing a GPU under caps do not
     size their chunks by the whole device) when that is more (:data:`CUDA_FREE_SHARE`). Each chunk
     regenerates the dense matrix, so on a GPU a larger chunk is the difference between a

@@ -2,7 +2,7 @@
 
 :class:`Kernels` are the kernel choices of the arithmetic (which GEMMs a split32 linear
 layer runs, whether a backward splits its cotangent, how token dot products are reduced).
-They are explicit arguments of the functions that use them (:func:`prism_select.precision.split32`,
+They are explicit arguments of the functions that use them (:func:`prism_select.engine.policy.split32`,
 :func:`prism_select.engine.arith.split_linear`, :class:`prism_select.engine.ExactScorer`,
 :func:`prism_select.engine.arith.rowdot`, ...), with :data:`DEFAULT_KERNELS` as the default;
 benchmarks pass others to compare them.
@@ -21,8 +21,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .errors import ConfigError
-from .settings import SHARDS, check_graph_mode, check_precision
+from ..errors import ConfigError
+from ..settings import SHARDS, check_graph_mode, check_precision
+from . import distributed, sharding
 
 SPLIT_GEMMS = ("two", "kcat")
 ROWDOT_BACKENDS = ("auto", "mulsum", "triton", "bmm")
@@ -35,11 +36,11 @@ class Kernels:
     split_gemm: how :func:`~prism_select.engine.arith.split_linear` runs its products on CUDA:
         ``two`` (two GEMMs, the second accumulating into the float32 result of the first) |
         ``kcat`` (one GEMM of ``[hi | lo]`` against ``[W | W]``, the doubled weight built
-        once per layer by :func:`~prism_select.precision.split32`).
+        once per layer by :func:`~prism_select.engine.policy.split32`).
     split_backward: whether a split32 backward's products split the cotangent too
         (float32-accurate gradients, one more GEMM per product) or round it to the weights'
         dtype. The target direction always splits it
-        (:func:`~prism_select.precision.direction_policy`). On the embedded model with
+        (:func:`~prism_select.engine.policy.direction_policy`). On the embedded model with
         PRISM's ``v`` (CPU, 96 GSM8K records) rounding it leaves a relative error of 6.3e-3
         in the scores against float32 exact (Spearman 0.9998), splitting it 5e-5; plain
         bf16 exact: 0.105.
@@ -156,7 +157,6 @@ def resolve(settings, model, device, plan=None, kernels: Kernels = DEFAULT_KERNE
     """The execution context of a run: ``settings`` (an
     :class:`~prism_select.settings.ExecutionSettings`, or a settings object that holds
     one and a ``progress`` flag), the loaded ``model`` on ``device`` and its memory ``plan``."""
-    from . import distributed, sharding
     return ExecutionContext(device=torch.device(device), precision=settings.precision,
                             cuda_graphs=settings.cuda_graphs, shard=settings.shard, rank=distributed.rank(),
                             world=distributed.world(), sharded=sharding.is_sharded(model), plan=plan,

@@ -6,7 +6,7 @@ of its steps: it skips :data:`SKIP` steps (warm-up, CUDA graph captures), then r
 :data:`ACTIVE` steps (``PRISM_SELECT_PROFILE_STEPS=SKIP,ACTIVE`` changes both), and
 writes ``DIR/<loop>-rank<r>-<n>.txt``: the operators and kernels with the most device
 time (CPU time without a GPU) and the recorded steps' wall time. Without the variable
-nothing is imported or recorded. Profiling slows the recorded steps, so a run's stage
+nothing is recorded. Profiling slows the recorded steps, so a run's stage
 timings are not comparable with an unprofiled run's.
 """
 
@@ -16,6 +16,11 @@ import os
 import re
 import time
 from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from . import distributed
 
 ENV = "PRISM_SELECT_PROFILE"
 SKIP, ACTIVE = 3, 4
@@ -40,10 +45,7 @@ def steps(name: str, items):
     if not out:
         yield from items
         return
-    import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    from . import distributed
     skip, active = _window()
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -67,7 +69,6 @@ def steps(name: str, items):
 
 
 def _finish(prof, t0, name: str, cuda: bool, recorded: int, rank: int, out: str):
-    import torch
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0

@@ -28,7 +28,7 @@ on its flattened tokens (Qwen2-MoE's shared expert and its gate) are called on t
 grouped by example (:class:`TokensAsExamples`). Every expert is tracked, in float32, bfloat16
 and float64 (the fused path's ``torch._grouped_mm`` refuses float64). The slots change
 with the batch's routing, so CUDA graphs stay off for such a model
-(:func:`prism_select.graphs.graphs_wanted`).
+(:func:`prism_select.runtime.graphs.graphs_wanted`).
 
 The K-FAC input factor of an expert's layer is normalised by the number of real tokens
 routed to that expert in the fit sample (:func:`routed_tokens`), as kronfluence
@@ -97,6 +97,10 @@ class EagerExperts(nn.Module):
     (N, k), top_k_weights (N, k)) -> (N, H)`` with ``N = B T`` the block input's tokens
     (the block's ``(B, T)`` is read by a forward pre-hook on the block); each expert runs
     on its tokens gathered per example (see the module docstring)."""
+
+    #: an expert's token slots change with each batch's routing: no CUDA graph replays them
+    #: (:func:`prism_select.runtime.graphs.graphs_wanted`)
+    routes_tokens = True
 
     def __init__(self, fused: nn.Module):
         super().__init__()

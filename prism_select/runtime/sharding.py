@@ -27,9 +27,9 @@ How
       that layer's curvature (:func:`curvature_owners`), the result is broadcast and each
       rank keeps its rows of ``v``.
     * Every loop that runs the model runs the same number of steps on every rank
-      (:func:`prism_select.distributed.lockstep`): a rank with less work repeats a batch
+      (:func:`prism_select.runtime.distributed.lockstep`): a rank with less work repeats a batch
       and discards what it computed. The length-sorted batches are dealt to the ranks in
-      turn (:func:`prism_select.distributed.round_robin`,
+      turn (:func:`prism_select.runtime.distributed.round_robin`,
       :func:`prism_select.scoring.plan_chunks` with ``interleave``), so the batches of
       one step are about as long on every rank and no rank waits long at the step's
       collectives.
@@ -53,10 +53,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..errors import ConfigError
+from ..settings import FSDP_SUMS, KEEP_GATHERED, SHARDS, check_shard  # noqa: F401 (re-exported)
 from . import distributed
-from .errors import ConfigError
-from .gradients import has_bias, layer_shape, local
-from .settings import FSDP_SUMS, KEEP_GATHERED, SHARDS, check_shard  # noqa: F401 (re-exported)
+from .layers import has_bias, layer_shape, local
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def shard_model(model: torch.nn.Module, modules: dict, device) -> torch.nn.Modul
     """Attach the ``v`` parameters to the tracked layers and shard ``model`` with FSDP2 (in
     place): one unit per decoder block, then the root. ``model`` may sit on the host; its
     shards move to ``device``. Needs an initialised process group
-    (:func:`prism_select.distributed.init_from_env`)."""
+    (:func:`prism_select.runtime.distributed.init_from_env`)."""
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

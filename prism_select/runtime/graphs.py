@@ -29,7 +29,7 @@ If a capture fails (a model whose forward needs the host mid-step, e.g. reading 
 tensor's value), the scorer logs why and falls back to eager execution for the rest
 of the run; results are unaffected. A shape whose warm-up step reserved more than
 1 / :data:`CAPTURE_HEADROOM` of what the process may still reserve
-(:func:`prism_select.plan.device_headroom`) runs eagerly, and the shapes captured before
+(:func:`prism_select.runtime.memory.device_headroom`) runs eagerly, and the shapes captured before
 keep their graphs. That check does not make a capture under a tight memory cap safe: on
 one H200 (torch 2.11, 2026-11-29) the embedded model's scoring at batch 32 x 400 tokens
 under a 30 GiB cap (``max_gpu_memory``, four processes on the GPU) passed it, its capture
@@ -47,9 +47,10 @@ import logging
 
 import torch
 
-from . import errors as _errors
-from .errors import capture_out_of_memory  # noqa: F401 (re-exported)
-from .settings import GRAPH_MODES, check_graph_mode  # noqa: F401 (re-exported)
+from .. import errors as _errors
+from ..errors import ConfigError, capture_out_of_memory  # noqa: F401 (re-exported)
+from ..settings import GRAPH_MODES, check_graph_mode  # noqa: F401 (re-exported)
+from . import memory
 
 log = logging.getLogger(__name__)
 
@@ -108,18 +109,16 @@ AUTO_MAX_PARAMS = 1_000_000_000
 
 def graphs_wanted(mode: str, device, model=None) -> bool:
     """``auto``: on for CUDA devices and models below :data:`AUTO_MAX_PARAMS` parameters,
-    off for a model with per-expert layers (:mod:`prism_select.moe`: an expert's slots per
-    example change with the batch's routing, a shape a graph cannot replay); ``on`` on a
+    off for a model with per-expert layers (a module with a true ``routes_tokens``, as
+    :class:`prism_select.model.moe.EagerExperts`: an expert's slots per example change with the
+    batch's routing, a shape a graph cannot replay); ``on`` on a
     CPU device, or for such a model, is an error."""
-    from .errors import ConfigError
-    from .moe import EagerExperts
-
     check_graph_mode(mode)
     is_cuda = torch.device(device).type == "cuda"
     if mode == "on" and not is_cuda:
         raise ConfigError("cuda_graphs", "CUDA graphs need a CUDA device",
                           "pass --cuda-graphs auto (or off) when scoring on the CPU")
-    if model is not None and mode != "off" and any(isinstance(m, EagerExperts) for m in model.modules()):
+    if model is not None and mode != "off" and any(getattr(m, "routes_tokens", False) for m in model.modules()):
         if mode == "on":
             raise ConfigError("cuda_graphs", "a mixture-of-experts model's expert layers take as many token slots "
                               "as the batch routes to each expert, a shape that changes from batch to batch "
@@ -183,8 +182,6 @@ class GraphedScorer:
         return out[:b].clone()
 
     def _capture(self, batch: dict, length: int):
-        from .plan import device_headroom
-
         static = pad_batch(batch, self.rows, length, self.pad_id)
         warm = graph = out = None
         try:
@@ -206,7 +203,7 @@ class GraphedScorer:
             # runs, so under a memory cap (max_gpu_memory) the capture would otherwise need the
             # step's memory a second time
             torch.cuda.empty_cache()
-            room = device_headroom(device)
+            room = memory.device_headroom(device)
             if room < CAPTURE_HEADROOM * step:
                 self.eager.add(length)
                 log.info("length %d runs without a CUDA graph: its step reserved %.2f GiB, the process "
