@@ -94,7 +94,7 @@ def main(argv=None):
 
     from peft import PeftModel
 
-    from prism_select.evaluation.finetune import finetune
+    from prism_select.finetune import finetune
     from prism_select.evaluation.sections import finetune_settings
     from prism_select.model import load_model
 

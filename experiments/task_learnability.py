@@ -27,7 +27,7 @@ from pathlib import Path
 
 from prism_select.evaluation.builders.bbh import wrong_answer
 from prism_select.evaluation.experiment import adapted, majority_answer_floor
-from prism_select.evaluation.finetune import FinetuneSettings, finetune
+from prism_select.finetune import FinetuneSettings, finetune
 from prism_select.evaluation.probes import generate, leading_answer
 from prism_select.io import atomic_write_jsonl
 from prism_select.model import ModelSettings, load_model

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .data.readers import detect_format, iter_records, load_targets, parse_pool_record, record_id
+from . import __version__
 from .errors import ConfigError, InputError, OutputError
 from .evaluation.export import write_trainer_file
 from .io import atomic_write_json, atomic_write_jsonl, sha256_file
@@ -530,8 +531,6 @@ def apply_rules(run_dir: Path, run: dict, scores: list[dict], pool_path, out_pat
     then ``<out>.decisions.jsonl`` and ``<out>.manifest.json`` beside them; returns the
     summary :func:`prism_select.selection.select` documents. ``write_subset``:
     :func:`prism_select.selection.write_subset` (passed in: this module sits below selection)."""
-    from . import __version__
-
     if fmt is not None and fmt not in OUTPUT_FORMATS:
         raise ConfigError("format", f"unknown output format {fmt!r}", f"use one of {', '.join(OUTPUT_FORMATS)}")
 

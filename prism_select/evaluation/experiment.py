@@ -44,7 +44,7 @@ from ..run import score_pool
 from ..settings import ScoreSettings
 from .builders.gsm8k import mistake_math_pool
 from .config import SCORE_RECORDED, config_to_dict
-from .finetune import finetune
+from ..finetune import finetune
 from .probes import generate, load_checker, reference_of
 from .report import write_report
 from .sections import experiment_score, finetune_settings, score_settings

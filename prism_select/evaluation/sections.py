@@ -25,7 +25,7 @@ from ..methods.registry import parse_options
 from ..model import ModelSettings
 from ..settings import ScoreSettings, check_seed, message_of, within
 from .carry import SELECT_TASK
-from .finetune import FinetuneSettings
+from ..finetune import FinetuneSettings
 from .probes import load_checker
 
 PAIR_SELECTIONS = ("worsened", "wrong_after", "all")
@@ -56,7 +56,7 @@ class GenerationConfig:
 
 @dataclass
 class FinetuneConfig:
-    """A :class:`~prism_select.evaluation.finetune.FinetuneSettings` preset plus
+    """A :class:`~prism_select.finetune.FinetuneSettings` preset plus
     overrides of single fields (e.g. ``{epochs: 2, max_length: 512}``). The seed is the
     run's seed unless ``overrides`` sets one."""
 
@@ -617,7 +617,7 @@ def score_settings(cfg: CommonConfig, method: str, seed: int) -> ScoreSettings:
 
 
 def finetune_settings(ft: FinetuneConfig, seed: int) -> FinetuneSettings:
-    """The :class:`~prism_select.evaluation.finetune.FinetuneSettings` of ``ft`` (the
+    """The :class:`~prism_select.finetune.FinetuneSettings` of ``ft`` (the
     run's ``seed`` unless the overrides set one; no progress bar)."""
     over = dict(ft.overrides)
     over.setdefault("seed", seed)

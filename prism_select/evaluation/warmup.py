@@ -25,7 +25,7 @@ from ..model import free_cuda_cache, load_model
 from . import carry, verdict
 from .config import config_to_dict
 from .sections import finetune_settings
-from .finetune import finetune
+from ..finetune import finetune
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""LoRA SFT (prism_select.evaluation.finetune) and subset export, on a tiny in-process Llama."""
+"""LoRA SFT (prism_select.finetune) and subset export, on a tiny in-process Llama."""
 
 import json
 
@@ -219,7 +219,7 @@ def test_gradient_checkpointing_is_undone_afterwards(tmp_path):
 def test_sft_trains_on_one_gpu_when_several_are_visible(monkeypatch, tmp_path):
     """Outside a distributed launch Trainer would spread the batch over every visible GPU
     (nn.DataParallel), changing the effective batch and the step count with the machine."""
-    from prism_select.evaluation.finetune import FinetuneSettings, _training_args
+    from prism_select.finetune import FinetuneSettings, _training_args
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -139,7 +139,7 @@ def test_every_shipped_experiment_config_is_read():
 def test_a_seed_outside_what_the_generators_take_is_refused(seed):
     from prism_select.curvature import CurvatureSettings
     from prism_select.errors import ConfigError
-    from prism_select.evaluation.finetune import FinetuneSettings
+    from prism_select.finetune import FinetuneSettings
     from prism_select.settings import MAX_SEED, DirectionSettings
     for build in (lambda: DirectionSettings(seed=seed), lambda: CurvatureSettings(seed=seed),
                   lambda: FinetuneSettings(seed=seed)):

@@ -57,7 +57,7 @@ def make_ctx(tmp_path, options, dtype=torch.float64, out="run", batch_size=3, ta
 def make_checkpoint(d, seed, mean_lr, targets=("q_proj", "v_proj")):
     """An adapter with random LoRA weights and a random Adam state (no training)."""
     from peft import LoraConfig, get_peft_model
-    from prism_select.evaluation.finetune import adapter_param_key
+    from prism_select.finetune import adapter_param_key
 
     tok = tiny_tokenizer()
     pm = get_peft_model(tiny_llama(len(tok)), LoraConfig(r=2, lora_alpha=4, target_modules=list(targets)))
@@ -503,7 +503,7 @@ def test_warmup_plan_keeps_less_steps_at_any_pool_size():
 
 def test_optimizer_steps_are_the_trainers(tmp_path):
     """optimizer_steps counts what ``transformers.Trainer`` runs (partial last steps included)."""
-    from prism_select.evaluation.finetune import FinetuneSettings, finetune
+    from prism_select.finetune import FinetuneSettings, finetune
 
     tok = tiny_tokenizer()
     lm = LoadedModel(tiny_llama(len(tok), dtype=torch.float32), tok, ModelSettings("tiny", device="cpu"),

@@ -1,7 +1,7 @@
 """LESS (Xia et al. 2024; princeton-nlp/LESS): Adam-preconditioned LoRA gradient
 similarity to the target examples, summed over warm-up checkpoints.
 
-1. **Warm-up.** LoRA training (:func:`prism_select.evaluation.finetune`) on a seeded
+1. **Warm-up.** LoRA training (:func:`prism_select.finetune`) on a seeded
    random ``warmup_fraction`` (5%) of the pool: r 128, alpha 512, dropout 0.1 on
    q/k/v/o, lr 2e-5, 4 epochs, linear decay, warm-up ratio 0.03 (``transformers``'
    schedule: ``ceil(0.03 x steps)`` steps rising from lr 0, the first at 0); a
@@ -30,7 +30,7 @@ similarity to the target examples, summed over warm-up checkpoints.
    accumulation included); it is reused only when the key matches
    (``ctx.info["method"]["warmup"]["reused"]``). Option ``checkpoints``: use
    these existing checkpoint directories instead (each an adapter directory with
-   ``optimizer.safetensors``, see :mod:`prism_select.evaluation.finetune`).
+   ``optimizer.safetensors``, see :mod:`prism_select.finetune`).
    The candidates' projected gradients at each cached checkpoint are kept beside it
    (``<checkpoint>/features/<key>.safetensors``, :func:`candidate_features_key`), so a
    second target set on the same pool (another target task) computes only its targets'

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from ... import cache
 from ...data.tokenize import encoded_fingerprint
 from ...errors import CacheError, ConfigError, InputError
+from ...finetune import FinetuneSettings, finetune, load_optimizer_state
 from ...io import atomic_write_json, sha256_json
 from ...settings import key_of
 
@@ -45,7 +46,6 @@ WARMUP_FLOORS = ("examples", "batch1")
 # --------------------------------------------------------------------------- checkpoints
 
 def _warmup_settings(opts, max_length: int, seed: int, progress: bool, grad_accum: int):
-    from ...evaluation.finetune import FinetuneSettings
     try:
         return FinetuneSettings(
             learning_rate=opts.lr, epochs=opts.epochs, batch_size=opts.train_batch_size,
@@ -171,7 +171,6 @@ def warmup_checkpoints(ctx, opts, seed: int) -> tuple[list, dict]:
 
 def _warmup_locked(ctx, fs, idx, key, train, target, info) -> tuple[list, dict]:
     """:func:`warmup_checkpoints` once it holds the entry's write lock."""
-    from ...evaluation.finetune import finetune
 
     root = target.parent
     marker = target / WARMUP_FILE
@@ -254,7 +253,6 @@ def _checkpoint_weights(ckpts: list, given) -> tuple[list, str]:
 
 
 def _adam_state(ckpt: Path, modules: dict) -> dict:
-    from ...evaluation.finetune import load_optimizer_state
 
     m, v, _ = load_optimizer_state(ckpt)
     out, missing = {}, []

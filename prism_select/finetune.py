@@ -49,14 +49,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..data import load_pool
-from ..data.records import PoolExample
-from ..data.tokenize import Encoded, collate, encode
-from ..errors import ConfigError, InputError, OutputError
-from ..io import atomic_write_json, check_writable_dir
-from ..model import LoadedModel, ModelSettings, load_model
-from ..model.tracking import _is_peft
-from ..settings import check_seed
+from .data import load_pool
+from .data.records import PoolExample
+from .data.tokenize import Encoded, collate, encode
+from .errors import ConfigError, InputError, OutputError
+from .io import atomic_write_json, check_writable_dir
+from .model import LoadedModel, ModelSettings, load_model
+from .model.tracking import _is_peft
+from .settings import check_seed
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ def load_optimizer_state(checkpoint_dir) -> tuple[dict, dict, dict]:
     path = Path(checkpoint_dir) / OPTIMIZER_FILE
     if not path.is_file():
         raise InputError(f"no {OPTIMIZER_FILE} (Adam state) in this checkpoint", path=checkpoint_dir,
-                         fix=f"use checkpoints written by prism_select.evaluation.finetune(save_every_epoch=True), "
+                         fix=f"use checkpoints written by prism_select.finetune(save_every_epoch=True), "
                              f"or add {OPTIMIZER_FILE} with tensors 'exp_avg.<param key>' and "
                              "'exp_avg_sq.<param key>' (keys as in adapter_model.safetensors)")
     m, v = {}, {}
