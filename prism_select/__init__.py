@@ -30,7 +30,7 @@ _PUBLIC = {
     "ScoreSettings": ("prism_select.settings", "ScoreSettings"),
     "CurvatureSettings": ("prism_select.curvature", "CurvatureSettings"),
     "select": ("prism_select.selection", "select"),
-    "compare": ("prism_select.methods.compare", "compare"),
+    "compare": ("prism_select.run.compare", "compare"),
     "Run": ("prism_select.run", "Run"),
 }
 

@@ -244,7 +244,7 @@ def _print_demo(summary: dict, out: Path, pool: Path, targets: Path, top: int = 
 
 
 def cmd_compare(a):
-    from .methods.compare import compare
+    from .run.compare import compare
     s, c = _score_settings(a)
     result = compare(_model_settings(a), a.pool, a.targets, a.out, a.methods, s, c, a.label)
     if not _main_rank():

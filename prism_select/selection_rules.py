@@ -40,7 +40,7 @@ from typing import Any
 from .data.readers import detect_format, iter_records, load_targets, parse_pool_record, record_id
 from . import __version__
 from .errors import ConfigError, InputError, OutputError
-from .evaluation.export import write_trainer_file
+from .export import write_trainer_file
 from .io import atomic_write_json, atomic_write_jsonl, sha256_file
 
 OVERLAP_NGRAM = 13  # word n-gram shared with a target / eval text = overlap (as wana)

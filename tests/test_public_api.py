@@ -47,7 +47,7 @@ def test_readme_example_is_three_lines_and_runs(tmp_path, monkeypatch):
 
 def test_public_names_resolve_and_import_is_light():
     import prism_select as ps
-    from prism_select.methods.compare import compare
+    from prism_select.run.compare import compare
     from prism_select.settings import ScoreSettings
     from prism_select.selection import select
 

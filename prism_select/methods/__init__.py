@@ -26,8 +26,8 @@ judge       LLM judge                                        (judge.py)
 :func:`get` (a name's :class:`~prism_select.methods.registry.Method`), :func:`names` and
 :func:`describe_methods` read the registry, which imports every module of this package
 the first time it is read (:func:`~prism_select.methods.registry.load`): a new method is
-one new file here. ``compare.py`` runs several methods side by side; ``common.py`` and
-``generation.py`` hold what the methods share.
+one new file here. ``common.py`` and ``generation.py`` hold what the methods share;
+several methods side by side on one loaded model: :mod:`prism_select.run.compare`.
 """
 
 from __future__ import annotations

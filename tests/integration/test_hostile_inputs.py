@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prism_select import cli
-from prism_select.methods.compare import options_for
+from prism_select.run.compare import options_for
 from prism_select.curvature import CurvatureSettings
 from prism_select.data import load_pool
 from prism_select.data.tokenize import encode, render

@@ -105,7 +105,7 @@ def test_compare_applies_one_curvature_to_every_method(tmp_path, model_dir, data
 
 
 def test_compare_refuses_split_half_for_several_methods(tmp_path, model_dir, data):
-    from prism_select.methods.compare import compare
+    from prism_select.run.compare import compare
     ms = ModelSettings(model=str(model_dir), dtype="float32", device="cpu", cache_dir=str(tmp_path / "c"))
     with pytest.raises(ConfigError, match="split-half chooses a damping from each method's own direction"):
         compare(ms, *data, tmp_path / "cmp", ["prism", "ifguide"], curvature=CurvatureSettings(

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from prism_select.methods import describe_methods, get
 from prism_select.methods import generation as gen_mod
-from prism_select.methods.compare import compare, options_for
+from prism_select.run.compare import compare, options_for
 from prism_select.methods.ifguide import contrastive_target, ifguide_rank, ifguide_threshold, token_scores
 from prism_select.curvature import CurvatureSettings
 from prism_select.data.records import PoolExample, TargetPair

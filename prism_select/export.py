@@ -45,9 +45,9 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..data import load_pool
-from ..errors import ConfigError, InputError
-from ..io import atomic_write_json, atomic_write_jsonl
+from .data import load_pool
+from .errors import ConfigError, InputError
+from .io import atomic_write_json, atomic_write_jsonl
 
 FORMATS = ("llamafactory", "trl")
 STYLES = {"llamafactory": ("alpaca", "sharegpt"), "trl": ("messages", "prompt_completion")}

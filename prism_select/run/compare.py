@@ -36,11 +36,11 @@ from ..gradients import release_host_memory
 from ..evaluation_metrics import auprc, auroc, labels_by_id
 from ..io import atomic_write_json, atomic_write_text, check_writable_dir
 from ..model import LoadedModel, load_model
-from ..run import score_pool
-from ..run.preflight import check_cache_dir, describe_applied
 from ..selection import read_scores
 from ..settings import ScoreSettings
-from .registry import get, names
+from ..methods.registry import get, names
+from .job import score_pool
+from .preflight import check_cache_dir, describe_applied
 
 
 def options_for(method: str, options: dict, known: list | None = None) -> dict:
