@@ -23,6 +23,7 @@ import hashlib
 import inspect
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -73,6 +74,21 @@ def _open_entry(path: Path, model_fingerprint: str) -> None:
         atomic_write_json(marker, {"model": model_fingerprint})
     except OSError as e:
         raise CacheError(f"cannot write the generation cache {path.parent}: {e.strerror or e}") from e
+
+
+@contextmanager
+def _writing(entry: Path):
+    """The entry's write lock (:func:`prism_select.cache.writing`); a cache folder that
+    cannot hold it is a :class:`~prism_select.errors.CacheError`."""
+    try:
+        lock = cache.writing(entry)
+        lock.__enter__()
+    except OSError as e:
+        raise CacheError(f"cannot write the generation cache {entry}: {e.strerror or e}") from e
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
 
 
 def read_cache(path: Path) -> dict:
@@ -187,29 +203,32 @@ def own_responses(lm, encoded: list, *, max_new_tokens: int, seed: int, cache_di
     """``y'`` text for every encoded example (its prompt part), cached; sampled
     ``batch_size`` prompts at a time.
 
-    Returns ``(responses, {"generated": n, "reused": n, "cache": path})``.
+    Returns ``(responses, {"generated": n, "reused": n, "cache": path})``. The cache entry's
+    write lock (:func:`prism_select.cache.writing`) is held from reading the entry to the last
+    response written.
     """
     stops = stop_ids(lm.tokenizer, lm.model)
     settings = generation_settings(max_new_tokens, seed, stops)
     path = cache_path(cache_dir, lm.fingerprint)
-    _open_entry(path, lm.fingerprint)
-    done = read_cache(path)
-    keys = [generation_key(lm.fingerprint, e.input_ids[: e.response_start], settings) for e in encoded]
-    todo = sorted({k: i for i, k in enumerate(keys) if k not in done}.values(),
-                  key=lambda i: encoded[i].response_start)  # similar prompt lengths batch together
-    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
-    bar = tqdm(total=len(todo), desc="own responses (ProjDiff)", unit="ex", leave=False, disable=not progress)
-    for s in range(0, len(todo), batch_size):
-        idx = todo[s:s + batch_size]
-        prompts = [encoded[i].input_ids[: encoded[i].response_start] for i in idx]
-        gens = [torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}|{keys[i]}".encode()).hexdigest()[:15], 16))
-                for i in idx]
-        for i, p, ids in zip(idx, prompts, sample_responses(lm.model, prompts, max_new_tokens, stops, gens, pad)):
-            rec = {"key": keys[i], "prompt_sha": sha256_json(list(p)), "settings": settings,
-                   "response": lm.tokenizer.decode(ids, skip_special_tokens=True), "n_tokens": len(ids)}
-            append_cache(path, rec)
-            done[keys[i]] = rec
-        bar.update(len(idx))
-    bar.close()
+    with _writing(path.parent):  # eviction skips the entry; a second writer waits, then reuses
+        _open_entry(path, lm.fingerprint)
+        done = read_cache(path)
+        keys = [generation_key(lm.fingerprint, e.input_ids[: e.response_start], settings) for e in encoded]
+        todo = sorted({k: i for i, k in enumerate(keys) if k not in done}.values(),
+                      key=lambda i: encoded[i].response_start)  # similar prompt lengths batch together
+        pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+        bar = tqdm(total=len(todo), desc="own responses (ProjDiff)", unit="ex", leave=False, disable=not progress)
+        for s in range(0, len(todo), batch_size):
+            idx = todo[s:s + batch_size]
+            prompts = [encoded[i].input_ids[: encoded[i].response_start] for i in idx]
+            gens = [torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}|{keys[i]}".encode()).hexdigest()[:15],
+                                                      16)) for i in idx]
+            for i, p, ids in zip(idx, prompts, sample_responses(lm.model, prompts, max_new_tokens, stops, gens, pad)):
+                rec = {"key": keys[i], "prompt_sha": sha256_json(list(p)), "settings": settings,
+                       "response": lm.tokenizer.decode(ids, skip_special_tokens=True), "n_tokens": len(ids)}
+                append_cache(path, rec)
+                done[keys[i]] = rec
+            bar.update(len(idx))
+        bar.close()
     out = [done[k]["response"] for k in keys]
     return out, {"generated": len(todo), "reused": len(keys) - len(todo), "cache": str(path)}

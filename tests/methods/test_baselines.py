@@ -749,3 +749,24 @@ def test_the_settings_know_exactly_the_registered_methods():
         DirectionSettings(method=name)
     with pytest.raises(ConfigError, match="unknown method 'nosuch'.*use one of conceptinf, equal"):
         DirectionSettings(method="nosuch")
+
+def test_projdiff_holds_the_generation_entry_locked_while_it_samples(lm, make_ctx, monkeypatch):
+    """While ProjDiff samples its own responses the generation entry's write lock is held,
+    so that eviction (``--cache-max-gb``, ``cache prune``) passes the entry by."""
+    from prism_select import cache, locks
+    root = Path(lm.settings.resolved_cache_dir())
+    path = gen_mod.cache_path(root, lm.fingerprint)
+    seen = []
+    real = gen_mod.sample_responses
+
+    def sampling(*a, **k):
+        seen.append(locks.is_held(cache.lock_path(path.parent)))
+        others = [e.path for e in cache.entries(root) if e.kind != "generations"]
+        cache.prune(root, max_bytes=0, keep=others)  # evicts every unheld generation entry
+        seen.append(path.parent.exists())
+        return real(*a, **k)
+
+    monkeypatch.setattr(gen_mod, "sample_responses", sampling)
+    get("projdiff").fn(make_ctx("projdiff", {"layer": LAYER, "max_new_tokens": 2}))
+    assert seen and all(seen)
+    assert not locks.is_held(cache.lock_path(path.parent))  # released when the responses are written
