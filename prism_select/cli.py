@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .cli_experiment import add_experiment_parser
 from .errors import PrismError
+from .io import check_path_name
 
 # OpenMP threads that wait at a barrier sleep instead of spinning. With spinning (the
 # default) a CPU whose cores are shared with other work stalls at every parallel region
@@ -584,37 +585,7 @@ def _check_path_names(a) -> None:
     for name in _PATH_ARGS:
         value = getattr(a, name, None)
         for one in value if isinstance(value, list) else [value]:
-            _check_path_name(name, one)
-
-
-def _check_path_name(name: str, value) -> None:
-    """:func:`_check_path_names` for one value of the flag ``name``."""
-    from .errors import ConfigError
-    if not isinstance(value, str) or not value:
-        return
-    flag = "--" + name.replace("_", "-")
-    if len(os.fsencode(value)) >= _limit("PC_PATH_MAX", value, 4096):
-        raise ConfigError(name, f"{flag} is {len(value)} characters long, longer than a path may be here",
-                          "choose a shorter path")
-    limit = _limit("PC_NAME_MAX", value, 255)
-    long = [part for part in value.split(os.sep) if len(os.fsencode(part)) > limit]
-    if long:
-        raise ConfigError(name, f"{flag} holds a name of {len(long[0])} characters ({long[0][:40]}...), longer "
-                          f"than the {limit} this file system allows (ENAMETOOLONG)", "choose a shorter name")
-
-
-def _limit(what: str, value: str, default: int) -> int:
-    """``os.pathconf`` of the nearest existing folder of ``value`` (``default`` where unknown)."""
-    d = os.path.dirname(os.path.abspath(value))
-    while d and not os.path.isdir(d):
-        parent = os.path.dirname(d)
-        if parent == d:
-            break
-        d = parent
-    try:
-        return os.pathconf(d or "/", what)
-    except (OSError, ValueError, AttributeError):
-        return default
+            check_path_name(name, one, "--" + name.replace("_", "-"))
 
 
 class Terminated(KeyboardInterrupt):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import CacheError, InputError, OutputError
+from .errors import CacheError, ConfigError, InputError, OutputError
 
 # mkstemp/mkdtemp create private (0600/0700) entries; give outputs the usual mode.
 _UMASK = os.umask(0)
@@ -288,3 +288,36 @@ def write_if_changed(path: Path, records: list) -> str:
     if not (path.is_file() and sha256_file(path) == digest):
         atomic_write_jsonl(path, records)
     return digest
+
+
+def check_path_name(field: str, value, label: str | None = None) -> None:
+    """A path with a name longer than its file system allows (ENAMETOOLONG), or longer than
+    a path may be, is a :class:`ConfigError` naming ``field`` (shown as ``label``: the CLI
+    passes its flag), before anything is read or created. Non-text values pass."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        return
+    label = label or field
+    if len(os.fsencode(value)) >= _path_limit("PC_PATH_MAX", value, 4096):
+        raise ConfigError(field, f"{label} is {len(value)} characters long, longer than a path may be here",
+                          "choose a shorter path")
+    limit = _path_limit("PC_NAME_MAX", value, 255)
+    long = [part for part in value.split(os.sep) if len(os.fsencode(part)) > limit]
+    if long:
+        raise ConfigError(field, f"{label} holds a name of {len(long[0])} characters ({long[0][:40]}...), longer "
+                          f"than the {limit} this file system allows (ENAMETOOLONG)", "choose a shorter name")
+
+
+def _path_limit(what: str, value: str, default: int) -> int:
+    """``os.pathconf`` of the nearest existing folder of ``value`` (``default`` where unknown)."""
+    d = os.path.dirname(os.path.abspath(value))
+    while d and not os.path.isdir(d):
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    try:
+        return os.pathconf(d or "/", what)
+    except (OSError, ValueError, AttributeError):
+        return default

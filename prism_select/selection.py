@@ -18,7 +18,7 @@ from typing import Any
 from .data.readers import (FORMATS, SUFFIXES, detect_format, iter_records, load_arrow_dir, parse_pool_record,
                            record_id)
 from .errors import ConfigError, InputError, OutputError
-from .io import atomic_open, atomic_write_dir, atomic_write_jsonl, remove_stale_temps, sha256_file
+from .io import atomic_open, atomic_write_dir, atomic_write_jsonl, check_path_name, remove_stale_temps, sha256_file
 from .selection_rules import Rules, apply_rules, parse_amount  # noqa: F401 (parse_amount re-exported)
 
 Amount = tuple[str, float]  # ("count", N) or ("fraction", f), as parse_amount returns
@@ -194,6 +194,8 @@ def select(run_dir: str | os.PathLike, pool_path: str | os.PathLike,
     line per pool record: ``id``, ``decision``, ``reason``, ``score``, ...) and
     ``<stem>.manifest.json`` (sha256 of inputs and outputs, settings, counts per reason).
     """
+    for field, value in (("run", run_dir), ("pool", pool_path), ("out", out_path)):
+        check_path_name(field, value)
     rule_set = Rules(keep=keep, remove=remove, **rules)
     run_dir = Path(run_dir)
     run = read_run(run_dir)

@@ -34,7 +34,7 @@ from ..curvature import CurvatureSettings
 from ..errors import ConfigError, InputError
 from ..gradients import release_host_memory
 from ..evaluation_metrics import auprc, auroc, labels_by_id
-from ..io import atomic_write_json, atomic_write_text, check_writable_dir
+from ..io import atomic_write_json, atomic_write_text, check_path_name, check_writable_dir
 from ..model import LoadedModel, load_model
 from ..selection import read_scores
 from ..settings import ScoreSettings
@@ -153,6 +153,8 @@ def compare(model, pool, targets, out_dir, methods: list, settings=None, curvatu
         raise ConfigError("damping_rule", "split-half chooses a damping from each method's own direction, so the "
                           "methods of a compare would rank under different curvatures",
                           "leave out --damping-rule (auto) or pass --damping-rule heuristic")
+    for field, value in (("pool", pool), ("targets", targets), ("out", out_dir)):
+        check_path_name(field, value)
     out_dir = Path(out_dir)
     labels = None
     if label:

@@ -35,7 +35,7 @@ from ..errors import OutputError, resource_error
 from ..runtime.execution import deterministic as deterministic_kernels
 from ..runtime.execution import resolve as resolve_execution
 from ..gradients import set_run_dtype
-from ..io import atomic_write_json, atomic_write_jsonl, check_writable_dir, sha256_json
+from ..io import atomic_write_json, atomic_write_jsonl, check_path_name, check_writable_dir, sha256_json
 from ..model import LoadedModel, ModelSettings, check_finite_weights, load_model, tracked_linear_modules
 from ..model.moe import tracking_summary
 from ..settings import STREAM_FIT_EXAMPLES, ScoreSettings, key_of
@@ -79,6 +79,9 @@ def score_pool(model: ModelSettings | LoadedModel, pool_path, targets_path, out_
     (:func:`prism_select.runtime.execution.deterministic`).
     """
     settings = settings or ScoreSettings()
+    targets = targets_path if isinstance(targets_path, list) else [targets_path]
+    for field, value in (("pool", pool_path), ("out", out_dir), *(("targets", t) for t in targets)):
+        check_path_name(field, value)
     out_dir = Path(out_dir)
     missing = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # the folders this run creates
     try:

@@ -397,3 +397,18 @@ def test_a_second_writer_of_an_entry_waits_for_the_first(tmp_path):
         order.append("first")
     t.join(10)
     assert order == ["first", "second"]
+
+
+def test_the_python_api_names_a_path_too_long_before_any_work(files, reference, tmp_path):
+    """``ps.score``, ``ps.compare`` and ``ps.select`` name a path argument whose name is longer than the file
+    system allows, as the CLI does, instead of raising the raw ENAMETOOLONG."""
+    import prism_select as ps
+    from prism_select.errors import ConfigError
+    long = tmp_path / ("r" * 300)
+    with pytest.raises(ConfigError, match=r"setting 'out'.*ENAMETOOLONG"):
+        ps.select(reference, files[1], long / "kept.jsonl", keep=2)
+    with pytest.raises(ConfigError, match=r"setting 'pool'.*ENAMETOOLONG"):
+        ps.score(str(files[0]), long / "pool.jsonl", files[2], tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"setting 'out'.*ENAMETOOLONG"):
+        ps.compare(ps.ModelSettings(model=str(files[0])), files[1], files[2], long, ["random"])
+    assert not (tmp_path / "run").exists()
