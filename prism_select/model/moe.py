@@ -204,6 +204,34 @@ def _flat_tokens_hooks(module: nn.Module, experts: EagerExperts):
     module.register_forward_hook(post)
 
 
+def _route_in_input_dtype(router: nn.Module) -> None:
+    """Make ``router`` compute in its input's dtype when that differs from its weight's
+    (the weight cast for the call, then restored). Under a float32 residual stream
+    (``--precision residual32`` and ``split32``: :mod:`prism_select.runtime.precision`,
+    :func:`prism_select.engine.policy.split32`) the router is reached by float32 hidden
+    states; the routing is then decided from float32 logits (a bf16 or fp16 weight is
+    upcast exactly), as a float32 model decides it. Where the router's weight is being
+    trained (it requires a gradient under grad mode), the input is cast to the weight's
+    dtype instead, so that its gradient keeps the weight's dtype."""
+    inner = router.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        w = router.weight
+        if not (isinstance(hidden_states, torch.Tensor) and hidden_states.is_floating_point()
+                and hidden_states.dtype != w.dtype):
+            return inner(hidden_states, *args, **kwargs)
+        if w.requires_grad and torch.is_grad_enabled():
+            return inner(hidden_states.to(w.dtype), *args, **kwargs)
+        held = w.data
+        w.data = held.to(hidden_states.dtype)
+        try:
+            return inner(hidden_states, *args, **kwargs)
+        finally:
+            w.data = held
+
+    router.forward = forward
+
+
 def _block_shape_hook(experts: EagerExperts):
     def hook(module, args, kwargs):
         h = args[0] if args else next(iter(kwargs.values()), None)
@@ -277,6 +305,8 @@ def linearize_model(model: nn.Module) -> dict:
                     setattr(parent, other_name, TokensAsExamples(other, eager))
                 elif any(isinstance(m, nn.Linear) for m in other.modules()):
                     _flat_tokens_hooks(other, eager)
+                elif isinstance(getattr(other, "weight", None), nn.Parameter) and other.weight.dim() == 2:
+                    _route_in_input_dtype(other)  # the router
             done["experts_modules"] += 1
             done["experts"] += eager.num_experts
     if done["left_fused"]:
