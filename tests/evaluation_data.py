@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tiny import save_tiny
+
 
 def gsm8k_rows(n: int, seed: int = 0) -> list:
     """GSM8K-format problems: two calculator steps, the second using the first's result."""
@@ -67,3 +69,16 @@ class InProcessPool(ThreadPoolExecutor):
 
     def __init__(self, max_workers, mp_context, initializer, initargs):
         super().__init__(max_workers=1, initializer=initializer, initargs=initargs)
+
+
+@pytest.fixture(autouse=True)
+def offline_with_own_cache(monkeypatch, tmp_path):
+    """No hub access and a cache of the test's own (autouse where a test module imports it)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("PRISM_SELECT_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny model, saved once per test module."""
+    return save_tiny(tmp_path_factory.mktemp("tiny-model"))

@@ -10,19 +10,7 @@ from prism_select.evaluation import floors, verdict
 from prism_select.evaluation.config import load_config
 from prism_select.evaluation.repair import family_floors, repair
 
-from evaluation_data import FAST_FT, common_config
-from tiny import save_tiny
-
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("PRISM_SELECT_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("tiny-model"))
+from evaluation_data import FAST_FT, common_config, offline_with_own_cache, tiny_dir  # noqa: F401 (fixtures)
 
 
 def _key(r):

@@ -17,22 +17,11 @@ from prism_select.evaluation.config import load_config
 from prism_select.evaluation.experiment import paired_interval
 from prism_select.evaluation.repair import repair
 
-from evaluation_data import FAST_FT, InProcessPool, bbh_dir, common_config, gsm8k  # noqa: F401  (fixtures)
-from tiny import save_tiny
+from evaluation_data import (FAST_FT, InProcessPool, bbh_dir, common_config, gsm8k,  # noqa: F401  (fixtures)
+                             offline_with_own_cache, tiny_dir)
 
 T_975_DF2 = 4.302652729749464  # Student's t, 97.5% quantile, 2 degrees of freedom
 PREF_TOL = 1e-9  # float64 brute force against the batched measurement
-
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("PRISM_SELECT_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("tiny-model"))
 
 
 def _key(r):

@@ -25,20 +25,12 @@ from prism_select.evaluation.repair import repair
 from prism_select.evaluation_metrics import MissingDependencyError, auprc, auroc, roc_points
 
 from evaluation_data import (FAST_FT, InProcessPool, bbh_dir, common_config, gsm8k,  # noqa: F401 (fixtures)
-                             gsm8k_rows, write_gsm8k)
-from tiny import save_tiny
+                             gsm8k_rows, offline_with_own_cache, tiny_dir, write_gsm8k)
 
 
 @pytest.fixture(autouse=True)
-def _env(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("PRISM_SELECT_CACHE", str(tmp_path / "cache"))
+def _no_data_root(monkeypatch):
     monkeypatch.delenv("PRISM_DATA_ROOT", raising=False)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("tiny-model"))
 
 
 # --------------------------------------------------------------------------- builders

@@ -13,13 +13,8 @@ from prism_select.evaluation import FinetuneSettings, export_subset, finetune, l
 from prism_select.model import LoadedModel, ModelSettings, load_model, model_fingerprint
 
 from conftest import POOL
+from evaluation_data import offline_with_own_cache  # noqa: F401 (fixture)
 from tiny import save_tiny, tiny_llama, tiny_tokenizer
-
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("PRISM_SELECT_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.fixture
