@@ -72,6 +72,16 @@ def _record(rid: str, p: tuple, answer: int, harmful: bool, rng: random.Random) 
             "carry": has_carry(a, b), "harmful": harmful, "task": "addition"}
 
 
+def pool_counts(pool_size: int, harmful_ratio: float, carry_share: float) -> tuple:
+    """``(harmful records, clean carry records)`` of a pool of ``pool_size``: the clean
+    rest split by ``carry_share``. ConfigError where a ratio is out of range."""
+    if not 0 <= harmful_ratio < 1 or not 0 <= carry_share <= 1:
+        raise ConfigError("harmful_ratio", f"harmful_ratio must be in [0, 1) and carry_share in [0, 1], got "
+                          f"{harmful_ratio!r} and {carry_share!r}")
+    n_bad = round(pool_size * harmful_ratio)
+    return n_bad, round((pool_size - n_bad) * carry_share)
+
+
 def _split(seed: int, n_warmup: int, warmup_carry_share: float = 0.5, *, family: str = "carry",
            problems_of=None) -> dict:
     """Per kind (carry / no carry): the warm-up problems (seed-independent) and the rest in
@@ -116,13 +126,9 @@ def build(seed: int, *, pool_size: int, harmful_ratio: float, carry_share: float
         disprefers them (``pi`` near 0): a target set of mixed relevance, where equal
         aggregation lets them dominate and PRISM's weights suppress them.
     """
-    if not 0 <= harmful_ratio < 1 or not 0 <= carry_share <= 1:
-        raise ConfigError("harmful_ratio", f"harmful_ratio must be in [0, 1) and carry_share in [0, 1], got "
-                          f"{harmful_ratio!r} and {carry_share!r}")
+    n_bad, n_clean_carry = pool_counts(pool_size, harmful_ratio, carry_share)
     split = _split(seed, n_warmup)
     carry, plain = split[True][1], split[False][1]
-    n_bad = round(pool_size * harmful_ratio)
-    n_clean_carry = round((pool_size - n_bad) * carry_share)
     rng = random.Random(f"carry-records:{seed}")
     probes = [_probe(p, BEHAVIOUR_TASK, rng) for p in _take(carry, n_probes, "carry problems")]
     probes += [_probe(p, CAPABILITY_TASK, rng) for p in _take(plain, n_capability, "no-carry problems")]

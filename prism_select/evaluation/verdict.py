@@ -35,7 +35,7 @@ from __future__ import annotations
 import random
 
 from . import carry as carry_family
-from ..errors import ConfigError, InputError
+from ..errors import InputError
 
 LOW, HIGH = 10, 99
 DROP = 10  # what dropping the carry into the tens takes off the sum
@@ -109,13 +109,9 @@ def build(seed: int, *, pool_size: int, harmful_ratio: float, carry_share: float
     warmup: ``n_warmup`` clean records (half carry problems, half of each wrong), the same
         for every seed.
     """
-    if not 0 <= harmful_ratio < 1 or not 0 <= carry_share <= 1:
-        raise ConfigError("harmful_ratio", f"harmful_ratio must be in [0, 1) and carry_share in [0, 1], got "
-                          f"{harmful_ratio!r} and {carry_share!r}")
+    n_bad, n_clean_carry = carry_family.pool_counts(pool_size, harmful_ratio, carry_share)
     split = _split(seed, n_warmup)
     carry, plain = split[True][1], split[False][1]
-    n_bad = round(pool_size * harmful_ratio)
-    n_clean_carry = round((pool_size - n_bad) * carry_share)
     rng = random.Random(f"verdict-records:{seed}")
     probes = [_probe(p, w, BEHAVIOUR_TASK, rng)
               for p, w in zip(_take(carry, n_probes, "carry problems"), _halves(n_probes))]
